@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Everything probing needs on a fresh Debian/Ubuntu machine, as root:
+# BCC (Debian's python3-bpfcc), kernel headers for BCC, tracefs, and a .venv
+# with probing installed editable and BCC importable inside it.
+# Idempotent: on a ready machine it checks and returns in seconds.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+KREL=$(uname -r)
+say() { printf 'setup: %s\n' "$*"; }
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+  if command -v sudo >/dev/null; then SUDO="sudo"; else
+    say "not root and no sudo: system packages, headers and tracefs are skipped"; SUDO="skip"; fi
+fi
+as_root() { if [ "$SUDO" = skip ]; then return 1; fi; $SUDO "$@"; }
+
+# --- system packages -------------------------------------------------------
+need=()
+dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
+"$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+command -v gcc >/dev/null || need+=(gcc)
+command -v make >/dev/null || need+=(make)
+
+headers_ok() { [ -d "/lib/modules/$KREL/build/include" ]; }
+header_pkg=""
+if ! headers_ok; then
+  if ls -d /usr/src/linux-headers-* >/dev/null 2>&1; then :; else
+    if apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then header_pkg="linux-headers-$KREL"
+    elif apt-cache show linux-headers-amd64 >/dev/null 2>&1 && [ "$(dpkg --print-architecture)" = amd64 ]; then header_pkg=linux-headers-amd64
+    elif apt-cache show linux-headers-arm64 >/dev/null 2>&1 && [ "$(dpkg --print-architecture)" = arm64 ]; then header_pkg=linux-headers-arm64
+    else header_pkg=linux-headers-generic; fi
+    need+=("$header_pkg")
+  fi
+fi
+
+if [ ${#need[@]} -gt 0 ]; then
+  say "installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  as_root apt-get update -qq
+  # the running kernel's own headers may not exist in the archive: fall back
+  if ! as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; then
+    if [ -n "$header_pkg" ] && [ "$header_pkg" = "linux-headers-$KREL" ]; then
+      need=("${need[@]/$header_pkg/linux-headers-$(dpkg --print-architecture)}")
+      as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+      exit 1
+    fi
+  fi
+fi
+
+# --- kernel headers where BCC looks for them ----------------------------------
+if ! headers_ok; then
+  arch=$(dpkg --print-architecture)
+  build=$(ls -d /usr/src/linux-headers-*-"$arch" 2>/dev/null | sort -V | tail -1 || true)
+  [ -n "$build" ] || build=$(ls -d /usr/src/linux-headers-*/ 2>/dev/null | grep -v common | sort -V | tail -1 || true)
+  build=${build%/}
+  common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -1 || true)
+  if [ -n "$build" ]; then
+    say "linking $build as the headers of kernel $KREL"
+    as_root mkdir -p "/lib/modules/$KREL"
+    as_root ln -sfn "$build" "/lib/modules/$KREL/build"
+    as_root ln -sfn "${common:-$build}" "/lib/modules/$KREL/source"
+  else
+    say "WARNING: no kernel headers found under /usr/src; BCC will not compile"
+  fi
+fi
+
+# --- tracefs -------------------------------------------------------------------
+if [ ! -e /sys/kernel/tracing/uprobe_events ]; then
+  say "mounting tracefs"
+  as_root mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || say "WARNING: could not mount tracefs"
+fi
+if [ -d /sys/kernel/debug ] && [ ! -e /sys/kernel/debug/tracing/uprobe_events ] && ! mountpoint -q /sys/kernel/debug; then
+  as_root mount -t debugfs nodev /sys/kernel/debug 2>/dev/null || true
+fi
+
+# --- the virtualenv --------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.probing-setup"
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VENV/bin/python" -c 'import probing, datafusion, pytest' 2>/dev/null; then
+  say "installing probing (editable) and its test extras"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+  echo "$want" > "$stamp"
+fi
+
+# --- BCC inside the venv, without the rest of dist-packages ----------------------
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if ! "$VENV/bin/python" -c 'import bcc' 2>/dev/null; then
+  bccdir=$(dpkg -L python3-bpfcc 2>/dev/null | grep '/bcc/__init__.py$' | head -1 | xargs -r dirname)
+  if [ -n "$bccdir" ]; then
+    say "linking BCC ($bccdir) into $site"
+    ln -sfn "$bccdir" "$site/bcc"
+  else
+    say "WARNING: python3-bpfcc is not installed; BPF features are off"
+  fi
+fi
+"$VENV/bin/python" -c 'import bcc' 2>/dev/null && say "ready: $("$VENV/bin/python" --version), bcc $("$VENV/bin/python" -c 'import bcc; print(bcc.__version__)')" || say "ready (without BCC)"

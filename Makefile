@@ -1,0 +1,25 @@
+# probing: `make demo` shows it, `make test` proves it. Both set up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint clean
+
+setup:
+	@bash .ci/setup.sh
+
+demo: setup
+	@$(PY) -m probing.demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	@for b in benchmarks/*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done
+
+lint: setup
+	$(VENV)/bin/ruff check probing tests benchmarks
+	$(VENV)/bin/ruff format --check probing tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

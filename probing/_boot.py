@@ -1,0 +1,26 @@
+"""Entry point of the ``probing.pth`` hook: ``PROBING=1`` starts the probe.
+
+Nothing here may raise into the interpreter that is starting up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TRUTHY = {"1", "true", "yes", "on"}
+
+
+def wanted(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get("PROBING", "").strip().lower() in TRUTHY
+
+
+def boot() -> None:
+    if not wanted():
+        return
+    try:
+        from probing.probe import runtime
+
+        runtime.enable()
+    except Exception as err:  # never break the host's start-up
+        print(f"probing: probe not started: {err}", file=sys.stderr)

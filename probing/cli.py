@@ -1,0 +1,149 @@
+"""The ``probing`` command: every sub-command is a thin call into a module."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from probing.errors import ProbingError
+
+app = typer.Typer(
+    name="probing",
+    help="Query what a running Python / PyTorch process is doing, with SQL.",
+    epilog=(
+        "Examples:\n\n"
+        "  PROBING=1 python train.py &\n\n"
+        "  probing ps\n\n"
+        "  probing query --pid 1234 \"SELECT name, state FROM process.threads\"\n\n"
+        "  probing tables --pid 1234\n\n"
+        "  probing doctor"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+class Format(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def _fail(err: ProbingError | str, code: int = 1) -> typer.Exit:
+    typer.echo(f"probing: error: {err}", err=True)
+    return typer.Exit(code)
+
+
+def _client(pid: int):  # type: ignore[no-untyped-def]
+    from probing.client import ProbeClient
+
+    return ProbeClient.for_pid(pid)
+
+
+PidOpt = Annotated[int, typer.Option("--pid", "-p", help="process id of the target")]
+
+
+@app.command(epilog="Examples:\n\n  probing ps")
+def ps() -> None:
+    """Python processes on this machine, and which of them carry a probe."""
+    from probing.procs import python_processes
+    from probing.render import format_rows
+
+    procs = python_processes()
+    rows = [[p.pid, p.user, p.probe, p.cmdline] for p in procs]
+    typer.echo(format_rows(["PID", "USER", "PROBE", "COMMAND"], rows))
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  probing query --pid 1234 \"SELECT count(*) FROM process.threads\"\n\n"
+        "  probing query -p 1234 -f json \"SELECT * FROM probing.tables\"\n\n"
+        "  probing query -p 1234 \"SELECT * FROM python.`torch.__version__`\""
+    )
+)
+def query(
+    sql: Annotated[str, typer.Argument(help="read-only SQL (SELECT, WITH, SHOW, EXPLAIN)")],
+    pid: PidOpt,
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="output format")] = Format.table,
+) -> None:
+    """Run SQL in a process's probe and print the result."""
+    from probing.render import format_arrow
+
+    try:
+        client = _client(pid)
+        if fmt is Format.table:
+            typer.echo(format_arrow(client.query(sql)))
+        else:
+            sys.stdout.buffer.write(client.query_raw(sql, fmt.value))
+            if fmt is Format.json:
+                sys.stdout.buffer.write(b"\n")
+            sys.stdout.flush()
+    except ProbingError as err:
+        raise _fail(err) from None
+
+
+TABLES_SQL = """
+SELECT t.table_schema || '.' || t.table_name AS "table", s.rows, s.stored_bytes,
+       s.compression_ratio AS ratio, s.retired_rows AS retired, s.dropped_events AS dropped
+FROM information_schema.tables t
+LEFT JOIN probing.tables s ON t.table_schema = s."schema" AND t.table_name = s."table"
+WHERE t.table_schema <> 'information_schema'
+ORDER BY 1
+"""
+
+
+@app.command(epilog="Examples:\n\n  probing tables --pid 1234")
+def tables(pid: PidOpt) -> None:
+    """Tables a process's probe can answer, with rows and compression."""
+    from probing.render import format_arrow
+
+    try:
+        typer.echo(format_arrow(_client(pid).query(TABLES_SQL)))
+    except ProbingError as err:
+        raise _fail(err) from None
+
+
+@app.command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
+def doctor(
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+) -> None:
+    """Check kernel, BTF, tracefs, BCC, headers, CAP_BPF, ptrace and NVML."""
+    from probing.doctor import run_all
+
+    checks = run_all()
+    if fmt is Format.json:
+        typer.echo(json.dumps([c._asdict() for c in checks], indent=1))
+    else:
+        for c in checks:
+            status = "OK" if c.ok else ("FAIL" if c.required else "WARN")
+            typer.echo(f"{status:<5} {c.name:<8} {c.detail}")
+            if not c.ok and c.fix:
+                typer.echo(f"{'':<14}fix: {c.fix}")
+    if any(c.required and not c.ok for c in checks):
+        raise typer.Exit(1)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    epilog="Examples:\n\n  probing run train.py --epochs 3",
+)
+def run(ctx: typer.Context, script: Annotated[str, typer.Argument(help="script to run")]) -> None:
+    """Run a Python script with the probe enabled (like PROBING=1)."""
+    from probing.__main__ import run_script
+
+    raise typer.Exit(run_script([script, *ctx.args]))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

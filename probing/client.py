@@ -1,0 +1,137 @@
+"""Talk to a probe: a transport (HTTP over a unix socket) under a facade.
+
+>>> with ProbeClient.for_pid(1234) as probe:      # doctest: +SKIP
+...     probe.query("SELECT count(*) FROM process.threads")
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from typing import Any
+
+from probing.errors import AccessDenied, NoProbe, NoSuchProcess, ProbingError, QueryError
+from probing.probe import paths
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class UnixTransport:
+    """One HTTP request per call over the probe's unix socket."""
+
+    def __init__(self, path: str, *, pid: int | None = None, timeout: float = 30.0) -> None:
+        self.path = path
+        self.pid = pid
+        self.timeout = timeout
+
+    def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
+        conn = _UnixConnection(self.path, self.timeout)
+        try:
+            headers = {"Content-Type": "application/json"} if body else {}
+            conn.request(method, url, body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("Content-Type", ""), resp.read()
+        except PermissionError as err:
+            raise AccessDenied(
+                f"not allowed to open {self.path}", pid=self.pid,
+                hint="run probing as the process's user or as root",
+            ) from err
+        except (FileNotFoundError, ConnectionRefusedError) as err:
+            raise NoProbe(
+                f"no probe answers at {self.path}", pid=self.pid,
+                hint="the process exited, or its probe was stopped",
+            ) from err
+        except (TimeoutError, socket.timeout) as err:
+            raise NoProbe(f"the probe of pid {self.pid} did not answer in {self.timeout:g} s",
+                          pid=self.pid) from err
+        except OSError as err:
+            raise NoProbe(f"cannot talk to the probe at {self.path}: {err}", pid=self.pid) from err
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        pass
+
+
+class ProbeClient:
+    """One method per endpoint: ``health``, ``query``, ``tables``."""
+
+    def __init__(self, transport: UnixTransport) -> None:
+        self.transport = transport
+
+    @classmethod
+    def for_pid(cls, pid: int, *, timeout: float = 30.0) -> ProbeClient:
+        """The client of ``pid``'s probe; raises a clear error when there is none."""
+        if pid <= 0:
+            raise NoSuchProcess(f"{pid} is not a valid pid", pid=pid)
+        path = paths.find_socket(pid)
+        if path is None:
+            if not os.path.exists(f"/proc/{pid}"):
+                raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
+            raise NoProbe(
+                f"process {pid} has no probe",
+                pid=pid,
+                hint=f"start it with PROBING=1, or attach with: probing inject --pid {pid}",
+            )
+        if not os.path.exists(f"/proc/{pid}"):
+            raise NoSuchProcess(f"process {pid} has exited (stale socket {path})", pid=pid)
+        return cls(UnixTransport(path, pid=pid, timeout=timeout))
+
+    def _call(self, method: str, url: str, payload: dict[str, Any] | None = None) -> tuple[str, bytes]:
+        body = json.dumps(payload).encode() if payload is not None else None
+        status, ctype, data = self.transport.request(method, url, body)
+        if status == 200:
+            return ctype, data
+        try:
+            err = json.loads(data)
+            msg, kind = err.get("error", ""), err.get("type", "")
+        except ValueError:
+            msg, kind = data.decode("utf-8", "replace"), ""
+        pid = self.transport.pid
+        if kind == "QueryError":
+            raise QueryError(msg, pid=pid)
+        if status == 403:
+            raise AccessDenied(msg, pid=pid)
+        raise ProbingError(f"probe answered {status}: {msg}", pid=pid)
+
+    def health(self) -> dict[str, Any]:
+        return json.loads(self._call("GET", "/health")[1])
+
+    def tables(self) -> list[dict[str, Any]]:
+        return json.loads(self._call("GET", "/tables")[1])
+
+    def query(self, sql: str) -> Any:
+        """Run SQL in the probe; returns a ``pyarrow.Table``."""
+        import pyarrow.ipc as ipc
+
+        _, data = self._call("POST", "/query", {"sql": sql, "format": "arrow"})
+        return ipc.open_stream(data).read_all()
+
+    def query_raw(self, sql: str, fmt: str) -> bytes:
+        """Run SQL; the probe's own rendering (``json`` or ``csv``) as bytes."""
+        return self._call("POST", "/query", {"sql": sql, "format": fmt})[1]
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> ProbeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

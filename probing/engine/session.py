@@ -1,0 +1,68 @@
+"""The probe's SQL engine: one DataFusion session over the ``probing`` catalog."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+from datafusion import SessionConfig, SessionContext, SQLOptions
+
+from probing.engine.providers import ProbeCatalog, ProbeSchema, Producer, Resolver
+from probing.errors import QueryError
+from probing.store import Store, default_store
+
+CATALOG = "probing"
+
+READ_ONLY = (
+    SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
+)
+
+
+class Engine:
+    """Read-only SQL over every table the probe knows.
+
+    Tables are addressed ``schema.table``; the catalog is ``probing``.
+    ``information_schema`` is on, so ``SHOW TABLES`` and
+    ``information_schema.columns`` work.
+    """
+
+    def __init__(self, store: Store | None = None, *, target_partitions: int = 2) -> None:
+        self.store = store or default_store()
+        self.catalog = ProbeCatalog(self.store)
+        config = (
+            SessionConfig()
+            .with_default_catalog_and_schema(CATALOG, "probing")
+            .with_information_schema(True)
+            .with_target_partitions(target_partitions)
+        )
+        self.ctx = SessionContext(config)
+        self.ctx.register_catalog_provider(CATALOG, self.catalog)
+        self._lock = threading.Lock()
+
+    def schema(self, name: str) -> ProbeSchema:
+        return self.catalog.schema_for(name)
+
+    def register_table(self, schema: str, name: str, producer: Producer) -> None:
+        """A static table whose rows ``producer()`` returns at query time."""
+        self.schema(schema).add_table(name, producer)
+
+    def register_resolver(self, schema: str, resolver: Resolver) -> None:
+        """Resolve unknown names in ``schema`` on demand (dynamic tables)."""
+        self.schema(schema).set_resolver(resolver)
+
+    def sql(self, query: str, *, read_only: bool = True) -> pa.Table:
+        """Run one query; raise ``QueryError`` with the engine's message."""
+        if not query or not query.strip():
+            raise QueryError("empty query")
+        try:
+            if read_only:
+                df = self.ctx.sql_with_options(query, READ_ONLY)
+            else:
+                df = self.ctx.sql(query)
+            return df.to_arrow_table()
+        except Exception as err:  # datafusion raises plain Exception subclasses
+            raise QueryError(_clean(str(err))) from err
+
+
+def _clean(msg: str) -> str:
+    return msg.strip().removeprefix("DataFusion error: ").strip()

@@ -1,0 +1,98 @@
+"""The probe's HTTP endpoints, one function each, transport-agnostic."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING
+
+from probing.errors import ProbingError, QueryError
+from probing.probe.server import Request, Response
+
+if TYPE_CHECKING:
+    from probing.probe.runtime import Probe
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+FORMATS = ("arrow", "json", "csv")
+
+
+def _sql_request(req: Request) -> tuple[str, str]:
+    fmt = req.query.get("format", "")
+    if req.body[:1] == b"{":
+        try:
+            payload = json.loads(req.body)
+        except ValueError as err:
+            raise QueryError(f"request body is not JSON: {err}") from err
+        sql = payload.get("sql", "")
+        fmt = payload.get("format", fmt)
+    else:
+        sql = req.body.decode("utf-8", "replace")
+    fmt = fmt or "arrow"
+    if fmt not in FORMATS:
+        raise QueryError(f"unknown format {fmt!r} (use one of {', '.join(FORMATS)})")
+    return sql, fmt
+
+
+def encode(table: object, fmt: str) -> Response:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.ipc as ipc
+
+    assert isinstance(table, pa.Table)
+    if fmt == "json":
+        return Response.json(table.to_pylist())
+    sink = pa.BufferOutputStream()
+    if fmt == "csv":
+        pacsv.write_csv(table, sink)
+        return Response(200, "text/csv", sink.getvalue().to_pybytes())
+    with ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return Response(200, ARROW_STREAM, sink.getvalue().to_pybytes())
+
+
+def health(probe: Probe, req: Request) -> Response:
+    return Response.json(probe.describe())
+
+
+def query(probe: Probe, req: Request) -> Response:
+    sql, fmt = _sql_request(req)
+    t0 = time.perf_counter()
+    table = probe.engine.sql(sql)
+    resp = encode(table, fmt)
+    probe.note_query(time.perf_counter() - t0)
+    return resp
+
+
+def tables(probe: Probe, req: Request) -> Response:
+    out = probe.engine.sql(
+        "SELECT table_schema AS schema, table_name AS table, table_type AS kind "
+        "FROM information_schema.tables WHERE table_schema <> 'information_schema' "
+        "ORDER BY 1, 2"
+    )
+    return Response.json(out.to_pylist())
+
+
+ROUTES = {
+    ("GET", "/health"): health,
+    ("POST", "/query"): query,
+    ("GET", "/tables"): tables,
+}
+
+
+def make_app(probe: Probe):  # type: ignore[no-untyped-def]
+    def app(req: Request) -> Response:
+        route = ROUTES.get((req.method, req.path))
+        if route is None:
+            known = ", ".join(f"{m} {p}" for m, p in ROUTES)
+            return Response.error(404, f"no endpoint {req.method} {req.path} (known: {known})")
+        try:
+            return route(probe, req)
+        except QueryError as err:
+            return Response.error(400, str(err), "QueryError")
+        except ProbingError as err:
+            return Response.error(500, str(err), type(err).__name__)
+
+    return app
+
+

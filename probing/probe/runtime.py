@@ -1,0 +1,154 @@
+"""The probe's lifecycle inside the host process: enable, disable, fork."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from probing import __version__
+from probing.probe import paths
+from probing.probe.server import UnixHTTPServer
+
+
+class Probe:
+    """One per process: a unix-socket HTTP server and a lazily built engine.
+
+    The SQL engine (datafusion, pyarrow) is imported on the first query, so
+    an idle probe adds a thread blocked in ``select`` and little memory.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.started_ns = time.time_ns()
+        self.socket_path = paths.socket_path(self.pid)
+        self._engine: Any = None
+        self._engine_lock = threading.Lock()
+        self.queries = 0
+        self.query_seconds = 0.0
+        from probing.probe.api import make_app
+
+        self.server = UnixHTTPServer(self.socket_path, make_app(self))
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            with self._engine_lock:
+                if self._engine is None:
+                    from probing.engine import Engine
+                    from probing.tables import install
+
+                    engine = Engine()
+                    install(engine)
+                    self._engine = engine
+        return self._engine
+
+    def note_query(self, seconds: float) -> None:
+        self.queries += 1
+        self.query_seconds += seconds
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "version": __version__,
+            "python": sys.version.split()[0],
+            "executable": sys.executable,
+            "argv": list(sys.argv),
+            "started_ns": self.started_ns,
+            "socket": self.socket_path,
+            "engine_loaded": self._engine is not None,
+            "queries": self.queries,
+        }
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def _reinit_locks(self) -> None:
+        self._engine_lock = threading.Lock()
+
+
+_probe: Probe | None = None
+_lock = threading.Lock()
+
+
+def current() -> Probe | None:
+    return _probe
+
+
+def enable() -> Probe:
+    """Start this process's probe if it is not running; return it."""
+    global _probe
+    with _lock:
+        if _probe is None:
+            probe = Probe()
+            probe.start()
+            _probe = probe
+        return _probe
+
+
+def disable() -> None:
+    global _probe
+    with _lock:
+        probe, _probe = _probe, None
+    if probe is not None:
+        probe.stop()
+
+
+def engine() -> Any:
+    """The engine of this process's probe (built without starting the server)."""
+    probe = _probe
+    if probe is not None:
+        return probe.engine
+    global _local_engine
+    with _lock:
+        if _local_engine is None:
+            from probing.engine import Engine
+            from probing.tables import install
+
+            _local_engine = Engine()
+            install(_local_engine)
+        return _local_engine
+
+
+_local_engine: Any = None
+
+
+def _after_fork_in_child() -> None:
+    """The child never inherits a half-working probe: it gets its own, or none.
+
+    The parent's server thread does not exist here; its socket belongs to the
+    parent. Drop both, re-create every lock (a lock held by another thread
+    at fork time would stay held forever), then start a fresh probe on the
+    child's own pid unless ``PROBING_FORK=none``.
+    """
+    global _probe, _lock
+    _lock = threading.Lock()
+    parent, _probe = _probe, None
+    try:
+        store_mod = sys.modules.get("probing.store.store")
+        if store_mod is not None:
+            store_mod._default_lock = threading.Lock()
+            if store_mod._default is not None:
+                store_mod._default.reinit_after_fork()
+        if parent is None:
+            return
+        parent.server.abandon_after_fork()
+        if os.environ.get("PROBING_FORK", "child").lower() == "none":
+            return
+        child = Probe()
+        child._engine = parent._engine  # DataFusion survives fork; tables are copied
+        child.start()
+        _probe = child
+    except Exception as err:  # never break the child
+        try:
+            print(f"probing: no probe in forked child {os.getpid()}: {err}", file=sys.stderr)
+        except Exception:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

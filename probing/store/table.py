@@ -1,0 +1,246 @@
+"""One append-only column table: pending batches, sealed compressed chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+if TYPE_CHECKING:
+    from probing.store.store import Store
+
+_chunk_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Chunk:
+    path: str
+    rows: int
+    raw_bytes: int
+    stored_bytes: int
+    sealed_at: float  # time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStats:
+    schema: str
+    table: str
+    rows: int
+    raw_bytes: int
+    stored_bytes: int
+    compression_ratio: float | None
+    chunks: int
+    pending_rows: int
+    retired_rows: int
+    retired_bytes: int
+    dropped_events: int
+
+
+class EventTable:
+    """Rows arrive as Arrow batches; every ``chunk_rows`` they are sealed.
+
+    Sealing concatenates the pending batches and encodes them with the
+    store's codec into an in-memory file. Queries see sealed chunks, batches
+    being sealed and pending batches alike, so no row is ever invisible.
+    """
+
+    def __init__(
+        self, store: Store, schema_name: str, name: str, schema: pa.Schema | None
+    ) -> None:
+        self._store = store
+        self.schema_name = schema_name
+        self.name = name
+        self._schema = schema
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = 0
+        self._pending_since = 0.0
+        self._sealing: list[list[pa.RecordBatch]] = []
+        self._chunks: list[Chunk] = []
+        self.retired_rows = 0
+        self.retired_bytes = 0
+        self.dropped_events = 0
+        self._lock = threading.Lock()
+        # Called before every read: writers that buffer rows of their own
+        # (ExternalTable) hand them over here, so queries see every row.
+        self._before_read: list[Callable[[], None]] = []
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema_name}.{self.name}"
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        return self._schema
+
+    def reinit_after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    # -- writing -------------------------------------------------------------
+    def append_batch(self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> int:
+        """Append many rows at once; returns the number of rows appended.
+
+        ``batch`` is a RecordBatch, a Table, or a mapping of column name to
+        an array-like (numpy array, list, pyarrow array) of equal lengths.
+        """
+        batches = self._conform(batch)
+        rows = sum(b.num_rows for b in batches)
+        if rows == 0:
+            return 0
+        to_seal = None
+        with self._lock:
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.extend(batches)
+            self._pending_rows += rows
+            if self._pending_rows >= self._store.chunk_rows:
+                to_seal = self._take_pending_locked()
+        if to_seal is not None:
+            self._seal(to_seal)
+        return rows
+
+    def count_dropped(self, n: int) -> None:
+        """Record events that never reached the table (ring buffer full, bad rows)."""
+        with self._lock:
+            self.dropped_events += int(n)
+
+    def flush(self) -> None:
+        """Seal whatever is pending now."""
+        with self._lock:
+            to_seal = self._take_pending_locked() if self._pending else None
+        if to_seal is not None:
+            self._seal(to_seal)
+
+    def _conform(self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> list[pa.RecordBatch]:
+        if isinstance(batch, Mapping):
+            batch = pa.table(dict(batch))
+        if isinstance(batch, pa.RecordBatch):
+            batch = pa.Table.from_batches([batch])
+        if not isinstance(batch, pa.Table):
+            raise TypeError(f"append_batch takes a RecordBatch, Table or mapping, not {type(batch)}")
+        with self._lock:
+            if self._schema is None:
+                self._schema = batch.schema
+            schema = self._schema
+        if batch.schema != schema:
+            try:
+                batch = batch.select(schema.names).cast(schema)
+            except (KeyError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+                self.count_dropped(batch.num_rows)
+                raise ValueError(
+                    f"rows do not fit {self.qualified_name} ({schema}): {err}"
+                ) from err
+        return batch.to_batches()
+
+    def _take_pending_locked(self) -> list[pa.RecordBatch]:
+        batches = self._pending
+        self._pending = []
+        self._pending_rows = 0
+        self._sealing.append(batches)
+        return batches
+
+    def _seal(self, batches: list[pa.RecordBatch]) -> None:
+        table = pa.Table.from_batches(batches, schema=self._schema).combine_chunks()
+        try:
+            buf = self._store.codec.encode(table)
+        except Exception:
+            with self._lock:
+                self._sealing.remove(batches)
+                self._pending[:0] = batches
+                self._pending_rows += table.num_rows
+            raise
+        path = f"/{self.schema_name}/{self.name}/{next(_chunk_ids):010d}"
+        chunk = Chunk(path, table.num_rows, table.nbytes, buf.size, time.monotonic())
+        self._store.fs.put(path, buf)
+        with self._lock:
+            self._chunks.append(chunk)
+            self._sealing.remove(batches)
+        self._store.enforce_retention()
+
+    # -- retention (called by the store) --------------------------------------
+    def oldest_chunk(self) -> Chunk | None:
+        with self._lock:
+            return self._chunks[0] if self._chunks else None
+
+    def retire_oldest(self) -> Chunk | None:
+        with self._lock:
+            if not self._chunks:
+                return None
+            chunk = self._chunks.pop(0)
+            self.retired_rows += chunk.rows
+            self.retired_bytes += chunk.raw_bytes
+        self._store.fs.remove(chunk.path)
+        return chunk
+
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return sum(c.stored_bytes for c in self._chunks) + sum(
+                b.nbytes for b in self._pending
+            )
+
+    # -- reading -------------------------------------------------------------
+    def dataset(self) -> ds.Dataset:
+        """A snapshot of every live row, as a dataset DataFusion can scan."""
+        self._run_before_read()
+        if self._pending and time.monotonic() - self._pending_since > self._store.seal_after_s:
+            self.flush()
+        with self._lock:
+            schema = self._schema or pa.schema([])
+            paths = [c.path for c in self._chunks]
+            batches = [b for group in self._sealing for b in group] + list(self._pending)
+        parts: list[ds.Dataset] = []
+        if paths:
+            parts.append(
+                ds.dataset(
+                    paths,
+                    schema=schema,
+                    format=self._store.codec.container,
+                    filesystem=self._store.pyfs,
+                )
+            )
+        if batches or not parts:
+            parts.append(ds.dataset(pa.Table.from_batches(batches, schema=schema)))
+        return parts[0] if len(parts) == 1 else ds.dataset(parts)
+
+    def to_arrow(self) -> pa.Table:
+        return self.dataset().to_table()
+
+    def add_before_read(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` before every read (to flush a writer's own buffer)."""
+        with self._lock:
+            self._before_read.append(hook)
+
+    def _run_before_read(self) -> None:
+        for hook in list(self._before_read):
+            try:
+                hook()
+            except Exception:  # the writer counted what it dropped; reads go on
+                pass
+
+    def stats(self) -> TableStats:
+        self._run_before_read()
+        with self._lock:
+            sealed = self._chunks
+            pending = [b for group in self._sealing for b in group] + self._pending
+            pend_rows = sum(b.num_rows for b in pending)
+            pend_bytes = sum(b.nbytes for b in pending)
+            raw = sum(c.raw_bytes for c in sealed) + pend_bytes
+            stored = sum(c.stored_bytes for c in sealed) + pend_bytes
+            return TableStats(
+                schema=self.schema_name,
+                table=self.name,
+                rows=sum(c.rows for c in sealed) + pend_rows,
+                raw_bytes=raw,
+                stored_bytes=stored,
+                compression_ratio=round(raw / stored, 2) if stored else None,
+                chunks=len(sealed),
+                pending_rows=pend_rows,
+                retired_rows=self.retired_rows,
+                retired_bytes=self.retired_bytes,
+                dropped_events=self.dropped_events,
+            )

@@ -1,0 +1,18 @@
+"""Table providers: process, python, probing (store statistics), external."""
+
+from __future__ import annotations
+
+from probing.engine import Engine
+from probing.tables import meta, process, python
+from probing.tables.external import ExternalTable
+
+
+def install(engine: Engine) -> None:
+    """Register every built-in table with ``engine``."""
+    engine.register_table("process", "info", process.info)
+    engine.register_table("process", "threads", process.threads)
+    engine.register_table("probing", "tables", lambda: meta.tables(engine.store))
+    engine.register_resolver("python", python.evaluate)
+
+
+__all__ = ["ExternalTable", "install"]

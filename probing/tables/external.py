@@ -1,0 +1,115 @@
+"""``probing.ExternalTable``: tables the user's own code writes to."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from probing.store import EventTable, Store, default_store
+
+SCHEMA = "python"
+FLUSH_ROWS = 4096
+
+ColumnSpec = Sequence[str] | Sequence[tuple[str, pa.DataType]] | pa.Schema
+
+
+def _parse_columns(columns: ColumnSpec) -> tuple[list[str], pa.Schema | None]:
+    if isinstance(columns, pa.Schema):
+        return list(columns.names), columns
+    cols = list(columns)
+    if not cols:
+        raise ValueError("an ExternalTable needs at least one column")
+    if all(isinstance(c, str) for c in cols):
+        names = list(cols)
+        schema = None
+    elif all(isinstance(c, tuple) and len(c) == 2 for c in cols):
+        schema = pa.schema([(n, t) for n, t in cols])
+        names = list(schema.names)
+    else:
+        raise TypeError("columns are names, (name, pyarrow type) pairs, or a pyarrow.Schema")
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate column names in {names}")
+    return names, schema
+
+
+class ExternalTable:
+    """A table your code appends rows to, queryable as ``python.<name>``.
+
+    >>> import probing
+    >>> t = probing.ExternalTable("doctest_loss", ["step", "loss"])
+    >>> t.append([1, 0.5]); t.append({"step": 2, "loss": 0.25})
+    >>> t.append_many([[3, 0.125], [4, 0.0625]])
+    >>> len(t)
+    4
+
+    Rows are buffered and handed to the store in batches, where they are
+    sealed and compressed like every other table. Column types are taken
+    from the first rows unless given as ``(name, pyarrow type)`` pairs.
+    """
+
+    def __init__(self, name: str, columns: ColumnSpec, *, store: Store | None = None) -> None:
+        if not name or not isinstance(name, str):
+            raise ValueError("an ExternalTable needs a name")
+        self.name = name
+        self.columns, schema = _parse_columns(columns)
+        self._table: EventTable = (store or default_store()).table(SCHEMA, name, schema)
+        existing = self._table.schema
+        if existing is not None and list(existing.names) != self.columns:
+            raise ValueError(
+                f"python.{name} already exists with columns {existing.names}, not {self.columns}"
+            )
+        self._buf: list[list[Any]] = [[] for _ in self.columns]
+        self._lock = threading.Lock()
+        self._table.add_before_read(self.flush)
+
+    def __len__(self) -> int:
+        return self._table.stats().rows
+
+    def append(self, row: Sequence[Any] | Mapping[str, Any]) -> None:
+        """Append one row: a sequence in column order, or a mapping by column name."""
+        values = self._row_values(row)
+        with self._lock:
+            for col, v in zip(self._buf, values, strict=True):
+                col.append(v)
+            full = len(self._buf[0]) >= FLUSH_ROWS
+        if full:
+            self.flush()
+
+    def append_many(self, rows: Iterable[Sequence[Any] | Mapping[str, Any]]) -> None:
+        """Append many rows (same forms as ``append``)."""
+        for row in rows:
+            self.append(row)
+
+    def _row_values(self, row: Sequence[Any] | Mapping[str, Any]) -> list[Any]:
+        if isinstance(row, Mapping):
+            unknown = set(row) - set(self.columns)
+            if unknown:
+                raise ValueError(f"python.{self.name} has no column(s) {sorted(unknown)}")
+            return [row.get(c) for c in self.columns]
+        values = list(row)
+        if len(values) != len(self.columns):
+            raise ValueError(
+                f"python.{self.name} has {len(self.columns)} columns {self.columns}, "
+                f"got a row of {len(values)}"
+            )
+        return values
+
+    def flush(self) -> None:
+        """Hand buffered rows to the store now (queries call this themselves)."""
+        with self._lock:
+            if not self._buf[0]:
+                return
+            buf, self._buf = self._buf, [[] for _ in self.columns]
+        schema = self._table.schema
+        try:
+            if schema is None:
+                arrays = [pa.array(col) for col in buf]
+            else:
+                arrays = [pa.array(col, type=f.type) for col, f in zip(buf, schema, strict=True)]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as err:
+            self._table.count_dropped(len(buf[0]))
+            raise ValueError(f"rows do not fit python.{self.name}: {err}") from err
+        self._table.append_batch(pa.Table.from_arrays(arrays, names=self.columns))
