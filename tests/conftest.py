@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip with ``reason`` unless PROBING_REQUIRE_PRIVILEGED=1 makes it a failure."""
+    if condition:
+        return
+    if os.environ.get("PROBING_REQUIRE_PRIVILEGED") == "1":
+        pytest.fail(f"required capability missing: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated PROBING_RUNTIME_DIR for the probe sockets of one test."""
+    d = tmp_path_factory.mktemp("rt")
+    monkeypatch.setenv("PROBING_RUNTIME_DIR", str(d))
+    return d
+
+
+class Target:
+    """A Python process started by a test, with its probe's socket path."""
+
+    def __init__(self, proc: subprocess.Popen[str], runtime_dir: Path) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.runtime_dir = runtime_dir
+
+    def socket(self) -> Path:
+        return self.runtime_dir / f"probing-{os.getuid()}" / f"{self.pid}.sock"
+
+    def wait_for_probe(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.socket().exists():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"target exited early: {self.proc.communicate()}")
+            time.sleep(0.02)
+        raise AssertionError("probe socket never appeared")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=10)
+
+
+@pytest.fixture
+def spawn(runtime_dir: Path) -> Iterator:
+    """spawn(code, env=..., args=...) starts ``python -c code`` and returns a Target."""
+    started: list[Target] = []
+
+    def _spawn(code: str, *, probing: bool = True, env: dict[str, str] | None = None,
+               argv: list[str] | None = None, wait: bool = True) -> Target:
+        full_env = {**os.environ, "PROBING_RUNTIME_DIR": str(runtime_dir), **(env or {})}
+        full_env.pop("PROBING", None)
+        if probing:
+            full_env["PROBING"] = "1"
+        cmd = argv or [sys.executable, "-c", textwrap.dedent(code)]
+        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        target = Target(proc, runtime_dir)
+        started.append(target)
+        if probing and wait:
+            target.wait_for_probe()
+        return target
+
+    yield _spawn
+    for t in started:
+        t.stop()
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the ``probing`` command as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "probing", *args],
+        env=dict(os.environ, **(env or {})),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+IDLE_LOOP = """
+import threading, time
+def work():
+    while True:
+        time.sleep(0.05)
+for name in ("loader-0", "loader-1"):
+    threading.Thread(target=work, name=name, daemon=True).start()
+while True:
+    time.sleep(0.05)
+"""

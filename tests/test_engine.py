@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import os
+import threading
+
+import pyarrow as pa
+import pytest
+
+from probing.engine import Engine
+from probing.errors import QueryError
+from probing.store import Store
+from probing.tables import ExternalTable, install
+from probing.tables.python import to_arrow
+
+
+@pytest.fixture
+def engine() -> Engine:
+    eng = Engine(Store())
+    install(eng)
+    return eng
+
+
+def test_process_info_is_this_process(engine: Engine) -> None:
+    row = engine.sql("SELECT pid, ppid, num_threads FROM process.info").to_pylist()[0]
+    assert row["pid"] == os.getpid() and row["ppid"] == os.getppid()
+    assert row["num_threads"] >= 1
+
+
+def test_process_threads_names_python_threads(engine: Engine) -> None:
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="data-loader-7")
+    t.start()
+    try:
+        rows = engine.sql(
+            "SELECT tid, name, is_python, is_main FROM process.threads"
+        ).to_pylist()
+    finally:
+        stop.set()
+        t.join()
+    by_tid = {r["tid"]: r for r in rows}
+    assert by_tid[t.native_id]["name"] == "data-loader-7"
+    assert by_tid[t.native_id]["is_python"] is True
+    assert by_tid[threading.main_thread().native_id]["is_main"] is True
+
+
+@pytest.mark.parametrize("sql", [
+    "CREATE TABLE x AS SELECT 1",
+    "CREATE VIEW v AS SELECT 1",
+    "INSERT INTO probing.tables VALUES ('a')",
+    "SET datafusion.execution.batch_size = 1",
+    "DROP TABLE probing.tables",
+])
+def test_writes_and_statements_are_refused(engine: Engine, sql: str) -> None:
+    with pytest.raises(QueryError):
+        engine.sql(sql)
+    # and the engine keeps answering
+    assert engine.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
+
+
+def test_bad_sql_names_the_problem(engine: Engine) -> None:
+    with pytest.raises(QueryError, match="not found"):
+        engine.sql("SELECT * FROM process.nope")
+    with pytest.raises(QueryError):
+        engine.sql("SELEC 1")
+    with pytest.raises(QueryError, match="empty"):
+        engine.sql("  ")
+
+
+def test_python_expressions_become_tables(engine: Engine) -> None:
+    assert engine.sql("SELECT * FROM python.`1 + 2`").to_pylist() == [{"value": 3}]
+    t = engine.sql("SELECT value FROM python.`time.time()`").column(0)[0].as_py()
+    assert isinstance(t, float) and t > 1.6e9  # `time` imported on demand
+    assert engine.sql("SELECT a, b FROM python.`{'a': 1, 'b': 'x'}`").to_pylist() == [
+        {"a": 1, "b": "x"}]
+    assert engine.sql("SELECT * FROM python.`{'a': [1, 2], 'b': [3, 4]}`").num_rows == 2
+    assert engine.sql("SELECT sum(k) AS s FROM python.`[{'k': i} for i in range(5)]`"
+                      ).to_pylist() == [{"s": 10}]
+    assert engine.sql("SELECT count(*) AS n FROM python.`list(range(7))`").to_pylist() == [
+        {"n": 7}]
+
+
+def test_python_expression_errors_are_query_errors(engine: Engine) -> None:
+    with pytest.raises(QueryError, match="ZeroDivisionError"):
+        engine.sql("SELECT * FROM python.`1/0`")
+    with pytest.raises(QueryError, match="no_such_name_xyz"):
+        engine.sql("SELECT * FROM python.`no_such_name_xyz + 1`")
+
+
+def test_to_arrow_handles_odd_values() -> None:
+    assert to_arrow(object).column_names == ["value"]  # unconvertible -> repr
+    assert to_arrow(pa.table({"q": [1]})).column_names == ["q"]
+    assert to_arrow({"a": [1, 2], "b": 3}).num_rows == 1
+
+
+def test_external_table_is_queryable(engine: Engine) -> None:
+    t = ExternalTable("loss", ["step", "loss"], store=engine.store)
+    for i in range(10):
+        t.append([i, 1.0 / (i + 1)])
+    t.append({"step": 10, "loss": 0.0})
+    t.append_many([[11, 0.5], [12, 0.25]])
+    rows = engine.sql("SELECT count(*) AS n, max(step) AS m FROM python.loss").to_pylist()
+    assert rows == [{"n": 13, "m": 12}]
+    assert "loss" in engine.sql("SHOW TABLES").column("table_name").to_pylist()
+
+
+def test_external_table_checks_rows(engine: Engine) -> None:
+    t = ExternalTable("typed", [("a", pa.int32()), ("b", pa.string())], store=engine.store)
+    with pytest.raises(ValueError, match="2 columns"):
+        t.append([1])
+    with pytest.raises(ValueError, match="no column"):
+        t.append({"zzz": 1})
+    t.append([1, "x"])
+    assert engine.sql("SELECT arrow_typeof(a) AS t FROM python.typed").to_pylist() == [
+        {"t": "Int32"}]
+    with pytest.raises(ValueError, match="already exists"):
+        ExternalTable("typed", ["other"], store=engine.store)
+
+
+def test_store_tables_appear_in_their_schema(engine: Engine) -> None:
+    with pytest.raises(QueryError):
+        engine.sql("SELECT * FROM demo.calls")
+    engine.store.table("demo", "calls").append_batch({"x": [1, 2, 3]})
+    assert engine.sql("SELECT sum(x) AS s FROM demo.calls").to_pylist() == [{"s": 6}]
+    assert engine.sql(
+        "SELECT rows FROM probing.tables WHERE \"schema\" = 'demo'").to_pylist() == [{"rows": 3}]

@@ -1,0 +1,214 @@
+"""The probe inside real processes, driven through the CLI and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from probing.client import ProbeClient
+from probing.errors import NoProbe, NoSuchProcess, QueryError
+from tests.conftest import IDLE_LOOP, cli
+
+
+def raw_http(path: str, request: bytes) -> bytes:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    s.sendall(request)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    return out
+
+
+def post_sql(path: str, sql: str) -> tuple[int, dict]:
+    body = json.dumps({"sql": sql, "format": "json"}).encode()
+    resp = raw_http(path, b"POST /query HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    head, _, payload = resp.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
+def test_probing_env_starts_a_probe_that_answers_sql(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    r = cli("query", "--pid", str(t.pid), "SELECT count(*) AS n FROM process.threads", "-f", "json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)  # one JSON array on stdout, nothing else
+    assert rows[0]["n"] >= 3  # main, two loaders (and the probe's own)
+    r = cli("query", "--pid", str(t.pid), "SELECT name FROM process.threads ORDER BY name")
+    assert "loader-0" in r.stdout and "loader-1" in r.stdout and "MainThread" in r.stdout
+    assert all(len(line) <= 80 for line in r.stdout.splitlines())
+
+
+def test_bad_query_is_reported_and_the_next_one_works(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    bad = cli("query", "--pid", str(t.pid), "SELECT * FROM process.nonexistent")
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert "nonexistent" in bad.stderr and "not found" in bad.stderr
+    good = cli("query", "--pid", str(t.pid), "SELECT pid FROM process.info", "-f", "csv")
+    assert good.returncode == 0 and good.stdout.split() == ['"pid"', str(t.pid)]
+
+
+def test_ddl_and_dml_over_http_are_refused(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    path = str(t.socket())
+    for sql in ("CREATE TABLE x AS SELECT 1", "INSERT INTO probing.tables VALUES (1)",
+                "CREATE VIEW v AS SELECT 1"):
+        status, err = post_sql(path, sql)
+        assert status == 400 and err["type"] == "QueryError", (sql, err)
+    status, rows = post_sql(path, "SELECT count(*) AS n FROM information_schema.tables "
+                                  "WHERE table_name IN ('x', 'v')")
+    assert status == 200 and rows == [{"n": 0}]
+
+
+def test_socket_is_private_to_the_user(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    mode = stat.S_IMODE(os.stat(t.socket()).st_mode)
+    assert mode & 0o077 == 0
+    assert stat.S_IMODE(os.stat(t.socket().parent).st_mode) == 0o700
+
+
+def test_garbage_on_the_socket_does_not_hurt_the_probe(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    path = str(t.socket())
+    raw_http(path, b"\x00\xffnot http at all\r\n\r\n")
+    raw_http(path, b"GET /nope HTTP/1.0\r\n\r\n")
+    resp = raw_http(path, b"POST /query HTTP/1.0\r\nContent-Length: 5\r\n\r\n{bad}")
+    assert b" 400 " in resp.split(b"\r\n")[0]
+    client = ProbeClient.for_pid(t.pid)
+    assert client.health()["pid"] == t.pid
+    assert t.proc.poll() is None
+
+
+def test_client_errors_are_precise(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    with pytest.raises(QueryError, match="Division by zero|divide by zero|ZeroDivision"):
+        ProbeClient.for_pid(t.pid).query("SELECT * FROM python.`1/0`")
+    plain = spawn(IDLE_LOOP, probing=False)
+    with pytest.raises(NoProbe, match="probing inject"):
+        ProbeClient.for_pid(plain.pid)
+    with pytest.raises(NoSuchProcess):
+        ProbeClient.for_pid(2**22 + 12345)
+
+
+def test_a_dead_process_gets_a_clear_message(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    t.proc.kill()
+    t.proc.wait()
+    r = cli("query", "--pid", str(t.pid), "SELECT 1")
+    assert r.returncode == 1
+    assert "exited" in r.stderr or "no process" in r.stderr
+
+
+def test_python_m_probing_run(spawn, tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import sys, time\nARGS = sys.argv[1:]\nwhile True: time.sleep(0.05)\n")
+    t = spawn("", probing=False, argv=[sys.executable, "-m", "probing", "run", str(script),
+                                       "--lr", "0.1"], wait=False)
+    t.wait_for_probe()
+    rows = ProbeClient.for_pid(t.pid).query("SELECT * FROM python.`ARGS`").to_pylist()
+    assert [r["value"] for r in rows] == ["--lr", "0.1"]
+
+
+def test_probe_survives_fork_and_the_child_gets_its_own(spawn) -> None:
+    code = """
+    import os, sys, time
+    pid = os.fork()
+    if pid == 0:
+        while True: time.sleep(0.05)
+    print(pid, flush=True)
+    while True: time.sleep(0.05)
+    """
+    t = spawn(code)
+    child = int(t.proc.stdout.readline())
+    try:
+        sock = t.socket().parent / f"{child}.sock"
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child_info = ProbeClient.for_pid(child).query("SELECT pid, ppid FROM process.info")
+        assert child_info.to_pylist() == [{"pid": child, "ppid": t.pid}]
+        parent_info = ProbeClient.for_pid(t.pid).query("SELECT pid FROM process.info")
+        assert parent_info.to_pylist() == [{"pid": t.pid}]
+    finally:
+        os.kill(child, 9)
+
+
+def test_fork_without_child_probe(spawn) -> None:
+    code = """
+    import os, time
+    pid = os.fork()
+    if pid == 0:
+        while True: time.sleep(0.05)
+    print(pid, flush=True)
+    while True: time.sleep(0.05)
+    """
+    t = spawn(code, env={"PROBING_FORK": "none"})
+    child = int(t.proc.stdout.readline())
+    try:
+        time.sleep(0.5)
+        assert not (t.socket().parent / f"{child}.sock").exists()
+        assert ProbeClient.for_pid(t.pid).health()["pid"] == t.pid
+    finally:
+        os.kill(child, 9)
+
+
+def test_probe_start_failure_never_breaks_the_host(spawn, tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    t = spawn("print('ran', flush=True)", env={"PROBING_RUNTIME_DIR": str(blocker)}, wait=False)
+    out, err = t.proc.communicate(timeout=30)
+    assert t.proc.returncode == 0 and out == "ran\n"
+    assert "probing: probe not started" in err
+
+
+def test_ps_lists_probes(spawn) -> None:
+    t = spawn(IDLE_LOOP)
+    plain = spawn(IDLE_LOOP, probing=False)
+    r = cli("ps")
+    assert r.returncode == 0
+    lines = {int(line.split()[0]): line.split() for line in r.stdout.splitlines()[2:]}
+    assert lines[t.pid][2] == "yes"
+    assert lines[plain.pid][2] == "-"
+
+
+def test_tables_command(spawn) -> None:
+    code = """
+    import probing, time
+    t = probing.ExternalTable("steps", ["step", "ms"])
+    for i in range(1000):
+        t.append([i, i * 0.5])
+    while True: time.sleep(0.05)
+    """
+    t = spawn(code)
+    r = cli("tables", "--pid", str(t.pid))
+    assert r.returncode == 0, r.stderr
+    row = next(line.split() for line in r.stdout.splitlines() if line.startswith("python.steps"))
+    assert row[1] == "1000"
+    assert "process.threads" in r.stdout and "probing.tables" in r.stdout
+
+
+def test_idle_probe_is_quiet(spawn) -> None:
+    """An idle probe blocks in select(): its threads sleep, no CPU ticks."""
+    t = spawn("import time\ntime.sleep(60)\n")
+    time.sleep(0.3)
+    def cpu_ticks() -> int:
+        with open(f"/proc/{t.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    before = cpu_ticks()
+    time.sleep(2)
+    assert cpu_ticks() - before <= 1
+
+
+def test_subprocess_without_env_has_no_probe(runtime_dir) -> None:
+    out = subprocess.run([sys.executable, "-c", "import probing.probe.runtime as r; print(r.current())"],
+                         capture_output=True, text=True, env=dict(os.environ, PROBING="0"))
+    assert out.stdout.strip() == "None"

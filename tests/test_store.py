@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from probing.engine import Engine
+from probing.store import CODECS, Store
+from probing.tables import ExternalTable, install
+
+
+def events(n: int, start: int = 0, seed: int = 0) -> pa.Table:
+    """Realistic trace rows: monotonic ns timestamps, ~50 names, small ints."""
+    rng = np.random.default_rng(seed)
+    names = np.array([f"ncclKernel_AllReduce_RING_LL_Sum_f{i}" for i in range(50)])
+    ts = 1_700_000_000_000_000_000 + start * 1000 + np.cumsum(rng.integers(200, 2000, n))
+    return pa.table({
+        "ts": ts.astype(np.int64),
+        "name": names[rng.zipf(1.5, n) % 50],
+        "dur_ns": rng.integers(1_000, 50_000, n).astype(np.int64),
+        "rank": (np.arange(n) % 8).astype(np.int32),
+        "bytes": (1 << rng.integers(10, 24, n)).astype(np.int64),
+    })
+
+
+def test_rows_are_visible_before_and_after_sealing() -> None:
+    store = Store(chunk_rows=1000)
+    tbl = store.table("t", "ev")
+    tbl.append_batch(events(600))
+    assert tbl.stats().chunks == 0 and tbl.to_arrow().num_rows == 600
+    tbl.append_batch(events(600, start=600))
+    st = tbl.stats()
+    assert st.chunks == 1 and st.pending_rows == 0 and st.rows == 1200
+    assert tbl.to_arrow().num_rows == 1200
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_every_codec_round_trips(codec: str) -> None:
+    store = Store(chunk_rows=5000, codec=codec)
+    data = events(12_000)
+    tbl = store.table("t", "ev")
+    for i in range(0, 12_000, 3000):
+        tbl.append_batch(data.slice(i, 3000))
+    tbl.flush()
+    back = tbl.to_arrow().sort_by("ts")
+    assert back.equals(data.sort_by("ts"))
+
+
+def test_mapping_of_arrays_appends() -> None:
+    store = Store()
+    tbl = store.table("t", "m")
+    n = tbl.append_batch({"a": np.arange(5, dtype=np.int64), "b": ["x"] * 5})
+    assert n == 5 and tbl.to_arrow().column("a").to_pylist() == [0, 1, 2, 3, 4]
+
+
+def test_rows_that_do_not_fit_are_refused_and_counted() -> None:
+    store = Store()
+    tbl = store.table("t", "s", pa.schema([("a", pa.int64())]))
+    with pytest.raises(ValueError, match="do not fit t.s"):
+        tbl.append_batch({"b": [1, 2, 3]})
+    assert tbl.stats().dropped_events == 3 and tbl.stats().rows == 0
+
+
+def test_byte_budget_retires_oldest_chunks_and_counts_them() -> None:
+    store = Store(chunk_rows=10_000, max_bytes=300_000)
+    a, b = store.table("t", "a"), store.table("t", "b")
+    for i in range(20):
+        a.append_batch(events(10_000, start=i * 10_000, seed=i))
+        b.append_batch(events(10_000, start=i * 10_000, seed=100 + i))
+    assert store.total_bytes() <= 300_000
+    for tbl in (a, b):
+        st = tbl.stats()
+        assert st.retired_rows > 0
+        assert st.rows + st.retired_rows == 200_000
+        # the newest rows survive, the oldest went
+        assert tbl.to_arrow().column("ts").to_numpy().max() == events(
+            10_000, start=190_000, seed=19 if tbl is a else 119).column("ts").to_numpy().max()
+
+
+def test_age_limit_retires_sealed_chunks() -> None:
+    store = Store(chunk_rows=100, max_age_s=0.0)
+    tbl = store.table("t", "a")
+    tbl.append_batch(events(150))  # sealed at once: over chunk_rows
+    tbl.append_batch(events(50, start=150))  # stays pending
+    store.enforce_retention()
+    st = tbl.stats()
+    assert st.retired_rows == 150 and st.rows == 50
+
+
+def test_a_million_events_compress_5x_and_sum_right() -> None:
+    store = Store()
+    engine = Engine(store)
+    install(engine)
+    ext = ExternalTable("events", ["ts", "name", "dur_ns", "rank", "bytes"], store=store)
+    data = events(1_000_000, seed=7)
+    cols = [data.column(i).to_pylist() for i in range(data.num_columns)]
+    ext.append_many(zip(*cols, strict=True))
+    stats = engine.sql(
+        "SELECT rows, compression_ratio FROM probing.tables WHERE \"table\" = 'events'"
+    ).to_pylist()[0]
+    assert stats["rows"] == 1_000_000
+    assert stats["compression_ratio"] >= 5.0, stats
+    got = engine.sql(
+        "SELECT name, count(*) AS n, sum(dur_ns) AS d, sum(bytes) AS b "
+        "FROM python.events GROUP BY name ORDER BY name"
+    ).to_pylist()
+    expect = (
+        data.group_by("name")
+        .aggregate([("name", "count"), ("dur_ns", "sum"), ("bytes", "sum")])
+        .sort_by("name").to_pylist()
+    )
+    assert [(r["name"], r["n"], r["d"], r["b"]) for r in got] == [
+        (r["name"], r["name_count"], r["dur_ns_sum"], r["bytes_sum"]) for r in expect
+    ]
