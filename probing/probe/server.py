@@ -9,7 +9,6 @@ exception ends as an HTTP error, never in the host process.
 from __future__ import annotations
 
 import errno
-import http.server
 import json
 import os
 import select
@@ -56,40 +55,70 @@ def _peer_uid(conn: socket.socket) -> int | None:
         return None
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server_version = "probing"
-    protocol_version = "HTTP/1.0"
-    app: App
+_REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+            413: "Payload Too Large", 500: "Internal Server Error"}
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        pass  # never write into the host's stderr
 
-    def _dispatch(self) -> None:
-        try:
-            peer_uid = _peer_uid(self.connection)
-            if peer_uid not in (os.getuid(), 0):
-                resp = Response.error(403, "this probe belongs to another user", "AccessDenied")
+def _read_request(conn: socket.socket) -> tuple[str, str, bytes] | None:
+    """Parse one HTTP/1.x request: (method, target, body), or None if malformed.
+
+    A few lines instead of ``http.server``, which would pull ``email`` and
+    ``ssl`` into every probed process.
+    """
+    f = conn.makefile("rb")
+    try:
+        line = f.readline(8192)
+        parts = line.decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return None
+        length = 0
+        for _ in range(100):
+            header = f.readline(8192)
+            if header in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = header.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value.strip())
+        if length < 0 or length > MAX_BODY:
+            raise ValueError("request body too large")
+        body = f.read(length) if length else b""
+        return parts[0], parts[1], body
+    finally:
+        f.close()
+
+
+def _write_response(conn: socket.socket, resp: Response) -> None:
+    head = (
+        f"HTTP/1.0 {resp.status} {_REASONS.get(resp.status, 'Error')}\r\n"
+        f"Server: probing\r\nContent-Type: {resp.content_type}\r\n"
+        f"Content-Length: {len(resp.body)}\r\nConnection: close\r\n\r\n"
+    )
+    conn.sendall(head.encode("latin-1") + resp.body)
+
+
+def handle_connection(conn: socket.socket, app: App) -> None:
+    """Answer one request on ``conn``. Every failure becomes an HTTP error."""
+    try:
+        peer_uid = _peer_uid(conn)
+        if peer_uid not in (os.getuid(), 0):
+            resp = Response.error(403, "this probe belongs to another user", "AccessDenied")
+        else:
+            parsed = _read_request(conn)
+            if parsed is None:
+                resp = Response.error(400, "not an HTTP request")
             else:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    resp = Response.error(413, "request body too large")
-                else:
-                    body = self.rfile.read(length) if length else b""
-                    url = urlsplit(self.path)
-                    query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                    resp = self.app(Request(self.command, url.path, query, body, peer_uid))
-        except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
-            resp = Response.error(500, f"{type(err).__name__}: {err}")
-        try:
-            self.send_response(resp.status)
-            self.send_header("Content-Type", resp.content_type)
-            self.send_header("Content-Length", str(len(resp.body)))
-            self.end_headers()
-            self.wfile.write(resp.body)
-        except OSError:
-            pass  # the client went away
-
-    do_GET = do_POST = _dispatch
+                method, target, body = parsed
+                url = urlsplit(target)
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                resp = app(Request(method, url.path, query, body, peer_uid))
+    except ValueError as err:
+        resp = Response.error(413 if "too large" in str(err) else 400, str(err))
+    except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
+        resp = Response.error(500, f"{type(err).__name__}: {err}")
+    try:
+        _write_response(conn, resp)
+    except OSError:
+        pass  # the client went away
 
 
 class UnixHTTPServer:
@@ -97,7 +126,7 @@ class UnixHTTPServer:
 
     def __init__(self, path: str, app: App) -> None:
         self.path = path
-        self.handler = type("Handler", (_Handler,), {"app": staticmethod(app)})
+        self.app = app
         self._sock: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._thread: threading.Thread | None = None
@@ -155,7 +184,7 @@ class UnixHTTPServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            self.handler(conn, "", self)
+            handle_connection(conn, self.app)
         except BaseException:  # noqa: BLE001
             pass
         finally:
