@@ -9,7 +9,7 @@ setup:
 	@bash .ci/setup.sh
 
 demo: setup
-	@$(PY) -m probing.demo
+	@$(PY) -m probing demo
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

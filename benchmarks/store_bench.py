@@ -37,15 +37,19 @@ def event_batches(rows: int) -> list[pa.RecordBatch]:
     for start in range(0, rows, BATCH):
         n = min(BATCH, rows - start)
         ts = ts0 + start * 900 + np.cumsum(rng.integers(200, 1600, n))
-        out.append(pa.record_batch({
-            "ts": ts.astype(np.int64),
-            "name": pa.array(names[rng.zipf(1.4, n) % 50]),
-            "dur_ns": rng.integers(2_000, 40_000, n).astype(np.int64),
-            "pid": np.full(n, 4242, dtype=np.int32),
-            "tid": (4242 + rng.integers(0, 4, n)).astype(np.int32),
-            "bytes": (1 << rng.integers(10, 26, n)).astype(np.int64),
-            "seq": np.arange(start, start + n, dtype=np.int64),
-        }))
+        out.append(
+            pa.record_batch(
+                {
+                    "ts": ts.astype(np.int64),
+                    "name": pa.array(names[rng.zipf(1.4, n) % 50]),
+                    "dur_ns": rng.integers(2_000, 40_000, n).astype(np.int64),
+                    "pid": np.full(n, 4242, dtype=np.int32),
+                    "tid": (4242 + rng.integers(0, 4, n)).astype(np.int32),
+                    "bytes": (1 << rng.integers(10, 26, n)).astype(np.int64),
+                    "seq": np.arange(start, start + n, dtype=np.int64),
+                }
+            )
+        )
     ts0 += 1
     return out
 
@@ -61,15 +65,16 @@ def bench_codec(codec: str, batches: list[pa.RecordBatch]) -> dict:
     tbl.flush()
     append_s = time.perf_counter() - t0
     st = tbl.stats()
-    sql = ("SELECT name, count(*) AS n, sum(dur_ns) AS d, max(ts) AS last "
-           "FROM bench.events GROUP BY name")
+    sql = (
+        "SELECT name, count(*) AS n, sum(dur_ns) AS d, max(ts) AS last "
+        "FROM bench.events GROUP BY name"
+    )
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         engine.sql(sql)
         times.append(time.perf_counter() - t0)
-    window = ("SELECT count(*) FROM bench.events WHERE ts > "
-              f"{batches[-1].column('ts')[0].as_py()}")
+    window = f"SELECT count(*) FROM bench.events WHERE ts > {batches[-1].column('ts')[0].as_py()}"
     t0 = time.perf_counter()
     engine.sql(window)
     window_ms = (time.perf_counter() - t0) * 1e3
@@ -92,8 +97,11 @@ def bench_external() -> dict:
         t.append((i, time.time_ns(), 1.0 / (i + 1), "fwd" if i % 2 else "bwd"))
     t.flush()
     dt = time.perf_counter() - t0
-    return {"rows": EXTERNAL_ROWS, "rows_per_s": round(EXTERNAL_ROWS / dt),
-            "compression_ratio": store.get("python", "steps").stats().compression_ratio}
+    return {
+        "rows": EXTERNAL_ROWS,
+        "rows_per_s": round(EXTERNAL_ROWS / dt),
+        "compression_ratio": store.get("python", "steps").stats().compression_ratio,
+    }
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ The package import is cheap on purpose: the ``.pth`` hook imports it in every
 interpreter of the environment, so heavy modules (datafusion, pyarrow) load
 only when a probe answers its first query or a table is created.
 
->>> import probing
->>> probing.enable()          # doctest: +SKIP
+Start the probe from code with ``probing.enable()``, or without touching the
+code with ``PROBING=1 python train.py`` or ``python -m probing run train.py``.
 """
 
 from __future__ import annotations

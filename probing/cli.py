@@ -18,7 +18,7 @@ app = typer.Typer(
         "Examples:\n\n"
         "  PROBING=1 python train.py &\n\n"
         "  probing ps\n\n"
-        "  probing query --pid 1234 \"SELECT name, state FROM process.threads\"\n\n"
+        '  probing query --pid 1234 "SELECT name, state FROM process.threads"\n\n'
         "  probing tables --pid 1234\n\n"
         "  probing doctor"
     ),
@@ -63,9 +63,9 @@ def ps() -> None:
 @app.command(
     epilog=(
         "Examples:\n\n"
-        "  probing query --pid 1234 \"SELECT count(*) FROM process.threads\"\n\n"
-        "  probing query -p 1234 -f json \"SELECT * FROM probing.tables\"\n\n"
-        "  probing query -p 1234 \"SELECT * FROM python.`torch.__version__`\""
+        '  probing query --pid 1234 "SELECT count(*) FROM process.threads"\n\n'
+        '  probing query -p 1234 -f json "SELECT * FROM probing.tables"\n\n'
+        '  probing query -p 1234 "SELECT * FROM python.`torch.__version__`"'
     )
 )
 def query(
@@ -139,6 +139,18 @@ def run(ctx: typer.Context, script: Annotated[str, typer.Argument(help="script t
     from probing.__main__ import run_script
 
     raise typer.Exit(run_script([script, *ctx.args]))
+
+
+@app.command(epilog="Examples:\n\n  probing demo\n\n  probing demo --seconds 5")
+def demo(
+    seconds: Annotated[
+        float, typer.Option(help="how long the job runs before the questions")
+    ] = 3.0,
+) -> None:
+    """Start a built-in example job with a probe and query it, step by step."""
+    from probing.demo import main as demo_main
+
+    raise typer.Exit(demo_main(seconds))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Talk to a probe: a transport (HTTP over a unix socket) under a facade.
 
->>> with ProbeClient.for_pid(1234) as probe:      # doctest: +SKIP
-...     probe.query("SELECT count(*) FROM process.threads")
+with ProbeClient.for_pid(1234) as probe:
+    table = probe.query("SELECT count(*) FROM process.threads")
 """
 
 from __future__ import annotations
@@ -49,17 +49,20 @@ class UnixTransport:
             return resp.status, resp.getheader("Content-Type", ""), resp.read()
         except PermissionError as err:
             raise AccessDenied(
-                f"not allowed to open {self.path}", pid=self.pid,
+                f"not allowed to open {self.path}",
+                pid=self.pid,
                 hint="run probing as the process's user or as root",
             ) from err
         except (FileNotFoundError, ConnectionRefusedError) as err:
             raise NoProbe(
-                f"no probe answers at {self.path}", pid=self.pid,
+                f"no probe answers at {self.path}",
+                pid=self.pid,
                 hint="the process exited, or its probe was stopped",
             ) from err
-        except (TimeoutError, socket.timeout) as err:
-            raise NoProbe(f"the probe of pid {self.pid} did not answer in {self.timeout:g} s",
-                          pid=self.pid) from err
+        except TimeoutError as err:
+            raise NoProbe(
+                f"the probe of pid {self.pid} did not answer in {self.timeout:g} s", pid=self.pid
+            ) from err
         except OSError as err:
             raise NoProbe(f"cannot talk to the probe at {self.path}: {err}", pid=self.pid) from err
         finally:
@@ -93,7 +96,9 @@ class ProbeClient:
             raise NoSuchProcess(f"process {pid} has exited (stale socket {path})", pid=pid)
         return cls(UnixTransport(path, pid=pid, timeout=timeout))
 
-    def _call(self, method: str, url: str, payload: dict[str, Any] | None = None) -> tuple[str, bytes]:
+    def _call(
+        self, method: str, url: str, payload: dict[str, Any] | None = None
+    ) -> tuple[str, bytes]:
         body = json.dumps(payload).encode() if payload is not None else None
         status, ctype, data = self.transport.request(method, url, body)
         if status == 200:

@@ -43,14 +43,23 @@ def kernel_version(release: str) -> tuple[int, int]:
 def check_kernel(release: str | None = None) -> Check:
     release = release or platform.release()
     ok = kernel_version(release) >= (5, 8)
-    return Check("kernel", ok, f"{release} (BPF ring buffers need >= 5.8)",
-                 "" if ok else "run on a kernel >= 5.8")
+    return Check(
+        "kernel",
+        ok,
+        f"{release} (BPF ring buffers need >= 5.8)",
+        "" if ok else "run on a kernel >= 5.8",
+    )
 
 
 def check_btf() -> Check:
     ok = os.path.exists("/sys/kernel/btf/vmlinux")
-    return Check("btf", ok, "/sys/kernel/btf/vmlinux" + (" present" if ok else " missing"),
-                 "" if ok else "use a kernel built with CONFIG_DEBUG_INFO_BTF=y", required=False)
+    return Check(
+        "btf",
+        ok,
+        "/sys/kernel/btf/vmlinux" + (" present" if ok else " missing"),
+        "" if ok else "use a kernel built with CONFIG_DEBUG_INFO_BTF=y",
+        required=False,
+    )
 
 
 def tracefs_dir() -> str | None:
@@ -62,16 +71,24 @@ def tracefs_dir() -> str | None:
 
 def check_tracefs() -> Check:
     d = tracefs_dir()
-    return Check("tracefs", d is not None, f"mounted at {d}" if d else "not mounted",
-                 "" if d else "mount -t tracefs nodev /sys/kernel/tracing (or: make setup)")
+    return Check(
+        "tracefs",
+        d is not None,
+        f"mounted at {d}" if d else "not mounted",
+        "" if d else "mount -t tracefs nodev /sys/kernel/tracing (or: make setup)",
+    )
 
 
 def check_bcc() -> Check:
     try:
         import bcc  # type: ignore[import-not-found]
     except Exception as err:  # ImportError, or OSError when libbcc is missing
-        return Check("bcc", False, f"not importable: {err}",
-                     "apt-get install python3-bpfcc, then make setup (links it into the venv)")
+        return Check(
+            "bcc",
+            False,
+            f"not importable: {err}",
+            "apt-get install python3-bpfcc, then make setup (links it into the venv)",
+        )
     version = getattr(bcc, "__version__", "?")
     return Check("bcc", True, f"{version} from {os.path.dirname(bcc.__file__)}")
 
@@ -83,9 +100,13 @@ def check_headers(release: str | None = None) -> Check:
     if ok:
         target = os.path.realpath(build)
         return Check("headers", True, f"{build} -> {target}")
-    return Check("headers", False, f"{build} missing (BCC compiles against it)",
-                 f"apt-get install linux-headers-{release} (or: make setup, which links "
-                 "the distribution's headers there)")
+    return Check(
+        "headers",
+        False,
+        f"{build} missing (BCC compiles against it)",
+        f"apt-get install linux-headers-{release} (or: make setup, which links "
+        "the distribution's headers there)",
+    )
 
 
 def check_bpf_caps(caps: int | None = None, euid: int | None = None) -> Check:
@@ -95,12 +116,20 @@ def check_bpf_caps(caps: int | None = None, euid: int | None = None) -> Check:
     perf = has_cap(caps, CAP_PERFMON) or has_cap(caps, CAP_SYS_ADMIN)
     ok = bpf and perf
     detail = f"euid {euid}, CAP_BPF {'yes' if bpf else 'no'}, CAP_PERFMON {'yes' if perf else 'no'}"
-    return Check("cap_bpf", ok, detail, "" if ok else
-                 "run as root, or grant CAP_BPF and CAP_PERFMON (setcap, or "
-                 "docker run --cap-add BPF --cap-add PERFMON)")
+    return Check(
+        "cap_bpf",
+        ok,
+        detail,
+        ""
+        if ok
+        else "run as root, or grant CAP_BPF and CAP_PERFMON (setcap, or "
+        "docker run --cap-add BPF --cap-add PERFMON)",
+    )
 
 
-def check_ptrace(caps: int | None = None, scope_path: str = "/proc/sys/kernel/yama/ptrace_scope") -> Check:
+def check_ptrace(
+    caps: int | None = None, scope_path: str = "/proc/sys/kernel/yama/ptrace_scope"
+) -> Check:
     caps = effective_caps() if caps is None else caps
     cap = has_cap(caps, CAP_SYS_PTRACE)
     try:
@@ -109,40 +138,64 @@ def check_ptrace(caps: int | None = None, scope_path: str = "/proc/sys/kernel/ya
     except (OSError, ValueError):
         scope = None
     if scope == 3:
-        return Check("ptrace", False, "yama ptrace_scope=3: ptrace is off until reboot",
-                     "boot with kernel.yama.ptrace_scope < 3")
+        return Check(
+            "ptrace",
+            False,
+            "yama ptrace_scope=3: ptrace is off until reboot",
+            "boot with kernel.yama.ptrace_scope < 3",
+        )
     if cap:
         return Check("ptrace", True, f"CAP_SYS_PTRACE held (ptrace_scope={scope})")
     if scope in (None, 0):
         return Check("ptrace", True, f"same-user attach allowed (ptrace_scope={scope})")
-    return Check("ptrace", False, f"yama ptrace_scope={scope} without CAP_SYS_PTRACE",
-                 "run as root, add SYS_PTRACE (docker --cap-add SYS_PTRACE), or "
-                 "echo 0 > /proc/sys/kernel/yama/ptrace_scope")
+    return Check(
+        "ptrace",
+        False,
+        f"yama ptrace_scope={scope} without CAP_SYS_PTRACE",
+        "run as root, add SYS_PTRACE (docker --cap-add SYS_PTRACE), or "
+        "echo 0 > /proc/sys/kernel/yama/ptrace_scope",
+    )
 
 
 def check_nvml() -> Check:
     try:
         import pynvml
     except ImportError as err:
-        return Check("nvml", False, f"pynvml missing: {err}", "pip install nvidia-ml-py",
-                     required=False)
+        return Check(
+            "nvml", False, f"pynvml missing: {err}", "pip install nvidia-ml-py", required=False
+        )
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
-        return Check("nvml", False, f"unavailable: {err} (GPU tables stay empty)",
-                     "install the NVIDIA driver (libnvidia-ml.so.1) on a GPU machine",
-                     required=False)
+        return Check(
+            "nvml",
+            False,
+            f"unavailable: {err} (GPU tables stay empty)",
+            "install the NVIDIA driver (libnvidia-ml.so.1) on a GPU machine",
+            required=False,
+        )
     try:
         n = pynvml.nvmlDeviceGetCount()
         drv = pynvml.nvmlSystemGetDriverVersion()
-        return Check("nvml", n > 0, f"driver {drv}, {n} device(s)",
-                     "" if n else "no NVIDIA device visible", required=False)
+        return Check(
+            "nvml",
+            n > 0,
+            f"driver {drv}, {n} device(s)",
+            "" if n else "no NVIDIA device visible",
+            required=False,
+        )
     finally:
         pynvml.nvmlShutdown()
 
 
 def run_all() -> list[Check]:
     return [
-        check_kernel(), check_btf(), check_tracefs(), check_bcc(), check_headers(),
-        check_bpf_caps(), check_ptrace(), check_nvml(),
+        check_kernel(),
+        check_btf(),
+        check_tracefs(),
+        check_bcc(),
+        check_headers(),
+        check_bpf_caps(),
+        check_ptrace(),
+        check_nvml(),
     ]

@@ -62,15 +62,22 @@ def spawn(runtime_dir: Path) -> Iterator:
     """spawn(code, env=..., args=...) starts ``python -c code`` and returns a Target."""
     started: list[Target] = []
 
-    def _spawn(code: str, *, probing: bool = True, env: dict[str, str] | None = None,
-               argv: list[str] | None = None, wait: bool = True) -> Target:
+    def _spawn(
+        code: str,
+        *,
+        probing: bool = True,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+        wait: bool = True,
+    ) -> Target:
         full_env = {**os.environ, "PROBING_RUNTIME_DIR": str(runtime_dir), **(env or {})}
         full_env.pop("PROBING", None)
         if probing:
             full_env["PROBING"] = "1"
         cmd = argv or [sys.executable, "-c", textwrap.dedent(code)]
-        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         target = Target(proc, runtime_dir)
         started.append(target)
         if probing and wait:
@@ -82,12 +89,16 @@ def spawn(runtime_dir: Path) -> Iterator:
         t.stop()
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run the ``probing`` command as a user would."""
     return subprocess.run(
         [sys.executable, "-m", "probing", *args],
         env=dict(os.environ, **(env or {})),
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -45,13 +45,24 @@ def test_headers_check_names_the_fix() -> None:
 def test_doctor_command_prints_every_check() -> None:
     r = cli("doctor", "--format", "json")
     checks = {c["name"]: c for c in json.loads(r.stdout)}
-    assert set(checks) == {"kernel", "btf", "tracefs", "bcc", "headers", "cap_bpf", "ptrace", "nvml"}
+    assert set(checks) == {
+        "kernel",
+        "btf",
+        "tracefs",
+        "bcc",
+        "headers",
+        "cap_bpf",
+        "ptrace",
+        "nvml",
+    }
     failed_required = [c for c in checks.values() if c["required"] and not c["ok"]]
     assert r.returncode == (1 if failed_required else 0)
     # without a GPU the NVML line explains itself instead of a traceback
     assert checks["nvml"]["detail"] and "Traceback" not in r.stderr
     text = cli("doctor")
-    assert all(line.split()[0] in ("OK", "FAIL", "WARN", "fix:") for line in text.stdout.splitlines())
+    assert all(
+        line.split()[0] in ("OK", "FAIL", "WARN", "fix:") for line in text.stdout.splitlines()
+    )
 
 
 def test_render_fits_80_columns() -> None:

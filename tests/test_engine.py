@@ -31,9 +31,7 @@ def test_process_threads_names_python_threads(engine: Engine) -> None:
     t = threading.Thread(target=stop.wait, name="data-loader-7")
     t.start()
     try:
-        rows = engine.sql(
-            "SELECT tid, name, is_python, is_main FROM process.threads"
-        ).to_pylist()
+        rows = engine.sql("SELECT tid, name, is_python, is_main FROM process.threads").to_pylist()
     finally:
         stop.set()
         t.join()
@@ -43,13 +41,16 @@ def test_process_threads_names_python_threads(engine: Engine) -> None:
     assert by_tid[threading.main_thread().native_id]["is_main"] is True
 
 
-@pytest.mark.parametrize("sql", [
-    "CREATE TABLE x AS SELECT 1",
-    "CREATE VIEW v AS SELECT 1",
-    "INSERT INTO probing.tables VALUES ('a')",
-    "SET datafusion.execution.batch_size = 1",
-    "DROP TABLE probing.tables",
-])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "CREATE TABLE x AS SELECT 1",
+        "CREATE VIEW v AS SELECT 1",
+        "INSERT INTO probing.tables VALUES ('a')",
+        "SET datafusion.execution.batch_size = 1",
+        "DROP TABLE probing.tables",
+    ],
+)
 def test_writes_and_statements_are_refused(engine: Engine, sql: str) -> None:
     with pytest.raises(QueryError):
         engine.sql(sql)
@@ -71,12 +72,13 @@ def test_python_expressions_become_tables(engine: Engine) -> None:
     t = engine.sql("SELECT value FROM python.`time.time()`").column(0)[0].as_py()
     assert isinstance(t, float) and t > 1.6e9  # `time` imported on demand
     assert engine.sql("SELECT a, b FROM python.`{'a': 1, 'b': 'x'}`").to_pylist() == [
-        {"a": 1, "b": "x"}]
+        {"a": 1, "b": "x"}
+    ]
     assert engine.sql("SELECT * FROM python.`{'a': [1, 2], 'b': [3, 4]}`").num_rows == 2
-    assert engine.sql("SELECT sum(k) AS s FROM python.`[{'k': i} for i in range(5)]`"
-                      ).to_pylist() == [{"s": 10}]
-    assert engine.sql("SELECT count(*) AS n FROM python.`list(range(7))`").to_pylist() == [
-        {"n": 7}]
+    assert engine.sql(
+        "SELECT sum(k) AS s FROM python.`[{'k': i} for i in range(5)]`"
+    ).to_pylist() == [{"s": 10}]
+    assert engine.sql("SELECT count(*) AS n FROM python.`list(range(7))`").to_pylist() == [{"n": 7}]
 
 
 def test_python_expression_errors_are_query_errors(engine: Engine) -> None:
@@ -111,7 +113,8 @@ def test_external_table_checks_rows(engine: Engine) -> None:
         t.append({"zzz": 1})
     t.append([1, "x"])
     assert engine.sql("SELECT arrow_typeof(a) AS t FROM python.typed").to_pylist() == [
-        {"t": "Int32"}]
+        {"t": "Int32"}
+    ]
     with pytest.raises(ValueError, match="already exists"):
         ExternalTable("typed", ["other"], store=engine.store)
 
@@ -121,5 +124,6 @@ def test_store_tables_appear_in_their_schema(engine: Engine) -> None:
         engine.sql("SELECT * FROM demo.calls")
     engine.store.table("demo", "calls").append_batch({"x": [1, 2, 3]})
     assert engine.sql("SELECT sum(x) AS s FROM demo.calls").to_pylist() == [{"s": 6}]
-    assert engine.sql(
-        "SELECT rows FROM probing.tables WHERE \"schema\" = 'demo'").to_pylist() == [{"rows": 3}]
+    assert engine.sql("SELECT rows FROM probing.tables WHERE \"schema\" = 'demo'").to_pylist() == [
+        {"rows": 3}
+    ]

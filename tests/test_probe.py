@@ -31,7 +31,9 @@ def raw_http(path: str, request: bytes) -> bytes:
 
 def post_sql(path: str, sql: str) -> tuple[int, dict]:
     body = json.dumps({"sql": sql, "format": "json"}).encode()
-    resp = raw_http(path, b"POST /query HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    resp = raw_http(
+        path, b"POST /query HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     head, _, payload = resp.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(payload)
 
@@ -59,12 +61,16 @@ def test_bad_query_is_reported_and_the_next_one_works(spawn) -> None:
 def test_ddl_and_dml_over_http_are_refused(spawn) -> None:
     t = spawn(IDLE_LOOP)
     path = str(t.socket())
-    for sql in ("CREATE TABLE x AS SELECT 1", "INSERT INTO probing.tables VALUES (1)",
-                "CREATE VIEW v AS SELECT 1"):
+    for sql in (
+        "CREATE TABLE x AS SELECT 1",
+        "INSERT INTO probing.tables VALUES (1)",
+        "CREATE VIEW v AS SELECT 1",
+    ):
         status, err = post_sql(path, sql)
         assert status == 400 and err["type"] == "QueryError", (sql, err)
-    status, rows = post_sql(path, "SELECT count(*) AS n FROM information_schema.tables "
-                                  "WHERE table_name IN ('x', 'v')")
+    status, rows = post_sql(
+        path, "SELECT count(*) AS n FROM information_schema.tables WHERE table_name IN ('x', 'v')"
+    )
     assert status == 200 and rows == [{"n": 0}]
 
 
@@ -110,8 +116,12 @@ def test_a_dead_process_gets_a_clear_message(spawn) -> None:
 def test_python_m_probing_run(spawn, tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text("import sys, time\nARGS = sys.argv[1:]\nwhile True: time.sleep(0.05)\n")
-    t = spawn("", probing=False, argv=[sys.executable, "-m", "probing", "run", str(script),
-                                       "--lr", "0.1"], wait=False)
+    t = spawn(
+        "",
+        probing=False,
+        argv=[sys.executable, "-m", "probing", "run", str(script), "--lr", "0.1"],
+        wait=False,
+    )
     t.wait_for_probe()
     rows = ProbeClient.for_pid(t.pid).query("SELECT * FROM python.`ARGS`").to_pylist()
     assert [r["value"] for r in rows] == ["--lr", "0.1"]
@@ -199,16 +209,22 @@ def test_idle_probe_is_quiet(spawn) -> None:
     """An idle probe blocks in select(): its threads sleep, no CPU ticks."""
     t = spawn("import time\ntime.sleep(60)\n")
     time.sleep(0.3)
+
     def cpu_ticks() -> int:
         with open(f"/proc/{t.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])
+
     before = cpu_ticks()
     time.sleep(2)
     assert cpu_ticks() - before <= 1
 
 
 def test_subprocess_without_env_has_no_probe(runtime_dir) -> None:
-    out = subprocess.run([sys.executable, "-c", "import probing.probe.runtime as r; print(r.current())"],
-                         capture_output=True, text=True, env=dict(os.environ, PROBING="0"))
+    out = subprocess.run(
+        [sys.executable, "-c", "import probing.probe.runtime as r; print(r.current())"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PROBING="0"),
+    )
     assert out.stdout.strip() == "None"

@@ -14,13 +14,15 @@ def events(n: int, start: int = 0, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     names = np.array([f"ncclKernel_AllReduce_RING_LL_Sum_f{i}" for i in range(50)])
     ts = 1_700_000_000_000_000_000 + start * 1000 + np.cumsum(rng.integers(200, 2000, n))
-    return pa.table({
-        "ts": ts.astype(np.int64),
-        "name": names[rng.zipf(1.5, n) % 50],
-        "dur_ns": rng.integers(1_000, 50_000, n).astype(np.int64),
-        "rank": (np.arange(n) % 8).astype(np.int32),
-        "bytes": (1 << rng.integers(10, 24, n)).astype(np.int64),
-    })
+    return pa.table(
+        {
+            "ts": ts.astype(np.int64),
+            "name": names[rng.zipf(1.5, n) % 50],
+            "dur_ns": rng.integers(1_000, 50_000, n).astype(np.int64),
+            "rank": (np.arange(n) % 8).astype(np.int32),
+            "bytes": (1 << rng.integers(10, 24, n)).astype(np.int64),
+        }
+    )
 
 
 def test_rows_are_visible_before_and_after_sealing() -> None:
@@ -73,8 +75,13 @@ def test_byte_budget_retires_oldest_chunks_and_counts_them() -> None:
         assert st.retired_rows > 0
         assert st.rows + st.retired_rows == 200_000
         # the newest rows survive, the oldest went
-        assert tbl.to_arrow().column("ts").to_numpy().max() == events(
-            10_000, start=190_000, seed=19 if tbl is a else 119).column("ts").to_numpy().max()
+        assert (
+            tbl.to_arrow().column("ts").to_numpy().max()
+            == events(10_000, start=190_000, seed=19 if tbl is a else 119)
+            .column("ts")
+            .to_numpy()
+            .max()
+        )
 
 
 def test_age_limit_retires_sealed_chunks() -> None:
@@ -107,8 +114,20 @@ def test_a_million_events_compress_5x_and_sum_right() -> None:
     expect = (
         data.group_by("name")
         .aggregate([("name", "count"), ("dur_ns", "sum"), ("bytes", "sum")])
-        .sort_by("name").to_pylist()
+        .sort_by("name")
+        .to_pylist()
     )
     assert [(r["name"], r["n"], r["d"], r["b"]) for r in got] == [
         (r["name"], r["name_count"], r["dur_ns_sum"], r["bytes_sum"]) for r in expect
     ]
+
+
+def test_idle_pending_rows_are_sealed_at_the_next_read() -> None:
+    store = Store(seal_after_s=0.0)
+    ext = ExternalTable("slow", ["a", "b"], store=store)
+    for i in range(300):
+        ext.append([i, "x"])
+    tbl = store.get("python", "slow")
+    assert tbl.to_arrow().num_rows == 300
+    st = tbl.stats()
+    assert st.chunks == 1 and st.pending_rows == 0 and st.stored_bytes < st.raw_bytes

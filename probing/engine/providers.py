@@ -99,7 +99,8 @@ class ProbeCatalog(CatalogProvider):
         names.update(t.schema_name for t in self._store.tables())
         return names
 
-    def schema(self, name: str) -> Schema | None:
+    def schema(self, name: str) -> ProbeSchema | None:  # type: ignore[override]
+        # datafusion-python accepts the provider itself here and wraps it.
         if name not in self.schema_names():
             return None
-        return self.schema_for(name)  # type: ignore[return-value]
+        return self.schema_for(name)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pyarrow as pa
 from datafusion import SessionConfig, SessionContext, SQLOptions
 
@@ -13,9 +11,7 @@ from probing.store import Store, default_store
 
 CATALOG = "probing"
 
-READ_ONLY = (
-    SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
-)
+READ_ONLY = SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
 
 
 class Engine:
@@ -37,7 +33,6 @@ class Engine:
         )
         self.ctx = SessionContext(config)
         self.ctx.register_catalog_provider(CATALOG, self.catalog)
-        self._lock = threading.Lock()
 
     def schema(self, name: str) -> ProbeSchema:
         return self.catalog.schema_for(name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -94,5 +93,3 @@ def make_app(probe: Probe):  # type: ignore[no-untyped-def]
             return Response.error(500, str(err), type(err).__name__)
 
     return app
-
-

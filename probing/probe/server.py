@@ -55,8 +55,14 @@ def _peer_uid(conn: socket.socket) -> int | None:
         return None
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
-            413: "Payload Too Large", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    413: "Payload Too Large",
+    500: "Internal Server Error",
+}
 
 
 def _read_request(conn: socket.socket) -> tuple[str, str, bytes] | None:

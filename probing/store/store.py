@@ -40,8 +40,8 @@ class Store:
         seal_after_s: float = 2.0,
     ) -> None:
         self.max_bytes = int(max_bytes or _env_float("PROBING_STORE_BYTES", DEFAULT_MAX_BYTES))
-        self.max_age_s = max_age_s if max_age_s is not None else _env_float(
-            "PROBING_STORE_AGE_S", None
+        self.max_age_s = (
+            max_age_s if max_age_s is not None else _env_float("PROBING_STORE_AGE_S", None)
         )
         self.chunk_rows = int(chunk_rows or DEFAULT_CHUNK_ROWS)
         self.codec = get_codec(codec or os.environ.get("PROBING_STORE_CODEC", DEFAULT_CODEC))

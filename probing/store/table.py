@@ -50,9 +50,7 @@ class EventTable:
     being sealed and pending batches alike, so no row is ever invisible.
     """
 
-    def __init__(
-        self, store: Store, schema_name: str, name: str, schema: pa.Schema | None
-    ) -> None:
+    def __init__(self, store: Store, schema_name: str, name: str, schema: pa.Schema | None) -> None:
         self._store = store
         self.schema_name = schema_name
         self.name = name
@@ -82,11 +80,16 @@ class EventTable:
         self._lock = threading.Lock()
 
     # -- writing -------------------------------------------------------------
-    def append_batch(self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> int:
+    def append_batch(
+        self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any], *, since: float | None = None
+    ) -> int:
         """Append many rows at once; returns the number of rows appended.
 
         ``batch`` is a RecordBatch, a Table, or a mapping of column name to
         an array-like (numpy array, list, pyarrow array) of equal lengths.
+        ``since`` is when the oldest of these rows was produced (monotonic
+        clock), for a writer that buffered them: pending rows older than
+        ``seal_after_s`` are sealed (compressed) at the next read.
         """
         batches = self._conform(batch)
         rows = sum(b.num_rows for b in batches)
@@ -95,7 +98,7 @@ class EventTable:
         to_seal = None
         with self._lock:
             if not self._pending:
-                self._pending_since = time.monotonic()
+                self._pending_since = since if since is not None else time.monotonic()
             self._pending.extend(batches)
             self._pending_rows += rows
             if self._pending_rows >= self._store.chunk_rows:
@@ -116,13 +119,17 @@ class EventTable:
         if to_seal is not None:
             self._seal(to_seal)
 
-    def _conform(self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> list[pa.RecordBatch]:
+    def _conform(
+        self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]
+    ) -> list[pa.RecordBatch]:
         if isinstance(batch, Mapping):
             batch = pa.table(dict(batch))
         if isinstance(batch, pa.RecordBatch):
             batch = pa.Table.from_batches([batch])
         if not isinstance(batch, pa.Table):
-            raise TypeError(f"append_batch takes a RecordBatch, Table or mapping, not {type(batch)}")
+            raise TypeError(
+                f"append_batch takes a RecordBatch, Table or mapping, not {type(batch)}"
+            )
         with self._lock:
             if self._schema is None:
                 self._schema = batch.schema
@@ -179,9 +186,7 @@ class EventTable:
 
     def stored_bytes(self) -> int:
         with self._lock:
-            return sum(c.stored_bytes for c in self._chunks) + sum(
-                b.nbytes for b in self._pending
-            )
+            return sum(c.stored_bytes for c in self._chunks) + sum(b.nbytes for b in self._pending)
 
     # -- reading -------------------------------------------------------------
     def dataset(self) -> ds.Dataset:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -62,6 +63,7 @@ class ExternalTable:
                 f"python.{name} already exists with columns {existing.names}, not {self.columns}"
             )
         self._buf: list[list[Any]] = [[] for _ in self.columns]
+        self._buf_since = 0.0
         self._lock = threading.Lock()
         self._table.add_before_read(self.flush)
 
@@ -72,6 +74,8 @@ class ExternalTable:
         """Append one row: a sequence in column order, or a mapping by column name."""
         values = self._row_values(row)
         with self._lock:
+            if not self._buf[0]:
+                self._buf_since = time.monotonic()
             for col, v in zip(self._buf, values, strict=True):
                 col.append(v)
             full = len(self._buf[0]) >= FLUSH_ROWS
@@ -103,6 +107,7 @@ class ExternalTable:
             if not self._buf[0]:
                 return
             buf, self._buf = self._buf, [[] for _ in self.columns]
+            since = self._buf_since
         schema = self._table.schema
         try:
             if schema is None:
@@ -112,4 +117,4 @@ class ExternalTable:
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as err:
             self._table.count_dropped(len(buf[0]))
             raise ValueError(f"rows do not fit python.{self.name}: {err}") from err
-        self._table.append_batch(pa.Table.from_arrays(arrays, names=self.columns))
+        self._table.append_batch(pa.Table.from_arrays(arrays, names=self.columns), since=since)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -105,5 +104,3 @@ def threads() -> pa.Table:
             }
         )
     return pa.Table.from_pylist(rows, schema=THREAD_SCHEMA)
-
-
