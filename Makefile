@@ -12,7 +12,8 @@ demo: setup
 	@$(PY) -m probing demo
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/ruff check probing tests benchmarks
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done
