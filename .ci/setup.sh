@@ -26,30 +26,25 @@ command -v gcc >/dev/null || need+=(gcc)
 command -v make >/dev/null || need+=(make)
 
 headers_ok() { [ -d "/lib/modules/$KREL/build/include" ]; }
-header_pkg=""
-if ! headers_ok; then
-  if ls -d /usr/src/linux-headers-* >/dev/null 2>&1; then :; else
-    if apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then header_pkg="linux-headers-$KREL"
-    elif apt-cache show linux-headers-amd64 >/dev/null 2>&1 && [ "$(dpkg --print-architecture)" = amd64 ]; then header_pkg=linux-headers-amd64
-    elif apt-cache show linux-headers-arm64 >/dev/null 2>&1 && [ "$(dpkg --print-architecture)" = arm64 ]; then header_pkg=linux-headers-arm64
-    else header_pkg=linux-headers-generic; fi
-    need+=("$header_pkg")
-  fi
+have_header_src() { ls -d /usr/src/linux-headers-* >/dev/null 2>&1; }
+updated=""
+apt_update() { [ -n "$updated" ] || { as_root apt-get update -qq && updated=1; }; }
+export DEBIAN_FRONTEND=noninteractive
+
+if ! headers_ok && ! have_header_src; then
+  apt_update
+  arch=$(dpkg --print-architecture)
+  # the running kernel's own headers when the archive has them, else the
+  # distribution's default ones (Debian: linux-headers-<arch>, Ubuntu: -generic)
+  for pkg in "linux-headers-$KREL" "linux-headers-$arch" linux-headers-generic; do
+    if apt-cache show "$pkg" >/dev/null 2>&1; then need+=("$pkg"); break; fi
+  done
 fi
 
 if [ ${#need[@]} -gt 0 ]; then
   say "installing ${need[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  as_root apt-get update -qq
-  # the running kernel's own headers may not exist in the archive: fall back
-  if ! as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; then
-    if [ -n "$header_pkg" ] && [ "$header_pkg" = "linux-headers-$KREL" ]; then
-      need=("${need[@]/$header_pkg/linux-headers-$(dpkg --print-architecture)}")
-      as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-    else
-      exit 1
-    fi
-  fi
+  apt_update
+  as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
 # --- kernel headers where BCC looks for them ----------------------------------
