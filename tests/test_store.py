@@ -131,3 +131,98 @@ def test_idle_pending_rows_are_sealed_at_the_next_read() -> None:
     assert tbl.to_arrow().num_rows == 300
     st = tbl.stats()
     assert st.chunks == 1 and st.pending_rows == 0 and st.stored_bytes < st.raw_bytes
+
+
+def test_queries_during_appends_never_see_a_row_twice() -> None:
+    """Snapshots are consistent while a writer seals chunks underneath them."""
+    import threading
+
+    store = Store(chunk_rows=3000, max_bytes=1 << 30)
+    engine = Engine(store)
+    install(engine)
+    tbl = store.table("t", "seqs")
+    stop = threading.Event()
+    batch = 1000
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set() and i < 400:
+            tbl.append_batch({"seq": np.arange(i * batch, (i + 1) * batch, dtype=np.int64)})
+            i += 1
+
+    w = threading.Thread(target=writer)
+    w.start()
+    seen = []
+    try:
+        for _ in range(40):
+            r = engine.sql(
+                "SELECT count(*) AS n, count(DISTINCT seq) AS d, max(seq) AS m FROM t.seqs"
+            ).to_pylist()[0]
+            seen.append(r)
+    finally:
+        stop.set()
+        w.join()
+    for r in seen:
+        assert r["n"] == r["d"], r  # no duplicates
+        assert r["n"] % batch == 0 and (r["n"] == 0 or r["m"] == r["n"] - 1), r  # no gaps
+    assert [r["n"] for r in seen] == sorted(r["n"] for r in seen)
+
+
+def test_chunk_files_live_in_one_directory_per_process(tmp_path, monkeypatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PROBING_CHUNK_DIR", str(tmp_path))
+    code = (
+        "import os, sys, numpy as np\n"
+        "from probing.store import Store\n"
+        "s = Store(chunk_rows=10)\n"
+        "s.table('t', 'x').append_batch({'a': np.arange(100)})\n"
+        "print(s.chunk_root(), flush=True)\n"
+        "os.kill(os.getpid(), 9) if sys.argv[1] == 'kill' else None\n"
+    )
+    env = {**os.environ, "PROBING_CHUNK_DIR": str(tmp_path)}
+    killed = subprocess.run(
+        [sys.executable, "-c", code, "kill"], env=env, capture_output=True, text=True
+    )
+    left = killed.stdout.strip()
+    assert os.path.isdir(left) and any(
+        f.endswith(".parquet") for _, _, fs in os.walk(left) for f in fs
+    )
+    clean = subprocess.run(
+        [sys.executable, "-c", code, "exit"], env=env, capture_output=True, text=True
+    )
+    assert clean.returncode == 0, clean.stderr
+    assert not os.path.exists(left)  # the dead process's files were removed
+    assert not os.path.exists(clean.stdout.strip())  # and its own at exit
+
+
+def test_forked_child_keeps_its_own_copy_of_the_chunks(tmp_path, monkeypatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, numpy as np\n"
+        "from probing.store import default_store\n"
+        "import probing.probe.runtime\n"  # installs the fork hook
+        "s = default_store(); s.chunk_rows = 10\n"
+        "t = s.table('t', 'x'); t.append_batch({'a': np.arange(100)})\n"
+        "r, w = os.pipe(); r2, w2 = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(w2, b'x')\n"  # the fork hook has run: chunks linked
+        "    os.read(r, 1)\n"
+        "    print('child', t.to_arrow().num_rows, flush=True); os._exit(0)\n"
+        "os.read(r2, 1)\n"
+        "s.max_bytes = 0; s.enforce_retention()\n"  # the parent retires everything
+        "os.write(w, b'x'); os.waitpid(pid, 0)\n"
+        "print('parent', t.stats().rows, t.stats().retired_rows, flush=True)\n"
+    )
+    env = {**os.environ, "PROBING_CHUNK_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["child 100", "parent 0 100"]

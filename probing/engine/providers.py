@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+from datafusion import DataFrame, SessionContext, col, lit
 from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 
 from probing.store import Store
+from probing.store.table import CHUNK_COL, Snapshot
 
 TableData = pa.Table | ds.Dataset
 Producer = Callable[[], TableData]
@@ -31,12 +33,59 @@ def as_table(data: TableData) -> Table:
     return Table(data)
 
 
+def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
+    """A store table as DataFusion sees it: a native scan of the sealed chunk
+    files (projection, and pruning on their min/max statistics, with no
+    Python and no GIL in the loop) unioned with the rows not sealed yet.
+
+    Building it blocks on DataFusion's runtime (file listing), so it must
+    run outside a query: ``ProbeCatalog.prepare`` does it before planning.
+    """
+    frames = []
+    if snap.chunk_dir is not None:
+        parts = [(CHUNK_COL, pa.int64())]
+        if snap.paths[0].endswith(".parquet"):
+            df = ctx.read_parquet(snap.chunk_dir, table_partition_cols=parts, schema=snap.schema)
+        else:
+            df = ctx.read_arrow(snap.chunk_dir, file_partition_cols=parts, schema=snap.schema)
+        in_range = (col(CHUNK_COL) >= lit(snap.first_chunk)) & (
+            col(CHUNK_COL) <= lit(snap.last_chunk)
+        )
+        frames.append(df.filter(in_range).select(*[col(n) for n in snap.schema.names]))
+    if snap.pending.num_rows or not frames:
+        # not ctx.from_arrow: it registers a temporary table in the default
+        # schema, which is ours and keeps no such tables
+        frames.append(ctx.read_table(Table(ds.dataset(snap.pending))))
+    df = frames[0]
+    for other in frames[1:]:
+        df = df.union(other)
+    return df
+
+
+def snapshot_dataset(snap: Snapshot) -> ds.Dataset:
+    """The same rows as a pyarrow dataset: slower (DataFusion pulls batches
+    through Python), but it can be built while a query is being planned."""
+    parts: list[ds.Dataset] = []
+    if snap.paths:
+        fmt = "parquet" if snap.paths[0].endswith(".parquet") else "ipc"
+        parts.append(ds.dataset(list(snap.paths), schema=snap.schema, format=fmt))
+    if snap.pending.num_rows or not parts:
+        parts.append(ds.dataset(snap.pending))
+    return parts[0] if len(parts) == 1 else ds.dataset(parts)
+
+
 class ProbeSchema(SchemaProvider):
     """One SQL schema: static producers, store tables, then an optional resolver."""
 
-    def __init__(self, name: str, store: Store | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        store: Store | None = None,
+        prepared: dict[tuple[str, str], Table] | None = None,
+    ) -> None:
         self.name = name
         self._store = store
+        self._prepared = prepared if prepared is not None else {}
         self._producers: dict[str, Producer] = {}
         self._resolver: Resolver | None = None
         self._lock = threading.Lock()
@@ -68,7 +117,8 @@ class ProbeSchema(SchemaProvider):
         if producer is not None:
             return as_table(producer())
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:
-            return Table(tbl.dataset())
+            prepared = self._prepared.get((self.name, name))
+            return prepared if prepared is not None else Table(snapshot_dataset(tbl.snapshot()))
         if self._resolver is not None and (data := self._resolver(name)) is not None:
             return as_table(data)
         return None
@@ -83,14 +133,30 @@ class ProbeCatalog(CatalogProvider):
     def __init__(self, store: Store) -> None:
         self._store = store
         self._schemas: dict[str, ProbeSchema] = {}
+        self._prepared: dict[tuple[str, str], Table] = {}
         self._lock = threading.Lock()
+
+    def prepare(self, ctx: SessionContext, sql: str) -> None:
+        """Snapshot the store tables ``sql`` may read, as native scans.
+
+        Called before planning (outside DataFusion's runtime). Tables whose
+        name does not appear in the text are still answered, through the
+        slower pyarrow path. Each snapshot is consistent on its own.
+        """
+        text = sql.lower()
+        everything = "information_schema" in text or "show" in text
+        for tbl in self._store.tables():
+            if tbl.schema is None or not (everything or tbl.name.lower() in text):
+                continue
+            key = (tbl.schema_name, tbl.name)
+            self._prepared[key] = Table(snapshot_frame(ctx, tbl.snapshot()))
 
     def schema_for(self, name: str) -> ProbeSchema:
         """The schema ``name``, created (backed by the store) on first use."""
         with self._lock:
             sch = self._schemas.get(name)
             if sch is None:
-                sch = self._schemas[name] = ProbeSchema(name, self._store)
+                sch = self._schemas[name] = ProbeSchema(name, self._store, self._prepared)
             return sch
 
     def schema_names(self) -> set[str]:

@@ -33,6 +33,10 @@ class Engine:
         )
         self.ctx = SessionContext(config)
         self.ctx.register_catalog_provider(CATALOG, self.catalog)
+        # Chunk directories change between queries: never reuse a file
+        # listing. Footers of immutable chunk files may be cached, a little.
+        self.ctx.sql("SET datafusion.runtime.list_files_cache_limit = 0")
+        self.ctx.sql("SET datafusion.runtime.metadata_cache_limit = '16M'")
 
     def schema(self, name: str) -> ProbeSchema:
         return self.catalog.schema_for(name)
@@ -49,14 +53,21 @@ class Engine:
         """Run one query; raise ``QueryError`` with the engine's message."""
         if not query or not query.strip():
             raise QueryError("empty query")
-        try:
-            if read_only:
-                df = self.ctx.sql_with_options(query, READ_ONLY)
-            else:
-                df = self.ctx.sql(query)
-            return df.to_arrow_table()
-        except Exception as err:  # datafusion raises plain Exception subclasses
-            raise QueryError(_clean(str(err))) from err
+        for attempt in (1, 2):
+            try:
+                self.catalog.prepare(self.ctx, query)
+                if read_only:
+                    df = self.ctx.sql_with_options(query, READ_ONLY)
+                else:
+                    df = self.ctx.sql(query)
+                return df.to_arrow_table()
+            except Exception as err:  # datafusion raises plain Exception subclasses
+                msg = _clean(str(err))
+                # retention removed a chunk between snapshot and scan: once more
+                if attempt == 1 and "No such file" in msg:
+                    continue
+                raise QueryError(msg) from err
+        raise AssertionError("unreachable")
 
 
 def _clean(msg: str) -> str:

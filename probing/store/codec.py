@@ -35,6 +35,17 @@ class Codec:
     container: str  # "parquet" or "ipc": the pyarrow.dataset format to read it back
     compression: str  # "zstd", "lz4" or "none"
 
+    @property
+    def extension(self) -> str:
+        return ".parquet" if self.container == "parquet" else ".arrow"
+
+    def decode(self, path: str, schema: pa.Schema | None = None) -> pa.Table:
+        """Read a chunk file back (DataFusion reads them natively; this is for Python)."""
+        if self.container == "parquet":
+            return pq.read_table(path, schema=schema)
+        with pa.memory_map(path) as source:
+            return ipc.open_file(source).read_all()
+
     def encode(self, table: pa.Table) -> pa.Buffer:
         sink = pa.BufferOutputStream()
         if self.container == "parquet":

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
 from probing.store.codec import DEFAULT_CODEC, get_codec
-from probing.store.memfs import MemoryFS
 from probing.store.table import EventTable, TableStats
 
 DEFAULT_MAX_BYTES = 256 << 20
@@ -22,12 +24,56 @@ def _env_float(name: str, default: float | None) -> float | None:
     return float(raw) if raw else default
 
 
+_ROOT_NAME = re.compile(r"^chunks-(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def chunk_base(need_bytes: int) -> str:
+    """Where chunk files go: ``$PROBING_CHUNK_DIR``, else /dev/shm (memory,
+    like the rest of the process's data) when it has room for the whole
+    budget, else the temp directory."""
+    explicit = os.environ.get("PROBING_CHUNK_DIR")
+    if explicit:
+        return explicit
+    try:
+        st = os.statvfs("/dev/shm")
+        if os.access("/dev/shm", os.W_OK) and st.f_bavail * st.f_frsize >= need_bytes:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+def remove_stale_roots(user_dir: str) -> None:
+    """Remove chunk directories left by processes that died without cleaning up."""
+    try:
+        names = os.listdir(user_dir)
+    except OSError:
+        return
+    for name in names:
+        m = _ROOT_NAME.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
+
+
 class Store:
     """Append-only compressed column tables with retention by bytes and age.
 
-    Retention retires whole sealed chunks, oldest first across all tables,
-    and counts what it retired per table (``retired_rows``/``retired_bytes``);
-    nothing disappears without a count in ``probing.tables``.
+    Sealed chunks are files under one directory per process (on tmpfs when it
+    has room), removed when the process exits, or by the next probe of this
+    user if the process was killed. Retention retires whole sealed chunks,
+    oldest first across all tables, and counts what it retired per table
+    (``retired_rows``/``retired_bytes``); nothing disappears without a count
+    in ``probing.tables``.
     """
 
     def __init__(
@@ -46,10 +92,29 @@ class Store:
         self.chunk_rows = int(chunk_rows or DEFAULT_CHUNK_ROWS)
         self.codec = get_codec(codec or os.environ.get("PROBING_STORE_CODEC", DEFAULT_CODEC))
         self.seal_after_s = seal_after_s
-        self.fs = MemoryFS()
-        self.pyfs = pafs.PyFileSystem(self.fs)
+        self._root: str | None = None
+        self._root_pid = 0
         self._tables: dict[tuple[str, str], EventTable] = {}
         self._lock = threading.RLock()
+
+    def chunk_root(self) -> str:
+        """This process's chunk directory, created on first use."""
+        with self._lock:
+            if self._root is None or self._root_pid != os.getpid():
+                user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
+                os.makedirs(user_dir, mode=0o700, exist_ok=True)
+                remove_stale_roots(user_dir)
+                self._root = tempfile.mkdtemp(prefix=f"chunks-{os.getpid()}-", dir=user_dir)
+                self._root_pid = os.getpid()
+                atexit.register(self.close)
+            return self._root
+
+    def close(self) -> None:
+        """Remove this process's chunk files (at exit; safe to call twice)."""
+        with self._lock:
+            root, self._root = self._root, None
+        if root is not None and self._root_pid == os.getpid():
+            shutil.rmtree(root, ignore_errors=True)
 
     def table(self, schema: str, name: str, arrow_schema: pa.Schema | None = None) -> EventTable:
         """The table ``schema.name``, created on first use."""
@@ -93,10 +158,17 @@ class Store:
                 total -= chunk.stored_bytes if chunk else 0
 
     def reinit_after_fork(self) -> None:
+        """In a forked child: fresh locks, and the chunks hard-linked into a
+        directory of the child's own, so the two processes never share files."""
         self._lock = threading.RLock()
-        self.fs.reinit_after_fork()
+        old_root = self._root
+        self._root = None
         for t in self._tables.values():
             t.reinit_after_fork()
+        if old_root is not None:
+            new_root = self.chunk_root()
+            for t in self._tables.values():
+                t.relink_chunks(old_root, new_root)
 
 
 _default: Store | None = None

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 
 if TYPE_CHECKING:
     from probing.store.store import Store
@@ -20,11 +21,32 @@ _chunk_ids = itertools.count()
 
 @dataclasses.dataclass
 class Chunk:
+    id: int
     path: str
     rows: int
     raw_bytes: int
     stored_bytes: int
     sealed_at: float  # time.monotonic()
+
+
+CHUNK_COL = "__probing_chunk"  # hive-style partition column: one directory per chunk
+
+
+class Snapshot(NamedTuple):
+    """What a query reads, consistent at one instant: sealed chunks
+    ``first_chunk..last_chunk`` under ``chunk_dir`` (``chunk_dir`` is None
+    when there are none) and the rows not sealed yet, as one Arrow table.
+
+    Chunks sealed after the snapshot (from rows that are in ``pending``) fall
+    outside the chunk range, so no row is read twice.
+    """
+
+    schema: pa.Schema
+    chunk_dir: str | None
+    first_chunk: int
+    last_chunk: int
+    paths: tuple[str, ...]
+    pending: pa.Table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +68,9 @@ class EventTable:
     """Rows arrive as Arrow batches; every ``chunk_rows`` they are sealed.
 
     Sealing concatenates the pending batches and encodes them with the
-    store's codec into an in-memory file. Queries see sealed chunks, batches
-    being sealed and pending batches alike, so no row is ever invisible.
+    store's codec into one file in the table's chunk directory (on tmpfs),
+    which DataFusion scans natively. Queries see sealed chunks, batches being
+    sealed and pending batches alike, so no row is ever invisible.
     """
 
     def __init__(self, store: Store, schema_name: str, name: str, schema: pa.Schema | None) -> None:
@@ -63,6 +86,7 @@ class EventTable:
         self.retired_rows = 0
         self.retired_bytes = 0
         self.dropped_events = 0
+        self.last_error: str | None = None
         self._lock = threading.Lock()
         # Called before every read: writers that buffer rows of their own
         # (ExternalTable) hand them over here, so queries see every row.
@@ -151,19 +175,33 @@ class EventTable:
         self._sealing.append(batches)
         return batches
 
+    @property
+    def chunk_dir(self) -> str:
+        return os.path.join(self._store.chunk_root(), self.schema_name, self.name)
+
     def _seal(self, batches: list[pa.RecordBatch]) -> None:
+        """Encode ``batches`` into a chunk file. A failure (disk full, …) drops
+        and counts those rows and never raises into the writer."""
         table = pa.Table.from_batches(batches, schema=self._schema).combine_chunks()
+        codec = self._store.codec
+        chunk_id = next(_chunk_ids)
+        part = os.path.join(self.chunk_dir, f"{CHUNK_COL}={chunk_id}")
+        path = os.path.join(part, f"{chunk_id}{codec.extension}")
         try:
-            buf = self._store.codec.encode(table)
-        except Exception:
+            os.makedirs(part, exist_ok=True)
+            buf = codec.encode(table)
+            tmp = path + ".tmp"  # queries list *.parquet / *.arrow only
+            with open(tmp, "wb") as f:
+                f.write(buf)
+            os.rename(tmp, path)
+        except Exception as err:
             with self._lock:
                 self._sealing.remove(batches)
-                self._pending[:0] = batches
-                self._pending_rows += table.num_rows
-            raise
-        path = f"/{self.schema_name}/{self.name}/{next(_chunk_ids):010d}"
-        chunk = Chunk(path, table.num_rows, table.nbytes, buf.size, time.monotonic())
-        self._store.fs.put(path, buf)
+                self.dropped_events += table.num_rows
+                self.last_error = f"sealing failed, {table.num_rows} rows dropped: {err}"
+            print(f"probing: {self.qualified_name}: {self.last_error}", file=sys.stderr)
+            return
+        chunk = Chunk(chunk_id, path, table.num_rows, table.nbytes, buf.size, time.monotonic())
         with self._lock:
             self._chunks.append(chunk)
             self._sealing.remove(batches)
@@ -181,39 +219,60 @@ class EventTable:
             chunk = self._chunks.pop(0)
             self.retired_rows += chunk.rows
             self.retired_bytes += chunk.raw_bytes
-        self._store.fs.remove(chunk.path)
+        try:
+            os.unlink(chunk.path)  # a query that already opened it still reads it
+            os.rmdir(os.path.dirname(chunk.path))
+        except OSError:
+            pass
         return chunk
+
+    def relink_chunks(self, old_root: str, new_root: str) -> None:
+        """After fork: hard-link this table's chunks into the child's own directory."""
+        with self._lock:
+            kept = []
+            for c in self._chunks:
+                new = new_root + c.path[len(old_root) :]
+                os.makedirs(os.path.dirname(new), exist_ok=True)
+                try:
+                    os.link(c.path, new)
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:  # the parent retired it meanwhile
+                    self.retired_rows += c.rows
+                    self.retired_bytes += c.raw_bytes
+                    continue
+                c.path = new
+                kept.append(c)
+            self._chunks = kept
 
     def stored_bytes(self) -> int:
         with self._lock:
             return sum(c.stored_bytes for c in self._chunks) + sum(b.nbytes for b in self._pending)
 
     # -- reading -------------------------------------------------------------
-    def dataset(self) -> ds.Dataset:
-        """A snapshot of every live row, as a dataset DataFusion can scan."""
+    def snapshot(self) -> Snapshot:
+        """Every live row: the chunk directory plus the rows not sealed yet."""
         self._run_before_read()
         if self._pending and time.monotonic() - self._pending_since > self._store.seal_after_s:
             self.flush()
         with self._lock:
             schema = self._schema or pa.schema([])
-            paths = [c.path for c in self._chunks]
+            chunks = list(self._chunks)
             batches = [b for group in self._sealing for b in group] + list(self._pending)
-        parts: list[ds.Dataset] = []
-        if paths:
-            parts.append(
-                ds.dataset(
-                    paths,
-                    schema=schema,
-                    format=self._store.codec.container,
-                    filesystem=self._store.pyfs,
-                )
-            )
-        if batches or not parts:
-            parts.append(ds.dataset(pa.Table.from_batches(batches, schema=schema)))
-        return parts[0] if len(parts) == 1 else ds.dataset(parts)
+        return Snapshot(
+            schema,
+            self.chunk_dir if chunks else None,
+            chunks[0].id if chunks else 0,
+            chunks[-1].id if chunks else -1,
+            tuple(c.path for c in chunks),
+            pa.Table.from_batches(batches, schema=schema),
+        )
 
     def to_arrow(self) -> pa.Table:
-        return self.dataset().to_table()
+        """Every live row as one Arrow table (reads the chunk files)."""
+        snap = self.snapshot()
+        parts = [self._store.codec.decode(p, snap.schema) for p in snap.paths]
+        return pa.concat_tables([*parts, snap.pending])
 
     def add_before_read(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` before every read (to flush a writer's own buffer)."""
