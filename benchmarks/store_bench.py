@@ -4,6 +4,9 @@
 - external_rows_per_s: rows/s through ExternalTable.append (one Python row each)
 - compression_ratio: raw Arrow bytes / stored bytes, on realistic event rows
 - group_by_ms: median of 3 runs of a GROUP BY over every row, through SQL
+- group_by_ms_busy_host: the same while a host thread spins in Python (the
+  GIL is busy, as in a Python-heavy training loop); and the longest the host
+  thread waited for the GIL meanwhile (host_max_stall_ms)
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -74,6 +78,7 @@ def bench_codec(codec: str, batches: list[pa.RecordBatch]) -> dict:
         t0 = time.perf_counter()
         engine.sql(sql)
         times.append(time.perf_counter() - t0)
+    busy_ms, stall_ms = busy_host(lambda: engine.sql(sql))
     window = f"SELECT count(*) FROM bench.events WHERE ts > {batches[-1].column('ts')[0].as_py()}"
     t0 = time.perf_counter()
     engine.sql(window)
@@ -85,8 +90,35 @@ def bench_codec(codec: str, batches: list[pa.RecordBatch]) -> dict:
         "stored_mb": round(st.stored_bytes / 2**20, 1),
         "compression_ratio": st.compression_ratio,
         "group_by_ms": round(statistics.median(times) * 1e3, 1),
+        "group_by_ms_busy_host": busy_ms,
+        "host_max_stall_ms": stall_ms,
         "last_chunk_window_ms": round(window_ms, 1),
     }
+
+
+def busy_host(query) -> tuple[float, float]:
+    """Run ``query`` while another thread spins in Python; return the query's
+    time and the longest gap between two iterations of the spinning thread."""
+    done = threading.Event()
+    worst = [0.0]
+
+    def spin() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            sum(range(100))
+            now = time.perf_counter()
+            worst[0] = max(worst[0], now - last)
+            last = now
+
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    query()
+    dt = time.perf_counter() - t0
+    done.set()
+    t.join()
+    return round(dt * 1e3, 1), round(worst[0] * 1e3, 1)
 
 
 def bench_external() -> dict:

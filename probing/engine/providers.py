@@ -51,6 +51,8 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
         in_range = (col(CHUNK_COL) >= lit(snap.first_chunk)) & (
             col(CHUNK_COL) <= lit(snap.last_chunk)
         )
+        for chunk_id in snap.sealing:  # rows in flight are read from `pending`
+            in_range = in_range & (col(CHUNK_COL) != lit(chunk_id))
         frames.append(df.filter(in_range).select(*[col(n) for n in snap.schema.names]))
     if snap.pending.num_rows or not frames:
         # not ctx.from_arrow: it registers a temporary table in the default

@@ -45,6 +45,7 @@ class Snapshot(NamedTuple):
     chunk_dir: str | None
     first_chunk: int
     last_chunk: int
+    sealing: tuple[int, ...]  # ids in that range whose files may appear: not ours
     paths: tuple[str, ...]
     pending: pa.Table
 
@@ -81,7 +82,7 @@ class EventTable:
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._pending_since = 0.0
-        self._sealing: list[list[pa.RecordBatch]] = []
+        self._sealing: dict[int, list[pa.RecordBatch]] = {}  # chunk id -> rows
         self._chunks: list[Chunk] = []
         self.retired_rows = 0
         self.retired_bytes = 0
@@ -128,7 +129,7 @@ class EventTable:
             if self._pending_rows >= self._store.chunk_rows:
                 to_seal = self._take_pending_locked()
         if to_seal is not None:
-            self._seal(to_seal)
+            self._seal(*to_seal)
         return rows
 
     def count_dropped(self, n: int) -> None:
@@ -141,7 +142,7 @@ class EventTable:
         with self._lock:
             to_seal = self._take_pending_locked() if self._pending else None
         if to_seal is not None:
-            self._seal(to_seal)
+            self._seal(*to_seal)
 
     def _conform(
         self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]
@@ -168,23 +169,23 @@ class EventTable:
                 ) from err
         return batch.to_batches()
 
-    def _take_pending_locked(self) -> list[pa.RecordBatch]:
+    def _take_pending_locked(self) -> tuple[int, list[pa.RecordBatch]]:
+        chunk_id = next(_chunk_ids)
         batches = self._pending
         self._pending = []
         self._pending_rows = 0
-        self._sealing.append(batches)
-        return batches
+        self._sealing[chunk_id] = batches
+        return chunk_id, batches
 
     @property
     def chunk_dir(self) -> str:
         return os.path.join(self._store.chunk_root(), self.schema_name, self.name)
 
-    def _seal(self, batches: list[pa.RecordBatch]) -> None:
+    def _seal(self, chunk_id: int, batches: list[pa.RecordBatch]) -> None:
         """Encode ``batches`` into a chunk file. A failure (disk full, …) drops
         and counts those rows and never raises into the writer."""
         table = pa.Table.from_batches(batches, schema=self._schema).combine_chunks()
         codec = self._store.codec
-        chunk_id = next(_chunk_ids)
         part = os.path.join(self.chunk_dir, f"{CHUNK_COL}={chunk_id}")
         path = os.path.join(part, f"{chunk_id}{codec.extension}")
         try:
@@ -196,7 +197,7 @@ class EventTable:
             os.rename(tmp, path)
         except Exception as err:
             with self._lock:
-                self._sealing.remove(batches)
+                del self._sealing[chunk_id]
                 self.dropped_events += table.num_rows
                 self.last_error = f"sealing failed, {table.num_rows} rows dropped: {err}"
             print(f"probing: {self.qualified_name}: {self.last_error}", file=sys.stderr)
@@ -204,7 +205,7 @@ class EventTable:
         chunk = Chunk(chunk_id, path, table.num_rows, table.nbytes, buf.size, time.monotonic())
         with self._lock:
             self._chunks.append(chunk)
-            self._sealing.remove(batches)
+            del self._sealing[chunk_id]
         self._store.enforce_retention()
 
     # -- retention (called by the store) --------------------------------------
@@ -258,12 +259,15 @@ class EventTable:
         with self._lock:
             schema = self._schema or pa.schema([])
             chunks = list(self._chunks)
-            batches = [b for group in self._sealing for b in group] + list(self._pending)
+            sealing = tuple(self._sealing)
+            batches = [b for group in self._sealing.values() for b in group] + list(self._pending)
+        ids = [c.id for c in chunks]
         return Snapshot(
             schema,
             self.chunk_dir if chunks else None,
-            chunks[0].id if chunks else 0,
-            chunks[-1].id if chunks else -1,
+            min(ids, default=0),
+            max(ids, default=-1),
+            sealing,
             tuple(c.path for c in chunks),
             pa.Table.from_batches(batches, schema=schema),
         )
@@ -290,7 +294,7 @@ class EventTable:
         self._run_before_read()
         with self._lock:
             sealed = self._chunks
-            pending = [b for group in self._sealing for b in group] + self._pending
+            pending = [b for group in self._sealing.values() for b in group] + self._pending
             pend_rows = sum(b.num_rows for b in pending)
             pend_bytes = sum(b.nbytes for b in pending)
             raw = sum(c.raw_bytes for c in sealed) + pend_bytes
