@@ -105,6 +105,11 @@ def test_external_table_is_queryable(engine: Engine) -> None:
     assert "loss" in engine.sql("SHOW TABLES").column("table_name").to_pylist()
 
 
+def test_empty_external_table_has_its_columns(engine: Engine) -> None:
+    ExternalTable("later", ["step", "loss"], store=engine.store)
+    assert engine.sql("SELECT step, loss FROM python.later").num_rows == 0
+
+
 def test_external_table_checks_rows(engine: Engine) -> None:
     t = ExternalTable("typed", [("a", pa.int32()), ("b", pa.string())], store=engine.store)
     with pytest.raises(ValueError, match="2 columns"):

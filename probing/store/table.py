@@ -79,6 +79,9 @@ class EventTable:
         self.schema_name = schema_name
         self.name = name
         self._schema = schema
+        # Column names known before any row (ExternalTable without types):
+        # until the first rows fix the types, queries see them as NULL columns.
+        self.column_names: list[str] | None = None
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._pending_since = 0.0
@@ -257,7 +260,7 @@ class EventTable:
         if self._pending and time.monotonic() - self._pending_since > self._store.seal_after_s:
             self.flush()
         with self._lock:
-            schema = self._schema or pa.schema([])
+            schema = self._schema or pa.schema([(n, pa.null()) for n in self.column_names or []])
             chunks = list(self._chunks)
             sealing = tuple(self._sealing)
             batches = [b for group in self._sealing.values() for b in group] + list(self._pending)

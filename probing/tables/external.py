@@ -57,6 +57,8 @@ class ExternalTable:
         self.name = name
         self.columns, schema = _parse_columns(columns)
         self._table: EventTable = (store or default_store()).table(SCHEMA, name, schema)
+        if self._table.column_names is None:
+            self._table.column_names = list(self.columns)
         existing = self._table.schema
         if existing is not None and list(existing.names) != self.columns:
             raise ValueError(
