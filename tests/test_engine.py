@@ -132,3 +132,24 @@ def test_store_tables_appear_in_their_schema(engine: Engine) -> None:
     assert engine.sql("SELECT rows FROM probing.tables WHERE \"schema\" = 'demo'").to_pylist() == [
         {"rows": 3}
     ]
+
+
+def test_table_exist_and_fresh_snapshots(engine: Engine) -> None:
+    schema = engine.schema("demo2")
+    engine.store.table("demo2", "ev").append_batch({"x": [1]})
+    assert schema.table_exist("ev") and not schema.table_exist("nope")
+    assert engine.sql("SELECT count(*) AS n FROM demo2.ev").to_pylist() == [{"n": 1}]
+    engine.store.table("demo2", "ev").append_batch({"x": [2]})
+    engine.sql("SELECT 1")  # a query that does not name the table
+    assert engine.sql("SELECT count(*) AS n FROM demo2.ev").to_pylist() == [{"n": 2}]
+    assert schema.table("ev") is not None  # planning-time path (pyarrow) still answers
+
+
+def test_in_process_query_api() -> None:
+    import probing
+
+    t = probing.ExternalTable("api_rows", ["k"])
+    t.append_many([[1], [2], [3]])
+    assert probing.query("SELECT sum(k) AS s FROM python.api_rows").to_pylist() == [{"s": 6}]
+    with pytest.raises(probing.QueryError):
+        probing.query("DROP TABLE python.api_rows")

@@ -127,16 +127,18 @@ def test_python_m_probing_run(spawn, tmp_path) -> None:
     assert [r["value"] for r in rows] == ["--lr", "0.1"]
 
 
-def test_probe_survives_fork_and_the_child_gets_its_own(spawn) -> None:
-    code = """
-    import os, sys, time
-    pid = os.fork()
-    if pid == 0:
-        while True: time.sleep(0.05)
-    print(pid, flush=True)
+FORKING_JOB = """
+import os, time
+pid = os.fork()
+if pid == 0:
     while True: time.sleep(0.05)
-    """
-    t = spawn(code)
+print(pid, flush=True)
+while True: time.sleep(0.05)
+"""
+
+
+def test_probe_survives_fork_and_the_child_gets_its_own(spawn) -> None:
+    t = spawn(FORKING_JOB)
     child = int(t.proc.stdout.readline())
     try:
         sock = t.socket().parent / f"{child}.sock"
@@ -152,15 +154,7 @@ def test_probe_survives_fork_and_the_child_gets_its_own(spawn) -> None:
 
 
 def test_fork_without_child_probe(spawn) -> None:
-    code = """
-    import os, time
-    pid = os.fork()
-    if pid == 0:
-        while True: time.sleep(0.05)
-    print(pid, flush=True)
-    while True: time.sleep(0.05)
-    """
-    t = spawn(code, env={"PROBING_FORK": "none"})
+    t = spawn(FORKING_JOB, env={"PROBING_FORK": "none"})
     child = int(t.proc.stdout.readline())
     try:
         time.sleep(0.5)

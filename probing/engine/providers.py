@@ -126,7 +126,7 @@ class ProbeSchema(SchemaProvider):
         return None
 
     def table_exist(self, name: str) -> bool:
-        return name in self.table_names()
+        return name in self.table_names
 
 
 class ProbeCatalog(CatalogProvider):
@@ -147,11 +147,14 @@ class ProbeCatalog(CatalogProvider):
         """
         text = sql.lower()
         everything = "information_schema" in text or "show" in text
+        fresh = {}
         for tbl in self._store.tables():
-            if tbl.schema is None or not (everything or tbl.name.lower() in text):
-                continue
-            key = (tbl.schema_name, tbl.name)
-            self._prepared[key] = Table(snapshot_frame(ctx, tbl.snapshot()))
+            if everything or tbl.name.lower() in text:
+                fresh[(tbl.schema_name, tbl.name)] = Table(snapshot_frame(ctx, tbl.snapshot()))
+        # an older snapshot must never answer a later query: drop what was not renewed
+        for key in set(self._prepared) - set(fresh):
+            self._prepared.pop(key, None)
+        self._prepared.update(fresh)
 
     def schema_for(self, name: str) -> ProbeSchema:
         """The schema ``name``, created (backed by the store) on first use."""
