@@ -24,8 +24,6 @@ class Probe:
         self.pid = os.getpid()
         self.started_ns = time.time_ns()
         self.socket_path = paths.socket_path(self.pid)
-        self._engine: Any = None
-        self._engine_lock = threading.Lock()
         self.queries = 0
         self.query_seconds = 0.0
         from probing.probe.api import make_app
@@ -34,16 +32,7 @@ class Probe:
 
     @property
     def engine(self) -> Any:
-        if self._engine is None:
-            with self._engine_lock:
-                if self._engine is None:
-                    from probing.engine import Engine
-                    from probing.tables import install
-
-                    engine = Engine()
-                    install(engine)
-                    self._engine = engine
-        return self._engine
+        return engine()
 
     def note_query(self, seconds: float) -> None:
         self.queries += 1
@@ -58,7 +47,7 @@ class Probe:
             "argv": list(sys.argv),
             "started_ns": self.started_ns,
             "socket": self.socket_path,
-            "engine_loaded": self._engine is not None,
+            "engine_loaded": _engine is not None,
             "queries": self.queries,
         }
 
@@ -67,9 +56,6 @@ class Probe:
 
     def stop(self) -> None:
         self.server.stop()
-
-    def _reinit_locks(self) -> None:
-        self._engine_lock = threading.Lock()
 
 
 _probe: Probe | None = None
@@ -99,23 +85,23 @@ def disable() -> None:
         probe.stop()
 
 
+_engine: Any = None
+_engine_lock = threading.Lock()
+
+
 def engine() -> Any:
-    """The engine of this process's probe (built without starting the server)."""
-    probe = _probe
-    if probe is not None:
-        return probe.engine
-    global _local_engine
-    with _lock:
-        if _local_engine is None:
-            from probing.engine import Engine
-            from probing.tables import install
+    """This process's SQL engine, built on first use (with or without a probe)."""
+    global _engine
+    if _engine is None:
+        with _engine_lock:
+            if _engine is None:
+                from probing.engine import Engine
+                from probing.tables import install
 
-            _local_engine = Engine()
-            install(_local_engine)
-        return _local_engine
-
-
-_local_engine: Any = None
+                eng = Engine()
+                install(eng)
+                _engine = eng
+    return _engine
 
 
 def _after_fork_in_child() -> None:
@@ -126,8 +112,9 @@ def _after_fork_in_child() -> None:
     at fork time would stay held forever), then start a fresh probe on the
     child's own pid unless ``PROBING_FORK=none``.
     """
-    global _probe, _lock
+    global _probe, _lock, _engine_lock
     _lock = threading.Lock()
+    _engine_lock = threading.Lock()
     parent, _probe = _probe, None
     try:
         store_mod = sys.modules.get("probing.store.store")
@@ -140,8 +127,7 @@ def _after_fork_in_child() -> None:
         parent.server.abandon_after_fork()
         if os.environ.get("PROBING_FORK", "child").lower() == "none":
             return
-        child = Probe()
-        child._engine = parent._engine  # DataFusion survives fork; tables are copied
+        child = Probe()  # shares the engine: DataFusion survives fork, tables are copied
         child.start()
         _probe = child
     except Exception as err:  # never break the child
