@@ -208,7 +208,6 @@ def test_forked_child_keeps_its_own_copy_of_the_chunks(tmp_path, monkeypatch) ->
     code = (
         "import os, numpy as np\n"
         "from probing.store import default_store\n"
-        "import probing.probe.runtime\n"  # installs the fork hook
         "s = default_store(); s.chunk_rows = 10\n"
         "t = s.table('t', 'x'); t.append_batch({'a': np.arange(100)})\n"
         "r, w = os.pipe(); r2, w2 = os.pipe()\n"

@@ -44,7 +44,7 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
     frames = []
     if snap.chunk_dir is not None:
         parts = [(CHUNK_COL, pa.int64())]
-        if snap.paths[0].endswith(".parquet"):
+        if snap.container == "parquet":
             df = ctx.read_parquet(snap.chunk_dir, table_partition_cols=parts, schema=snap.schema)
         else:
             df = ctx.read_arrow(snap.chunk_dir, file_partition_cols=parts, schema=snap.schema)
@@ -69,8 +69,7 @@ def snapshot_dataset(snap: Snapshot) -> ds.Dataset:
     through Python), but it can be built while a query is being planned."""
     parts: list[ds.Dataset] = []
     if snap.paths:
-        fmt = "parquet" if snap.paths[0].endswith(".parquet") else "ipc"
-        parts.append(ds.dataset(list(snap.paths), schema=snap.schema, format=fmt))
+        parts.append(ds.dataset(list(snap.paths), schema=snap.schema, format=snap.container))
     if snap.pending.num_rows or not parts:
         parts.append(ds.dataset(snap.pending))
     return parts[0] if len(parts) == 1 else ds.dataset(parts)

@@ -25,7 +25,6 @@ class Probe:
         self.started_ns = time.time_ns()
         self.socket_path = paths.socket_path(self.pid)
         self.queries = 0
-        self.query_seconds = 0.0
         from probing.probe.api import make_app
 
         self.server = UnixHTTPServer(self.socket_path, make_app(self))
@@ -34,9 +33,8 @@ class Probe:
     def engine(self) -> Any:
         return engine()
 
-    def note_query(self, seconds: float) -> None:
+    def note_query(self) -> None:
         self.queries += 1
-        self.query_seconds += seconds
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -110,18 +108,14 @@ def _after_fork_in_child() -> None:
     The parent's server thread does not exist here; its socket belongs to the
     parent. Drop both, re-create every lock (a lock held by another thread
     at fork time would stay held forever), then start a fresh probe on the
-    child's own pid unless ``PROBING_FORK=none``.
+    child's own pid unless ``PROBING_FORK=none``. The store handles its own
+    fork (``probing.store.store``).
     """
     global _probe, _lock, _engine_lock
     _lock = threading.Lock()
     _engine_lock = threading.Lock()
     parent, _probe = _probe, None
     try:
-        store_mod = sys.modules.get("probing.store.store")
-        if store_mod is not None:
-            store_mod._default_lock = threading.Lock()
-            if store_mod._default is not None:
-                store_mod._default.reinit_after_fork()
         if parent is None:
             return
         parent.server.abandon_after_fork()

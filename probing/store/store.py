@@ -6,6 +6,7 @@ import atexit
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -182,3 +183,16 @@ def default_store() -> Store:
         if _default is None:
             _default = Store()
         return _default
+
+
+def _after_fork_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    if _default is not None:
+        try:
+            _default.reinit_after_fork()
+        except Exception as err:  # never break the child
+            print(f"probing: store not carried into child {os.getpid()}: {err}", file=sys.stderr)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -42,6 +42,7 @@ class Snapshot(NamedTuple):
     """
 
     schema: pa.Schema
+    container: str  # the codec's: "parquet" or "ipc"
     chunk_dir: str | None
     first_chunk: int
     last_chunk: int
@@ -263,10 +264,11 @@ class EventTable:
             schema = self._schema or pa.schema([(n, pa.null()) for n in self.column_names or []])
             chunks = list(self._chunks)
             sealing = tuple(self._sealing)
-            batches = [b for group in self._sealing.values() for b in group] + list(self._pending)
+            batches = self._unsealed_locked()
         ids = [c.id for c in chunks]
         return Snapshot(
             schema,
+            self._store.codec.container,
             self.chunk_dir if chunks else None,
             min(ids, default=0),
             max(ids, default=-1),
@@ -274,6 +276,10 @@ class EventTable:
             tuple(c.path for c in chunks),
             pa.Table.from_batches(batches, schema=schema),
         )
+
+    def _unsealed_locked(self) -> list[pa.RecordBatch]:
+        """Rows not in a chunk file yet: being sealed, then pending."""
+        return [b for group in self._sealing.values() for b in group] + list(self._pending)
 
     def to_arrow(self) -> pa.Table:
         """Every live row as one Arrow table (reads the chunk files)."""
@@ -297,7 +303,7 @@ class EventTable:
         self._run_before_read()
         with self._lock:
             sealed = self._chunks
-            pending = [b for group in self._sealing.values() for b in group] + self._pending
+            pending = self._unsealed_locked()
             pend_rows = sum(b.num_rows for b in pending)
             pend_bytes = sum(b.nbytes for b in pending)
             raw = sum(c.raw_bytes for c in sealed) + pend_bytes
