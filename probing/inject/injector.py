@@ -1,0 +1,503 @@
+"""``probing inject --pid P``: start a probe in a Python process that has none.
+
+1. Look before touching: the pid exists, is not stopped or traced, is a
+   Python we support, we may ptrace it, and it has no probe yet.
+2. Borrow one thread at a safe point (in a syscall other than mmap/brk/...,
+   or running outside libc and the dynamic loader, so it holds no malloc or
+   loader lock): PTRACE_SEIZE + PTRACE_INTERRUPT; the other threads run on.
+3. Single-step a syscall instruction found in libc to ``mmap`` a private
+   page for a 4-byte trampoline and the call arguments (no code of the
+   target is overwritten), call ``dlopen(libprobing_boot.so)`` then
+   ``probing_boot(args)``, which starts a thread that takes the GIL itself
+   and runs ``bootstrap.py``; ``munmap`` the page; restore every register
+   exactly (an interrupted syscall restarts) and detach.
+4. Wait for the bootstrap's status file and the probe's socket.
+
+SIGINT/SIGTERM/SIGHUP are held while a thread is borrowed and delivered
+after it is given back, so an interrupted injector never leaves a thread
+stopped or running our code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import struct
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
+from probing.inject import build, elf
+from probing.inject.arch import Arch, native
+from probing.inject.ptrace import CallFailed, Memory, TargetGone, Tracee, syscall_state
+from probing.probe import paths
+
+SUPPORTED = ((3, 9), (3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
+PAGE = 4096
+RTLD_NOW = 2
+PROT_READ, PROT_EXEC = 1, 4
+MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+MAGIC = struct.unpack("<Q", b"probing1")[0]
+CALL_TIMEOUT_S = 10.0
+SAFE_POINT_TRIES = 50
+PY_API = ("Py_IsInitialized", "PyGILState_Ensure", "PyGILState_Release", "PyRun_SimpleStringFlags")
+
+
+@dataclass
+class Target:
+    """What we learned about the process before touching it."""
+
+    pid: int
+    comm: str
+    uid: int
+    arch: type[Arch]
+    python: tuple[int, int]
+    py_api: dict[str, int]
+    dlopen: int
+    dlerror: int | None
+    libc: elf.LoadedObject
+    objects: dict[str, elf.LoadedObject] = field(repr=False)
+
+
+@dataclass
+class InjectResult:
+    pid: int
+    already: bool
+    socket: str
+    python: str = ""
+    tid: int = 0
+    stopped_s: float = 0.0  # how long the borrowed thread was stopped
+    total_s: float = 0.0
+    imported: str = ""  # "target" (its own install) or "appended" (ours, appended)
+
+
+# --- 1. look before touching ---------------------------------------------------------
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+    except FileNotFoundError:
+        raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from None
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def permission_error(pid: int, uid: int, what: str) -> AccessDenied:
+    """The one-line reason ptrace is refused here, with the fix that applies."""
+    from probing.doctor import CAP_SYS_PTRACE, effective_caps, has_cap
+
+    me = os.geteuid()
+    cap = has_cap(effective_caps(), CAP_SYS_PTRACE)
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read())
+    except (OSError, ValueError):
+        scope = 0
+    if me == 0 and not cap:
+        hint = (
+            "probing runs as root without CAP_SYS_PTRACE, as in a container started "
+            "without it: docker run --cap-add SYS_PTRACE (or securityContext "
+            "capabilities add SYS_PTRACE), or run probing on the host"
+        )
+    elif uid != me and not cap:
+        hint = f"the process belongs to {_user(uid)}: run probing as {_user(uid)} or as root"
+    elif scope >= 1 and not cap:
+        hint = (
+            f"kernel.yama.ptrace_scope={scope} allows only a parent to trace: run as root, "
+            "grant CAP_SYS_PTRACE, or sysctl -w kernel.yama.ptrace_scope=0"
+        )
+    else:
+        hint = "a security module (SELinux, AppArmor, seccomp) denies ptrace here"
+    return AccessDenied(f"not permitted to {what} pid {pid}", pid=pid, hint=hint)
+
+
+def inspect(pid: int) -> Target:
+    """Everything injection needs, read without stopping anything."""
+    if pid <= 0:
+        raise NoSuchProcess(f"{pid} is not a valid pid", pid=pid)
+    if pid == os.getpid():
+        raise AttachError("probing cannot inject into itself", pid=pid)
+    st = _status(pid)
+    comm = st.get("Name", "?").strip()
+    uid = int(st.get("Uid", "0").split()[0])
+    state = st.get("State", "?").strip()
+    tracer = int(st.get("TracerPid", "0").strip() or 0)
+    if state.startswith(("Z", "X")):
+        raise NoSuchProcess(f"process {pid} ({comm}) has exited (zombie)", pid=pid)
+    if tracer:
+        tcomm = _status(tracer).get("Name", "?").strip() if os.path.exists(f"/proc/{tracer}") else "?"
+        raise AttachError(
+            f"process {pid} ({comm}) is being traced by pid {tracer} ({tcomm})",
+            pid=pid,
+            hint="detach the debugger (gdb: detach; strace: Ctrl-C) and retry",
+        )
+    if state.startswith("T"):
+        raise AttachError(
+            f"process {pid} ({comm}) is stopped", pid=pid, hint=f"resume it with kill -CONT {pid}"
+        )
+    try:
+        maps = elf.read_maps(pid)
+    except PermissionError:
+        raise permission_error(pid, uid, "read the memory map of") from None
+    except FileNotFoundError:
+        raise NoSuchProcess(f"process {pid} has exited", pid=pid) from None
+    arch = native()
+    objs = elf.loaded_objects(maps)
+    py_api: dict[str, int] = {}
+    python: tuple[int, int] | None = None
+    for obj in elf.python_candidates(pid, objs):
+        syms = elf.symbols_of(pid, obj, (*PY_API, "Py_Version"))
+        if syms is None or "PyGILState_Ensure" not in syms.values:
+            continue
+        if syms.machine != arch.elf_machine:
+            raise AttachError(f"{obj.path} is {syms.machine}, not {arch.name}", pid=pid)
+        py_api = {name: syms.address(name, obj.base) or 0 for name in PY_API}
+        python = _read_version(pid, syms, obj) or elf.version_from_name(obj.name)
+        break
+    if not py_api:
+        exe = _exe(pid)
+        raise AttachError(
+            f"process {pid} ({comm}) is not a Python process: no libpython is mapped "
+            f"and {exe} exports no Python C API",
+            pid=pid,
+        )
+    missing = [n for n, a in py_api.items() if not a]
+    if missing or python is None:
+        raise AttachError(
+            f"process {pid} ({comm}): cannot find {', '.join(missing) or 'the Python version'}",
+            pid=pid,
+        )
+    if python not in SUPPORTED:
+        names = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        raise AttachError(
+            f"process {pid} runs Python {python[0]}.{python[1]}, which probing does not support "
+            f"(supported: {names})",
+            pid=pid,
+        )
+    libc = elf.find_libc(objs)
+    if libc is None:
+        raise AttachError(f"process {pid} ({comm}) maps no libc to call dlopen from", pid=pid)
+    dlopen, dlerror = _find_dlopen(pid, libc, objs)
+    return Target(pid, comm, uid, arch, python, py_api, dlopen, dlerror, libc, objs)
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return "its executable"
+
+
+def _read_version(pid: int, syms: elf.Symbols, obj: elf.LoadedObject) -> tuple[int, int] | None:
+    """``Py_Version`` (3.11+) from the target's memory: the truth for a static python."""
+    addr = syms.address("Py_Version", obj.base)
+    if addr is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as f:
+            f.seek(addr)
+            hexversion = int.from_bytes(f.read(4), "little")
+    except OSError:
+        return None
+    return (hexversion >> 24) & 0xFF, (hexversion >> 16) & 0xFF
+
+
+def _find_dlopen(
+    pid: int, libc: elf.LoadedObject, objs: dict[str, elf.LoadedObject]
+) -> tuple[int, int | None]:
+    names = ("dlopen", "__libc_dlopen_mode", "dlerror")
+    syms = elf.symbols_of(pid, libc, names)
+    if syms is None:
+        raise AttachError(f"cannot read {libc.path} of process {pid}", pid=pid)
+    for name in ("dlopen", "__libc_dlopen_mode"):  # glibc >= 2.34 and musl; older glibc
+        addr = syms.address(name, libc.base)
+        if addr:
+            return addr, syms.address("dlerror", libc.base)
+    libdl = elf.find_libdl(objs)
+    dl = elf.symbols_of(pid, libdl, names) if libdl else None
+    if libdl and dl and dl.address("dlopen", libdl.base):
+        return dl.address("dlopen", libdl.base) or 0, dl.address("dlerror", libdl.base)
+    raise AttachError(f"no dlopen in process {pid}'s libc ({libc.path})", pid=pid)
+
+
+# --- 2-3. borrow a thread and make it call ------------------------------------------------
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while a thread of the target is borrowed."""
+    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        raise TargetGone(f"process {pid} is gone", pid=pid) from None
+    return sorted(tids, key=lambda t: t != pid)  # the main thread first
+
+
+def _at_safe_point(target: Target, tracee: Tracee, unsafe: list[tuple[int, int]]) -> bool:
+    nr = syscall_state(target.pid, tracee.tid)
+    if nr >= 0:
+        return nr not in target.arch.memory_syscalls
+    pc = target.arch.pc(tracee.get_regs())
+    return not any(lo <= pc < hi for lo, hi in unsafe)
+
+
+def _unsafe_ranges(target: Target) -> list[tuple[int, int]]:
+    """Code where a thread may hold malloc's or the dynamic loader's lock."""
+    out = []
+    for obj in target.objects.values():
+        if obj is target.libc or obj.name.startswith("ld-"):
+            out += [(m.start, m.end) for m in obj.executable_maps()]
+    return out
+
+
+def _borrow(target: Target) -> Tracee:
+    """Stop one thread at a safe point; every other thread keeps running."""
+    unsafe = _unsafe_ranges(target)
+    last: Exception | None = None
+    for tid in _threads(target.pid):
+        tracee = Tracee(target.pid, tid, target.arch)
+        try:
+            tracee.seize_and_stop()
+        except OSError as err:
+            tracee.attached = False
+            if err.errno == 1:  # EPERM
+                raise permission_error(target.pid, target.uid, "ptrace") from None
+            last = err
+            continue  # the thread exited meanwhile
+        try:
+            for _ in range(SAFE_POINT_TRIES):
+                if _at_safe_point(target, tracee, unsafe):
+                    return tracee
+                tracee.resume_briefly(0.001)
+        except (OSError, CallFailed) as err:
+            last = err
+        tracee.detach()
+    if last and isinstance(last, TargetGone):
+        raise last
+    raise AttachError(
+        f"no thread of process {target.pid} reached a safe point (all busy in libc or the "
+        "dynamic loader)",
+        pid=target.pid,
+        hint="retry in a moment",
+    )
+
+
+def _find_syscall_insn(target: Target, mem: Memory) -> int:
+    for m in target.libc.executable_maps():
+        for at in range(m.start, m.end, 1 << 16):
+            chunk = mem.read(at, min(1 << 16, m.end - at) + 8)
+            found = target.arch.find_syscall_insn(chunk, at)
+            if found is not None:
+                return found
+    raise AttachError(f"no syscall instruction in {target.libc.path}", pid=target.pid)
+
+
+def boot_args_block(target: Target, source: str) -> bytes:
+    """``struct probing_boot_args`` (see boot.c) followed by the source."""
+    src = source.encode() + b"\0"
+    api = target.py_api
+    head = struct.pack(
+        "<QQQQQQ",
+        MAGIC,
+        48 + len(src),
+        api["Py_IsInitialized"],
+        api["PyGILState_Ensure"],
+        api["PyGILState_Release"],
+        api["PyRun_SimpleStringFlags"],
+    )
+    return head + src
+
+
+def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> None:
+    arch = target.arch
+    mem = Memory(target.pid)
+    state = tracee.save_state()
+    saved = state[0]
+    page = 0
+    args = boot_args_block(target, source)
+    size = (len(arch.trap_stub) + 512 + len(args) + PAGE - 1) // PAGE * PAGE
+    try:
+        insn = _find_syscall_insn(target, mem)
+        page = tracee.syscall(
+            saved,
+            arch.sys_mmap,
+            (0, size, PROT_READ | PROT_EXEC, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0),
+            insn,
+        )
+        if page >= (1 << 64) - 4096:  # -errno
+            page = 0
+            raise AttachError(f"mmap in process {target.pid} failed", pid=target.pid)
+        stub, path_at, args_at = page, page + 64, page + 64 + 448
+        lib_bytes = lib.encode() + b"\0"
+        if len(lib_bytes) > 448:
+            raise AttachError(f"library path too long: {lib}")
+        mem.write(stub, arch.trap_stub)
+        mem.write(path_at, lib_bytes)
+        mem.write(args_at, args)
+        handle = tracee.call(saved, target.dlopen, (path_at, RTLD_NOW), stub, CALL_TIMEOUT_S)
+        if not handle:
+            reason = ""
+            if target.dlerror:
+                msg = tracee.call(saved, target.dlerror, (), stub, CALL_TIMEOUT_S)
+                reason = mem.read_cstring(msg) if msg else ""
+            raise AttachError(
+                f"process {target.pid} could not load {lib}: {reason or 'dlopen failed'}",
+                pid=target.pid,
+                hint="the target's user must be able to read probing's install",
+            )
+        boot = _symbol_in(target.pid, lib, "probing_boot")
+        rc = tracee.call(saved, boot, (args_at,), stub, CALL_TIMEOUT_S)
+        if rc != 0:
+            raise AttachError(f"the boot thread did not start in {target.pid} (error {rc})")
+    finally:
+        try:
+            if tracee.attached:
+                _give_back(tracee, state, page, size, mem, target)
+        finally:
+            mem.close()
+
+
+def _give_back(tracee: Tracee, state, page: int, size: int, mem: Memory, target: Target) -> None:  # type: ignore[no-untyped-def]
+    try:
+        tracee.get_regs()
+    except OSError:  # still running our call (it timed out): stop it first
+        tracee.stop()
+    if page:
+        try:
+            insn = _find_syscall_insn(target, mem)
+            tracee.syscall(state[0], target.arch.sys_munmap, (page, size), insn)
+        except (OSError, ProbingError):
+            pass  # a leaked private page is harmless; a stopped thread is not
+    tracee.restore_state(state)
+    tracee.detach()
+
+
+def _symbol_in(pid: int, lib: str, name: str) -> int:
+    real = os.path.realpath(lib)
+    for obj in elf.loaded_objects(elf.read_maps(pid)).values():
+        if os.path.realpath(elf.host_path(pid, obj.path)) == real or obj.path == real:
+            addr = elf.Symbols(real, (name,)).address(name, obj.base)
+            if addr:
+                return addr
+    raise AttachError(f"{lib} is not mapped in process {pid} after dlopen", pid=pid)
+
+
+# --- 4. the bootstrap and its report ---------------------------------------------------------
+
+
+def probing_paths() -> list[str]:
+    """Where this probing and its dependencies are installed, to append in the target."""
+    import probing
+
+    out = [os.path.dirname(os.path.dirname(os.path.abspath(probing.__file__)))]
+    sc = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        if sc[key] not in out:
+            out.append(sc[key])
+    return out
+
+
+def bootstrap_source(status: str) -> str:
+    from probing.inject import bootstrap
+
+    with open(bootstrap.__file__) as f:
+        body = f.read()
+    args = {"status": status, "python": list(sys.version_info[:2]), "paths": probing_paths()}
+    namespace = f"{{'__name__': {bootstrap.NAME!r}, 'ARGS': {args!r}}}"
+    return f"__import__('builtins').exec({body!r}, {namespace})\n"
+
+
+def _status_dir(target: Target) -> str:
+    d = tempfile.mkdtemp(prefix="probing-inject-")
+    if os.geteuid() == 0 and target.uid != 0:
+        os.chown(d, target.uid, -1)  # the target writes its report here
+    return d
+
+
+def _wait_report(target: Target, status: str, timeout: float) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(status) as f:
+                return json.load(f)
+        except (FileNotFoundError, ValueError):
+            pass
+        if not os.path.exists(f"/proc/{target.pid}"):
+            raise NoSuchProcess(f"process {target.pid} exited during injection", pid=target.pid)
+        time.sleep(0.005)
+    raise AttachError(
+        f"process {target.pid}: the probe did not start within {timeout:g} s",
+        pid=target.pid,
+        hint="a thread holds the GIL and does not let go (C code that never releases it); "
+        "the probe starts as soon as it is released",
+    )
+
+
+def existing_probe(pid: int) -> str | None:
+    from probing.procs import socket_alive
+
+    path = paths.find_socket(pid)
+    return path if path and socket_alive(path) else None
+
+
+def inject(pid: int, *, timeout: float = 10.0) -> InjectResult:
+    """Start a probe in ``pid``; a no-op (``already=True``) when it has one."""
+    t0 = time.monotonic()
+    found = existing_probe(pid)
+    if found:
+        return InjectResult(pid, True, found, total_s=time.monotonic() - t0)
+    target = inspect(pid)
+    lib = build.library_path()
+    status_dir = _status_dir(target)
+    status = os.path.join(status_dir, "status.json")
+    try:
+        source = bootstrap_source(status)
+        with held_signals():
+            tracee = _borrow(target)
+            stopped = time.monotonic()
+            try:
+                _run_in_target(target, tracee, lib, source)
+            finally:
+                tracee.detach()
+                stopped = time.monotonic() - stopped
+        report = _wait_report(target, status, timeout)
+    except TargetGone as err:
+        raise NoSuchProcess(f"process {pid} exited during injection", pid=pid) from err
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+    if not report.get("ok"):
+        raise AttachError(f"the probe did not start in process {pid}: {report.get('error')}", pid=pid)
+    return InjectResult(
+        pid,
+        bool(report.get("already")),
+        report.get("socket", ""),
+        python=report.get("python", ""),
+        tid=tracee.tid,
+        stopped_s=stopped,
+        total_s=time.monotonic() - t0,
+        imported=report.get("import", ""),
+    )
