@@ -17,6 +17,8 @@ app = typer.Typer(
     epilog=(
         "Examples:\n\n"
         "  PROBING=1 python train.py &\n\n"
+        "  probing inject --pid 1234\n\n"
+        "  probing stack --pid 1234\n\n"
         "  probing ps\n\n"
         '  probing query --pid 1234 "SELECT name, state FROM process.threads"\n\n'
         "  probing tables --pid 1234\n\n"
@@ -108,6 +110,115 @@ def tables(pid: PidOpt) -> None:
         typer.echo(format_arrow(_client(pid).query(TABLES_SQL)))
     except ProbingError as err:
         raise _fail(err) from None
+
+
+InjectOpt = Annotated[
+    bool,
+    typer.Option("--inject/--no-inject", help="inject a probe first when the process has none"),
+]
+
+
+def _probe_client(pid: int, inject: bool):  # type: ignore[no-untyped-def]
+    """The client of pid's probe, injecting one first when asked to."""
+    from probing.errors import NoProbe
+
+    try:
+        return _client(pid)
+    except NoProbe:
+        if not inject:
+            raise
+    from probing.inject import inject as do_inject
+
+    res = do_inject(pid)
+    if not res.already:
+        typer.echo(f"probing: injected a probe into pid {pid} ({res.total_s:.2f} s)", err=True)
+    return _client(pid)
+
+
+@app.command(
+    name="inject",
+    epilog="Examples:\n\n  probing inject --pid 1234\n\n  probing inject -p 1234 --timeout 30",
+)
+def inject_cmd(
+    pid: PidOpt,
+    timeout: Annotated[
+        float, typer.Option(help="seconds to wait for the probe to start in the target")
+    ] = 10.0,
+) -> None:
+    """Start a probe in a running Python process (ptrace; no restart, no code change)."""
+    from probing.inject import inject
+
+    try:
+        res = inject(pid, timeout=timeout)
+    except ProbingError as err:
+        raise _fail(err) from None
+    if res.already:
+        typer.echo(f"pid {pid} already has a probe ({res.socket}); nothing to do")
+        return
+    typer.echo(
+        f"probe started in pid {pid} (Python {res.python}) in {res.total_s:.2f} s; "
+        f"thread {res.tid} was stopped {res.stopped_s * 1000:.1f} ms; socket {res.socket}"
+    )
+
+
+STACK_SQL = "SELECT * FROM process.stacks ORDER BY tid, depth"
+INFO_SQL = "SELECT pid, cmdline, python, python_executable FROM process.info"
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n  probing stack --pid 1234\n\n  probing stack -p 1234 --format json"
+        "\n\n  probing stack -p 1234 --no-inject"
+    )
+)
+def stack(
+    pid: PidOpt,
+    inject: InjectOpt = True,
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+) -> None:
+    """Every thread's Python stack, like py-spy dump: name, tid, state, file:line."""
+    from probing.render import format_stacks
+
+    try:
+        client = _probe_client(pid, inject)
+        info = client.query(INFO_SQL).to_pylist()[0]
+        frames = client.query(STACK_SQL).to_pylist()
+    except ProbingError as err:
+        raise _fail(err) from None
+    if fmt is Format.json:
+        typer.echo(json.dumps({"process": info, "frames": frames}, default=str))
+    else:
+        typer.echo(format_stacks(info, frames))
+
+
+@app.command(
+    name="eval",
+    epilog=(
+        "Examples:\n\n"
+        '  probing eval --pid 1234 "len(gc.get_objects())"\n\n'
+        '  probing eval -p 1234 "import torch; print(torch.cuda.memory_allocated())"'
+    ),
+)
+def eval_cmd(
+    code: Annotated[str, typer.Argument(help="a Python expression or statements")],
+    pid: PidOpt,
+    inject: InjectOpt = False,
+) -> None:
+    """Run Python inside the target (local socket only); print its value and output."""
+    from probing.errors import EvalError
+
+    try:
+        out = _probe_client(pid, inject).eval(code)
+    except EvalError as err:
+        if err.detail:
+            typer.echo(err.detail.rstrip(), err=True)
+        raise _fail(err) from None
+    except ProbingError as err:
+        raise _fail(err) from None
+    if out.get("output"):
+        typer.echo(out["output"], nl=False)
+    if out.get("result") is not None:
+        typer.echo(out["result"])
 
 
 @app.command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")

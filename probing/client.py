@@ -12,7 +12,14 @@ import os
 import socket
 from typing import Any
 
-from probing.errors import AccessDenied, NoProbe, NoSuchProcess, ProbingError, QueryError
+from probing.errors import (
+    AccessDenied,
+    EvalError,
+    NoProbe,
+    NoSuchProcess,
+    ProbingError,
+    QueryError,
+)
 from probing.probe import paths
 
 
@@ -107,10 +114,12 @@ class ProbeClient:
             err = json.loads(data)
             msg, kind = err.get("error", ""), err.get("type", "")
         except ValueError:
-            msg, kind = data.decode("utf-8", "replace"), ""
+            err, msg, kind = {}, data.decode("utf-8", "replace"), ""
         pid = self.transport.pid
         if kind == "QueryError":
             raise QueryError(msg, pid=pid)
+        if kind == "EvalError":
+            raise EvalError(msg, pid=pid, detail=err.get("detail", ""))
         if status == 403:
             raise AccessDenied(msg, pid=pid)
         raise ProbingError(f"probe answered {status}: {msg}", pid=pid)
@@ -131,6 +140,10 @@ class ProbeClient:
     def query_raw(self, sql: str, fmt: str) -> bytes:
         """Run SQL; the probe's own rendering (``json`` or ``csv``) as bytes."""
         return self._call("POST", "/query", {"sql": sql, "format": fmt})[1]
+
+    def eval(self, code: str) -> dict[str, Any]:
+        """Run Python in the target: ``{"result": repr or None, "output": str}``."""
+        return json.loads(self._call("POST", "/eval", {"code": code})[1])
 
     def close(self) -> None:
         self.transport.close()

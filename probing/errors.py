@@ -36,6 +36,14 @@ class QueryError(ProbingError):
     """The SQL was rejected: syntax, planning, a refused statement, a table error."""
 
 
+class EvalError(ProbingError):
+    """Code sent with ``probing eval`` raised in the target; ``detail`` is its traceback."""
+
+    def __init__(self, msg: str, *, pid: int | None = None, detail: str = "") -> None:
+        super().__init__(msg, pid=pid)
+        self.detail = detail
+
+
 class AttachError(ProbingError):
     """Injection into a process failed."""
 

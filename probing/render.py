@@ -49,3 +49,24 @@ def format_arrow(table: Any, width: int = 80) -> str:
     text = format_rows(names, rows, width)
     n = table.num_rows
     return f"{text}\n({n} row{'s' if n != 1 else ''})"
+
+
+def format_stacks(info: dict[str, Any], frames: list[dict[str, Any]]) -> str:
+    """``process.stacks`` rows as ``py-spy dump`` prints them: one block per thread."""
+    out = [
+        f"Process {info.get('pid')}: {info.get('cmdline', '')}",
+        f"Python v{info.get('python', '?')} ({info.get('python_executable', '?')})",
+    ]
+    threads: dict[Any, list[dict[str, Any]]] = {}
+    for f in frames:
+        threads.setdefault((f["tid"], f["thread"]), []).append(f)
+    for (tid, name), rows in threads.items():
+        head = rows[0]
+        state = head["state"]
+        if head.get("syscall") and state != "active":
+            state += f", in {head['syscall']}"
+        out.append("")
+        out.append(f'Thread {tid if tid is not None else "?"} ({state}): "{name}"')
+        for r in sorted(rows, key=lambda r: r["depth"]):
+            out.append(f"    {r['func']} ({r['file']}:{r['line']})")
+    return "\n".join(out)

@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
 from probing.inject import build, elf
 from probing.inject.arch import Arch, native
-from probing.inject.ptrace import CallFailed, Memory, TargetGone, Tracee, syscall_state
+from probing.inject.ptrace import CallFailed, Memory, TargetGone, Tracee
 from probing.probe import paths
+from probing.procs import task_syscall
 
 SUPPORTED = ((3, 9), (3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
 PAGE = 4096
@@ -140,7 +141,9 @@ def inspect(pid: int) -> Target:
     if state.startswith(("Z", "X")):
         raise NoSuchProcess(f"process {pid} ({comm}) has exited (zombie)", pid=pid)
     if tracer:
-        tcomm = _status(tracer).get("Name", "?").strip() if os.path.exists(f"/proc/{tracer}") else "?"
+        tcomm = (
+            _status(tracer).get("Name", "?").strip() if os.path.exists(f"/proc/{tracer}") else "?"
+        )
         raise AttachError(
             f"process {pid} ({comm}) is being traced by pid {tracer} ({tcomm})",
             pid=pid,
@@ -258,7 +261,7 @@ def _threads(pid: int) -> list[int]:
 
 
 def _at_safe_point(target: Target, tracee: Tracee, unsafe: list[tuple[int, int]]) -> bool:
-    nr = syscall_state(target.pid, tracee.tid)
+    nr = task_syscall(tracee.tid, target.pid)
     if nr >= 0:
         return nr not in target.arch.memory_syscalls
     pc = target.arch.pc(tracee.get_regs())
@@ -490,7 +493,9 @@ def inject(pid: int, *, timeout: float = 10.0) -> InjectResult:
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
     if not report.get("ok"):
-        raise AttachError(f"the probe did not start in process {pid}: {report.get('error')}", pid=pid)
+        raise AttachError(
+            f"the probe did not start in process {pid}: {report.get('error')}", pid=pid
+        )
     return InjectResult(
         pid,
         bool(report.get("already")),

@@ -214,9 +214,11 @@ class Tracee:
         self.set_regs(arch.prepare_call(saved, func, args, stub))
         ptrace(PTRACE_CONT, self.tid, 0, 0)
         self.wait_for(
-            lambda s: s.event == 0
-            and s.sig == signal.SIGTRAP
-            and arch.trapped_after_call(self.get_regs(), stub),
+            lambda s: (
+                s.event == 0
+                and s.sig == signal.SIGTRAP
+                and arch.trapped_after_call(self.get_regs(), stub)
+            ),
             timeout,
             f"in the call at {func:#x}",
         )
@@ -236,13 +238,3 @@ class Tracee:
                 self.deferred.append(stop.sig)
             if arch.pc(regs) != insn:
                 raise CallFailed(f"syscall {nr} did not complete in thread {self.tid}")
-
-
-def syscall_state(pid: int, tid: int) -> int:
-    """The syscall a stopped thread sits in (``/proc/.../syscall``), -1 for none."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
-            first = f.read().split()[0]
-    except (OSError, IndexError):
-        return -1
-    return -1 if first == "running" else int(first)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from probing.errors import ProbingError, QueryError
+from probing.errors import EvalError, ProbingError, QueryError
 from probing.probe.server import Request, Response
 
 if TYPE_CHECKING:
@@ -69,10 +69,27 @@ def tables(probe: Probe, req: Request) -> Response:
     return Response.json(out.to_pylist())
 
 
+def evaluate(probe: Probe, req: Request) -> Response:
+    """POST /eval {"code": ...}: local (unix socket) callers only."""
+    from probing.probe.evaluate import run
+
+    if req.peer_uid is None:
+        return Response.error(403, "eval is served on the local socket only", "AccessDenied")
+    try:
+        code = json.loads(req.body)["code"]
+    except (ValueError, KeyError, TypeError):
+        return Response.error(400, 'body must be JSON: {"code": "..."}')
+    try:
+        return Response.json(run(code))
+    except EvalError as err:
+        return Response.json({"error": str(err), "type": "EvalError", "detail": err.detail}, 400)
+
+
 ROUTES = {
     ("GET", "/health"): health,
     ("POST", "/query"): query,
     ("GET", "/tables"): tables,
+    ("POST", "/eval"): evaluate,
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from probing.engine import Engine
-from probing.tables import meta, process, python
+from probing.tables import meta, process, python, stacks
 from probing.tables.external import ExternalTable
 
 
@@ -11,6 +11,7 @@ def install(engine: Engine) -> None:
     """Register every built-in table with ``engine``."""
     engine.register_table("process", "info", process.info)
     engine.register_table("process", "threads", process.threads)
+    engine.register_table("process", "stacks", stacks.stacks)
     engine.register_table("probing", "tables", lambda: meta.tables(engine.store))
     engine.register_resolver("python", python.evaluate)
 

@@ -11,6 +11,7 @@ import psutil
 import pyarrow as pa
 
 from probing import __version__
+from probing.procs import task_stat
 
 _STARTED_NS = time.time_ns()
 
@@ -57,14 +58,6 @@ def _task_field(tid: int, name: str) -> str | None:
         return None
 
 
-def _task_state(tid: int) -> str | None:
-    stat = _task_field(tid, "stat")
-    if not stat:
-        return None
-    # "tid (comm) S ..." where comm may contain spaces and parentheses
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 THREAD_SCHEMA = pa.schema(
     [
         ("tid", pa.int64()),
@@ -94,7 +87,7 @@ def threads() -> pa.Table:
                 "tid": t.id,
                 "name": pt.name if pt is not None else comm,
                 "comm": comm,
-                "state": _task_state(t.id),
+                "state": (task_stat(t.id) or (None,))[0],
                 "is_python": pt is not None,
                 "python_ident": pt.ident if pt is not None else None,
                 "daemon": pt.daemon if pt is not None else None,

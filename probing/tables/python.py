@@ -53,8 +53,8 @@ def _column(values: list[Any]) -> pa.Array:
         return pa.array([None if v is None else repr(v) for v in values], type=pa.string())
 
 
-def evaluate(expr: str) -> pa.Table:
-    """Evaluate ``expr`` in ``__main__``'s namespace; import modules it names.
+def eval_with_imports(expr: str) -> Any:
+    """Evaluate ``expr`` in a copy of ``__main__``'s namespace; import modules it names.
 
     ``time.time()`` works without ``import time`` in the target: a NameError
     for an importable top-level module imports it and tries again.
@@ -64,17 +64,23 @@ def evaluate(expr: str) -> pa.Table:
     namespace.setdefault("__builtins__", __builtins__)
     for _ in range(_MAX_AUTO_IMPORTS):
         try:
-            return to_arrow(eval(expr, namespace))  # noqa: S307 - local socket only
+            return eval(expr, namespace)  # noqa: S307 - local socket only
         except NameError as err:
             name = getattr(err, "name", None)
             if not name or name in namespace:
-                raise QueryError(f"python.`{expr}`: {err}") from err
+                raise
             try:
                 namespace[name] = importlib.import_module(name)
             except ImportError:
-                raise QueryError(f"python.`{expr}`: {err}") from err
-        except QueryError:
-            raise
-        except Exception as err:
-            raise QueryError(f"python.`{expr}`: {type(err).__name__}: {err}") from err
-    raise QueryError(f"python.`{expr}`: too many names to import")
+                raise err from None
+    raise NameError("too many names to import")
+
+
+def evaluate(expr: str) -> pa.Table:
+    """``python.`expr```: the value of ``expr`` as a table."""
+    try:
+        return to_arrow(eval_with_imports(expr))
+    except QueryError:
+        raise
+    except Exception as err:
+        raise QueryError(f"python.`{expr}`: {type(err).__name__}: {err}") from err
