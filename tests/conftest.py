@@ -69,6 +69,7 @@ def spawn(runtime_dir: Path) -> Iterator:
         env: dict[str, str] | None = None,
         argv: list[str] | None = None,
         wait: bool = True,
+        cwd: str | Path | None = None,
     ) -> Target:
         full_env = {**os.environ, "PROBING_RUNTIME_DIR": str(runtime_dir), **(env or {})}
         full_env.pop("PROBING", None)
@@ -76,7 +77,7 @@ def spawn(runtime_dir: Path) -> Iterator:
             full_env["PROBING"] = "1"
         cmd = argv or [sys.executable, "-c", textwrap.dedent(code)]
         proc = subprocess.Popen(
-            cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
         )
         target = Target(proc, runtime_dir)
         started.append(target)

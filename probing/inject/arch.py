@@ -29,7 +29,10 @@ class Arch:
     memory_syscalls: ClassVar[frozenset[int]]  # may hold malloc's locks
     syscall_names: ClassVar[dict[int, str]]  # the ones a thread is seen blocked in
     ret_reg: ClassVar[str]
-    extra_regsets: ClassVar[tuple[tuple[int, int], ...]] = ()  # (NT_* type, size) to keep
+    # register sets saved and restored besides the general ones: (NT_* type, max size).
+    # The callee clobbers vector registers (libc's memcpy and strlen use them):
+    # a thread stopped inside SIMD code would go on with wrong values.
+    extra_regsets: ClassVar[tuple[tuple[int, int], ...]] = ()
     red_zone: ClassVar[int] = 256
 
     @classmethod
@@ -108,6 +111,7 @@ class X86_64(Arch):
     arg_regs = ("rdi", "rsi", "rdx", "r10", "r8", "r9")  # syscall order
     call_regs = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
     ret_reg = "rax"
+    extra_regsets = ((2, 512), (0x202, 1 << 16))  # NT_PRFPREG (x87, SSE), NT_X86_XSTATE (AVX…)
     syscall_insn = b"\x0f\x05"
     insn_align = 1
     trap_stub = b"\x41\xff\xd3\xcc"  # call r11; int3
@@ -162,7 +166,8 @@ class AArch64(Arch):
     reg_names = (*(f"x{i}" for i in range(31)), "sp", "pc", "pstate")
     arg_regs = ("x0", "x1", "x2", "x3", "x4", "x5")
     ret_reg = "x0"
-    extra_regsets = ((0x404, 4),)  # NT_ARM_SYSTEM_CALL: the syscall a stop interrupted
+    # NT_PRFPREG (v0-v31, fpsr, fpcr), NT_ARM_SVE, NT_ARM_SYSTEM_CALL (the interrupted syscall)
+    extra_regsets = ((2, 528), (0x405, 1 << 16), (0x404, 4))
     syscall_insn = struct.pack("<I", 0xD4000001)  # svc #0
     insn_align = 4
     trap_stub = struct.pack("<I", 0xD4200000)  # brk #0; the call returns here through lr

@@ -116,7 +116,9 @@ def permission_error(pid: int, uid: int, what: str) -> AccessDenied:
             "capabilities add SYS_PTRACE), or run probing on the host"
         )
     elif uid != me and not cap:
-        hint = f"the process belongs to {_user(uid)}: run probing as {_user(uid)} or as root"
+        owner = _user(uid)
+        hint = f"the process belongs to {owner}: run probing as {owner}"
+        hint += " or as root" if uid != 0 else ""
     elif scope >= 1 and not cap:
         hint = (
             f"kernel.yama.ptrace_scope={scope} allows only a parent to trace: run as root, "
@@ -155,8 +157,9 @@ def inspect(pid: int) -> Target:
         )
     try:
         maps = elf.read_maps(pid)
+        os.readlink(f"/proc/{pid}/exe")  # needs the same access as ptrace
     except PermissionError:
-        raise permission_error(pid, uid, "read the memory map of") from None
+        raise permission_error(pid, uid, "trace") from None
     except FileNotFoundError:
         raise NoSuchProcess(f"process {pid} has exited", pid=pid) from None
     arch = native()

@@ -135,14 +135,15 @@ class Tracee:
                 pass
 
     # --- registers -----------------------------------------------------------------
-    def _regset(self, request: int, nt: int, buf: ctypes.Array[ctypes.c_char]) -> None:
+    def _regset(self, request: int, nt: int, buf: ctypes.Array[ctypes.c_char]) -> int:
         iov = _IOVec(ctypes.cast(buf, ctypes.c_void_p), len(buf))
         ptrace(request, self.tid, nt, ctypes.c_void_p(ctypes.addressof(iov)))
+        return iov.len  # the kernel's size for this set
 
     def get_regset(self, nt: int, size: int) -> bytes:
         buf = ctypes.create_string_buffer(size)
-        self._regset(PTRACE_GETREGSET, nt, buf)
-        return buf.raw
+        got = self._regset(PTRACE_GETREGSET, nt, buf)
+        return buf.raw[:got]
 
     def set_regset(self, nt: int, raw: bytes) -> None:
         buf = ctypes.create_string_buffer(raw, len(raw))
@@ -155,7 +156,14 @@ class Tracee:
         self.set_regset(NT_PRSTATUS, self.arch.pack(regs))
 
     def save_state(self) -> tuple[list[int], list[tuple[int, bytes]]]:
-        extra = [(nt, self.get_regset(nt, size)) for nt, size in self.arch.extra_regsets]
+        """Every register the thread has: general, FP/vector, and what the arch adds."""
+        extra = []
+        for nt, size in self.arch.extra_regsets:
+            try:
+                extra.append((nt, self.get_regset(nt, size)))
+            except OSError as err:  # a set this CPU or kernel lacks (no AVX, no SVE)
+                if err.errno not in (errno.EINVAL, errno.ENODEV, errno.EIO):
+                    raise
         return self.get_regs(), extra
 
     def restore_state(self, state: tuple[list[int], list[tuple[int, bytes]]]) -> None:
