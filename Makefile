@@ -16,6 +16,7 @@ test: setup
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 bench: setup
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@for b in benchmarks/*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done
 
 lint: setup

@@ -97,4 +97,7 @@ if ! "$VENV/bin/python" -c 'import bcc' 2>/dev/null; then
     say "WARNING: python3-bpfcc is not installed; BPF features are off"
   fi
 fi
+# --- the library `probing inject` loads into a target (built once per boot.c) ----------
+"$VENV/bin/python" -m probing.inject.build >/dev/null || say "WARNING: could not build the injection library"
+
 "$VENV/bin/python" -c 'import bcc' 2>/dev/null && say "ready: $("$VENV/bin/python" --version), bcc $("$VENV/bin/python" -c 'import bcc; print(bcc.__version__)')" || say "ready (without BCC)"

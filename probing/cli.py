@@ -180,9 +180,9 @@ def stack(
     from probing.render import format_stacks
 
     try:
-        client = _probe_client(pid, inject)
-        info = client.query(INFO_SQL).to_pylist()[0]
-        frames = client.query(STACK_SQL).to_pylist()
+        client = _probe_client(pid, inject)  # JSON: the CLI need not load pyarrow
+        info = json.loads(client.query_raw(INFO_SQL, "json"))[0]
+        frames = json.loads(client.query_raw(STACK_SQL, "json"))
     except ProbingError as err:
         raise _fail(err) from None
     if fmt is Format.json:

@@ -153,3 +153,30 @@ def test_in_process_query_api() -> None:
     assert probing.query("SELECT sum(k) AS s FROM python.api_rows").to_pylist() == [{"s": 6}]
     with pytest.raises(probing.QueryError):
         probing.query("DROP TABLE python.api_rows")
+
+
+def test_process_stacks_in_process(engine) -> None:
+    import threading
+
+    ready, stop = threading.Event(), threading.Event()
+
+    def parked_here() -> None:
+        ready.set()
+        stop.wait()
+
+    t = threading.Thread(target=parked_here, name="parked", daemon=True)
+    t.start()
+    ready.wait()
+    try:
+        rows = engine.sql(
+            "SELECT tid, state, syscall, func, depth FROM process.stacks "
+            "WHERE thread = 'parked' ORDER BY depth"
+        ).to_pylist()
+    finally:
+        stop.set()
+    assert rows and all(r["tid"] == t.native_id for r in rows)
+    funcs = [r["func"].rsplit(".", 1)[-1] for r in rows]  # qualified names on 3.11+
+    assert funcs.index("wait") < funcs.index("parked_here") < funcs.index("run")
+    assert rows[0]["state"] == "waiting" and rows[0]["syscall"] == "futex"
+    mine = engine.sql("SELECT func FROM process.stacks WHERE thread = 'MainThread'")
+    assert "test_process_stacks_in_process" in mine.column(0).to_pylist()

@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING
 
 from probing.errors import EvalError, ProbingError, QueryError
+from probing.probe.runtime import quick_gil_handoff
 from probing.probe.server import Request, Response
 
 if TYPE_CHECKING:
@@ -100,7 +101,8 @@ def make_app(probe: Probe):  # type: ignore[no-untyped-def]
             known = ", ".join(f"{m} {p}" for m, p in ROUTES)
             return Response.error(404, f"no endpoint {req.method} {req.path} (known: {known})")
         try:
-            return route(probe, req)
+            with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
+                return route(probe, req)
         except QueryError as err:
             return Response.error(400, str(err), "QueryError")
         except ProbingError as err:

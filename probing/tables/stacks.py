@@ -71,9 +71,8 @@ def _states(tids: list[int]) -> dict[int, tuple[str, str | None, float]]:
 
 
 def _own_threads() -> set[int]:
-    return {t.ident for t in threading.enumerate() if t.name.startswith("probing-") and t.ident} | {
-        threading.get_ident()
-    }
+    """The probe's server and request threads (a query from user code keeps its own)."""
+    return {t.ident for t in threading.enumerate() if t.name.startswith("probing-") and t.ident}
 
 
 def stacks() -> pa.Table:
@@ -111,5 +110,4 @@ def stacks() -> pa.Table:
             )
             f = f.f_back
             depth += 1
-    del frame, f
     return pa.Table.from_pylist(rows, schema=SCHEMA)

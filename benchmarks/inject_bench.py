@@ -1,0 +1,129 @@
+"""Attach cost: `probing inject` to the first answered query, and what the target feels.
+
+Ten fresh targets, each a plain `python -c` loop (not started with probing)
+that notes every pause longer than 2 ms between two ~0.1 ms iterations.
+For each: inject, then query; the borrowed thread's stop time comes from
+the injector. The target's pauses are read back through the probe itself
+and split into the second before injection (baseline) and the injection
+window. Then `probing stack` side by side with `py-spy dump` (when
+installed: pip install py-spy) on a target that already has a probe.
+
+Prints one JSON object. Needs root (ptrace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from probing.client import ProbeClient
+from probing.inject import inject
+
+TARGET = """
+import time
+PAUSES = []
+last = time.monotonic()
+x = 0
+while True:
+    for i in range(2000):
+        x += i
+    now = time.monotonic()
+    if now - last > 0.002:
+        PAUSES.append((last, now - last))
+    last = now
+"""
+RUNS = 10
+
+
+def _ms(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {
+        "median": round(statistics.median(xs) * 1000, 2),
+        "min": round(xs[0] * 1000, 2),
+        "max": round(xs[-1] * 1000, 2),
+    }
+
+
+def _spawn(cwd: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    return subprocess.Popen([sys.executable, "-c", TARGET], cwd=cwd, env=env)
+
+
+def attach_runs(cwd: str) -> dict[str, object]:
+    total, injected, stopped, first_query = [], [], [], []
+    base_pause, window_pause = [], []
+    for _ in range(RUNS):
+        proc = _spawn(cwd)
+        try:
+            time.sleep(1.2)  # a second of undisturbed baseline
+            t0 = time.monotonic()
+            res = inject(proc.pid)
+            t1 = time.monotonic()
+            client = ProbeClient.for_pid(proc.pid)
+            client.query("SELECT pid FROM process.info")
+            t2 = time.monotonic()
+            pauses = client.query("SELECT * FROM python.`PAUSES`").column(0).to_pylist()
+            total.append(t2 - t0)
+            injected.append(t1 - t0)
+            first_query.append(t2 - t1)
+            stopped.append(res.stopped_s)
+            base = [g for s, g in pauses if t0 - 1.0 <= s < t0]
+            during = [g for s, g in pauses if t0 <= s < t2]
+            base_pause.append(max(base, default=0.0))
+            window_pause.append(max(during, default=0.0))
+        finally:
+            proc.kill()
+            proc.wait()
+    return {
+        "runs": RUNS,
+        "inject_to_first_answer_ms": _ms(total),
+        "inject_call_ms": _ms(injected),
+        "first_query_ms (loads the SQL engine in the target)": _ms(first_query),
+        "borrowed_thread_stopped_ms": _ms(stopped),
+        "other_threads_stopped_ms": 0,
+        "target_longest_pause_ms": {
+            "baseline_1s_before": _ms(base_pause),
+            "during_inject_and_first_query": _ms(window_pause),
+        },
+    }
+
+
+def _timed(cmd: list[str]) -> float:
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, capture_output=True)
+    return time.monotonic() - t0
+
+
+def stack_vs_pyspy(cwd: str) -> dict[str, object]:
+    proc = _spawn(cwd)
+    try:
+        time.sleep(0.5)
+        inject(proc.pid)
+        pid = str(proc.pid)
+        probing = [_timed([sys.executable, "-m", "probing", "stack", "-p", pid]) for _ in range(5)]
+        out: dict[str, object] = {"probing_stack_ms": _ms(probing)}
+        pyspy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        if os.access(pyspy, os.X_OK):
+            out["py_spy_dump_ms"] = _ms([_timed([pyspy, "dump", "--pid", pid]) for _ in range(5)])
+        else:
+            out["py_spy_dump_ms"] = None  # pip install py-spy for the baseline
+        return out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as cwd:  # targets do not find probing in their cwd
+        report = {"benchmark": "inject", "attach": attach_runs(cwd), "stack": stack_vs_pyspy(cwd)}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
