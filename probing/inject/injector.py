@@ -21,6 +21,7 @@ stopped or running our code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pwd
@@ -463,6 +464,22 @@ def _wait_report(target: Target, status: str, timeout: float) -> dict:  # type: 
     )
 
 
+def _alive(pid: int, wait: bool = False) -> bool:
+    """Whether ``pid`` still runs; ``wait``: give a dying process a second to show it."""
+    deadline = time.monotonic() + (1.0 if wait else 0.0)
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.01)
+
+
 def existing_probe(pid: int) -> str | None:
     from probing.procs import socket_alive
 
@@ -491,8 +508,10 @@ def inject(pid: int, *, timeout: float = 10.0) -> InjectResult:
                 tracee.detach()
                 stopped = time.monotonic() - stopped
         report = _wait_report(target, status, timeout)
-    except TargetGone as err:
-        raise NoSuchProcess(f"process {pid} exited during injection", pid=pid) from err
+    except (TargetGone, OSError) as err:
+        if isinstance(err, TargetGone) or not _alive(pid, wait=err.errno == errno.ESRCH):
+            raise NoSuchProcess(f"process {pid} exited during injection", pid=pid) from err
+        raise AttachError(f"injection into process {pid} failed: {err}", pid=pid) from err
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
     if not report.get("ok"):

@@ -326,3 +326,34 @@ def test_injector_killed_midway_leaves_no_thread_stopped(spawn) -> None:
     t.proc.kill()
     done, _ = t.proc.communicate(timeout=10)
     assert _lines_ok(done, expected_checksum()) >= 2
+
+
+def test_target_killed_midway_is_reported(spawn, monkeypatch) -> None:
+    from probing.errors import NoSuchProcess
+    from probing.inject import injector
+
+    t = spawn(CHECKSUM, probing=False)
+    _first_line(t)
+    real = injector._run_in_target
+
+    def killed(target, tracee, lib, source):  # type: ignore[no-untyped-def]
+        os.kill(target.pid, signal.SIGKILL)  # dies while its thread is borrowed
+        return real(target, tracee, lib, source)
+
+    monkeypatch.setattr(injector, "_run_in_target", killed)
+    with pytest.raises(NoSuchProcess, match="exited during injection"):
+        inject(t.pid)
+
+
+def test_unsupported_python_is_refused(spawn, monkeypatch) -> None:
+    from probing.errors import AttachError
+    from probing.inject import injector
+
+    t = spawn("import time\nwhile True: time.sleep(0.05)\n", probing=False)
+    time.sleep(0.2)
+    monkeypatch.setattr(injector, "SUPPORTED", ((3, 99),))
+    with pytest.raises(AttachError, match=r"does not support \(supported: 3\.99\)"):
+        inject(t.pid)
+    _untouched(t.pid)
+    ps = cli("ps")
+    assert any(line.split()[:3] == [str(t.pid), "root", "-"] for line in ps.stdout.splitlines())
