@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
 from probing.inject import build, elf
 from probing.inject.arch import Arch, native
-from probing.inject.ptrace import CallFailed, Memory, TargetGone, Tracee
+from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
 from probing.probe import paths
 from probing.procs import task_syscall
 
@@ -344,7 +344,7 @@ def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> Non
     mem = Memory(target.pid)
     state = tracee.save_state()
     saved = state[0]
-    page = 0
+    page = insn = 0
     args = boot_args_block(target, source)
     size = (len(arch.trap_stub) + 512 + len(args) + PAGE - 1) // PAGE * PAGE
     try:
@@ -383,20 +383,21 @@ def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> Non
     finally:
         try:
             if tracee.attached:
-                _give_back(tracee, state, page, size, mem, target)
+                _give_back(tracee, state, (page, size), insn)
         finally:
             mem.close()
 
 
-def _give_back(tracee: Tracee, state, page: int, size: int, mem: Memory, target: Target) -> None:  # type: ignore[no-untyped-def]
+def _give_back(tracee: Tracee, state: RegState, mapping: tuple[int, int], insn: int) -> None:
+    """Unmap our page (when there is one), restore every register, detach."""
     try:
         tracee.get_regs()
     except OSError:  # still running our call (it timed out): stop it first
         tracee.stop()
+    page, size = mapping
     if page:
         try:
-            insn = _find_syscall_insn(target, mem)
-            tracee.syscall(state[0], target.arch.sys_munmap, (page, size), insn)
+            tracee.syscall(state[0], tracee.arch.sys_munmap, (page, size), insn)
         except (OSError, ProbingError):
             pass  # a leaked private page is harmless; a stopped thread is not
     tracee.restore_state(state)

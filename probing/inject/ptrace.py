@@ -50,6 +50,9 @@ class CallFailed(AttachError):
     """The borrowed thread faulted or timed out inside our call."""
 
 
+RegState = tuple[list[int], list[tuple[int, bytes]]]  # general registers, other regsets
+
+
 class Stop(NamedTuple):
     sig: int
     event: int
@@ -155,7 +158,7 @@ class Tracee:
     def set_regs(self, regs: list[int]) -> None:
         self.set_regset(NT_PRSTATUS, self.arch.pack(regs))
 
-    def save_state(self) -> tuple[list[int], list[tuple[int, bytes]]]:
+    def save_state(self) -> RegState:
         """Every register the thread has: general, FP/vector, and what the arch adds."""
         extra = []
         for nt, size in self.arch.extra_regsets:
@@ -166,7 +169,7 @@ class Tracee:
                     raise
         return self.get_regs(), extra
 
-    def restore_state(self, state: tuple[list[int], list[tuple[int, bytes]]]) -> None:
+    def restore_state(self, state: RegState) -> None:
         regs, extra = state
         self.set_regs(regs)
         for nt, raw in extra:
@@ -192,8 +195,13 @@ class Tracee:
             raise TargetGone(f"process {self.pid} exited during injection", pid=self.pid)
         return Stop(os.WSTOPSIG(status), status >> 16)
 
-    def wait_for(self, done, timeout: float, what: str) -> Stop:  # type: ignore[no-untyped-def]
-        """Wait until a stop satisfies ``done``; keep signals that arrive meanwhile."""
+    def wait_for(self, done, timeout: float, what: str, resume: int = PTRACE_CONT) -> Stop:  # type: ignore[no-untyped-def]
+        """Wait until a stop satisfies ``done``; keep signals that arrive meanwhile.
+
+        A fault raised by the thread (our call went wrong) ends the wait with
+        CallFailed and is never delivered; other stops are resumed with
+        ``resume`` (continue, or single-step again).
+        """
         deadline = time.monotonic() + timeout
         while True:
             stop = self._wait_once(deadline)
@@ -212,7 +220,7 @@ class Tracee:
                 )
             if stop.event == 0 and stop.sig != signal.SIGTRAP:
                 self.deferred.append(stop.sig)  # an async signal: deliver at detach
-            ptrace(PTRACE_CONT, self.tid, 0, 0)
+            ptrace(resume, self.tid, 0, 0)
 
     # --- remote execution -------------------------------------------------------------
     def call(self, saved: list[int], func: int, args: tuple[int, ...], stub: int,
@@ -236,13 +244,14 @@ class Tracee:
         """Execute one syscall instruction at ``insn`` by single-stepping it."""
         arch = self.arch
         self.set_regs(arch.prepare_syscall(saved, nr, args, insn))
-        while True:
-            ptrace(PTRACE_SINGLESTEP, self.tid, 0, 0)
-            stop = self.wait_for(lambda s: s.event == 0, 2.0, f"in syscall {nr}")
-            regs = self.get_regs()
-            if stop.sig == signal.SIGTRAP and arch.stepped_over_syscall(regs, insn):
-                return arch.result(regs)
-            if stop.sig != signal.SIGTRAP:
-                self.deferred.append(stop.sig)
-            if arch.pc(regs) != insn:
-                raise CallFailed(f"syscall {nr} did not complete in thread {self.tid}")
+        ptrace(PTRACE_SINGLESTEP, self.tid, 0, 0)
+        self.wait_for(
+            lambda s: s.event == 0 and s.sig == signal.SIGTRAP,
+            2.0,
+            f"in syscall {nr}",
+            resume=PTRACE_SINGLESTEP,
+        )
+        regs = self.get_regs()
+        if not arch.stepped_over_syscall(regs, insn):
+            raise CallFailed(f"syscall {nr} did not complete in thread {self.tid}", pid=self.pid)
+        return arch.result(regs)
