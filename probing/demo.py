@@ -1,9 +1,10 @@
 """``make demo`` / ``probing demo``: the main job so far, on a built-in example.
 
 Starts a small training-like job (plain Python: a data-loader thread, a
-compute loop, a metrics table) with ``PROBING=1`` and no probing code in its
-loop, then asks its probe SQL questions through the ``probing`` command,
-exactly as a user would from another terminal, and shuts it down.
+compute loop, a metrics table) *without* a probe, attaches to it with
+``probing inject``, prints its threads' stacks, then asks SQL questions
+through the ``probing`` command, exactly as a user would from another
+terminal, and shuts it down.
 """
 
 from __future__ import annotations
@@ -68,33 +69,34 @@ def _probing(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def main(seconds: float = 3.0) -> int:
-    env = dict(os.environ, PROBING="1")
-    print("$ PROBING=1 python example_job.py &", flush=True)
-    job = subprocess.Popen([sys.executable, "-c", EXAMPLE_JOB], env=env)
-    try:
-        from probing.probe import paths
+def _show(*args: str) -> int:
+    print(f"$ probing {' '.join(args)}", flush=True)
+    r = _probing(*args)
+    print((r.stdout or r.stderr).rstrip() + "\n", flush=True)
+    return r.returncode
 
-        deadline = time.monotonic() + 20
-        while paths.find_socket(job.pid) is None:
-            if job.poll() is not None or time.monotonic() > deadline:
-                print("demo: the example job did not start its probe", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
+
+def main(seconds: float = 3.0) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    print("$ python example_job.py &          # started without probing", flush=True)
+    job = subprocess.Popen([sys.executable, "-c", EXAMPLE_JOB], env=env)
+    pid = str(job.pid)
+    try:
         time.sleep(seconds)
-        print(f"\n$ probing ps\n{_probing('ps').stdout}")
+        if job.poll() is not None:
+            print("demo: the example job exited", file=sys.stderr)
+            return 1
+        print("# Attach to the running job: no restart, no code change", flush=True)
+        for args in (("ps",), ("inject", "--pid", pid), ("stack", "--pid", pid)):
+            if _show(*args):
+                return 1
         for question, sql in QUESTIONS:
-            print(f'# {question}\n$ probing query --pid {job.pid} "{sql}"')
-            r = _probing("query", "--pid", str(job.pid), sql)
-            print(r.stdout or r.stderr)
-            if r.returncode:
-                return r.returncode
+            print(f"# {question}")
+            if _show("query", "--pid", pid, sql):
+                return 1
         bad = "SELECT * FROM process.no_such_table"
-        print(
-            f"# A bad query gets the engine's message, and the probe keeps answering:\n"
-            f'$ probing query --pid {job.pid} "{bad}"'
-        )
-        print(_probing("query", "--pid", str(job.pid), bad).stderr)
+        print("# A bad query gets the engine's message, and the probe keeps answering:")
+        _show("query", "--pid", pid, bad)
         return 0
     finally:
         job.kill()

@@ -53,8 +53,9 @@ def format_arrow(table: Any, width: int = 80) -> str:
 
 def format_stacks(info: dict[str, Any], frames: list[dict[str, Any]]) -> str:
     """``process.stacks`` rows as ``py-spy dump`` prints them: one block per thread."""
+    cmdline = " ".join(str(info.get("cmdline") or "").split())
     out = [
-        f"Process {info.get('pid')}: {info.get('cmdline', '')}",
+        f"Process {info.get('pid')}: {cmdline[:100]}{'…' if len(cmdline) > 100 else ''}",
         f"Python v{info.get('python', '?')} ({info.get('python_executable', '?')})",
     ]
     threads: dict[Any, list[dict[str, Any]]] = {}
