@@ -221,6 +221,28 @@ def eval_cmd(
         typer.echo(out["result"])
 
 
+@app.command(
+    epilog=(
+        "Examples:\n\n  probing nvml --pid 1234 --interval 100ms\n\n"
+        "  probing nvml --pid 1234 --stop\n\n"
+        '  probing query -p 1234 "SELECT gpu, avg(util_gpu) FROM nvml.gpu GROUP BY gpu"'
+    )
+)
+def nvml(
+    pid: PidOpt,
+    interval: Annotated[str, typer.Option(help="sampling interval (100ms, 1s)")] = "100ms",
+    stop: Annotated[bool, typer.Option("--stop", help="stop sampling")] = False,
+) -> None:
+    """Sample GPU counters (NVML) into nvml.gpu next to the events; print nvml.status."""
+    try:
+        status = _client(pid).nvml(interval, stop=stop)
+    except ProbingError as err:
+        raise _fail(err) from None
+    typer.echo(" ".join(f"{k}={v}" for k, v in status.items() if v is not None))
+    if status.get("state") == "unavailable":
+        raise typer.Exit(1)
+
+
 @app.command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
 def doctor(
     fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,

@@ -145,6 +145,11 @@ class ProbeClient:
         """Run Python in the target: ``{"result": repr or None, "output": str}``."""
         return json.loads(self._call("POST", "/eval", {"code": code})[1])
 
+    def nvml(self, interval: str | None = None, *, stop: bool = False) -> dict[str, Any]:
+        """Start (or re-time) GPU sampling, or stop it; returns ``nvml.status``."""
+        payload: dict[str, Any] = {"stop": True} if stop else {"interval": interval or "100ms"}
+        return json.loads(self._call("POST", "/nvml", payload)[1])
+
     def close(self) -> None:
         self.transport.close()
 

@@ -167,10 +167,12 @@ def check_nvml() -> Check:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
+        from probing.tables.nvml import unavailable_reason
+
         return Check(
             "nvml",
             False,
-            f"unavailable: {err} (GPU tables stay empty)",
+            f"{unavailable_reason(err)}: nvml.* tables stay empty",
             "install the NVIDIA driver (libnvidia-ml.so.1) on a GPU machine",
             required=False,
         )

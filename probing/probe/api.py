@@ -86,11 +86,28 @@ def evaluate(probe: Probe, req: Request) -> Response:
         return Response.json({"error": str(err), "type": "EvalError", "detail": err.detail}, 400)
 
 
+def nvml(probe: Probe, req: Request) -> Response:
+    """POST /nvml {"interval": "100ms"} starts (or re-times) sampling; {"stop": true} stops."""
+    from probing.tables import nvml as gpu
+
+    try:
+        payload = json.loads(req.body or b"{}")
+        sampler = gpu.sampler(probe.engine.store)
+        if payload.get("stop"):
+            sampler.stop()
+        else:
+            sampler.start(gpu.parse_interval(payload.get("interval", "100ms")))
+    except (ValueError, AttributeError) as err:
+        return Response.error(400, f"bad /nvml request: {err}")
+    return Response.json(sampler.status_table().to_pylist()[0])
+
+
 ROUTES = {
     ("GET", "/health"): health,
     ("POST", "/query"): query,
     ("GET", "/tables"): tables,
     ("POST", "/eval"): evaluate,
+    ("POST", "/nvml"): nvml,
 }
 
 

@@ -53,9 +53,26 @@ class Probe:
 
     def start(self) -> None:
         self.server.start()
+        interval = os.environ.get("PROBING_NVML_INTERVAL")
+        if interval:  # off the caller's thread: NVML and pyarrow load in the background
+            threading.Thread(
+                target=_start_nvml, args=(interval,), name="probing-nvml-start", daemon=True
+            ).start()
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def _start_nvml(interval: str) -> None:
+    try:
+        from probing.tables import nvml
+
+        nvml.sampler().start(nvml.parse_interval(interval))
+    except Exception as err:  # a bad value or a broken NVML never reaches the host
+        try:
+            print(f"probing: NVML sampling not started: {err}", file=sys.stderr)
+        except Exception:
+            pass
 
 
 _probe: Probe | None = None

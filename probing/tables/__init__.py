@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from probing.engine import Engine
-from probing.tables import meta, process, python, stacks
+from probing.tables import meta, nvml, process, python, stacks
 from probing.tables.external import ExternalTable
 
 
@@ -13,6 +13,9 @@ def install(engine: Engine) -> None:
     engine.register_table("process", "threads", process.threads)
     engine.register_table("process", "stacks", stacks.stacks)
     engine.register_table("probing", "tables", lambda: meta.tables(engine.store))
+    gpu = nvml.sampler(engine.store)  # creates the (typed, maybe empty) nvml.gpu table
+    engine.register_table("nvml", "status", gpu.status_table)
+    engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
 
 
