@@ -397,3 +397,18 @@ def sampler(store: Store | None = None) -> Sampler:
 
             _sampler = Sampler(store or default_store())
         return _sampler
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no sampler thread: say so instead of claiming to sample."""
+    global _sampler_lock
+    _sampler_lock = threading.Lock()
+    s = _sampler
+    if s is None:
+        return
+    s._lock, s._stop, s._thread = threading.Lock(), threading.Event(), None
+    if s.state == "sampling":
+        s.state, s.reason = "stopped", "not inherited by a forked child: start it again"
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
