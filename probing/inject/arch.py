@@ -29,6 +29,11 @@ class Arch:
     memory_syscalls: ClassVar[frozenset[int]]  # may hold malloc's locks
     syscall_names: ClassVar[dict[int, str]]  # the ones a thread is seen blocked in
     ret_reg: ClassVar[str]
+    pc_reg: ClassVar[str]
+    sp_reg: ClassVar[str]
+    nr_reg: ClassVar[str]  # the syscall number
+    # what keeps the kernel from restarting an interrupted syscall over our code
+    no_restart: ClassVar[dict[str, int]] = {}
     # register sets saved and restored besides the general ones: (NT_* type, max size).
     # The callee clobbers vector registers (libc's memcpy and strlen use them):
     # a thread stopped inside SIMD code would go on with wrong values.
@@ -57,7 +62,7 @@ class Arch:
 
     @classmethod
     def pc(cls, regs: list[int]) -> int:
-        raise NotImplementedError
+        return cls.get(regs, cls.pc_reg)
 
     @classmethod
     def result(cls, regs: list[int]) -> int:
@@ -88,16 +93,27 @@ class Arch:
         cls, saved: list[int], nr: int, args: tuple[int, ...], insn: int
     ) -> list[int]:
         """Registers that execute one syscall instruction at ``insn`` (single-step)."""
-        raise NotImplementedError
+        fixed = {cls.nr_reg: nr, cls.pc_reg: insn, **cls.no_restart}
+        return cls._with(saved, cls.arg_regs, args, fixed)
 
     @classmethod
     def stepped_over_syscall(cls, regs: list[int], insn: int) -> bool:
         return cls.pc(regs) == insn + len(cls.syscall_insn)
 
     @classmethod
-    def _stack(cls, saved: list[int], sp_name: str) -> int:
+    def _with(
+        cls, saved: list[int], names: tuple[str, ...], args: tuple[int, ...], fixed: dict[str, int]
+    ) -> list[int]:
+        """A copy of ``saved`` with ``args`` in ``names`` and the ``fixed`` registers set."""
+        regs = list(saved)
+        for name, value in (*zip(names, args, strict=False), *fixed.items()):
+            cls.set(regs, name, value)
+        return regs
+
+    @classmethod
+    def _stack(cls, saved: list[int]) -> int:
         # below the interrupted frame (and x86's 128-byte red zone), 16-aligned
-        return (cls.get(saved, sp_name) - cls.red_zone) & ~0xF
+        return (cls.get(saved, cls.sp_reg) - cls.red_zone) & ~0xF
 
 
 class X86_64(Arch):
@@ -110,7 +126,8 @@ class X86_64(Arch):
     )  # fmt: skip
     arg_regs = ("rdi", "rsi", "rdx", "r10", "r8", "r9")  # syscall order
     call_regs = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
-    ret_reg = "rax"
+    ret_reg, pc_reg, sp_reg, nr_reg = "rax", "rip", "rsp", "rax"
+    no_restart = {"orig_rax": -1}
     extra_regsets = ((2, 512), (0x202, 1 << 16))  # NT_PRFPREG (x87, SSE), NT_X86_XSTATE (AVX…)
     syscall_insn = b"\x0f\x05"
     insn_align = 1
@@ -126,38 +143,21 @@ class X86_64(Arch):
     }  # fmt: skip
 
     @classmethod
-    def pc(cls, regs: list[int]) -> int:
-        return cls.get(regs, "rip")
-
-    @classmethod
     def prepare_call(
         cls, saved: list[int], func: int, args: tuple[int, ...], stub: int
     ) -> list[int]:
-        regs = list(saved)
-        for name, value in zip(cls.call_regs, args, strict=False):
-            cls.set(regs, name, value)
-        cls.set(regs, "r11", func)
-        cls.set(regs, "rax", 0)  # no vector registers for a variadic callee
-        cls.set(regs, "rsp", cls._stack(saved, "rsp"))  # `call` pushes: entry rsp = 8 mod 16
-        cls.set(regs, "rip", stub)
-        cls.set(regs, "orig_rax", -1)  # keep the kernel from restarting a syscall over us
-        return regs
+        fixed = {
+            "r11": func,  # the stub does `call r11`
+            "rax": 0,  # no vector registers for a variadic callee
+            "rsp": cls._stack(saved),  # `call` pushes: entry rsp = 8 mod 16
+            "rip": stub,
+            **cls.no_restart,
+        }
+        return cls._with(saved, cls.call_regs, args, fixed)
 
     @classmethod
     def trapped_after_call(cls, regs: list[int], stub: int) -> bool:
         return cls.pc(regs) == stub + len(cls.trap_stub)  # int3 leaves rip after itself
-
-    @classmethod
-    def prepare_syscall(
-        cls, saved: list[int], nr: int, args: tuple[int, ...], insn: int
-    ) -> list[int]:
-        regs = list(saved)
-        for name, value in zip(cls.arg_regs, args, strict=False):
-            cls.set(regs, name, value)
-        cls.set(regs, "rax", nr)
-        cls.set(regs, "orig_rax", -1)
-        cls.set(regs, "rip", insn)
-        return regs
 
 
 class AArch64(Arch):
@@ -165,7 +165,7 @@ class AArch64(Arch):
     elf_machine = "EM_AARCH64"
     reg_names = (*(f"x{i}" for i in range(31)), "sp", "pc", "pstate")
     arg_regs = ("x0", "x1", "x2", "x3", "x4", "x5")
-    ret_reg = "x0"
+    ret_reg, pc_reg, sp_reg, nr_reg = "x0", "pc", "sp", "x8"
     # NT_PRFPREG (v0-v31, fpsr, fpcr), NT_ARM_SVE, NT_ARM_SYSTEM_CALL (the interrupted syscall)
     extra_regsets = ((2, 528), (0x405, 1 << 16), (0x404, 4))
     syscall_insn = struct.pack("<I", 0xD4000001)  # svc #0
@@ -181,35 +181,15 @@ class AArch64(Arch):
     }  # fmt: skip
 
     @classmethod
-    def pc(cls, regs: list[int]) -> int:
-        return cls.get(regs, "pc")
-
-    @classmethod
     def prepare_call(
         cls, saved: list[int], func: int, args: tuple[int, ...], stub: int
     ) -> list[int]:
-        regs = list(saved)
-        for name, value in zip(cls.arg_regs, args, strict=False):
-            cls.set(regs, name, value)
-        cls.set(regs, "x30", stub)  # lr: return into the brk
-        cls.set(regs, "sp", cls._stack(saved, "sp"))
-        cls.set(regs, "pc", func)
-        return regs
+        fixed = {"x30": stub, "sp": cls._stack(saved), "pc": func}  # lr: return into the brk
+        return cls._with(saved, cls.arg_regs, args, fixed)
 
     @classmethod
     def trapped_after_call(cls, regs: list[int], stub: int) -> bool:
         return cls.pc(regs) == stub  # brk does not advance pc
-
-    @classmethod
-    def prepare_syscall(
-        cls, saved: list[int], nr: int, args: tuple[int, ...], insn: int
-    ) -> list[int]:
-        regs = list(saved)
-        for name, value in zip(cls.arg_regs, args, strict=False):
-            cls.set(regs, name, value)
-        cls.set(regs, "x8", nr)
-        cls.set(regs, "pc", insn)
-        return regs
 
 
 ARCHES: dict[str, type[Arch]] = {

@@ -40,7 +40,7 @@ from probing.inject import build, elf
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
 from probing.probe import paths
-from probing.procs import task_syscall
+from probing.procs import task_stat, task_syscall
 
 SUPPORTED = ((3, 9), (3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
 PAGE = 4096
@@ -469,12 +469,8 @@ def _alive(pid: int, wait: bool = False) -> bool:
     """Whether ``pid`` still runs; ``wait``: give a dying process a second to show it."""
     deadline = time.monotonic() + (1.0 if wait else 0.0)
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        if state in ("Z", "X"):
+        stat = task_stat(pid, pid)  # the main thread's state is the process's
+        if stat is None or stat[0] in ("Z", "X"):
             return False
         if time.monotonic() >= deadline:
             return True

@@ -141,6 +141,7 @@ class Sampler:
         self._nvml: Any = None
         self._handles: list[tuple[int, str, Any]] = []  # (index, uuid, handle) sampled
         self._events: Any = None
+        self._throttle: Callable[..., Any] | None = None  # chosen once NVML is loaded
         self.devices: list[dict[str, Any]] = []
         self.state = "stopped"
         self.reason: str | None = "not started (probing nvml --pid P --interval 100ms)"
@@ -183,6 +184,9 @@ class Sampler:
             self.state, self.reason = "unavailable", unavailable_reason(err)
             return False
         nv = self._nvml = pynvml
+        self._throttle = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
+            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         self.driver = _text(self._call(nv.nvmlSystemGetDriverVersion, "driver"))
         count = self._call(nv.nvmlDeviceGetCount, "count") or 0
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
@@ -276,7 +280,7 @@ class Sampler:
                 ),
                 "nvlink_tx_kib": tx,
                 "nvlink_rx_kib": rx,
-                "throttle_reasons": self._call(_throttle(nv), "throttle", h),
+                "throttle_reasons": self._call(self._throttle, "throttle", h),
                 "ecc_uncorrected": self._call(
                     nv.nvmlDeviceGetTotalEccErrors,
                     "ecc",
@@ -361,12 +365,6 @@ class Sampler:
 
     def devices_table(self) -> pa.Table:
         return pa.Table.from_pylist(self.devices, schema=DEVICE_SCHEMA)
-
-
-def _throttle(nv: Any) -> Callable[..., Any]:
-    return getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
-        nv.nvmlDeviceGetCurrentClocksThrottleReasons
-    )
 
 
 def _text(value: Any) -> str | None:
