@@ -1,0 +1,212 @@
+/* cuda: uprobes on libcudart (launches, copies, allocations, the three
+ * synchronising calls, graph launches) and libcuda (cuLaunchKernel, which
+ * Triton uses, and cuModuleGetFunction, which names its kernels).
+ *
+ * Launches and asynchronous copies are entry-only: they run at tens of
+ * thousands per second and return at once. Calls that block (memcpy, the
+ * synchronise calls, malloc/free) are paired with their return, which gives
+ * their duration and return code: that is where a rank waits. */
+#include "event.h"
+#include "cuda.h"
+#define EVENT struct cuda_event
+#include "common.h"
+
+/* -- the ring buffer, drop counter and pairing map (see common.h) -- */
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_ARRAY(dropped, u64, 1);
+BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
+
+static __always_inline void count_drop(void) {
+    int zero = 0;
+    u64 *n = dropped.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+/* submit with no wake-up: the probe drains on a timer; a full ring counts a drop */
+static __always_inline void emit(EVENT *ev) {
+    if (events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) != 0)
+        count_drop();
+}
+/* entry of a call whose return is probed too */
+static __always_inline void park(EVENT *ev) {
+    struct inflight_key key = {.tid = ev->hdr.tid, .fn = ev->hdr.fn};
+    if (inflight.update(&key, ev) != 0)
+        count_drop();
+}
+/* its return: the parked event, completed (NULL if the entry was not seen) */
+static __always_inline EVENT *unpark(struct pt_regs *ctx, u16 fn, struct inflight_key *key) {
+    inflight_key_of(key, fn);
+    EVENT *ev = inflight.lookup(key);
+    if (ev)
+        complete(ctx, &ev->hdr);
+    return ev;
+}
+static __always_inline void finish(EVENT *ev, struct inflight_key *key) {
+    emit(ev);
+    inflight.delete(key);
+}
+
+#define NO_KIND 255
+
+static __always_inline void init(EVENT *ev, u16 fn) {
+    hdr_init(&ev->hdr, fn);
+    ev->kind = NO_KIND;
+}
+
+/* cudaLaunchKernel(func, dim3 grid, dim3 block, void **args, size_t shmem, stream):
+ * each 12-byte dim3 travels in two registers (x|y<<32, z). */
+static __always_inline int launch(struct pt_regs *ctx, u16 fn) {
+    EVENT ev = {};
+    init(&ev, fn);
+    ev.func = arg(ctx, 1);
+    u64 gxy = arg(ctx, 2), bxy = arg(ctx, 4);
+    ev.grid[0] = (u32)gxy;
+    ev.grid[1] = gxy >> 32;
+    ev.grid[2] = (u32)arg(ctx, 3);
+    ev.block[0] = (u32)bxy;
+    ev.block[1] = bxy >> 32;
+    ev.block[2] = (u32)arg(ctx, 5);
+    ev.bytes = arg(ctx, 7); /* dynamic shared memory */
+    ev.stream = arg(ctx, 8);
+    emit(&ev);
+    return 0;
+}
+int cuda_launchkernel(struct pt_regs *ctx) { return launch(ctx, CUDA_LAUNCHKERNEL); }
+int cuda_launchkernel_ptsz(struct pt_regs *ctx) { return launch(ctx, CUDA_LAUNCHKERNEL_PTSZ); }
+
+/* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args):
+ * config = {dim3 grid; dim3 block; size_t dynamicSmemBytes; cudaStream_t stream; ...} */
+struct launch_config {
+    u32 grid[3];
+    u32 block[3];
+    u64 smem;
+    u64 stream;
+};
+int cuda_launchkernelexc(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CUDA_LAUNCHKERNELEXC);
+    struct launch_config cfg = {};
+    bpf_probe_read_user(&cfg, sizeof(cfg), (void *)arg(ctx, 1));
+    ev.func = arg(ctx, 2);
+    __builtin_memcpy(ev.grid, cfg.grid, sizeof(ev.grid));
+    __builtin_memcpy(ev.block, cfg.block, sizeof(ev.block));
+    ev.bytes = cfg.smem;
+    ev.stream = cfg.stream;
+    emit(&ev);
+    return 0;
+}
+
+/* cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) */
+int cu_launchkernel(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CU_LAUNCHKERNEL);
+    ev.func = arg(ctx, 1);
+    ev.grid[0] = arg(ctx, 2);
+    ev.grid[1] = arg(ctx, 3);
+    ev.grid[2] = arg(ctx, 4);
+    ev.block[0] = arg(ctx, 5);
+    ev.block[1] = arg(ctx, 6);
+    ev.block[2] = arg(ctx, 7);
+    ev.bytes = arg(ctx, 8);
+    ev.stream = arg(ctx, 9);
+    emit(&ev);
+    return 0;
+}
+
+/* cudaMemcpy(dst, src, count, kind): blocks; cudaMemcpyAsync(..., stream) */
+int cuda_memcpy(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CUDA_MEMCPY);
+    ev.ptr = arg(ctx, 1);
+    ev.bytes = arg(ctx, 3);
+    ev.kind = arg(ctx, 4);
+    park(&ev);
+    return 0;
+}
+int cuda_memcpyasync(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CUDA_MEMCPYASYNC);
+    ev.ptr = arg(ctx, 1);
+    ev.bytes = arg(ctx, 3);
+    ev.kind = arg(ctx, 4);
+    ev.stream = arg(ctx, 5);
+    emit(&ev);
+    return 0;
+}
+
+/* cudaMalloc(void **devPtr, size): the pointer is read back at return. */
+int cuda_malloc(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CUDA_MALLOC);
+    ev.ptr = arg(ctx, 1);
+    ev.bytes = arg(ctx, 2);
+    park(&ev);
+    return 0;
+}
+int cuda_ret_CUDA_MALLOC(struct pt_regs *ctx) {
+    struct inflight_key key;
+    EVENT *ev = unpark(ctx, CUDA_MALLOC, &key);
+    if (ev) {
+        ev->ptr = ev->hdr.ret == 0 ? read_u64(ev->ptr) : 0;
+        finish(ev, &key);
+    }
+    return 0;
+}
+
+/* Calls with one interesting pointer argument, paired with their return. */
+static __always_inline int one_arg(struct pt_regs *ctx, u16 fn, int into_stream) {
+    EVENT ev = {};
+    init(&ev, fn);
+    if (into_stream)
+        ev.stream = arg(ctx, 1);
+    else
+        ev.ptr = arg(ctx, 1);
+    park(&ev);
+    return 0;
+}
+int cuda_free(struct pt_regs *ctx) { return one_arg(ctx, CUDA_FREE, 0); }
+int cuda_streamsynchronize(struct pt_regs *ctx) { return one_arg(ctx, CUDA_STREAMSYNCHRONIZE, 1); }
+int cuda_devicesynchronize(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CUDA_DEVICESYNCHRONIZE);
+    park(&ev);
+    return 0;
+}
+int cuda_eventsynchronize(struct pt_regs *ctx) { return one_arg(ctx, CUDA_EVENTSYNCHRONIZE, 1); }
+
+/* cudaGraphLaunch(graphExec, stream) */
+int cuda_graphlaunch(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CUDA_GRAPHLAUNCH);
+    ev.func = arg(ctx, 1);
+    ev.stream = arg(ctx, 2);
+    emit(&ev);
+    return 0;
+}
+
+/* cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name): at
+ * return, func = the new CUfunction and ptr = the name, which the probe reads
+ * from its own memory to name the kernels cuLaunchKernel starts. */
+int cu_modulegetfunction(struct pt_regs *ctx) {
+    EVENT ev = {};
+    init(&ev, CU_MODULEGETFUNCTION);
+    ev.func = arg(ctx, 1);
+    ev.ptr = arg(ctx, 3);
+    park(&ev);
+    return 0;
+}
+int cuda_ret_CU_MODULEGETFUNCTION(struct pt_regs *ctx) {
+    struct inflight_key key;
+    EVENT *ev = unpark(ctx, CU_MODULEGETFUNCTION, &key);
+    if (ev) {
+        ev->func = ev->hdr.ret == 0 ? read_u64(ev->func) : 0;
+        finish(ev, &key);
+    }
+    return 0;
+}
+
+RETURN_PROBE(cuda, CUDA_MEMCPY)
+RETURN_PROBE(cuda, CUDA_FREE)
+RETURN_PROBE(cuda, CUDA_STREAMSYNCHRONIZE)
+RETURN_PROBE(cuda, CUDA_DEVICESYNCHRONIZE)
+RETURN_PROBE(cuda, CUDA_EVENTSYNCHRONIZE)

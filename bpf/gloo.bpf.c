@@ -1,0 +1,82 @@
+/* gloo: uprobes on gloo's collective entry points (gloo::allreduce(opts) and
+ * friends, exported by libtorch_cpu). Gloo on CPU is synchronous: the call
+ * lasts the whole collective, so entry + return give real durations, and the
+ * entry time is when this rank arrived. */
+#include "event.h"
+#include "gloo.h"
+#define EVENT struct gloo_event
+#include "common.h"
+
+/* -- the ring buffer, drop counter and pairing map (see common.h) -- */
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_ARRAY(dropped, u64, 1);
+BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
+
+static __always_inline void count_drop(void) {
+    int zero = 0;
+    u64 *n = dropped.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+/* submit with no wake-up: the probe drains on a timer; a full ring counts a drop */
+static __always_inline void emit(EVENT *ev) {
+    if (events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) != 0)
+        count_drop();
+}
+/* entry of a call whose return is probed too */
+static __always_inline void park(EVENT *ev) {
+    struct inflight_key key = {.tid = ev->hdr.tid, .fn = ev->hdr.fn};
+    if (inflight.update(&key, ev) != 0)
+        count_drop();
+}
+/* its return: the parked event, completed (NULL if the entry was not seen) */
+static __always_inline EVENT *unpark(struct pt_regs *ctx, u16 fn, struct inflight_key *key) {
+    inflight_key_of(key, fn);
+    EVENT *ev = inflight.lookup(key);
+    if (ev)
+        complete(ctx, &ev->hdr);
+    return ev;
+}
+static __always_inline void finish(EVENT *ev, struct inflight_key *key) {
+    emit(ev);
+    inflight.delete(key);
+}
+
+BPF_HASH(context_seq, u64, u64, 4096);
+
+/* every gloo::<collective>(Options&) takes one reference to its options */
+static __always_inline int collective(struct pt_regs *ctx, u16 fn) {
+    EVENT ev = {};
+    hdr_init(&ev.hdr, fn);
+    u64 opts = arg(ctx, 1);
+    u64 context = read_u64(opts);
+    ev.context = context;
+    if (context) {
+        bpf_probe_read_user(ev.ctx_head, sizeof(ev.ctx_head), (void *)context);
+        u64 zero = 0;
+        u64 *seq = context_seq.lookup_or_try_init(&context, &zero);
+        if (seq)
+            ev.seq = __sync_fetch_and_add(seq, 1);
+    }
+    if (fn == GLOO_ALLREDUCE) {
+        ev.elements = read_u64(opts + GLOO_ALLREDUCE_ELEMENTS_OFF);
+        ev.elem_size = read_u64(opts + GLOO_ALLREDUCE_ELEMSIZE_OFF);
+    }
+    park(&ev);
+    return 0;
+}
+
+#define GLOO_PROBE(name, fn)                                 \
+    int gloo_##name(struct pt_regs *ctx) { return collective(ctx, fn); } \
+    RETURN_PROBE(gloo, fn)
+
+GLOO_PROBE(allreduce, GLOO_ALLREDUCE)
+GLOO_PROBE(allgather, GLOO_ALLGATHER)
+GLOO_PROBE(allgatherv, GLOO_ALLGATHERV)
+GLOO_PROBE(broadcast, GLOO_BROADCAST)
+GLOO_PROBE(reduce, GLOO_REDUCE)
+GLOO_PROBE(gather, GLOO_GATHER)
+GLOO_PROBE(scatter, GLOO_SCATTER)
+GLOO_PROBE(alltoall, GLOO_ALLTOALL)
+GLOO_PROBE(alltoallv, GLOO_ALLTOALLV)
+GLOO_PROBE(barrier, GLOO_BARRIER)

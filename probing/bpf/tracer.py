@@ -1,0 +1,508 @@
+"""The tracer inside the probe: compile, attach, drain, detach.
+
+One ``Tracer`` per process at a time. ``start()`` compiles each family's
+BPF program (BCC), attaches its uprobes to the libraries this process has
+mapped (and to the NVIDIA/torch libraries it can load later, found on
+``sys.path``: uprobes attach to a file, mapped or not), then a thread wakes
+every ``interval_s`` to drain the ring buffers in bulk into the store and
+look for newly mapped libraries. ``stop()`` drains once more and detaches
+every uprobe. The traced threads never wait for any of this.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import glob
+import importlib.resources
+import mmap
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from probing.bpf import families as fam
+from probing.bpf.ringbuf import RingReader
+from probing.bpf.symbols import Symbolizer, exported, exported_matching, mapped_files
+from probing.errors import BPFUnavailable, ProbingError
+
+DEFAULT_INTERVAL_S = 0.05
+RESCAN_EVERY_S = 0.5
+
+
+@dataclasses.dataclass
+class Probe:
+    """One uprobe (entry or return) as attached, or why not."""
+
+    family: str
+    library: str
+    symbol: str
+    kind: str  # "entry" | "return"
+    attached: bool
+    error: str | None = None
+
+
+@contextlib.contextmanager
+def program_dir() -> Iterator[str]:
+    """The directory of the installed bpf/*.bpf.c and headers."""
+    ref = importlib.resources.files("probing.bpf") / "programs"
+    with importlib.resources.as_file(ref) as path:
+        yield str(path)
+
+
+def require_bpf() -> None:
+    """Raise ``BPFUnavailable`` naming what is missing and how to get it."""
+    from probing import doctor
+
+    caps = doctor.check_bpf_caps()
+    if not caps.ok:
+        raise BPFUnavailable(
+            f"this process (pid {os.getpid()}) cannot load BPF programs: {caps.detail}",
+            pid=os.getpid(),
+            hint=caps.fix or "run the job as root, or grant CAP_BPF and CAP_PERFMON",
+        )
+    for check in (doctor.check_bcc(), doctor.check_headers()):
+        if not check.ok:
+            raise BPFUnavailable(f"{check.name}: {check.detail}", hint=check.fix or None)
+
+
+def clock_offset_ns() -> int:
+    """wall clock - CLOCK_MONOTONIC (what bpf_ktime_get_ns reads), from the
+    tightest of a few bracketed readings."""
+    best = None
+    for _ in range(5):
+        a = time.monotonic_ns()
+        w = time.time_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) // 2)
+    assert best is not None
+    return best[1]
+
+
+def installed_libraries() -> list[str]:
+    """Libraries this process may load later: NVIDIA wheels and torch on sys.path."""
+    found = []
+    for entry in sys.path:
+        for pattern in (
+            "nvidia/nccl/lib/libnccl.so*",
+            "nvidia/cuda_runtime/lib/libcudart.so*",
+            "torch/lib/libtorch_cpu.so",
+        ):
+            found.extend(glob.glob(os.path.join(entry, pattern)))
+    return found
+
+
+class _Live:
+    """One family's loaded program: BPF object, ring reader, counters."""
+
+    def __init__(self, family: fam.Family, bpf: Any, reader: RingReader) -> None:
+        self.family = family
+        self.bpf = bpf
+        self.reader = reader
+        self.events = 0
+        self.drops_seen = 0
+        self.next_id = 0
+        self.libraries: set[str] = set()
+
+
+class Tracer:
+    def __init__(
+        self,
+        families: Sequence[str] = ("nccl", "cuda", "gloo"),
+        *,
+        store: Any = None,
+        output: str | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+    ) -> None:
+        unknown = [f for f in families if f not in fam.FAMILIES]
+        if unknown:
+            raise ProbingError(
+                f"unknown probe families {unknown} (known: {', '.join(fam.FAMILIES)})"
+            )
+        if store is None:
+            from probing.store import default_store
+
+            store = default_store()
+        self.store = store
+        self.families = [fam.FAMILIES[f] for f in families]
+        self.interval_s = interval_s
+        self.pid = os.getpid()
+        self.probes: list[Probe] = []
+        self.state = "stopped"
+        self.started_ns = 0
+        self.stopped_ns = 0
+        self.last_error: str | None = None
+        self._live: list[_Live] = []
+        self._decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
+        self._symbolizer = Symbolizer()
+        self._cu_functions: dict[int, str | None] = {}
+        self._seen_files: set[tuple[int, int]] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._writer = OutputWriter(output) if output else None
+        for f in self.families:
+            self.store.table(f.table, "calls", f.schema)
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        require_bpf()
+        from bcc import BPF  # type: ignore[import-not-found]
+
+        try:
+            with program_dir() as src:
+                for f in self.families:
+                    cflags = [
+                        f"-I{src}",
+                        f"-DRINGBUF_PAGES={f.ringbuf_pages}",
+                        "-Wno-unused-function",
+                        *f.cflags,
+                    ]
+                    bpf = BPF(src_file=os.path.join(src, f.source).encode(), cflags=cflags)
+                    leaf = ctypes.sizeof(bpf["inflight"].Leaf)
+                    if leaf != f.dtype.itemsize:
+                        bpf.cleanup()
+                        raise ProbingError(
+                            f"{f.name}: event struct is {leaf} bytes in C but "
+                            f"{f.dtype.itemsize} in probing/bpf/families.py"
+                        )
+                    size = f.ringbuf_pages * mmap.PAGESIZE
+                    reader = RingReader(bpf["events"].map_fd, size, f.dtype)
+                    self._live.append(_Live(f, bpf, reader))
+            self.attach_new_libraries()
+        except BaseException:
+            self._detach()
+            raise
+        self.state = "tracing"
+        self.started_ns = time.time_ns()
+        self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Drain what is left, detach every uprobe, close the output. Safe twice."""
+        with self._lock:
+            if self.state != "tracing":
+                return
+            self.state = "stopping"
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        try:
+            self.drain()
+        finally:
+            self._detach()
+            for f in self.families:
+                self.store.table(f.table, "calls").flush()
+            if self._writer is not None:
+                self._writer.close()
+            self.state = "stopped"
+            self.stopped_ns = time.time_ns()
+
+    def _detach(self) -> None:
+        for live in self._live:
+            try:
+                live.reader.close()
+            except Exception:
+                pass
+            try:
+                live.bpf.cleanup()
+            except Exception as err:
+                self.last_error = f"{live.family.name}: detach: {err}"
+        for p in self.probes:
+            p.attached = False
+
+    def _run(self) -> None:
+        last_scan = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.drain()
+                if time.monotonic() - last_scan >= RESCAN_EVERY_S:
+                    last_scan = time.monotonic()
+                    self.attach_new_libraries()
+            except Exception as err:  # never reaches the host; shown in status
+                self.last_error = f"{type(err).__name__}: {err}"
+
+    # -- attaching --------------------------------------------------------------
+    def attach_new_libraries(self) -> None:
+        """Attach to every matching library not attached yet (by inode)."""
+        paths = [m.path for m in mapped_files()] + installed_libraries()
+        for path in dict.fromkeys(paths):
+            base = os.path.basename(path)
+            wanted = [live for live in self._live if live.family.libraries.match(base)]
+            if not wanted:
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in self._seen_files:
+                continue
+            self._seen_files.add(key)
+            for live in wanted:
+                self._attach_library(live, path)
+
+    def _symbols(self, f: fam.Family, path: str) -> dict[str, str]:
+        """Func.enum -> the symbol to attach to in ``path``."""
+        if f.demangled is not None:
+            prefix = os.path.commonprefix([fn.api for fn in f.funcs]).split("::")[0]
+            mangled_prefix = f"_ZN{len(prefix)}{prefix}".encode()
+            found = exported_matching(path, mangled_prefix, f.demangled)
+            return {enum: mangled for enum, (mangled, _) in found.items()}
+        names = exported(path, [s for fn in f.funcs for s in fn.symbols])
+        out = {}
+        for fn in f.funcs:
+            sym = next((s for s in fn.symbols if s in names), None)
+            if sym is not None:
+                out[fn.enum] = sym
+        return out
+
+    def _attach_library(self, live: _Live, path: str) -> None:
+        f = live.family
+        try:
+            symbols = self._symbols(f, path)
+        except Exception as err:
+            self.probes.append(Probe(f.name, path, "*", "entry", False, f"cannot read: {err}"))
+            return
+        if not symbols:
+            return
+        live.libraries.add(path)
+        for fn in f.funcs:
+            sym = symbols.get(fn.enum)
+            if sym is None:
+                continue
+            for kind, handler in (("entry", fn.entry), ("return", fn.ret)):
+                if handler is None:
+                    continue
+                attach = live.bpf.attach_uprobe if kind == "entry" else live.bpf.attach_uretprobe
+                try:
+                    attach(name=path.encode(), sym=sym.encode(), fn_name=handler.encode(), pid=self.pid)
+                    self.probes.append(Probe(f.name, path, sym, kind, True))
+                except Exception as err:
+                    self.probes.append(Probe(f.name, path, sym, kind, False, str(err)))
+
+    # -- draining ---------------------------------------------------------------
+    def drain(self) -> int:
+        """Move every committed event into the store; returns how many."""
+        total = 0
+        for live in self._live:
+            ev = live.reader.read()
+            table = self.store.table(live.family.table, "calls")
+            dropped = int(live.bpf["dropped"][ctypes.c_int(0)].value)
+            if dropped > live.drops_seen:
+                table.count_dropped(dropped - live.drops_seen)
+                live.drops_seen = dropped
+            if not len(ev):
+                continue
+            batch = fam.to_batch(live.family, ev, self._decoded, live.next_id)
+            live.next_id += len(ev)
+            live.events += len(ev)
+            total += len(ev)
+            table.append_batch(batch)
+            if self._writer is not None:
+                self._writer.write(f"{live.family.table}.calls", batch)
+        return total
+
+    def inflight(self, family: str) -> pa.Table:
+        """Calls entered and not returned yet (from the pairing map), as rows
+        of ``<family>.calls`` with a NULL ``dur_ns``."""
+        f = fam.FAMILIES[family]
+        live = next((x for x in self._live if x.family is f), None)
+        if live is None or self.state != "tracing":
+            return f.schema.empty_table()
+        raw = [bytes(v) for _, v in live.bpf["inflight"].items()]
+        if not raw:
+            return f.schema.empty_table()
+        ev = np.frombuffer(b"".join(raw), dtype=f.dtype)
+        ev = ev[[os.path.exists(f"/proc/self/task/{t}") for t in ev["tid"]]]
+        batch = fam.to_batch(f, ev, self._decoded, -1)
+        ids = pa.nulls(len(ev), pa.int64())
+        return pa.Table.from_batches([batch]).set_column(0, "event_id", ids)
+
+    # -- kernel names -------------------------------------------------------------
+    def _kernel_names(self, ev: np.ndarray, launch: np.ndarray) -> pa.Array:
+        ids = {fn.enum: i for i, fn in enumerate(fam.CUDA_FUNCS)}
+        got = (ev["fn"] == ids[fam.CU_GETFUNCTION]) & ((ev["flags"] & fam.HAS_RET) != 0)
+        for func, ptr in zip(ev["func"][got].tolist(), ev["ptr"][got].tolist(), strict=True):
+            if func:
+                self._cu_functions[func] = read_cstring(ptr)
+        names: list[str | None] = [None] * len(ev)
+        idx = np.flatnonzero(launch)
+        if idx.size:
+            driver = ev["fn"][idx] == ids[fam.CU_LAUNCH]
+            keys = ev["func"][idx].astype(np.uint64)
+            pairs, inverse = np.unique(
+                np.stack([keys, driver.astype(np.uint64)], axis=1), axis=0, return_inverse=True
+            )
+            resolved = [
+                self._cu_functions.get(int(a)) if d else self._symbolizer.name(int(a))
+                for a, d in pairs.tolist()
+            ]
+            for row, k in zip(idx.tolist(), inverse.reshape(-1).tolist(), strict=True):
+                names[row] = resolved[k]
+        return pa.array(names, type=pa.string())
+
+    # -- status -----------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        per = {}
+        for live in self._live:
+            per[live.family.name] = {
+                "events": live.events,
+                "dropped": live.drops_seen,
+                "libraries": sorted(live.libraries),
+                "uprobes": sum(
+                    1 for p in self.probes if p.family == live.family.name and p.attached
+                ),
+            }
+        return {
+            "state": self.state,
+            "pid": self.pid,
+            "started_ns": self.started_ns,
+            "stopped_ns": self.stopped_ns or None,
+            "families": per,
+            "output": self._writer.path if self._writer else None,
+            "last_error": self.last_error,
+        }
+
+    def probes_table(self) -> pa.Table:
+        rows = [dataclasses.asdict(p) for p in self.probes]
+        return pa.Table.from_pylist(rows, schema=PROBES_SCHEMA)
+
+
+PROBES_SCHEMA = pa.schema(
+    [
+        ("family", pa.string()),
+        ("library", pa.string()),
+        ("symbol", pa.string()),
+        ("kind", pa.string()),
+        ("attached", pa.bool_()),
+        ("error", pa.string()),
+    ]
+)
+
+
+def read_cstring(addr: int, limit: int = 512) -> str | None:
+    """A NUL-terminated string in this process's memory, or None where it
+    cannot be read (through /proc/self/mem: a bad address is an error, not a
+    crash)."""
+    if not addr:
+        return None
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY)
+        try:
+            raw = os.pread(fd, limit, addr)
+        finally:
+            os.close(fd)
+    except (OSError, OverflowError):
+        return None
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace") or None
+
+
+class OutputWriter:
+    """Everything traced, into one Parquet file: a ``table`` column names the
+    source table; the other columns are the union of the tables' columns."""
+
+    ROWS_PER_GROUP = 1 << 16
+
+    def __init__(self, path: str) -> None:
+        import pyarrow.parquet as pq
+
+        fields: dict[str, pa.Field] = {"table": pa.field("table", pa.string())}
+        for f in fam.FAMILIES.values():
+            for field in f.schema:
+                have = fields.setdefault(field.name, field)
+                assert have.type == field.type, f"{field.name}: {have.type} vs {field.type}"
+        self.schema = pa.schema(list(fields.values()))
+        self.path = os.path.abspath(path)
+        self._pending: list[pa.Table] = []
+        self._rows = 0
+        self._lock = threading.Lock()
+        self._writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+
+    def write(self, table: str, batch: pa.RecordBatch) -> None:
+        n = batch.num_rows
+        cols = []
+        for field in self.schema:
+            if field.name == "table":
+                cols.append(pa.array([table] * n, pa.string()))
+            elif field.name in batch.schema.names:
+                cols.append(batch.column(field.name))
+            else:
+                cols.append(pa.nulls(n, field.type))
+        with self._lock:
+            self._pending.append(pa.Table.from_arrays(cols, schema=self.schema))
+            self._rows += n
+            if self._rows >= self.ROWS_PER_GROUP:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._pending and self._writer is not None:
+            self._writer.write_table(pa.concat_tables(self._pending))
+        self._pending, self._rows = [], 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._flush_locked()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+
+# -- the process's tracer ---------------------------------------------------------------
+
+_current: Tracer | None = None
+_current_lock = threading.Lock()
+
+
+def current() -> Tracer | None:
+    return _current
+
+
+def start(families: Sequence[str], *, output: str | None = None, store: Any = None) -> Tracer:
+    """Start tracing this process (one tracer at a time)."""
+    global _current
+    with _current_lock:
+        if _current is not None and _current.state == "tracing":
+            raise ProbingError(
+                f"pid {os.getpid()} is already tracing "
+                f"({', '.join(f.name for f in _current.families)}); stop it first",
+                hint=f"probing trace --pid {os.getpid()} --stop",
+            )
+        tracer = Tracer(families, output=output, store=store)
+        tracer.start()
+        _current = tracer
+        return tracer
+
+
+def stop() -> Tracer | None:
+    tracer = _current
+    if tracer is not None:
+        tracer.stop()
+    return tracer
+
+
+def _stop_at_exit() -> None:
+    try:
+        stop()
+    except Exception:
+        pass
+
+
+def _after_fork_in_child() -> None:
+    # the uprobes filter on the parent's pid and the drain thread is gone:
+    # the child starts untraced (closing the inherited fds is harmless)
+    global _current, _current_lock
+    _current = None
+    _current_lock = threading.Lock()
+
+
+atexit.register(_stop_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
