@@ -141,6 +141,7 @@ class Tracer:
         self.stopped_ns = 0
         self.last_error: str | None = None
         self._live: list[_Live] = []
+        self._detached: list[_Live] = []  # after stop: their counters, for status
         self._decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
         self._symbolizer = Symbolizer()
         self._cu_functions: dict[int, str | None] = {}
@@ -148,6 +149,7 @@ class Tracer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()  # the timer thread, stop() and callers
         self._writer = OutputWriter(output) if output else None
         for f in self.families:
             self.store.table(f.table, "calls", f.schema)
@@ -207,7 +209,9 @@ class Tracer:
             self.stopped_ns = time.time_ns()
 
     def _detach(self) -> None:
-        for live in self._live:
+        with self._drain_lock:
+            live_families, self._live = self._live, []
+        for live in live_families:
             try:
                 live.reader.close()
             except Exception:
@@ -218,6 +222,7 @@ class Tracer:
                 self.last_error = f"{live.family.name}: detach: {err}"
         for p in self.probes:
             p.attached = False
+        self._detached = live_families
 
     def _run(self) -> None:
         last_scan = time.monotonic()
@@ -292,6 +297,10 @@ class Tracer:
     # -- draining ---------------------------------------------------------------
     def drain(self) -> int:
         """Move every committed event into the store; returns how many."""
+        with self._drain_lock:
+            return self._drain_locked()
+
+    def _drain_locked(self) -> int:
         total = 0
         for live in self._live:
             ev = live.reader.read()
@@ -353,7 +362,7 @@ class Tracer:
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         per = {}
-        for live in self._live:
+        for live in self._live or self._detached:
             per[live.family.name] = {
                 "events": live.events,
                 "dropped": live.drops_seen,
@@ -425,6 +434,7 @@ class OutputWriter:
         self._pending: list[pa.Table] = []
         self._rows = 0
         self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()  # the timer thread, stop() and callers
         self._writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
 
     def write(self, table: str, batch: pa.RecordBatch) -> None:

@@ -27,8 +27,18 @@ Producer = Callable[[], TableData]
 Resolver = Callable[[str], TableData | None]
 
 
-def as_table(data: TableData) -> Table:
+def empty_frame(ctx: SessionContext, schema: pa.Schema) -> DataFrame:
+    """No rows, but one partition: a pyarrow dataset of no rows has no
+    fragments, hence no partitions, and a sort or union above it fails
+    DataFusion's plan check. One NULL row filtered out has neither problem."""
+    null_row = pa.Table.from_pylist([{}], schema=schema)
+    return ctx.read_table(Table(ds.dataset(null_row))).filter(lit(False))
+
+
+def as_table(data: TableData, ctx: SessionContext | None = None) -> Table:
     if isinstance(data, pa.Table):
+        if data.num_rows == 0 and ctx is not None:
+            return Table(empty_frame(ctx, data.schema))
         data = ds.dataset(data)
     return Table(data)
 
@@ -54,10 +64,12 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
         for chunk_id in snap.sealing:  # rows in flight are read from `pending`
             in_range = in_range & (col(CHUNK_COL) != lit(chunk_id))
         frames.append(df.filter(in_range).select(*[col(n) for n in snap.schema.names]))
-    if snap.pending.num_rows or not frames:
+    if snap.pending.num_rows:
         # not ctx.from_arrow: it registers a temporary table in the default
         # schema, which is ours and keeps no such tables
         frames.append(ctx.read_table(Table(ds.dataset(snap.pending))))
+    elif not frames:
+        frames.append(empty_frame(ctx, snap.schema))
     df = frames[0]
     for other in frames[1:]:
         df = df.union(other)
@@ -83,17 +95,24 @@ class ProbeSchema(SchemaProvider):
         name: str,
         store: Store | None = None,
         prepared: dict[tuple[str, str], Table] | None = None,
+        ctx: Callable[[], SessionContext | None] = lambda: None,
     ) -> None:
         self.name = name
         self._store = store
         self._prepared = prepared if prepared is not None else {}
+        self._ctx = ctx
         self._producers: dict[str, Producer] = {}
+        self._views: set[str] = set()
         self._resolver: Resolver | None = None
         self._lock = threading.Lock()
 
     def add_table(self, name: str, producer: Producer) -> None:
         with self._lock:
             self._producers[name] = producer
+
+    def add_view(self, name: str) -> None:
+        with self._lock:
+            self._views.add(name)
 
     def set_resolver(self, resolver: Resolver) -> None:
         self._resolver = resolver
@@ -107,7 +126,7 @@ class ProbeSchema(SchemaProvider):
     @property
     def table_names(self) -> list[str]:  # type: ignore[override]
         with self._lock:
-            names = set(self._producers)
+            names = set(self._producers) | self._views
         if self._store is not None:
             names.update(t.name for t in self._store.tables(self.name))
         return sorted(names)
@@ -116,12 +135,14 @@ class ProbeSchema(SchemaProvider):
         with self._lock:
             producer = self._producers.get(name)
         if producer is not None:
-            return as_table(producer())
+            return as_table(producer(), self._ctx())
+        if name in self._views:
+            return self._prepared.get((self.name, name))
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:
             prepared = self._prepared.get((self.name, name))
             return prepared if prepared is not None else Table(snapshot_dataset(tbl.snapshot()))
         if self._resolver is not None and (data := self._resolver(name)) is not None:
-            return as_table(data)
+            return as_table(data, self._ctx())
         return None
 
     def table_exist(self, name: str) -> bool:
@@ -135,7 +156,14 @@ class ProbeCatalog(CatalogProvider):
         self._store = store
         self._schemas: dict[str, ProbeSchema] = {}
         self._prepared: dict[tuple[str, str], Table] = {}
+        self._views: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+        self.ctx: SessionContext | None = None  # set by the Engine that owns it
+
+    def add_view(self, schema: str, name: str, sql: str) -> None:
+        self.schema_for(schema).add_view(name)
+        with self._lock:
+            self._views[(schema, name)] = sql
 
     def prepare(self, ctx: SessionContext, sql: str) -> None:
         """Snapshot the store tables ``sql`` may read, as native scans.
@@ -146,10 +174,21 @@ class ProbeCatalog(CatalogProvider):
         """
         text = sql.lower()
         everything = "information_schema" in text or "show" in text
+        with self._lock:
+            views = dict(self._views)
+        # a view named in the query brings the tables its own SQL names
+        named_views = []
+        for (schema, name), view_sql in views.items():
+            if everything or name.lower() in text:
+                named_views.append(((schema, name), view_sql))
+                text += "\n" + view_sql.lower()
         fresh = {}
         for tbl in self._store.tables():
             if everything or tbl.name.lower() in text:
                 fresh[(tbl.schema_name, tbl.name)] = Table(snapshot_frame(ctx, tbl.snapshot()))
+        self._prepared.update(fresh)
+        for key, view_sql in named_views:  # planned over the snapshots just taken
+            fresh[key] = Table(ctx.sql(view_sql))
         # an older snapshot must never answer a later query: drop what was not renewed
         for key in set(self._prepared) - set(fresh):
             self._prepared.pop(key, None)
@@ -160,7 +199,9 @@ class ProbeCatalog(CatalogProvider):
         with self._lock:
             sch = self._schemas.get(name)
             if sch is None:
-                sch = self._schemas[name] = ProbeSchema(name, self._store, self._prepared)
+                sch = self._schemas[name] = ProbeSchema(
+                    name, self._store, self._prepared, lambda: self.ctx
+                )
             return sch
 
     def schema_names(self) -> set[str]:

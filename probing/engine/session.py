@@ -33,6 +33,7 @@ class Engine:
         )
         self.ctx = SessionContext(config)
         self.ctx.register_catalog_provider(CATALOG, self.catalog)
+        self.catalog.ctx = self.ctx
         # Chunk directories change between queries: never reuse a file
         # listing. Footers of immutable chunk files may be cached, a little.
         self.ctx.sql("SET datafusion.runtime.list_files_cache_limit = 0")
@@ -44,6 +45,10 @@ class Engine:
     def register_table(self, schema: str, name: str, producer: Producer) -> None:
         """A static table whose rows ``producer()`` returns at query time."""
         self.schema(schema).add_table(name, producer)
+
+    def register_view(self, schema: str, name: str, sql: str) -> None:
+        """``schema.name`` answers as ``sql`` (read at every query that names it)."""
+        self.catalog.add_view(schema, name, sql)
 
     def register_resolver(self, schema: str, resolver: Resolver) -> None:
         """Resolve unknown names in ``schema`` on demand (dynamic tables)."""

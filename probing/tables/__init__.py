@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from probing.engine import Engine
-from probing.tables import meta, nvml, process, python, stacks
+from probing.tables import meta, nvml, process, python, stacks, trace
 from probing.tables.external import ExternalTable
 
 
@@ -17,6 +17,7 @@ def install(engine: Engine) -> None:
     engine.register_table("nvml", "status", gpu.status_table)
     engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
+    trace.install(engine)
 
 
 __all__ = ["ExternalTable", "install"]

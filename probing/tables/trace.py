@@ -1,0 +1,52 @@
+"""The traced tables: ``<family>.calls`` (store), ``<family>.inflight``,
+``probing.uprobes`` and the view ``comm.collectives``.
+
+The store tables exist, typed and empty, before any tracing, so queries and
+views over them work whether or not a trace ever ran.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from probing.bpf import families
+from probing.engine import Engine
+
+_COLLECTIVE_COLUMNS = "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid"
+_COMM = {"nccl": "COALESCE(comm_id, comm)", "gloo": "comm"}
+
+# every collective and point-to-point call of every backend, finished or not
+# (a call still in flight has a NULL dur_ns: where a hang shows)
+COLLECTIVES_SQL = "\nUNION ALL\n".join(
+    f"SELECT '{backend}' AS backend, {_COLLECTIVE_COLUMNS.format(comm=comm)} "
+    f"FROM {backend}.{table} WHERE op IS NOT NULL"
+    for backend, comm in _COMM.items()
+    for table in ("calls", "inflight")
+)
+
+
+def _inflight(family: str):  # type: ignore[no-untyped-def]
+    schema = families.FAMILIES[family].schema
+
+    def produce() -> pa.Table:
+        from probing.bpf import tracer
+
+        current = tracer.current()
+        return current.inflight(family) if current is not None else schema.empty_table()
+
+    return produce
+
+
+def _uprobes() -> pa.Table:
+    from probing.bpf import tracer
+
+    current = tracer.current()
+    return current.probes_table() if current is not None else tracer.PROBES_SCHEMA.empty_table()
+
+
+def install(engine: Engine) -> None:
+    for name, family in families.FAMILIES.items():
+        engine.store.table(family.table, "calls", family.schema)
+        engine.register_table(family.table, "inflight", _inflight(name))
+    engine.register_table("probing", "uprobes", _uprobes)
+    engine.register_view("comm", "collectives", COLLECTIVES_SQL)
