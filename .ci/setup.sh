@@ -21,6 +21,7 @@ as_root() { if [ "$SUDO" = skip ]; then return 1; fi; $SUDO "$@"; }
 # --- system packages -------------------------------------------------------
 need=()
 dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
+command -v bpftool >/dev/null || need+=(bpftool)  # tests: `bpftool perf` shows attached uprobes
 "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 command -v gcc >/dev/null || need+=(gcc)
 command -v make >/dev/null || need+=(make)
@@ -84,6 +85,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VENV/bin/python"
   say "installing probing (editable) and its test extras"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | { grep -v "^WARNING: Location" || true; }
   echo "$want" > "$stamp"
+fi
+
+# --- what the trace tests run against: CPU torch (Gloo) and the real CUDA
+# runtime and NCCL libraries from NVIDIA's wheels (their calls fail without
+# a GPU, but uprobes fire and arguments decode). pip's cache keeps the
+# ~350 MB NCCL wheel for the next run.
+if ! "$VENV/bin/python" -c 'import torch, nvidia.nccl, nvidia.cuda_runtime' 2>/dev/null; then
+  say "installing torch (CPU) and NVIDIA's CUDA runtime and NCCL wheels"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "torch==${PROBING_TORCH_VERSION:-2.13.0}" nvidia-cuda-runtime-cu12 nvidia-nccl-cu12 2>&1 \
+    | { grep -v "^WARNING: Location" || true; }
 fi
 
 # --- BCC inside the venv, without the rest of dist-packages ----------------------

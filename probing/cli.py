@@ -243,6 +243,85 @@ def nvml(
         raise typer.Exit(1)
 
 
+def _family_flag(name: str, what: str):  # type: ignore[no-untyped-def]
+    return typer.Option(f"--{name}/--no-{name}", help=f"trace {what}")
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n  probing trace --pid 1234\n\n"
+        "  probing trace -p 1234 --duration 30 --output run.parquet\n\n"
+        "  probing trace -p 1234 --no-cuda --background\n\n"
+        "  probing trace -p 1234 --stop\n\n"
+        '  probing query -p 1234 "SELECT op, count(*), avg(dur_ns) FROM comm.collectives '
+        'GROUP BY op"'
+    )
+)
+def trace(
+    pid: PidOpt,
+    nccl: Annotated[bool, _family_flag("nccl", "NCCL collectives (libnccl)")] = True,
+    cuda: Annotated[bool, _family_flag("cuda", "CUDA runtime/driver calls")] = True,
+    gloo: Annotated[bool, _family_flag("gloo", "Gloo collectives (torch CPU)")] = True,
+    duration: Annotated[
+        float | None, typer.Option(help="seconds to trace (default: until Ctrl-C)")
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", help="also write every event to this Parquet file"),
+    ] = None,
+    background: Annotated[
+        bool, typer.Option("--background", help="start tracing in the probe and return")
+    ] = False,
+    stop: Annotated[
+        bool, typer.Option("--stop", help="stop a trace started with --background")
+    ] = False,
+    inject: InjectOpt = True,
+) -> None:
+    """Record NCCL, CUDA and Gloo calls of a running process with eBPF uprobes."""
+    import os
+
+    from probing.errors import NoProbe, NoSuchProcess
+    from probing.render import TraceMonitor
+
+    try:
+        if stop:
+            status = _client(pid).trace_stop()
+            typer.echo(TraceMonitor.summary(status))
+            return
+        families = [n for n, on in (("nccl", nccl), ("cuda", cuda), ("gloo", gloo)) if on]
+        if not families:
+            raise _fail("nothing to trace: every family is turned off")
+        client = _probe_client(pid, inject)
+        out = os.path.abspath(output) if output else None
+        status = client.trace_start(families, output=out)
+    except ProbingError as err:
+        raise _fail(err) from None
+    monitor = TraceMonitor(pid, status)
+    typer.echo(monitor.started())
+    if background:
+        typer.echo(f"tracing in the background; stop with: probing trace --pid {pid} --stop")
+        return
+    try:
+        monitor.follow(client.trace_status, duration)
+    except (NoProbe, NoSuchProcess):
+        typer.echo(monitor.target_exited(out), err=True)
+        return
+    except ProbingError as err:
+        raise _fail(err) from None
+    except KeyboardInterrupt:
+        pass
+    if monitor.status.get("state") != "tracing":  # the target is exiting: its probe stopped
+        monitor.wait_exit()
+        typer.echo(monitor.target_exited(out), err=True)
+        return
+    try:
+        typer.echo(TraceMonitor.summary(client.trace_stop()))
+    except (NoProbe, NoSuchProcess):
+        typer.echo(monitor.target_exited(out), err=True)
+    except ProbingError as err:
+        raise _fail(err) from None
+
+
 @app.command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
 def doctor(
     fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,

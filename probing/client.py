@@ -14,6 +14,7 @@ from typing import Any
 
 from probing.errors import (
     AccessDenied,
+    BPFUnavailable,
     EvalError,
     NoProbe,
     NoSuchProcess,
@@ -118,6 +119,8 @@ class ProbeClient:
         pid = self.transport.pid
         if kind == "QueryError":
             raise QueryError(msg, pid=pid)
+        if kind == "BPFUnavailable":
+            raise BPFUnavailable(msg, pid=pid)
         if kind == "EvalError":
             raise EvalError(msg, pid=pid, detail=err.get("detail", ""))
         if status == 403:
@@ -149,6 +152,17 @@ class ProbeClient:
         """Start (or re-time) GPU sampling, or stop it; returns ``nvml.status``."""
         payload: dict[str, Any] = {"stop": True} if stop else {"interval": interval or "100ms"}
         return json.loads(self._call("POST", "/nvml", payload)[1])
+
+    def trace_start(self, families: list[str], *, output: str | None = None) -> dict[str, Any]:
+        """Start tracing in the probe; returns the tracer's status."""
+        payload = {"families": families, "output": output}
+        return json.loads(self._call("POST", "/trace/start", payload)[1])
+
+    def trace_stop(self) -> dict[str, Any]:
+        return json.loads(self._call("POST", "/trace/stop", {})[1])
+
+    def trace_status(self) -> dict[str, Any]:
+        return json.loads(self._call("GET", "/trace/status")[1])
 
     def close(self) -> None:
         self.transport.close()

@@ -71,3 +71,107 @@ def format_stacks(info: dict[str, Any], frames: list[dict[str, Any]]) -> str:
         for r in sorted(rows, key=lambda r: r["depth"]):
             out.append(f"    {r['func']} ({r['file']}:{r['line']})")
     return "\n".join(out)
+
+
+class TraceMonitor:
+    """What ``probing trace`` prints: the attach report, one line a second
+    (events/s by table, drops; a live table on a terminal), the summary."""
+
+    def __init__(self, pid: int, status: dict[str, Any]) -> None:
+        self.pid = pid
+        self.status = status
+
+    def started(self) -> str:
+        lines = [f"tracing pid {self.pid}:"]
+        for name, fam in self.status.get("families", {}).items():
+            libs = ", ".join(lib.rsplit("/", 1)[-1] for lib in fam["libraries"])
+            where = f"{fam['uprobes']} uprobes on {libs}" if libs else "no library mapped yet"
+            lines.append(f"  {name + '.calls':<11} {where}")
+        if self.status.get("output"):
+            lines.append(f"  output      {self.status['output']}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _line(elapsed: float, rates: dict[str, float], status: dict[str, Any]) -> str:
+        fams = status.get("families", {})
+        parts = [f"{n} {rates.get(n, 0):>7.0f}/s ({f['events']})" for n, f in fams.items()]
+        drops = sum(f["dropped"] for f in fams.values())
+        return f"{elapsed:6.1f}s  " + "  ".join(parts) + f"  dropped {drops}"
+
+    def follow(self, poll: Any, duration: float | None, interval: float = 1.0) -> None:
+        """Poll ``poll()`` (the probe's /trace/status) until ``duration``
+        passes (or forever); raises KeyboardInterrupt on Ctrl-C."""
+        import sys
+        import time
+
+        start = last_t = time.monotonic()
+        last = {n: f["events"] for n, f in self.status.get("families", {}).items()}
+        live = None
+        if sys.stdout.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            live = Live(console=Console(), auto_refresh=False)
+            live.start()
+        try:
+            while duration is None or time.monotonic() - start < duration:
+                remaining = None if duration is None else duration - (time.monotonic() - start)
+                time.sleep(interval if remaining is None else max(0.0, min(interval, remaining)))
+                status = poll()
+                now = time.monotonic()
+                fams = status.get("families", {})
+                rates = {
+                    n: (f["events"] - last.get(n, 0)) / max(now - last_t, 1e-9)
+                    for n, f in fams.items()
+                }
+                last, last_t = {n: f["events"] for n, f in fams.items()}, now
+                self.status = status
+                line = self._line(now - start, rates, status)
+                if live is not None:
+                    live.update(line, refresh=True)
+                else:
+                    print(line, flush=True)
+                if status.get("state") != "tracing":
+                    break
+        finally:
+            if live is not None:
+                live.stop()
+
+    @staticmethod
+    def summary(status: dict[str, Any]) -> str:
+        fams = status.get("families", {})
+        counts = ", ".join(
+            f"{n}.calls {f['events']} events ({f['dropped']} dropped)" for n, f in fams.items()
+        )
+        out = f"trace stopped: {counts or 'no events'}; every uprobe detached"
+        if status.get("output"):
+            out += f"\nwritten: {status['output']}"
+        if status.get("last_error"):
+            out += f"\nlast error: {status['last_error']}"
+        return out
+
+    def wait_exit(self, timeout: float = 10.0) -> None:
+        import time
+
+        def alive() -> bool:
+            try:
+                with open(f"/proc/{self.pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + timeout
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def target_exited(self, output: str | None) -> str:
+        msg = f"pid {self.pid} exited: the trace ended with it"
+        if output:
+            try:
+                import pyarrow.parquet as pq
+
+                rows = pq.read_metadata(output).num_rows
+                msg += f"; {output} is complete ({rows} events)"
+            except Exception as err:  # killed before the file was closed
+                msg += f"; {output} is not readable: {err}"
+        return msg

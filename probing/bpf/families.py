@@ -325,7 +325,9 @@ def decode_cuda(ev: np.ndarray, d: Decoded) -> dict[str, Any]:
         kernel = pa.nulls(len(ev), pa.string())
     cols.update(
         kernel=kernel,
-        func=_masked(ev["func"], launch | fn_mask(ev, CUDA_FUNCS, ("CUDA_GRAPHLAUNCH",)), pa.uint64()),
+        func=_masked(
+            ev["func"], launch | fn_mask(ev, CUDA_FUNCS, ("CUDA_GRAPHLAUNCH",)), pa.uint64()
+        ),
         grid=_dim3(ev["grid"], launch),
         block=_dim3(ev["block"], launch),
         bytes=_masked(ev["bytes"].astype(np.int64), sized | launch, pa.int64()),

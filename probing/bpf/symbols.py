@@ -15,7 +15,6 @@ import bisect
 import ctypes
 import ctypes.util
 import functools
-import os
 import re
 from collections.abc import Callable, Iterable
 from typing import NamedTuple

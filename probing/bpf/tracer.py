@@ -141,7 +141,7 @@ class Tracer:
         self.stopped_ns = 0
         self.last_error: str | None = None
         self._live: list[_Live] = []
-        self._detached: list[_Live] = []  # after stop: their counters, for status
+        self._all: list[_Live] = []  # every family loaded, for status after stop
         self._decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
         self._symbolizer = Symbolizer()
         self._cu_functions: dict[int, str | None] = {}
@@ -168,7 +168,16 @@ class Tracer:
                         "-Wno-unused-function",
                         *f.cflags,
                     ]
-                    bpf = BPF(src_file=os.path.join(src, f.source).encode(), cflags=cflags)
+                    try:
+                        bpf = BPF(src_file=os.path.join(src, f.source).encode(), cflags=cflags)
+                    except Exception as err:  # BCC raises plain Exception
+                        raise BPFUnavailable(
+                            f"BCC could not compile {f.source}: {err}",
+                            pid=self.pid,
+                            hint="run `probing doctor` to see what is missing",
+                        ) from err
+                    # we detach ourselves (stop(), or at exit in the right order)
+                    atexit.unregister(bpf.cleanup)
                     leaf = ctypes.sizeof(bpf["inflight"].Leaf)
                     if leaf != f.dtype.itemsize:
                         bpf.cleanup()
@@ -179,6 +188,7 @@ class Tracer:
                     size = f.ringbuf_pages * mmap.PAGESIZE
                     reader = RingReader(bpf["events"].map_fd, size, f.dtype)
                     self._live.append(_Live(f, bpf, reader))
+                    self._all.append(self._live[-1])
             self.attach_new_libraries()
         except BaseException:
             self._detach()
@@ -222,7 +232,6 @@ class Tracer:
                 self.last_error = f"{live.family.name}: detach: {err}"
         for p in self.probes:
             p.attached = False
-        self._detached = live_families
 
     def _run(self) -> None:
         last_scan = time.monotonic()
@@ -289,7 +298,9 @@ class Tracer:
                     continue
                 attach = live.bpf.attach_uprobe if kind == "entry" else live.bpf.attach_uretprobe
                 try:
-                    attach(name=path.encode(), sym=sym.encode(), fn_name=handler.encode(), pid=self.pid)
+                    attach(
+                        name=path.encode(), sym=sym.encode(), fn_name=handler.encode(), pid=self.pid
+                    )
                     self.probes.append(Probe(f.name, path, sym, kind, True))
                 except Exception as err:
                     self.probes.append(Probe(f.name, path, sym, kind, False, str(err)))
@@ -362,7 +373,7 @@ class Tracer:
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         per = {}
-        for live in self._live or self._detached:
+        for live in self._all:
             per[live.family.name] = {
                 "events": live.events,
                 "dropped": live.drops_seen,

@@ -102,12 +102,46 @@ def nvml(probe: Probe, req: Request) -> Response:
     return Response.json(sampler.status_table().to_pylist()[0])
 
 
+def trace_start(probe: Probe, req: Request) -> Response:
+    """POST /trace/start {"families": ["nccl", "cuda", "gloo"], "output": path}."""
+    from probing.bpf import tracer
+
+    try:
+        payload = json.loads(req.body or b"{}")
+        families = list(payload.get("families") or ("nccl", "cuda", "gloo"))
+        output = payload.get("output")
+    except (ValueError, AttributeError, TypeError) as err:
+        return Response.error(400, f"bad /trace/start request: {err}")
+    _ = probe.engine  # the tables exist before the first event arrives
+    return Response.json(tracer.start(families, output=output).status())
+
+
+def trace_stop(probe: Probe, req: Request) -> Response:
+    """POST /trace/stop: drain, detach every uprobe; the tables stay."""
+    from probing.bpf import tracer
+
+    stopped = tracer.stop()
+    if stopped is None:
+        return Response.error(409, "this process is not tracing", "NotTracing")
+    return Response.json(stopped.status())
+
+
+def trace_status(probe: Probe, req: Request) -> Response:
+    from probing.bpf import tracer
+
+    current = tracer.current()
+    return Response.json(current.status() if current else {"state": "stopped", "families": {}})
+
+
 ROUTES = {
     ("GET", "/health"): health,
     ("POST", "/query"): query,
     ("GET", "/tables"): tables,
     ("POST", "/eval"): evaluate,
     ("POST", "/nvml"): nvml,
+    ("POST", "/trace/start"): trace_start,
+    ("POST", "/trace/stop"): trace_stop,
+    ("GET", "/trace/status"): trace_status,
 }
 
 

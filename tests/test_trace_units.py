@@ -1,0 +1,201 @@
+"""The trace path's pure parts on canned bytes: ring-buffer records, the
+C/Python mirror of every event, decoders, symbols. No privileges needed."""
+
+from __future__ import annotations
+
+import struct
+from importlib.resources import files
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from probing.bpf import families as fam
+from probing.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, record_size, take_records
+from probing.bpf.symbols import demangle, exported, exported_matching
+from probing.bpf.tracer import OutputWriter, installed_libraries
+from probing.tables.trace import COLLECTIVES_SQL
+
+SAMPLE = np.dtype([("a", "<u8"), ("b", "<u4"), ("c", "<u4")])  # 16 bytes
+
+
+def _ring(records: list[tuple[int, int, int, int]], size: int = 256, start: int = 0) -> bytes:
+    """A data area of ``size`` bytes holding records from position ``start``,
+    mapped twice in a row as the kernel does."""
+    area = bytearray(size)
+    pos = start
+    rec = record_size(SAMPLE.itemsize)
+    for flags, a, b, c in records:
+        raw = struct.pack("<IIQII", SAMPLE.itemsize | flags, 0, a, b, c)
+        for i, byte in enumerate(raw.ljust(rec, b"\0")):
+            area[(pos + i) % size] = byte
+        pos += rec
+    return bytes(area) * 2
+
+
+def test_records_in_order_discards_skipped_busy_stops() -> None:
+    recs = [(0, 1, 10, 100), (DISCARD_BIT, 2, 20, 200), (0, 3, 30, 300), (BUSY_BIT, 4, 0, 0)]
+    data = _ring(recs)
+    rec = record_size(SAMPLE.itemsize)
+    out, cons = take_records(data, 0, 4 * rec, 255, SAMPLE)
+    assert out["a"].tolist() == [1, 3] and out["c"].tolist() == [100, 300]
+    assert cons == 3 * rec  # the busy record is left for the next read
+
+
+def test_records_wrapping_around_the_end() -> None:
+    rec = record_size(SAMPLE.itemsize)
+    start = 256 - rec  # the second record starts at the beginning again
+    data = _ring([(0, 7, 1, 2), (0, 8, 3, 4), (0, 9, 5, 6)], start=start)
+    out, cons = take_records(data, 1024 + start, 1024 + start + 3 * rec, 255, SAMPLE)
+    assert out["a"].tolist() == [7, 8, 9]
+    assert cons == 1024 + start + 3 * rec
+
+
+def test_a_record_of_another_size_is_an_error() -> None:
+    data = bytearray(_ring([(0, 1, 2, 3)]))
+    struct.pack_into("<I", data, 0, 40)
+    with pytest.raises(ValueError, match="40 bytes, expected 16"):
+        take_records(bytes(data), 0, record_size(16), 255, SAMPLE)
+
+
+def test_empty_ring() -> None:
+    out, cons = take_records(_ring([]), 64, 64, 255, SAMPLE)
+    assert len(out) == 0 and cons == 64
+
+
+@pytest.mark.parametrize("name", sorted(fam.FAMILIES))
+def test_python_mirrors_the_c_enum(name: str) -> None:
+    text = (files("probing.bpf") / "programs" / f"{name}.h").read_text()
+    enum = fam.parse_enum(text)
+    family = fam.FAMILIES[name]
+    assert [f.enum for f in family.funcs] == sorted(enum, key=enum.__getitem__)
+    assert [enum[f.enum] for f in family.funcs] == list(range(len(family.funcs)))
+    source = (files("probing.bpf") / "programs" / family.source).read_text()
+    for f in family.funcs:  # every function has its probe in C (loaded in tests/privileged)
+        assert f.enum in source, f.enum
+
+
+def test_event_sizes_follow_c_layout() -> None:
+    # struct sizes with natural alignment, as the C compiler lays them out
+    assert fam.NCCL_EVENT.itemsize == 88
+    assert fam.CUDA_EVENT.itemsize == 96
+    assert fam.GLOO_EVENT.itemsize == 80
+
+
+def _events(event_type: np.dtype, **cols: list) -> np.ndarray:  # type: ignore[type-arg]
+    n = len(next(iter(cols.values())))
+    ev = np.zeros(n, event_type)
+    for k, v in cols.items():
+        ev[k] = v
+    return ev
+
+
+def _fn(funcs: tuple[fam.Func, ...], enum: str) -> int:
+    return [f.enum for f in funcs].index(enum)
+
+
+def test_nccl_decode() -> None:
+    ar, gs, send = (_fn(fam.NCCL_FUNCS, e) for e in ("NCCL_ALLREDUCE", "NCCL_GROUPSTART", "NCCL_SEND"))
+    ev = _events(
+        fam.NCCL_EVENT,
+        ts=[1000, 2000, 3000],
+        dur_ns=[5, 6, 7],
+        flags=[1, 1, 0],
+        tid=[11, 11, 12],
+        fn=[ar, gs, send],
+        comm=[0xA0, 0, 0xB0],
+        count=[1024, 0, 10],
+        dtype=[9, 0, 4],  # bfloat16, -, int64
+        op=[4, 255, 255],
+        seq=[3, 0, 8],
+        rank=[1, -1, -1],
+        nranks=[4, -1, -1],
+        peer=[-1, -1, 2],
+        uid=[0xFEED, 0, 0],
+        ret=[0, 0, 0],
+    )
+    d = fam.Decoded(clock_offset_ns=10**18, pid=77)
+    rows = fam.to_batch(fam.FAMILIES["nccl"], ev, d, 40).to_pylist()
+    assert [r["event_id"] for r in rows] == [40, 41, 42]
+    a, g, s = rows
+    assert a["ts"] == 10**18 + 1000 and a["dur_ns"] == 5 and a["pid"] == 77
+    assert (a["api"], a["op"], a["dtype"], a["bytes"], a["redop"]) == (
+        "ncclAllReduce", "allreduce", "bfloat16", 2048, "avg")  # fmt: skip
+    assert (a["seq"], a["rank"], a["nranks"], a["comm_id"]) == (3, 1, 4, 0xFEED)
+    assert g["op"] is None and g["seq"] is None and g["bytes"] is None and g["comm"] is None
+    assert (s["op"], s["peer"], s["bytes"], s["dtype"], s["redop"]) == ("send", 2, 80, "int64", None)
+    assert s["dur_ns"] is None and s["ret"] is None  # entry only: no return seen
+
+
+def test_cuda_decode_without_names() -> None:
+    launch, memcpy = (_fn(fam.CUDA_FUNCS, e) for e in ("CUDA_LAUNCHKERNEL", "CUDA_MEMCPY"))
+    ev = _events(
+        fam.CUDA_EVENT,
+        fn=[launch, memcpy],
+        flags=[0, 1],
+        func=[0x1234, 0],
+        grid=[[2, 3, 4], [0, 0, 0]],
+        block=[[32, 1, 1], [0, 0, 0]],
+        bytes=[128, 4096],
+        kind=[255, 2],
+        stream=[0x77, 0],
+    )
+    rows = fam.to_batch(fam.FAMILIES["cuda"], ev, fam.Decoded(0, 1), 0).to_pylist()
+    k, m = rows
+    assert (k["grid"], k["block"], k["bytes"], k["stream"], k["kind"]) == (
+        [2, 3, 4], [32, 1, 1], 128, 0x77, None)  # fmt: skip
+    assert (m["kind"], m["bytes"], m["grid"], m["stream"]) == ("DeviceToHost", 4096, None, None)
+
+
+@pytest.mark.parametrize("vtable", [False, True])
+def test_gloo_context_rank_and_size_with_or_without_vtable(vtable: bool) -> None:
+    ranks, sizes = np.array([0, 3, 1]), np.array([4, 4, 2])
+    words = (sizes.astype(np.uint64) << np.uint64(32)) | ranks.astype(np.uint64)
+    vptr = np.full(3, 0x7F1234567890, dtype=np.uint64)
+    head = np.stack([vptr, words] if vtable else [words, np.zeros(3, np.uint64)], axis=1)
+    rank, size = fam.gloo_rank_size(head)
+    assert rank.tolist() == ranks.tolist() and size.tolist() == sizes.tolist()
+
+
+def test_gloo_entry_points_by_demangled_name() -> None:
+    assert fam.gloo_entry_point("gloo::allreduce(gloo::AllreduceOptions const&)") == "GLOO_ALLREDUCE"
+    assert fam.gloo_entry_point("gloo::barrier(gloo::BarrierOptions&)") == "GLOO_BARRIER"
+    assert fam.gloo_entry_point("gloo::allreduce(gloo::BarrierOptions&)") is None
+    assert fam.gloo_entry_point("gloo::Context::getPair(int)") is None
+
+
+def test_demangle() -> None:
+    assert demangle("_ZN4gloo9allreduceERKNS_16AllreduceOptionsE") == (
+        "gloo::allreduce(gloo::AllreduceOptions const&)"
+    )
+    assert demangle("cudaMalloc") == "cudaMalloc"
+
+
+def test_gloo_symbols_in_the_installed_torch() -> None:
+    torch_cpu = [p for p in installed_libraries() if p.endswith("libtorch_cpu.so")]
+    assert torch_cpu, "make setup installs torch (CPU)"
+    found = exported_matching(torch_cpu[0], b"_ZN4gloo", fam.gloo_entry_point)
+    assert sorted(found) == sorted(f.enum for f in fam.GLOO_FUNCS)
+
+
+def test_exported_names_in_the_nvidia_wheels() -> None:
+    libs = {p.rsplit("/", 1)[-1].split(".so")[0]: p for p in installed_libraries()}
+    nccl = exported(libs["libnccl"], [f.api for f in fam.NCCL_FUNCS])
+    assert {"ncclAllReduce", "ncclCommInitRank", "ncclSend", "ncclGroupEnd"} <= set(nccl)
+    cudart = exported(libs["libcudart"], [f.api for f in fam.CUDA_FUNCS])
+    assert {"cudaLaunchKernel", "cudaMemcpy", "cudaStreamSynchronize"} <= set(cudart)
+    assert "cuLaunchKernel" not in cudart  # a driver function: libcuda's
+
+
+def test_output_schema_is_the_union_of_the_tables(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    w = OutputWriter(str(tmp_path / "t.parquet"))
+    names = set(w.schema.names)
+    for f in fam.FAMILIES.values():
+        assert set(f.schema.names) <= names
+    w.close()
+    assert pa.parquet.read_table(tmp_path / "t.parquet").num_rows == 0  # type: ignore[attr-defined]
+
+
+def test_collectives_view_reads_both_backends() -> None:
+    for table in ("nccl.calls", "nccl.inflight", "gloo.calls", "gloo.inflight"):
+        assert f"FROM {table}" in COLLECTIVES_SQL
