@@ -95,7 +95,9 @@ def _fn(funcs: tuple[fam.Func, ...], enum: str) -> int:
 
 
 def test_nccl_decode() -> None:
-    ar, gs, send = (_fn(fam.NCCL_FUNCS, e) for e in ("NCCL_ALLREDUCE", "NCCL_GROUPSTART", "NCCL_SEND"))
+    ar, gs, send = (
+        _fn(fam.NCCL_FUNCS, e) for e in ("NCCL_ALLREDUCE", "NCCL_GROUPSTART", "NCCL_SEND")
+    )
     ev = _events(
         fam.NCCL_EVENT,
         ts=[1000, 2000, 3000],
@@ -123,7 +125,13 @@ def test_nccl_decode() -> None:
         "ncclAllReduce", "allreduce", "bfloat16", 2048, "avg")  # fmt: skip
     assert (a["seq"], a["rank"], a["nranks"], a["comm_id"]) == (3, 1, 4, 0xFEED)
     assert g["op"] is None and g["seq"] is None and g["bytes"] is None and g["comm"] is None
-    assert (s["op"], s["peer"], s["bytes"], s["dtype"], s["redop"]) == ("send", 2, 80, "int64", None)
+    assert (s["op"], s["peer"], s["bytes"], s["dtype"], s["redop"]) == (
+        "send",
+        2,
+        80,
+        "int64",
+        None,
+    )
     assert s["dur_ns"] is None and s["ret"] is None  # entry only: no return seen
 
 
@@ -158,7 +166,9 @@ def test_gloo_context_rank_and_size_with_or_without_vtable(vtable: bool) -> None
 
 
 def test_gloo_entry_points_by_demangled_name() -> None:
-    assert fam.gloo_entry_point("gloo::allreduce(gloo::AllreduceOptions const&)") == "GLOO_ALLREDUCE"
+    assert (
+        fam.gloo_entry_point("gloo::allreduce(gloo::AllreduceOptions const&)") == "GLOO_ALLREDUCE"
+    )
     assert fam.gloo_entry_point("gloo::barrier(gloo::BarrierOptions&)") == "GLOO_BARRIER"
     assert fam.gloo_entry_point("gloo::allreduce(gloo::BarrierOptions&)") is None
     assert fam.gloo_entry_point("gloo::Context::getPair(int)") is None

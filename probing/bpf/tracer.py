@@ -195,6 +195,8 @@ class Tracer:
             raise
         self.state = "tracing"
         self.started_ns = time.time_ns()
+        for f in self.families:  # a query sees every event committed before it
+            self.store.table(f.table, "calls").add_before_read(self.drain)
         self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
         self._thread.start()
 
@@ -207,6 +209,8 @@ class Tracer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        for f in self.families:
+            self.store.table(f.table, "calls").remove_before_read(self.drain)
         try:
             self.drain()
         finally:

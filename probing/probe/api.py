@@ -120,10 +120,11 @@ def trace_stop(probe: Probe, req: Request) -> Response:
     """POST /trace/stop: drain, detach every uprobe; the tables stay."""
     from probing.bpf import tracer
 
-    stopped = tracer.stop()
-    if stopped is None:
+    current = tracer.current()
+    if current is None or current.state != "tracing":
         return Response.error(409, "this process is not tracing", "NotTracing")
-    return Response.json(stopped.status())
+    current.stop()
+    return Response.json(current.status())
 
 
 def trace_status(probe: Probe, req: Request) -> Response:

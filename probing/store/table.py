@@ -292,6 +292,11 @@ class EventTable:
         with self._lock:
             self._before_read.append(hook)
 
+    def remove_before_read(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if hook in self._before_read:
+                self._before_read.remove(hook)
+
     def _run_before_read(self) -> None:
         for hook in list(self._before_read):
             try:
