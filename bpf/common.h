@@ -25,8 +25,7 @@ struct inflight_key {
     u32 fn;
 };
 
-/* The maps and the helpers that touch them (count_drop, emit, park, unpark,
- * finish) live in each family's .bpf.c, through PAIRING_MAPS below: BCC only
+/* The maps and the helpers that touch them (count_drop, emit, park, unpark) live in each family's .bpf.c, through PAIRING_MAPS below: BCC only
  * rewrites map calls written in the main source file, and not inside macros. */
 
 static __always_inline void hdr_init(struct probing_hdr *h, u16 fn) {
@@ -53,7 +52,7 @@ static __always_inline void complete(struct pt_regs *ctx, struct probing_hdr *h)
         struct inflight_key key;                                     \
         EVENT *ev = unpark(ctx, fn, &key);                           \
         if (ev)                                                      \
-            finish(ev, &key);                                        \
+            emit(ev);                                                \
         return 0;                                                    \
     }
 

@@ -33,17 +33,15 @@ static __always_inline void park(EVENT *ev) {
     if (inflight.update(&key, ev) != 0)
         count_drop();
 }
-/* its return: the parked event, completed (NULL if the entry was not seen) */
+/* its return: the parked event, completed (NULL if the entry was not seen).
+ * It stays in the map, marked returned (hdr.flags), until the thread's next
+ * call overwrites it: a delete would cost a second hash operation. */
 static __always_inline EVENT *unpark(struct pt_regs *ctx, u16 fn, struct inflight_key *key) {
     inflight_key_of(key, fn);
     EVENT *ev = inflight.lookup(key);
     if (ev)
         complete(ctx, &ev->hdr);
     return ev;
-}
-static __always_inline void finish(EVENT *ev, struct inflight_key *key) {
-    emit(ev);
-    inflight.delete(key);
 }
 
 #define NO_KIND 255
@@ -148,7 +146,7 @@ int cuda_ret_CUDA_MALLOC(struct pt_regs *ctx) {
     EVENT *ev = unpark(ctx, CUDA_MALLOC, &key);
     if (ev) {
         ev->ptr = ev->hdr.ret == 0 ? read_u64(ev->ptr) : 0;
-        finish(ev, &key);
+        emit(ev);
     }
     return 0;
 }
@@ -200,7 +198,7 @@ int cuda_ret_CU_MODULEGETFUNCTION(struct pt_regs *ctx) {
     EVENT *ev = unpark(ctx, CU_MODULEGETFUNCTION, &key);
     if (ev) {
         ev->func = ev->hdr.ret == 0 ? read_u64(ev->func) : 0;
-        finish(ev, &key);
+        emit(ev);
     }
     return 0;
 }

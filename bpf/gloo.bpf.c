@@ -29,17 +29,15 @@ static __always_inline void park(EVENT *ev) {
     if (inflight.update(&key, ev) != 0)
         count_drop();
 }
-/* its return: the parked event, completed (NULL if the entry was not seen) */
+/* its return: the parked event, completed (NULL if the entry was not seen).
+ * It stays in the map, marked returned (hdr.flags), until the thread's next
+ * call overwrites it: a delete would cost a second hash operation. */
 static __always_inline EVENT *unpark(struct pt_regs *ctx, u16 fn, struct inflight_key *key) {
     inflight_key_of(key, fn);
     EVENT *ev = inflight.lookup(key);
     if (ev)
         complete(ctx, &ev->hdr);
     return ev;
-}
-static __always_inline void finish(EVENT *ev, struct inflight_key *key) {
-    emit(ev);
-    inflight.delete(key);
 }
 
 BPF_HASH(context_seq, u64, u64, 4096);

@@ -29,17 +29,15 @@ static __always_inline void park(EVENT *ev) {
     if (inflight.update(&key, ev) != 0)
         count_drop();
 }
-/* its return: the parked event, completed (NULL if the entry was not seen) */
+/* its return: the parked event, completed (NULL if the entry was not seen).
+ * It stays in the map, marked returned (hdr.flags), until the thread's next
+ * call overwrites it: a delete would cost a second hash operation. */
 static __always_inline EVENT *unpark(struct pt_regs *ctx, u16 fn, struct inflight_key *key) {
     inflight_key_of(key, fn);
     EVENT *ev = inflight.lookup(key);
     if (ev)
         complete(ctx, &ev->hdr);
     return ev;
-}
-static __always_inline void finish(EVENT *ev, struct inflight_key *key) {
-    emit(ev);
-    inflight.delete(key);
 }
 
 #define NO_OP 255
@@ -203,7 +201,7 @@ static __always_inline int init_return(struct pt_regs *ctx, u16 fn) {
         u64 zero = 0;
         comm_seq.update(&comm, &zero);
     }
-    finish(ev, &key);
+    emit(ev);
     return 0;
 }
 int nccl_ret_init(struct pt_regs *ctx) { return init_return(ctx, NCCL_COMMINITRANK); }

@@ -346,6 +346,7 @@ class Tracer:
         if not raw:
             return f.schema.empty_table()
         ev = np.frombuffer(b"".join(raw), dtype=f.dtype)
+        ev = ev[(ev["flags"] & fam.HAS_RET) == 0]  # returned calls stay until overwritten
         ev = ev[[os.path.exists(f"/proc/self/task/{t}") for t in ev["tid"]]]
         batch = fam.to_batch(f, ev, self._decoded, -1)
         ids = pa.nulls(len(ev), pa.int64())
@@ -358,21 +359,19 @@ class Tracer:
         for func, ptr in zip(ev["func"][got].tolist(), ev["ptr"][got].tolist(), strict=True):
             if func:
                 self._cu_functions[func] = read_cstring(ptr)
-        names: list[str | None] = [None] * len(ev)
         idx = np.flatnonzero(launch)
-        if idx.size:
-            driver = ev["fn"][idx] == ids[fam.CU_LAUNCH]
-            keys = ev["func"][idx].astype(np.uint64)
-            pairs, inverse = np.unique(
-                np.stack([keys, driver.astype(np.uint64)], axis=1), axis=0, return_inverse=True
-            )
-            resolved = [
-                self._cu_functions.get(int(a)) if d else self._symbolizer.name(int(a))
-                for a, d in pairs.tolist()
-            ]
-            for row, k in zip(idx.tolist(), inverse.reshape(-1).tolist(), strict=True):
-                names[row] = resolved[k]
-        return pa.array(names, type=pa.string())
+        if not idx.size:
+            return pa.nulls(len(ev), pa.string())
+        # one key per (address, runtime or driver): addresses fit in 63 bits
+        driver = (ev["fn"][idx] == ids[fam.CU_LAUNCH]).astype(np.uint64) << np.uint64(63)
+        keys, inverse = np.unique(ev["func"][idx] | driver, return_inverse=True)
+        resolved = [
+            self._cu_functions.get(k ^ (1 << 63)) if k & (1 << 63) else self._symbolizer.name(k)
+            for k in keys.tolist()
+        ]
+        slot = np.full(len(ev), len(resolved), dtype=np.int32)  # the last slot is NULL
+        slot[idx] = inverse.reshape(-1)
+        return pa.array([*resolved, None], type=pa.string()).take(pa.array(slot))
 
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
