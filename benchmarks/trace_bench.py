@@ -31,8 +31,8 @@ def build_loop(d: str) -> ctypes.CDLL:
     if cc is None:
         raise SystemExit("needs a C compiler (make setup installs gcc)")
     out = f"{d}/libcall_loop.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", out, str(REPO / "benchmarks" / "call_loop.c")],
-                   check=True)  # fmt: skip
+    src = str(REPO / "benchmarks" / "call_loop.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", out, src], check=True)
     lib = ctypes.CDLL(out)
     lib.launch_loop.restype = lib.sync_loop.restype = ctypes.c_double
     lib.launch_loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
