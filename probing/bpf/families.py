@@ -75,9 +75,6 @@ class Family:
     def source(self) -> str:
         return f"{self.name}.bpf.c"
 
-    def func_names(self, attr: str = "api") -> list[str]:
-        return [getattr(f, attr) for f in self.funcs]
-
 
 # -- shared column builders ------------------------------------------------------
 

@@ -192,6 +192,8 @@ class Tracer:
             self.attach_new_libraries()
         except BaseException:
             self._detach()
+            if self._writer is not None:
+                self._writer.close()
             raise
         self.state = "tracing"
         self.started_ns = time.time_ns()
