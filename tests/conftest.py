@@ -22,6 +22,15 @@ def require(condition: bool, reason: str) -> None:
     pytest.skip(reason)
 
 
+def require_bpf() -> None:
+    """Root, BCC, kernel headers and tracefs, or skip (fail in CI) naming the fix."""
+    from probing import doctor
+
+    require(os.geteuid() == 0, "needs root (CAP_BPF, CAP_PERFMON)")
+    for check in (doctor.check_bcc(), doctor.check_headers(), doctor.check_tracefs()):
+        require(check.ok, f"{check.name}: {check.detail}; fix: {check.fix}")
+
+
 @pytest.fixture
 def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An isolated PROBING_RUNTIME_DIR for the probe sockets of one test."""

@@ -184,7 +184,9 @@ def test_demangle() -> None:
 def test_gloo_symbols_in_the_installed_torch() -> None:
     torch_cpu = [p for p in installed_libraries() if p.endswith("libtorch_cpu.so")]
     assert torch_cpu, "make setup installs torch (CPU)"
-    found = exported_matching(torch_cpu[0], b"_ZN4gloo", fam.gloo_entry_point)
+    gloo = fam.FAMILIES["gloo"]
+    assert gloo.demangled is not None
+    found = exported_matching(torch_cpu[0], gloo.mangled_prefix, gloo.demangled)
     assert sorted(found) == sorted(f.enum for f in fam.GLOO_FUNCS)
 
 

@@ -68,7 +68,8 @@ class Family:
     ringbuf_pages: int = 1024  # 4 MiB
     cflags: tuple[str, ...] = ()
     # exported symbols found by pattern rather than by exact name (C++):
-    # demangled name -> Func.enum
+    # the mangled prefix to scan for, and demangled name -> Func.enum
+    mangled_prefix: bytes = b""
     demangled: Callable[[str], str | None] | None = None
 
     @property
@@ -451,6 +452,7 @@ FAMILIES: dict[str, Family] = {
         dtype=GLOO_EVENT,
         schema=GLOO_SCHEMA,
         decode=decode_gloo,
+        mangled_prefix=b"_ZN4gloo",
         demangled=gloo_entry_point,
     ),
 }

@@ -273,9 +273,7 @@ class Tracer:
     def _symbols(self, f: fam.Family, path: str) -> dict[str, str]:
         """Func.enum -> the symbol to attach to in ``path``."""
         if f.demangled is not None:
-            prefix = os.path.commonprefix([fn.api for fn in f.funcs]).split("::")[0]
-            mangled_prefix = f"_ZN{len(prefix)}{prefix}".encode()
-            found = exported_matching(path, mangled_prefix, f.demangled)
+            found = exported_matching(path, f.mangled_prefix, f.demangled)
             return {enum: mangled for enum, (mangled, _) in found.items()}
         names = exported(path, [s for fn in f.funcs for s in fn.symbols])
         out = {}

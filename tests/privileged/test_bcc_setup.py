@@ -11,7 +11,7 @@ import os
 import pytest
 
 from probing import doctor
-from tests.conftest import require
+from tests.conftest import require_bpf
 
 pytestmark = pytest.mark.privileged
 
@@ -26,20 +26,14 @@ int on_getppid(struct pt_regs *ctx) {
 """
 
 
-def _privileged() -> None:
-    require(os.geteuid() == 0, "needs root (CAP_BPF, CAP_PERFMON)")
-    for check in (doctor.check_bcc(), doctor.check_headers(), doctor.check_tracefs()):
-        require(check.ok, f"{check.name}: {check.detail}; fix: {check.fix}")
-
-
 def test_doctor_is_green_for_bpf() -> None:
-    _privileged()
+    require_bpf()
     for check in (doctor.check_kernel(), doctor.check_bpf_caps(), doctor.check_ptrace()):
         assert check.ok, check
 
 
 def test_a_uprobe_counts_exact_calls() -> None:
-    _privileged()
+    require_bpf()
     from bcc import BPF
 
     libc_path = ctypes.util.find_library("c")

@@ -24,7 +24,7 @@ from probing.bpf.tracer import Tracer, installed_libraries
 from probing.client import ProbeClient
 from probing.engine import Engine
 from probing.store import Store
-from tests.conftest import cli, require
+from tests.conftest import cli, require, require_bpf
 
 pytestmark = pytest.mark.privileged
 
@@ -32,9 +32,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def _privileged() -> None:
-    require(os.geteuid() == 0, "needs root (CAP_BPF, CAP_PERFMON)")
-    for check in (doctor.check_bcc(), doctor.check_headers(), doctor.check_tracefs()):
-        require(check.ok, f"{check.name}: {check.detail}; fix: {check.fix}")
+    require_bpf()
     require(shutil.which("bpftool") is not None, "bpftool (make setup installs it)")
 
 
