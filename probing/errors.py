@@ -54,3 +54,7 @@ class BPFUnavailable(ProbingError):
 
 class PeerUnreachable(ProbingError):
     """A peer probe did not answer in time."""
+
+
+class UnsupportedPython(ProbingError):
+    """The target runs a CPython version whose frame layout probing lacks."""

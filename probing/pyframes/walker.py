@@ -1,0 +1,163 @@
+"""The frame walk in userspace: thread states, frame chains, code objects.
+
+Everything reads through a ``Memory`` and trusts nothing it reads: a chain
+that loops or runs past ``MAX_DEPTH`` stops, a pointer that is not mapped
+ends the walk (``OSError``), a string that is not a string reads as "?".
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from probing.pyframes import Offsets
+from probing.pyframes.linetable import line_of
+from probing.pyframes.memory import Memory, i32, u64
+
+MAX_DEPTH = 128  # frames per stack in userspace (the BPF walk stops at 32)
+MAX_THREADS = 4096
+MAX_STR = 4096
+
+
+class ThreadState(NamedTuple):
+    addr: int
+    thread_id: int  # pthread_t (threading.get_ident())
+    native_id: int  # the kernel tid; -1 where the version does not record it (3.10)
+
+
+class RawFrame(NamedTuple):
+    """What the BPF side records per frame: the code object and the byte
+    offset of the current instruction in its bytecode (-1: not started)."""
+
+    code: int
+    offset: int
+
+
+class Frame(NamedTuple):
+    file: str
+    func: str
+    line: int
+
+
+def thread_states(mem: Memory, off: Offsets, interp: int) -> list[ThreadState]:
+    """Every thread state of interpreter ``interp`` (newest first)."""
+    out: list[ThreadState] = []
+    ts = u64(mem, interp + off.interp_threads_head)
+    seen: set[int] = set()
+    while ts and ts not in seen and len(out) < MAX_THREADS:
+        seen.add(ts)
+        native = (
+            u64(mem, ts + off.tstate_native_thread_id) if off.tstate_native_thread_id >= 0 else -1
+        )
+        out.append(ThreadState(ts, u64(mem, ts + off.tstate_thread_id), native))
+        ts = u64(mem, ts + off.tstate_next)
+    return out
+
+
+def interpreters(mem: Memory, off: Offsets, runtime: int) -> list[int]:
+    """The interpreter states listed in ``_PyRuntime`` (main interpreter last)."""
+    out: list[int] = []
+    interp = u64(mem, runtime + off.runtime_interpreters_head)
+    while interp and interp not in out and len(out) < 64:
+        out.append(interp)
+        interp = u64(mem, interp)  # PyInterpreterState.next is its first field
+    return out
+
+
+def top_frame(mem: Memory, off: Offsets, tstate: int) -> int:
+    if off.tstate_cframe >= 0:
+        cframe = u64(mem, tstate + off.tstate_cframe)
+        return u64(mem, cframe + off.cframe_current_frame) if cframe else 0
+    return u64(mem, tstate + off.tstate_frame)
+
+
+def raw_frames(mem: Memory, off: Offsets, tstate: int, limit: int = MAX_DEPTH) -> list[RawFrame]:
+    """The frame chain of ``tstate``, innermost first, as the BPF walk records it."""
+    out: list[RawFrame] = []
+    frame = top_frame(mem, off, tstate)
+    seen: set[int] = set()
+    while frame and frame not in seen and len(out) < limit:
+        seen.add(frame)
+        code = u64(mem, frame + off.frame_code)
+        owner = mem.read(frame + off.frame_owner, 1)[0] if off.frame_owner >= 0 else -1
+        if code and owner != off.frame_owned_by_cstack:
+            if off.frame_instr >= 0:
+                instr = u64(mem, frame + off.frame_instr)
+                offset = instr - code - off.code_adaptive
+            else:
+                offset = 2 * i32(mem, frame + off.frame_lasti)
+            out.append(RawFrame(code, offset if -2 <= offset < 1 << 31 else -1))
+        frame = u64(mem, frame + off.frame_previous)
+    return out
+
+
+def read_str(mem: Memory, off: Offsets, addr: int) -> str:
+    """A ``str`` object's text (compact ASCII or compact UCS1/2/4), or "?"."""
+    try:
+        length = struct.unpack("<q", mem.read(addr + off.unicode_length, 8))[0]
+        state = i32(mem, addr + off.unicode_state)
+        if not 0 <= length <= MAX_STR:
+            return "?"
+        kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
+        if not compact or kind not in (1, 2, 4):
+            return "?"
+        data = addr + (off.unicode_ascii_data if ascii_ else off.unicode_compact_data)
+        raw = mem.read(data, length * kind) if length else b""
+        codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind]
+        return raw.decode(codec, "replace")
+    except (OSError, struct.error):
+        return "?"
+
+
+def read_bytes(mem: Memory, off: Offsets, addr: int, limit: int = 1 << 20) -> bytes:
+    size = struct.unpack("<q", mem.read(addr + off.bytes_size, 8))[0]
+    if not 0 <= size <= limit:
+        return b""
+    return mem.read(addr + off.bytes_data, size) if size else b""
+
+
+class CodeInfo(NamedTuple):
+    file: str
+    func: str
+    firstlineno: int
+    linetable: bytes
+
+
+class Resolver:
+    """Code object address -> file, function and line table, read once and
+    cached: a traced job runs the same few hundred code objects forever."""
+
+    def __init__(self, mem: Memory, off: Offsets) -> None:
+        self.mem = mem
+        self.off = off
+        self._codes: dict[int, CodeInfo | None] = {}
+
+    def code(self, addr: int) -> CodeInfo | None:
+        if addr in self._codes:
+            return self._codes[addr]
+        off, mem = self.off, self.mem
+        try:
+            name_off = off.code_qualname if off.code_qualname >= 0 else off.code_name
+            info: CodeInfo | None = CodeInfo(
+                read_str(mem, off, u64(mem, addr + off.code_filename)),
+                read_str(mem, off, u64(mem, addr + name_off)),
+                i32(mem, addr + off.code_firstlineno),
+                read_bytes(mem, off, u64(mem, addr + off.code_linetable)),
+            )
+        except OSError:
+            info = None
+        if len(self._codes) > 1 << 16:
+            self._codes.clear()
+        self._codes[addr] = info
+        return info
+
+    def frame(self, raw: RawFrame) -> Frame:
+        info = self.code(raw.code)
+        if info is None:
+            return Frame("?", f"<code {raw.code:#x}>", 0)
+        line = line_of(self.off.linetable_format, info.linetable, info.firstlineno, raw.offset)
+        return Frame(info.file, info.func, line)
+
+    def frames(self, raws: Iterable[RawFrame]) -> list[Frame]:
+        return [self.frame(r) for r in raws]
