@@ -28,8 +28,17 @@ struct inflight_key {
 /* The maps and the helpers that touch them (count_drop, emit, park, unpark) live in each family's .bpf.c, through PAIRING_MAPS below: BCC only
  * rewrites map calls written in the main source file, and not inside macros. */
 
-static __always_inline void hdr_init(struct probing_hdr *h, u16 fn) {
+static __always_inline u64 read_u64(u64 addr) {
+    u64 v = 0;
+    if (addr)
+        bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+/* The header of a new event; hdr_init (pyframes.h) adds the caller's stack. */
+static __always_inline void hdr_init_stack(struct probing_hdr *h, u16 fn, u32 stack_id) {
     h->ts = bpf_ktime_get_ns();
+    h->stack_id = stack_id;
     h->tid = (u32)bpf_get_current_pid_tgid();
     h->fn = fn;
 }
@@ -85,13 +94,6 @@ static __always_inline u64 arg(struct pt_regs *ctx, int n) {
     u64 v = 0;
     bpf_probe_read_user(&v, sizeof(v),
                         (void *)(PT_REGS_SP(ctx) + STACK_ARG_BASE + 8 * (n - ARG_REGS - 1)));
-    return v;
-}
-
-static __always_inline u64 read_u64(u64 addr) {
-    u64 v = 0;
-    if (addr)
-        bpf_probe_read_user(&v, sizeof(v), (void *)addr);
     return v;
 }
 

@@ -12,7 +12,7 @@ struct probing_hdr {
     s32 ret; /* the function's return code (PROBING_HAS_RET) */
     u16 fn;  /* the family's function id (enum in <family>.h) */
     u16 flags;
-    u32 pad;
+    u32 stack_id; /* the calling thread's Python stack (bpf/pyframes.h), 0: none */
 };
 
 #endif

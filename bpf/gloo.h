@@ -14,6 +14,8 @@ enum gloo_fn {
     GLOO_ALLTOALL = 7,
     GLOO_ALLTOALLV = 8,
     GLOO_BARRIER = 9,
+    GLOO_ENQUEUE = 10, /* c10d::ProcessGroupGloo::enqueue: no event (see gloo.bpf.c) */
+    GLOO_EXECUTE = 11, /* c10d::ProcessGroupGloo::AsyncWork::execute: no event */
 };
 
 /* Where gloo::AllreduceOptions keeps the element count and size: its only

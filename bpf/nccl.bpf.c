@@ -6,11 +6,35 @@
 #include "nccl.h"
 #define EVENT struct nccl_event
 #include "common.h"
+#include "pyframes.h"
 
 /* -- the ring buffer, drop counter and pairing map (see common.h) -- */
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_ARRAY(dropped, u64, 1);
 BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
+
+/* -- Python stacks (see pyframes.h): the maps and the one helper that uses them -- */
+#ifdef PY_STACKS
+BPF_HASH(py_threads, u32, u64, 65536);
+BPF_PERCPU_ARRAY(py_scratch, struct py_stack, 1);
+BPF_HASH(py_stacks, u32, struct py_stack, PY_STACKS_MAX);
+static __always_inline u32 py_stack_id(void) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *tstate = py_threads.lookup(&tid);
+    int zero = 0;
+    struct py_stack *st = tstate ? py_scratch.lookup(&zero) : 0;
+    u32 id = st ? py_walk(*tstate, st) : 0;
+    if (id)
+        py_stacks.insert(&id, st); /* no-op when this stack is known already */
+    return id;
+}
+#else
+static __always_inline u32 py_stack_id(void) { return 0; }
+#endif
+/* every event carries the calling thread's Python stack (0 without one) */
+static __always_inline void hdr_init(struct probing_hdr *h, u16 fn) {
+    hdr_init_stack(h, fn, py_stack_id());
+}
 
 static __always_inline void count_drop(void) {
     int zero = 0;

@@ -153,9 +153,11 @@ class ProbeClient:
         payload: dict[str, Any] = {"stop": True} if stop else {"interval": interval or "100ms"}
         return json.loads(self._call("POST", "/nvml", payload)[1])
 
-    def trace_start(self, families: list[str], *, output: str | None = None) -> dict[str, Any]:
+    def trace_start(
+        self, families: list[str], *, output: str | None = None, stacks: bool = True
+    ) -> dict[str, Any]:
         """Start tracing in the probe; returns the tracer's status."""
-        payload = {"families": families, "output": output}
+        payload = {"families": families, "output": output, "stacks": stacks}
         return json.loads(self._call("POST", "/trace/start", payload)[1])
 
     def trace_stop(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ HEADER = [
     ("ret", "<i4"),
     ("fn", "<u2"),
     ("flags", "<u2"),
-    ("hdr_pad", "<u4"),
+    ("stack_id", "<u4"),
 ]
 HAS_RET = 1
 
@@ -68,8 +68,8 @@ class Family:
     ringbuf_pages: int = 1024  # 4 MiB
     cflags: tuple[str, ...] = ()
     # exported symbols found by pattern rather than by exact name (C++):
-    # the mangled prefix to scan for, and demangled name -> Func.enum
-    mangled_prefix: bytes = b""
+    # the mangled prefixes to scan for, and demangled name -> Func.enum
+    mangled_prefix: tuple[bytes, ...] = ()
     demangled: Callable[[str], str | None] | None = None
 
     @property
@@ -97,6 +97,7 @@ def header_columns(ev: np.ndarray, d: Decoded, funcs: tuple[Func, ...]) -> dict[
         "tid": ev["tid"].astype(np.int32),
         "api": _names([f.api for f in funcs], ev["fn"]),
         "op": _names([f.op for f in funcs], ev["fn"]),
+        "stack_id": _masked(ev["stack_id"].astype(np.int64), ev["stack_id"] != 0, pa.int64()),
         "_has_ret": has_ret,
     }
 
@@ -108,6 +109,7 @@ HEADER_SCHEMA = [
     ("pid", pa.int32()),
     ("tid", pa.int32()),
     ("api", pa.string()),
+    ("stack_id", pa.int64()),  # python.stacks: the Python stack that made the call
 ]
 
 # -- nccl -------------------------------------------------------------------------
@@ -354,12 +356,24 @@ GLOO_OPS = (
 GLOO_FUNCS = tuple(
     Func(f"GLOO_{op.upper()}", (f"gloo::{op}",), f"gloo_{op}", f"gloo_ret_GLOO_{op.upper()}", op)
     for op in GLOO_OPS
+) + (
+    # entry-only helpers that emit no event: they hand the Python stack of
+    # the thread that enqueued a collective to the worker thread that runs it
+    Func("GLOO_ENQUEUE", ("c10d::ProcessGroupGloo::enqueue",), "gloo_enqueue"),
+    Func("GLOO_EXECUTE", ("c10d::ProcessGroupGloo::AsyncWork::execute",), "gloo_execute"),
 )
 _GLOO_ENTRY = re.compile(r"^gloo::(\w+)\(gloo::(\w+)Options( const)?&\)$")
+_GLOO_HELPERS = {
+    "c10d::ProcessGroupGloo::enqueue(c10::intrusive_ptr<": "GLOO_ENQUEUE",
+    "c10d::ProcessGroupGloo::AsyncWork::execute(c10::intrusive_ptr<": "GLOO_EXECUTE",
+}
 
 
 def gloo_entry_point(demangled: str) -> str | None:
     """``gloo::allreduce(gloo::AllreduceOptions const&)`` -> ``GLOO_ALLREDUCE``."""
+    for prefix, enum in _GLOO_HELPERS.items():
+        if demangled.startswith(prefix):
+            return enum
     m = _GLOO_ENTRY.match(demangled)
     if m and m.group(1) in GLOO_OPS and m.group(2).lower() == m.group(1):
         return f"GLOO_{m.group(1).upper()}"
@@ -452,7 +466,7 @@ FAMILIES: dict[str, Family] = {
         dtype=GLOO_EVENT,
         schema=GLOO_SCHEMA,
         decode=decode_gloo,
-        mangled_prefix=b"_ZN4gloo",
+        mangled_prefix=(b"_ZN4gloo", b"_ZN4c10d16ProcessGroupGloo"),
         demangled=gloo_entry_point,
     ),
 }

@@ -96,7 +96,7 @@ def exported(path: str, names: Iterable[str]) -> dict[str, int]:
 
 
 def exported_matching(
-    path: str, prefix: bytes, accept: Callable[[str], str | None]
+    path: str, prefix: bytes | tuple[bytes, ...], accept: Callable[[str], str | None]
 ) -> dict[str, tuple[str, int]]:
     """Exported functions whose mangled name starts with ``prefix`` and whose
     demangled name ``accept`` maps to a key: ``{key: (mangled, address)}``."""
@@ -106,8 +106,10 @@ def exported_matching(
         if dynstr is None:
             return {}
         raw = dynstr.data()
+        prefixes = (prefix,) if isinstance(prefix, bytes) else prefix
+        alternatives = b"|".join(re.escape(p) for p in prefixes)
         candidates = {
-            m.group(0).decode() for m in re.finditer(re.escape(prefix) + rb"[^\x00]*", raw)
+            m.group(0).decode() for m in re.finditer(rb"(?:" + alternatives + rb")[^\x00]*", raw)
         }
     keys: dict[str, str] = {}
     for mangled in sorted(candidates):

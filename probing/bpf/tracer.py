@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from probing.bpf import families as fam
+from probing.bpf.pystacks import PyStacks
 from probing.bpf.ringbuf import RingReader
 from probing.bpf.symbols import Symbolizer, exported, exported_matching, mapped_files
 from probing.errors import BPFUnavailable, ProbingError
@@ -121,6 +122,7 @@ class Tracer:
         store: Any = None,
         output: str | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
+        stacks: bool = True,
     ) -> None:
         unknown = [f for f in families if f not in fam.FAMILIES]
         if unknown:
@@ -134,6 +136,8 @@ class Tracer:
         self.store = store
         self.families = [fam.FAMILIES[f] for f in families]
         self.interval_s = interval_s
+        self.stacks = stacks
+        self._py: PyStacks | None = None
         self.pid = os.getpid()
         self.probes: list[Probe] = []
         self.state = "stopped"
@@ -159,6 +163,10 @@ class Tracer:
         require_bpf()
         from bcc import BPF  # type: ignore[import-not-found]
 
+        py_flags: list[str] = []
+        if self.stacks:
+            self._py = PyStacks(self.store)  # UnsupportedPython names the supported versions
+            py_flags = self._py.cflags()
         try:
             with program_dir() as src:
                 for f in self.families:
@@ -167,6 +175,7 @@ class Tracer:
                         f"-DRINGBUF_PAGES={f.ringbuf_pages}",
                         "-Wno-unused-function",
                         *f.cflags,
+                        *py_flags,
                     ]
                     try:
                         bpf = BPF(src_file=os.path.join(src, f.source).encode(), cflags=cflags)
@@ -189,6 +198,7 @@ class Tracer:
                     reader = RingReader(bpf["events"].map_fd, size, f.dtype)
                     self._live.append(_Live(f, bpf, reader))
                     self._all.append(self._live[-1])
+            self._sync_threads()
             self.attach_new_libraries()
         except BaseException:
             self._detach()
@@ -243,12 +253,17 @@ class Tracer:
         last_scan = time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
+                self._sync_threads()
                 self.drain()
                 if time.monotonic() - last_scan >= RESCAN_EVERY_S:
                     last_scan = time.monotonic()
                     self.attach_new_libraries()
             except Exception as err:  # never reaches the host; shown in status
                 self.last_error = f"{type(err).__name__}: {err}"
+
+    def _sync_threads(self) -> None:
+        if self._py is not None:
+            self._py.sync(live.bpf for live in self._live)
 
     # -- attaching --------------------------------------------------------------
     def attach_new_libraries(self) -> None:
@@ -326,6 +341,8 @@ class Tracer:
                 live.drops_seen = dropped
             if not len(ev):
                 continue
+            if self._py is not None:  # python.stacks rows before the events that use them
+                self._py.collect(live.bpf, ev["stack_id"])
             batch = fam.to_batch(live.family, ev, self._decoded, live.next_id)
             live.next_id += len(ev)
             live.events += len(ev)
@@ -348,6 +365,9 @@ class Tracer:
         ev = np.frombuffer(b"".join(raw), dtype=f.dtype)
         ev = ev[(ev["flags"] & fam.HAS_RET) == 0]  # returned calls stay until overwritten
         ev = ev[[os.path.exists(f"/proc/self/task/{t}") for t in ev["tid"]]]
+        if self._py is not None:
+            with self._drain_lock:
+                self._py.collect(live.bpf, ev["stack_id"])
         batch = fam.to_batch(f, ev, self._decoded, -1)
         ids = pa.nulls(len(ev), pa.int64())
         return pa.Table.from_batches([batch]).set_column(0, "event_id", ids)
@@ -392,6 +412,8 @@ class Tracer:
             "stopped_ns": self.stopped_ns or None,
             "families": per,
             "output": self._writer.path if self._writer else None,
+            "stacks": self._py is not None,
+            "stacks_resolved": self._py.resolved if self._py is not None else 0,
             "last_error": self.last_error,
         }
 
@@ -490,7 +512,9 @@ def current() -> Tracer | None:
     return _current
 
 
-def start(families: Sequence[str], *, output: str | None = None, store: Any = None) -> Tracer:
+def start(
+    families: Sequence[str], *, output: str | None = None, store: Any = None, stacks: bool = True
+) -> Tracer:
     """Start tracing this process (one tracer at a time)."""
     global _current
     with _current_lock:
@@ -500,7 +524,7 @@ def start(families: Sequence[str], *, output: str | None = None, store: Any = No
                 f"({', '.join(f.name for f in _current.families)}); stop it first",
                 hint=f"probing trace --pid {os.getpid()} --stop",
             )
-        tracer = Tracer(families, output=output, store=store)
+        tracer = Tracer(families, output=output, store=store, stacks=stacks)
         tracer.start()
         _current = tracer
         return tracer

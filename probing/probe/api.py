@@ -103,17 +103,19 @@ def nvml(probe: Probe, req: Request) -> Response:
 
 
 def trace_start(probe: Probe, req: Request) -> Response:
-    """POST /trace/start {"families": ["nccl", "cuda", "gloo"], "output": path}."""
+    """POST /trace/start {"families": ["nccl", "cuda", "gloo"], "output": path,
+    "stacks": true}."""
     from probing.bpf import tracer
 
     try:
         payload = json.loads(req.body or b"{}")
         families = list(payload.get("families") or ("nccl", "cuda", "gloo"))
         output = payload.get("output")
+        stacks = bool(payload.get("stacks", True))
     except (ValueError, AttributeError, TypeError) as err:
         return Response.error(400, f"bad /trace/start request: {err}")
     _ = probe.engine  # the tables exist before the first event arrives
-    return Response.json(tracer.start(families, output=output).status())
+    return Response.json(tracer.start(families, output=output, stacks=stacks).status())
 
 
 def trace_stop(probe: Probe, req: Request) -> Response:

@@ -1,5 +1,6 @@
 """The traced tables: ``<family>.calls`` (store), ``<family>.inflight``,
-``probing.uprobes`` and the view ``comm.collectives``.
+``probing.uprobes``, ``python.stacks`` (store) and the views
+``comm.collectives`` and ``python.callsites``.
 
 The store tables exist, typed and empty, before any tracing, so queries and
 views over them work whether or not a trace ever ran.
@@ -10,9 +11,12 @@ from __future__ import annotations
 import pyarrow as pa
 
 from probing.bpf import families
+from probing.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
 from probing.engine import Engine
 
-_COLLECTIVE_COLUMNS = "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid"
+_COLLECTIVE_COLUMNS = (
+    "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id"
+)
 _COMM = {"nccl": "COALESCE(comm_id, comm)", "gloo": "comm"}
 
 # every collective and point-to-point call of every backend, finished or not
@@ -50,3 +54,5 @@ def install(engine: Engine) -> None:
         engine.register_table(family.table, "inflight", _inflight(name))
     engine.register_table("probing", "uprobes", _uprobes)
     engine.register_view("comm", "collectives", COLLECTIVES_SQL)
+    engine.store.table("python", "stacks", STACKS_SCHEMA)
+    engine.register_view("python", "callsites", CALLSITES_SQL)

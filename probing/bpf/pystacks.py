@@ -1,0 +1,144 @@
+"""The tracer's side of Python stacks: thread states in, stacks out.
+
+``PyStacks`` keeps each BPF program's ``py_threads`` map (native tid ->
+PyThreadState*) current, by re-reading the interpreter's thread list on
+every drain tick (``sync``: a thread started since the last tick is covered
+within one tick; a thread that exited is removed), and turns the stack ids
+the events carry into ``python.stacks`` rows, resolving each distinct stack
+once: code objects are read with ``process_vm_readv`` from this process and
+cached, so a freed code object is a read error, not a crash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sysconfig
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from probing.pyframes import remote, walker
+
+STACKS_SCHEMA = pa.schema(
+    [
+        ("stack_id", pa.int64()),
+        ("depth", pa.int32()),  # 0 = innermost frame
+        ("file", pa.string()),
+        ("func", pa.string()),
+        ("line", pa.int32()),
+        ("user", pa.bool_()),  # neither the standard library nor an installed package
+    ]
+)
+PY_STACKS_MAX = 8192  # entries of each program's py_stacks map (bpf/pyframes.h)
+
+# python.callsites: the one-line "file:line func" of each stack's innermost
+# user frame (the innermost frame where the stack has no user frame)
+CALLSITES_SQL = """
+SELECT stack_id, file || ':' || CAST(line AS VARCHAR) || ' ' || func AS callsite,
+       file, line, func
+FROM (
+  SELECT *, row_number() OVER (PARTITION BY stack_id ORDER BY user DESC, depth) AS rn
+  FROM python.stacks
+) WHERE rn = 1
+"""
+
+_LIBRARY_DIRS = tuple(
+    {p for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))}
+)
+_known: dict[int, set[int]] = {}  # id(store) -> stack ids already in its python.stacks
+
+
+def is_user_file(path: str) -> bool:
+    """A file of the user's own code: not the standard library, not a package."""
+    if path.startswith("<") or path == "?":
+        return False
+    if "/site-packages/" in path or "/dist-packages/" in path:
+        return False
+    return not path.startswith(_LIBRARY_DIRS)
+
+
+class PyStacks:
+    def __init__(self, store: Any) -> None:
+        self.interp = remote.this_interpreter()
+        self.offsets = self.interp.offsets
+        self.resolver = walker.Resolver(self.interp.mem, self.offsets)
+        self.table = store.table("python", "stacks", STACKS_SCHEMA)
+        self.known = _known.setdefault(id(store), set())
+        self.threads: dict[int, int] = {}  # native tid -> PyThreadState* in the maps
+        self._stored: dict[int, int] = {}  # id(bpf) -> lookups since its map was cleared
+        self.resolved = 0
+
+    def cflags(self) -> list[str]:
+        return [*self.offsets.cflags(), "-DPY_STACKS", f"-DPY_STACKS_MAX={PY_STACKS_MAX}"]
+
+    # -- threads -------------------------------------------------------------------
+    def current_threads(self) -> dict[int, int]:
+        """native tid -> PyThreadState* of every thread of every interpreter."""
+        mem, off = self.interp.mem, self.offsets
+        natives = {t.ident: t.native_id for t in threading.enumerate()}  # 3.10 has no native id
+        out = {}
+        for interp in walker.interpreters(mem, off, self.interp.runtime):
+            for ts in walker.thread_states(mem, off, interp):
+                tid = ts.native_id if ts.native_id > 0 else natives.get(ts.thread_id)
+                if tid:
+                    out[tid] = ts.addr
+        return out
+
+    def sync(self, bpfs: Iterable[Any]) -> None:
+        try:
+            now = self.current_threads()
+        except OSError:  # the list changed under us: next tick
+            return
+        if now == self.threads:
+            return
+        gone = self.threads.keys() - now.keys()
+        changed = {t: a for t, a in now.items() if self.threads.get(t) != a}
+        for bpf in bpfs:
+            m = bpf["py_threads"]
+            for tid in gone:
+                try:
+                    del m[m.Key(tid)]
+                except KeyError:
+                    pass
+            for tid, addr in changed.items():
+                m[m.Key(tid)] = m.Leaf(addr)
+        self.threads = now
+
+    # -- stacks --------------------------------------------------------------------
+    def collect(self, bpf: Any, ids: np.ndarray) -> int:
+        """Resolve the stacks ``ids`` not seen yet into python.stacks rows."""
+        new = [int(i) for i in np.unique(ids) if i and int(i) not in self.known]
+        if not new:
+            return 0
+        m = bpf["py_stacks"]
+        rows: dict[str, list[Any]] = {f.name: [] for f in STACKS_SCHEMA}
+        for sid in new:
+            try:
+                st = m[ctypes.c_uint32(sid)]
+            except KeyError:  # the map was full when the stack was new: lost
+                continue
+            depth = min(int(st.depth), len(st.code))
+            raws = [
+                walker.RawFrame(int(st.code[i]), int(st.offset[i]))
+                for i in range(depth)
+                if st.code[i]  # 0: a frame owned by C (3.12+ shim)
+            ]
+            for d, fr in enumerate(self.resolver.frames(raws)):
+                for k, v in zip(STACKS_SCHEMA.names, (sid, d, *fr, is_user_file(fr.file))):
+                    rows[k].append(v)
+            self.known.add(sid)
+            self.resolved += 1
+        if rows["stack_id"]:
+            self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=STACKS_SCHEMA))
+        # resolved stacks stay in the map (the BPF side skips known stacks);
+        # a map half full is cleared, and stacks still in use come back once
+        n = self._stored.get(id(bpf), 0) + len(new)
+        if n > PY_STACKS_MAX // 2:
+            m.clear()
+            n = 0
+        self._stored[id(bpf)] = n
+        return len(new)
