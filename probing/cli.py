@@ -118,21 +118,22 @@ InjectOpt = Annotated[
 ]
 
 
-def _probe_client(pid: int, inject: bool):  # type: ignore[no-untyped-def]
+def _probe_client(pid: int, inject: bool, timeout: float = 30.0):  # type: ignore[no-untyped-def]
     """The client of pid's probe, injecting one first when asked to."""
+    from probing.client import ProbeClient
     from probing.errors import NoProbe
 
     try:
-        return _client(pid)
+        return ProbeClient.for_pid(pid, timeout=timeout)
     except NoProbe:
         if not inject:
             raise
     from probing.inject import inject as do_inject
 
-    res = do_inject(pid)
+    res = do_inject(pid, timeout=timeout)
     if not res.already:
         typer.echo(f"probing: injected a probe into pid {pid} ({res.total_s:.2f} s)", err=True)
-    return _client(pid)
+    return ProbeClient.for_pid(pid, timeout=timeout)
 
 
 @app.command(
@@ -162,6 +163,7 @@ def inject_cmd(
 
 
 STACK_SQL = "SELECT * FROM process.stacks ORDER BY tid, depth"
+STACK_TIMEOUT_S = 5.0  # a probe slower than this is stuck: read from outside
 INFO_SQL = "SELECT pid, cmdline, python, python_executable FROM process.info"
 
 
@@ -176,13 +178,26 @@ def stack(
     inject: InjectOpt = True,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
 ) -> None:
-    """Every thread's Python stack, like py-spy dump: name, tid, state, file:line."""
+    """Every thread's Python stack, like py-spy dump: name, tid, state, file:line.
+
+    Asks the process's probe (injecting one unless --no-inject); where there
+    is none, injection fails or the probe does not answer (a thread holding
+    the GIL in a C call), reads the stacks from outside (process_vm_readv)."""
+    from probing.errors import NoSuchProcess
     from probing.render import format_stacks
 
     try:
-        client = _probe_client(pid, inject)  # JSON: the CLI need not load pyarrow
-        info = json.loads(client.query_raw(INFO_SQL, "json"))[0]
-        frames = json.loads(client.query_raw(STACK_SQL, "json"))
+        try:
+            client = _probe_client(pid, inject, timeout=STACK_TIMEOUT_S)
+            info = json.loads(client.query_raw(INFO_SQL, "json"))[0]  # JSON: no pyarrow here
+            frames = json.loads(client.query_raw(STACK_SQL, "json"))
+        except NoSuchProcess:
+            raise
+        except ProbingError as err:
+            from probing.pyframes.outside import stacks_from_outside
+
+            typer.echo(f"probing: {err}; reading the stacks from outside", err=True)
+            info, frames = stacks_from_outside(pid)
     except ProbingError as err:
         raise _fail(err) from None
     if fmt is Format.json:
@@ -252,6 +267,7 @@ def _family_flag(name: str, what: str):  # type: ignore[no-untyped-def]
         "Examples:\n\n  probing trace --pid 1234\n\n"
         "  probing trace -p 1234 --duration 30 --output run.parquet\n\n"
         "  probing trace -p 1234 --no-cuda --background\n\n"
+        "  probing trace -p 1234 --no-stacks\n\n"
         "  probing trace -p 1234 --stop\n\n"
         '  probing query -p 1234 "SELECT op, count(*), avg(dur_ns) FROM comm.collectives '
         'GROUP BY op"'
@@ -275,6 +291,9 @@ def trace(
     stop: Annotated[
         bool, typer.Option("--stop", help="stop a trace started with --background")
     ] = False,
+    stacks: Annotated[
+        bool, typer.Option("--stacks/--no-stacks", help="record the Python stack of each call")
+    ] = True,
     inject: InjectOpt = True,
 ) -> None:
     """Record NCCL, CUDA and Gloo calls of a running process with eBPF uprobes."""
@@ -293,7 +312,7 @@ def trace(
             raise _fail("nothing to trace: every family is turned off")
         client = _probe_client(pid, inject)
         out = os.path.abspath(output) if output else None
-        status = client.trace_start(families, output=out)
+        status = client.trace_start(families, output=out, stacks=stacks)
     except ProbingError as err:
         raise _fail(err) from None
     monitor = TraceMonitor(pid, status)

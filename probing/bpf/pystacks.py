@@ -46,9 +46,7 @@ FROM (
 ) WHERE rn = 1
 """
 
-_LIBRARY_DIRS = tuple(
-    {p for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))}
-)
+_LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))})
 _known: dict[int, set[int]] = {}  # id(store) -> stack ids already in its python.stacks
 
 

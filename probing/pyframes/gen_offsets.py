@@ -168,9 +168,7 @@ def offsets(v: tuple[int, int]) -> dict[str, int]:
     fr, co = _layout(_pick(FRAME, v)), _layout(_pick(CODE, v))
     ascii_, compact = (_layout(x) for x in _pick(UNICODE, v))
     ascii_size = ctypes.sizeof(type("A", (ctypes.Structure,), {"_fields_": _pick(UNICODE, v)[0]}))
-    compact_size = ctypes.sizeof(
-        type("C", (ctypes.Structure,), {"_fields_": _pick(UNICODE, v)[1]})
-    )
+    compact_size = ctypes.sizeof(type("C", (ctypes.Structure,), {"_fields_": _pick(UNICODE, v)[1]}))
     by = _layout(BYTES)
     del compact
     return {

@@ -38,9 +38,7 @@ def apply_debug_offsets(mem: Memory, runtime: int, base: Offsets) -> Offsets:
         return base
     words = struct.unpack(f"<{_DBG_SCAN // 8}Q", raw)
     # the thread-state section: size, prev (0), next (8), interp (16), ...
-    ts = next(
-        (i for i in range(7, len(words) - 30) if words[i + 1 : i + 4] == (0, 8, 16)), None
-    )
+    ts = next((i for i in range(7, len(words) - 30) if words[i + 1 : i + 4] == (0, 8, 16)), None)
     if ts is None:
         return base
     fr, co = ts + 9, ts + 15  # 9 thread-state words, 6 frame words, then the code object

@@ -80,8 +80,10 @@ def raw_frames(mem: Memory, off: Offsets, tstate: int, limit: int = MAX_DEPTH) -
     while frame and frame not in seen and len(out) < limit:
         seen.add(frame)
         code = u64(mem, frame + off.frame_code)
-        owner = mem.read(frame + off.frame_owner, 1)[0] if off.frame_owner >= 0 else -1
-        if code and owner != off.frame_owned_by_cstack:
+        c_owned = off.frame_owner >= 0 and off.frame_owned_by_cstack >= 0
+        if c_owned and mem.read(frame + off.frame_owner, 1)[0] == off.frame_owned_by_cstack:
+            code = 0  # a shim frame of a C caller (3.12+)
+        if code:
             if off.frame_instr >= 0:
                 instr = u64(mem, frame + off.frame_instr)
                 offset = instr - code - off.code_adaptive

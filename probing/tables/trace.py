@@ -14,9 +14,7 @@ from probing.bpf import families
 from probing.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
 from probing.engine import Engine
 
-_COLLECTIVE_COLUMNS = (
-    "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id"
-)
+_COLLECTIVE_COLUMNS = "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id"
 _COMM = {"nccl": "COALESCE(comm_id, comm)", "gloo": "comm"}
 
 # every collective and point-to-point call of every backend, finished or not

@@ -1,0 +1,60 @@
+"""``probing stack`` without the probe: ``process.stacks`` rows read from outside."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from probing.errors import NoSuchProcess
+from probing.procs import task_stat, task_syscall
+from probing.pyframes import remote
+
+
+def _comm(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return f"thread {tid}"
+
+
+def _state(pid: int, tid: int) -> tuple[str, str | None]:
+    stat = task_stat(tid, pid)
+    if stat is None:
+        return "exited", None
+    if stat[0] == "R":
+        return "active", None
+    nr = task_syscall(tid, pid)
+    return "idle", (f"syscall {nr}" if nr >= 0 else None)
+
+
+def stacks_from_outside(pid: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(process info, frame rows) as ``probing stack`` prints them."""
+    if not os.path.exists(f"/proc/{pid}"):
+        raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
+    interp, threads = remote.dump(pid)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmdline = "?"
+    info = {
+        "pid": pid,
+        "cmdline": cmdline,
+        "python": interp.python,
+        "python_executable": interp.executable,
+    }
+    rows = []
+    for t in threads:
+        state, syscall = _state(pid, t.native_id) if t.native_id > 0 else ("unknown", None)
+        head = {
+            "tid": t.native_id if t.native_id > 0 else None,
+            "thread": _comm(pid, t.native_id),
+            "state": state,
+            "syscall": syscall,
+            "cpu_pct": None,
+            "daemon": None,
+        }
+        for depth, fr in enumerate(t.frames):
+            rows.append({**head, "depth": depth, "func": fr.func, "file": fr.file, "line": fr.line})
+    return info, rows

@@ -1,0 +1,206 @@
+"""pyframes on canned memory: each version's offsets drive a walk over a fake
+address space laid out by those offsets, and the 3.11 row is checked
+against the interpreter running the tests."""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import pytest
+
+from probing import pyframes
+from probing.errors import UnsupportedPython
+from probing.pyframes import linetable, remote, walker
+from probing.pyframes.memory import ProcessMemory, u64
+
+
+class FakeMemory:
+    """A sparse address space: address -> bytes blocks."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, bytearray] = {}
+        self.next = 0x10000
+
+    def alloc(self, size: int) -> int:
+        addr = self.next
+        self.blocks[addr] = bytearray(size)
+        self.next += (size + 0xFFF) & ~0xFFF
+        return addr
+
+    def put(self, addr: int, data: bytes) -> None:
+        for base, blk in self.blocks.items():
+            if base <= addr and addr + len(data) <= base + len(blk):
+                blk[addr - base : addr - base + len(data)] = data
+                return
+        raise AssertionError(f"{addr:#x} not allocated")
+
+    def q(self, addr: int, value: int) -> None:
+        self.put(addr, struct.pack("<Q", value))
+
+    def read(self, addr: int, size: int) -> bytes:
+        for base, blk in self.blocks.items():
+            if base <= addr and addr + size <= base + len(blk):
+                return bytes(blk[addr - base : addr - base + size])
+        raise OSError(14, f"unmapped {addr:#x}")
+
+
+def _str(mem: FakeMemory, off: pyframes.Offsets, text: str) -> int:
+    a = mem.alloc(256)
+    mem.put(a + off.unicode_length, struct.pack("<q", len(text)))
+    mem.put(a + off.unicode_state, struct.pack("<I", (1 << 2) | (1 << 5) | (1 << 6)))
+    mem.put(a + off.unicode_ascii_data, text.encode())
+    return a
+
+
+def _bytes(mem: FakeMemory, off: pyframes.Offsets, data: bytes) -> int:
+    a = mem.alloc(64 + len(data))
+    mem.put(a + off.bytes_size, struct.pack("<q", len(data)))
+    mem.put(a + off.bytes_data, data)
+    return a
+
+
+def sample() -> int:
+    x = 1
+    y = x + 1
+    return y
+
+
+SAMPLE_FIRST = sample.__code__.co_firstlineno
+# (3.10 format) 3 lines, 2 instructions each: +1, +1, +1 from firstlineno
+LNOTAB310 = bytes([4, 1, 4, 1, 4, 1])
+
+
+def _image(version: str, frames: list[tuple[str, str, int]]):  # type: ignore[no-untyped-def]
+    """A runtime with one interpreter, one thread and ``frames`` (innermost
+    first: file, func, byte offset); returns (memory, offsets, runtime, tid)."""
+    off = pyframes.offsets_for(version)
+    mem = FakeMemory()
+    runtime, interp, ts = mem.alloc(4096), mem.alloc(4096), mem.alloc(4096)
+    if off.debug_offsets >= 0:  # 3.13: _Py_DebugOffsets says where the lists are
+        off = _debug_offsets(mem, runtime, off)
+    mem.q(runtime + off.runtime_interpreters_head, interp)
+    mem.q(interp + off.interp_threads_head, ts)
+    mem.q(ts + off.tstate_thread_id, 0xABC)
+    if off.tstate_native_thread_id >= 0:
+        mem.q(ts + off.tstate_native_thread_id, 4242)
+    table = LNOTAB310 if version == "3.10" else sample.__code__.co_linetable
+    first = mem.alloc(4096)
+    prev = 0
+    addrs = []
+    for file, func, _ in frames:
+        code = mem.alloc(512)
+        mem.q(code + off.code_filename, _str(mem, off, file))
+        name_off = off.code_qualname if off.code_qualname >= 0 else off.code_name
+        mem.q(code + name_off, _str(mem, off, func))
+        mem.put(code + off.code_firstlineno, struct.pack("<i", SAMPLE_FIRST))
+        mem.q(code + off.code_linetable, _bytes(mem, off, table))
+        addrs.append(code)
+    for i in reversed(range(len(frames))):  # outermost first, each links to the previous
+        fr = mem.alloc(256)
+        code, offset = addrs[i], frames[i][2]
+        mem.q(fr + off.frame_code, code)
+        mem.q(fr + off.frame_previous, prev)
+        if off.frame_instr >= 0:
+            mem.q(fr + off.frame_instr, code + off.code_adaptive + offset)
+        else:
+            mem.put(fr + off.frame_lasti, struct.pack("<i", offset // 2))
+        prev = fr
+    if off.tstate_cframe >= 0:
+        mem.q(ts + off.tstate_cframe, first)
+        mem.q(first + off.cframe_current_frame, prev)
+    else:
+        mem.q(ts + off.tstate_frame, prev)
+    return mem, off, runtime
+
+
+def _debug_offsets(mem: FakeMemory, runtime: int, base: pyframes.Offsets) -> pyframes.Offsets:
+    """A 3.13 _Py_DebugOffsets whose values differ from the static row, so
+    the test shows they are the ones used."""
+    words = [0] * 64
+    words[5], words[9] = 24, 40  # runtime interpreters_head, interp threads_head
+    ts = 6 + 13  # header (3) + runtime (3) + interpreter section (13 words)
+    words[ts : ts + 9] = [400, 0, 8, 16, 80, 160, 168, 0, 0]
+    words[ts + 9 : ts + 15] = [80, 16, 0, 56, 72, 70]
+    co = ts + 15
+    words[co : co + 10] = [220, 120, 128, 136, 144, 76, 0, 0, 0, 208]
+    blob = b"xdebugpy" + struct.pack("<63Q", *words[1:])
+    mem.put(runtime + base.debug_offsets, blob)
+    off = remote.apply_debug_offsets(mem, runtime, base)
+    assert (off.tstate_frame, off.code_filename, off.code_adaptive) == (80, 120, 208)
+    return off
+
+
+@pytest.mark.parametrize("version", pyframes.SUPPORTED)
+def test_walk_canned_interpreter(version: str) -> None:
+    x_line = SAMPLE_FIRST + 1
+    mem, off, runtime = _image(
+        version, [("/app/model.py", "Model.forward", 4), ("/app/train.py", "train_step", 8)]
+    )
+    (interp,) = walker.interpreters(mem, off, runtime)
+    (ts,) = walker.thread_states(mem, off, interp)
+    assert ts.thread_id == 0xABC
+    assert ts.native_id == (4242 if off.tstate_native_thread_id >= 0 else -1)
+    raws = walker.raw_frames(mem, off, ts.addr)
+    frames = walker.Resolver(mem, off).frames(raws)
+    assert [f.file for f in frames] == ["/app/model.py", "/app/train.py"]
+    assert [f.func for f in frames] == ["Model.forward", "train_step"]
+    if version == "3.10":
+        assert [f.line for f in frames] == [SAMPLE_FIRST + 2, SAMPLE_FIRST + 3]
+    else:
+        want = [line_at(4), line_at(8)]
+        assert [f.line for f in frames] == want and x_line in want
+
+
+def line_at(offset: int) -> int:
+    return next(ln for s, e, ln in sample.__code__.co_lines() if s <= offset < e)
+
+
+def test_unsupported_version_lists_the_supported() -> None:
+    with pytest.raises(
+        UnsupportedPython,
+        match=r"Unsupported version of Python: 3\.9 "
+        r"\(supported: 3\.10, 3\.11, 3\.12, 3\.13\)",
+    ):
+        pyframes.offsets_for((3, 9))
+
+
+def test_location_table_matches_co_lines() -> None:
+    for code in (sample.__code__, test_walk_canned_interpreter.__code__, pytest.main.__code__):
+        for start, end, line in code.co_lines():
+            for offset in range(start, end, 2):
+                got = linetable.locations_line(code.co_linetable, code.co_firstlineno, offset)
+                assert got == line, (code.co_name, offset)
+
+
+def test_lnotab310_deltas() -> None:
+    # 2 instructions at +1, 1 with no line (-128), 2 at +2 from there
+    table = bytes([4, 1, 2, 0x80, 4, 2])
+    assert [linetable.lnotab310_line(table, 10, o) for o in (0, 2, 4, 6, 8)] == [
+        11,
+        11,
+        None,
+        13,
+        13,
+    ]
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="checks the 3.11 row live")
+def test_the_running_interpreter_agrees_with_its_row() -> None:
+    off = pyframes.current()
+    mem = ProcessMemory()
+    co = sample.__code__
+    assert u64(mem, id(co) + off.code_filename) == id(co.co_filename)
+    assert u64(mem, id(co) + off.code_qualname) == id(co.co_qualname)
+    assert u64(mem, id(co) + off.code_linetable) == id(co.co_linetable)
+    assert struct.unpack("<i", mem.read(id(co) + off.code_firstlineno, 4))[0] == SAMPLE_FIRST
+    interp = remote.this_interpreter()
+    assert interp.offsets == off
+    import threading
+
+    states = [
+        walker.thread_states(mem, off, i) for i in walker.interpreters(mem, off, interp.runtime)
+    ]
+    natives = {t.native_id: t.thread_id for s in states for t in s}
+    assert natives[threading.get_native_id()] == threading.get_ident()
+    assert walker.read_str(mem, off, id("héllo wörld")) == "héllo wörld"
