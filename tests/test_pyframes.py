@@ -204,3 +204,13 @@ def test_the_running_interpreter_agrees_with_its_row() -> None:
     natives = {t.native_id: t.thread_id for s in states for t in s}
     assert natives[threading.get_native_id()] == threading.get_ident()
     assert walker.read_str(mem, off, id("héllo wörld")) == "héllo wörld"
+
+
+def test_the_committed_table_is_the_generators_output() -> None:
+    from pathlib import Path
+
+    from probing.pyframes import gen_offsets
+
+    assert Path(gen_offsets.__file__).with_name("offsets_table.py").read_text() == (
+        gen_offsets.render()
+    )

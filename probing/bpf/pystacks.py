@@ -12,7 +12,6 @@ cached, so a freed code object is a read error, not a crash.
 from __future__ import annotations
 
 import ctypes
-import os
 import sysconfig
 import threading
 from collections.abc import Iterable
@@ -126,7 +125,9 @@ class PyStacks:
                 if st.code[i]  # 0: a frame owned by C (3.12+ shim)
             ]
             for d, fr in enumerate(self.resolver.frames(raws)):
-                for k, v in zip(STACKS_SCHEMA.names, (sid, d, *fr, is_user_file(fr.file))):
+                for k, v in zip(
+                    STACKS_SCHEMA.names, (sid, d, *fr, is_user_file(fr.file)), strict=True
+                ):
                     rows[k].append(v)
             self.known.add(sid)
             self.resolved += 1

@@ -139,4 +139,5 @@ def this_interpreter() -> Interpreter:
     mem = ProcessMemory()
     runtime = this_runtime()
     off = apply_debug_offsets(mem, runtime, offsets_for(sys.version_info))
-    return Interpreter(mem.pid, mem, off, runtime, "%d.%d" % sys.version_info[:2], sys.executable)
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return Interpreter(mem.pid, mem, off, runtime, version, sys.executable)
