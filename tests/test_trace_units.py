@@ -72,7 +72,7 @@ def test_python_mirrors_the_c_enum(name: str) -> None:
     assert [enum[f.enum] for f in family.funcs] == list(range(len(family.funcs)))
     source = (files("probing.bpf") / "programs" / family.source).read_text()
     for f in family.funcs:  # every function has its probe in C (loaded in tests/privileged)
-        assert f.enum in source, f.enum
+        assert f.enum in source or f"int {f.entry}(" in source, f.enum
 
 
 def test_event_sizes_follow_c_layout() -> None:
