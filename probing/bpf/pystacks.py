@@ -1,9 +1,11 @@
 """The tracer's side of Python stacks: thread states in, stacks out.
 
 ``PyStacks`` keeps each BPF program's ``py_threads`` map (native tid ->
-PyThreadState*) current, by re-reading the interpreter's thread list on
-every drain tick (``sync``: a thread started since the last tick is covered
-within one tick; a thread that exited is removed), and turns the stack ids
+PyThreadState*) current: a ``threading.Thread`` registers itself as it
+starts, before its target runs (``hook_threads``: a thread that issues a
+collective at once has its stack), and every drain tick re-reads the
+interpreter's thread list (``sync``: threads C code created, and threads
+that exited, within one tick). It also turns the stack ids
 the events carry into ``python.stacks`` rows, resolving each distinct stack
 once: code objects are read with ``process_vm_readv`` from this process and
 cached, so a freed code object is a read error, not a crash.
@@ -84,6 +86,40 @@ class PyStacks:
                 if tid:
                     out[tid] = ts.addr
         return out
+
+    def hook_threads(self, bpfs: Any) -> None:
+        """Register each new ``threading.Thread`` from inside it as it starts
+        (``Thread._set_native_id``, which every 3.10-3.13 thread calls first
+        and which returns at once: no frame of ours stays on its stack);
+        ``bpfs()`` gives the programs loaded at that moment."""
+        original = threading.Thread._set_native_id  # type: ignore[attr-defined]
+        collector = self
+
+        def _set_native_id(thread: threading.Thread) -> None:
+            original(thread)
+            try:
+                collector.register_current(bpfs())
+            except Exception:  # never into the user's thread
+                pass
+
+        _set_native_id.__probing_original__ = original  # type: ignore[attr-defined]
+        threading.Thread._set_native_id = _set_native_id  # type: ignore[attr-defined]
+
+    @staticmethod
+    def unhook_threads() -> None:
+        current = threading.Thread._set_native_id  # type: ignore[attr-defined]
+        original = getattr(current, "__probing_original__", None)
+        if original is not None:
+            threading.Thread._set_native_id = original  # type: ignore[attr-defined]
+
+    def register_current(self, bpfs: Iterable[Any]) -> None:
+        """Put the calling thread (which holds the GIL) into the maps."""
+        get = ctypes.pythonapi.PyThreadState_Get
+        get.restype = ctypes.c_void_p
+        tid, tstate = threading.get_native_id(), get()
+        for bpf in bpfs:
+            m = bpf["py_threads"]
+            m[m.Key(tid)] = m.Leaf(tstate)
 
     def sync(self, bpfs: Iterable[Any]) -> None:
         try:

@@ -199,6 +199,8 @@ class Tracer:
                     self._live.append(_Live(f, bpf, reader))
                     self._all.append(self._live[-1])
             self._sync_threads()
+            if self._py is not None:
+                self._py.hook_threads(lambda: [live.bpf for live in self._live])
             self.attach_new_libraries()
         except BaseException:
             self._detach()
@@ -209,6 +211,8 @@ class Tracer:
         self.started_ns = time.time_ns()
         for f in self.families:  # a query sees every event committed before it
             self.store.table(f.table, "calls").add_before_read(self.drain)
+        if self._py is not None:  # ... and the stacks of those events and of calls in flight
+            self._py.table.add_before_read(self._resolve_stacks)
         self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
         self._thread.start()
 
@@ -223,6 +227,8 @@ class Tracer:
             self._thread.join(timeout=10)
         for f in self.families:
             self.store.table(f.table, "calls").remove_before_read(self.drain)
+        if self._py is not None:
+            self._py.table.remove_before_read(self._resolve_stacks)
         try:
             self.drain()
         finally:
@@ -235,6 +241,8 @@ class Tracer:
             self.stopped_ns = time.time_ns()
 
     def _detach(self) -> None:
+        if self._py is not None:
+            self._py.unhook_threads()
         with self._drain_lock:
             live_families, self._live = self._live, []
         for live in live_families:
@@ -352,6 +360,19 @@ class Tracer:
                 self._writer.write(f"{live.family.table}.calls", batch)
         return total
 
+    def _resolve_stacks(self) -> None:
+        """Before python.stacks is read: every event drained, and the stacks
+        of calls still in flight (a hang's stacks) resolved."""
+        self.drain()
+        with self._drain_lock:
+            if self._py is None:
+                return
+            for live in self._live:
+                raw = [bytes(v) for _, v in live.bpf["inflight"].items()]
+                if raw:
+                    ev = np.frombuffer(b"".join(raw), dtype=live.family.dtype)
+                    self._py.collect(live.bpf, ev["stack_id"])
+
     def inflight(self, family: str) -> pa.Table:
         """Calls entered and not returned yet (from the pairing map), as rows
         of ``<family>.calls`` with a NULL ``dur_ns``."""
@@ -365,9 +386,6 @@ class Tracer:
         ev = np.frombuffer(b"".join(raw), dtype=f.dtype)
         ev = ev[(ev["flags"] & fam.HAS_RET) == 0]  # returned calls stay until overwritten
         ev = ev[[os.path.exists(f"/proc/self/task/{t}") for t in ev["tid"]]]
-        if self._py is not None:
-            with self._drain_lock:
-                self._py.collect(live.bpf, ev["stack_id"])
         batch = fam.to_batch(f, ev, self._decoded, -1)
         ids = pa.nulls(len(ev), pa.int64())
         return pa.Table.from_batches([batch]).set_column(0, "event_id", ids)
