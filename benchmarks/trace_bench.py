@@ -2,9 +2,11 @@
 
 1. ns per call of libcudart's cudaLaunchKernel (entry probe) and
    cudaStreamSynchronize (entry + return), called from a C loop: no probe,
-   a bare BCC uprobe (empty program), probing's probe without Python stacks
-   (--no-stacks), and with them, the loop called from a Python stack of
-   ~8 frames (as here) and of 40 frames (the walk stops at 32).
+   a bare BCC uprobe (empty program), and probing's probe: without Python
+   stacks (--no-stacks), with them (the default: the synchronising call
+   walks, launches do not), and with --launch-stacks, the loop called from a
+   Python stack of ~8 frames (as here) and of 40 (the walk stops at 32).
+   ``*_stack_cost_ns``: the difference to --no-stacks.
 2. Events/s drained from the ring buffer into the store (bulk numpy decode,
    Arrow batches, appends), the drain timer stopped so each round is timed.
 3. A 2-rank torch Gloo all-reduce loop, untraced then traced, per rank.
@@ -26,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CALLS = 200_000
 ROUNDS = 5
+REPEATS = 3
 
 
 def build_loop(d: str) -> ctypes.CDLL:
@@ -70,12 +73,14 @@ def at_depth(depth: int, fn):  # type: ignore[no-untyped-def]
     return at_depth(depth - 1, fn)
 
 
-def traced_per_call(loop: ctypes.CDLL, cudart: ctypes.CDLL, stacks: bool, depth: int = 0):  # type: ignore[no-untyped-def]
+def traced_per_call(  # type: ignore[no-untyped-def]
+    loop: ctypes.CDLL, cudart: ctypes.CDLL, stacks: bool, launches: bool, depth: int = 0
+):
     from probing.bpf.tracer import Tracer
     from probing.store import Store
 
     store = Store()
-    tracer = Tracer(["cuda"], store=store, stacks=stacks)
+    tracer = Tracer(["cuda"], store=store, stacks=stacks, launch_stacks=launches)
     tracer.start()
     try:
         out = at_depth(depth, lambda: per_call(loop, cudart))
@@ -188,16 +193,27 @@ def main() -> None:
         bare = bare_uprobes(path)
         result["bare_uprobe"] = per_call(loop, cudart)
         bare.cleanup()
-        result["probing_no_stacks"] = traced_per_call(loop, cudart, stacks=False)
-        result["probing"] = traced_per_call(loop, cudart, stacks=True)
-        result["probing_stack_40_frames"] = traced_per_call(loop, cudart, True, depth=32)
+        # the three traced set-ups take turns (REPEATS times), so a noisy
+        # neighbour on the machine does not land on one of them only
+        configs = {  # (stacks, launch stacks, extra Python frames)
+            "probing_no_stacks": (False, False, 0),
+            "probing": (True, False, 0),  # the default: no walk at launches
+            "probing_launch_stacks": (True, True, 0),
+            "probing_launch_stacks_40_frames": (True, True, 32),
+        }
+        runs: dict[str, list[dict]] = {m: [] for m in configs}  # type: ignore[type-arg]
+        for _ in range(REPEATS):
+            for m, (stacks, launches, depth) in configs.items():
+                runs[m].append(traced_per_call(loop, cudart, stacks, launches, depth))
+        for m, rs in runs.items():
+            result[m] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         for k in ("launch_ns", "sync_ns"):
             base, bare_ns, ours = (result[m][k] for m in ("no_probe", "bare_uprobe", "probing"))
             result[f"{k.removesuffix('_ns')}_probe_vs_bare"] = (ours - base) / max(
                 bare_ns - base, 1e-9
             )
             plain = result["probing_no_stacks"][k]
-            for m in ("probing", "probing_stack_40_frames"):
+            for m in configs:
                 result[m][f"{k.removesuffix('_ns')}_stack_cost_ns"] = result[m][k] - plain
         result["drain"] = drain_rate(loop, cudart)
     result["gloo_allreduce"] = gloo_slowdown()

@@ -74,12 +74,22 @@ static __always_inline void init(EVENT *ev, u16 fn) {
     hdr_init(&ev->hdr, fn);
     ev->kind = NO_KIND;
 }
+/* a kernel launch or an asynchronous copy: tens of thousands a second, so
+ * its Python stack is walked only with -DPY_STACKS_HOT (--launch-stacks) */
+static __always_inline void init_hot(EVENT *ev, u16 fn) {
+#ifdef PY_STACKS_HOT
+    init(ev, fn);
+#else
+    hdr_init_stack(&ev->hdr, fn, 0);
+    ev->kind = NO_KIND;
+#endif
+}
 
 /* cudaLaunchKernel(func, dim3 grid, dim3 block, void **args, size_t shmem, stream):
  * each 12-byte dim3 travels in two registers (x|y<<32, z). */
 static __always_inline int launch(struct pt_regs *ctx, u16 fn) {
     EVENT ev = {};
-    init(&ev, fn);
+    init_hot(&ev, fn);
     ev.func = arg(ctx, 1);
     u64 gxy = arg(ctx, 2), bxy = arg(ctx, 4);
     ev.grid[0] = (u32)gxy;
@@ -106,7 +116,7 @@ struct launch_config {
 };
 int cuda_launchkernelexc(struct pt_regs *ctx) {
     EVENT ev = {};
-    init(&ev, CUDA_LAUNCHKERNELEXC);
+    init_hot(&ev, CUDA_LAUNCHKERNELEXC);
     struct launch_config cfg = {};
     bpf_probe_read_user(&cfg, sizeof(cfg), (void *)arg(ctx, 1));
     ev.func = arg(ctx, 2);
@@ -121,7 +131,7 @@ int cuda_launchkernelexc(struct pt_regs *ctx) {
 /* cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) */
 int cu_launchkernel(struct pt_regs *ctx) {
     EVENT ev = {};
-    init(&ev, CU_LAUNCHKERNEL);
+    init_hot(&ev, CU_LAUNCHKERNEL);
     ev.func = arg(ctx, 1);
     ev.grid[0] = arg(ctx, 2);
     ev.grid[1] = arg(ctx, 3);
@@ -147,7 +157,7 @@ int cuda_memcpy(struct pt_regs *ctx) {
 }
 int cuda_memcpyasync(struct pt_regs *ctx) {
     EVENT ev = {};
-    init(&ev, CUDA_MEMCPYASYNC);
+    init_hot(&ev, CUDA_MEMCPYASYNC);
     ev.ptr = arg(ctx, 1);
     ev.bytes = arg(ctx, 3);
     ev.kind = arg(ctx, 4);

@@ -268,6 +268,7 @@ def _family_flag(name: str, what: str):  # type: ignore[no-untyped-def]
         "  probing trace -p 1234 --duration 30 --output run.parquet\n\n"
         "  probing trace -p 1234 --no-cuda --background\n\n"
         "  probing trace -p 1234 --no-stacks\n\n"
+        "  probing trace -p 1234 --launch-stacks\n\n"
         "  probing trace -p 1234 --stop\n\n"
         '  probing query -p 1234 "SELECT op, count(*), avg(dur_ns) FROM comm.collectives '
         'GROUP BY op"'
@@ -294,6 +295,12 @@ def trace(
     stacks: Annotated[
         bool, typer.Option("--stacks/--no-stacks", help="record the Python stack of each call")
     ] = True,
+    launch_stacks: Annotated[
+        bool,
+        typer.Option(
+            "--launch-stacks", help="stacks on kernel launches and async copies too (costly)"
+        ),
+    ] = False,
     inject: InjectOpt = True,
 ) -> None:
     """Record NCCL, CUDA and Gloo calls of a running process with eBPF uprobes."""
@@ -312,7 +319,9 @@ def trace(
             raise _fail("nothing to trace: every family is turned off")
         client = _probe_client(pid, inject)
         out = os.path.abspath(output) if output else None
-        status = client.trace_start(families, output=out, stacks=stacks)
+        status = client.trace_start(
+            families, output=out, stacks=stacks, launch_stacks=launch_stacks
+        )
     except ProbingError as err:
         raise _fail(err) from None
     monitor = TraceMonitor(pid, status)

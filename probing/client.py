@@ -154,10 +154,20 @@ class ProbeClient:
         return json.loads(self._call("POST", "/nvml", payload)[1])
 
     def trace_start(
-        self, families: list[str], *, output: str | None = None, stacks: bool = True
+        self,
+        families: list[str],
+        *,
+        output: str | None = None,
+        stacks: bool = True,
+        launch_stacks: bool = False,
     ) -> dict[str, Any]:
         """Start tracing in the probe; returns the tracer's status."""
-        payload = {"families": families, "output": output, "stacks": stacks}
+        payload = {
+            "families": families,
+            "output": output,
+            "stacks": stacks,
+            "launch_stacks": launch_stacks,
+        }
         return json.loads(self._call("POST", "/trace/start", payload)[1])
 
     def trace_stop(self) -> dict[str, Any]:

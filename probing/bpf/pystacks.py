@@ -71,8 +71,10 @@ class PyStacks:
         self._stored: dict[int, int] = {}  # id(bpf) -> lookups since its map was cleared
         self.resolved = 0
 
-    def cflags(self) -> list[str]:
-        return [*self.offsets.cflags(), "-DPY_STACKS", f"-DPY_STACKS_MAX={PY_STACKS_MAX}"]
+    def cflags(self, hot: bool = False) -> list[str]:
+        """The -D flags; ``hot``: kernel launches and async copies walk too."""
+        flags = [*self.offsets.cflags(), "-DPY_STACKS", f"-DPY_STACKS_MAX={PY_STACKS_MAX}"]
+        return [*flags, "-DPY_STACKS_HOT"] if hot else flags
 
     # -- threads -------------------------------------------------------------------
     def current_threads(self) -> dict[int, int]:

@@ -123,6 +123,7 @@ class Tracer:
         output: str | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
         stacks: bool = True,
+        launch_stacks: bool = False,
     ) -> None:
         unknown = [f for f in families if f not in fam.FAMILIES]
         if unknown:
@@ -137,6 +138,7 @@ class Tracer:
         self.families = [fam.FAMILIES[f] for f in families]
         self.interval_s = interval_s
         self.stacks = stacks
+        self.launch_stacks = launch_stacks
         self._py: PyStacks | None = None
         self.pid = os.getpid()
         self.probes: list[Probe] = []
@@ -165,8 +167,11 @@ class Tracer:
 
         py_flags: list[str] = []
         if self.stacks:
-            self._py = PyStacks(self.store)  # UnsupportedPython names the supported versions
-            py_flags = self._py.cflags()
+            try:
+                self._py = PyStacks(self.store)
+                py_flags = self._py.cflags(hot=self.launch_stacks)
+            except ProbingError as err:  # an unsupported CPython: trace without stacks
+                self.last_error = f"no Python stacks: {err}"
         try:
             with program_dir() as src:
                 for f in self.families:
@@ -431,6 +436,7 @@ class Tracer:
             "families": per,
             "output": self._writer.path if self._writer else None,
             "stacks": self._py is not None,
+            "launch_stacks": self._py is not None and self.launch_stacks,
             "stacks_resolved": self._py.resolved if self._py is not None else 0,
             "last_error": self.last_error,
         }
@@ -531,7 +537,12 @@ def current() -> Tracer | None:
 
 
 def start(
-    families: Sequence[str], *, output: str | None = None, store: Any = None, stacks: bool = True
+    families: Sequence[str],
+    *,
+    output: str | None = None,
+    store: Any = None,
+    stacks: bool = True,
+    launch_stacks: bool = False,
 ) -> Tracer:
     """Start tracing this process (one tracer at a time)."""
     global _current
@@ -542,7 +553,9 @@ def start(
                 f"({', '.join(f.name for f in _current.families)}); stop it first",
                 hint=f"probing trace --pid {os.getpid()} --stop",
             )
-        tracer = Tracer(families, output=output, store=store, stacks=stacks)
+        tracer = Tracer(
+            families, output=output, store=store, stacks=stacks, launch_stacks=launch_stacks
+        )
         tracer.start()
         _current = tracer
         return tracer

@@ -104,7 +104,7 @@ def nvml(probe: Probe, req: Request) -> Response:
 
 def trace_start(probe: Probe, req: Request) -> Response:
     """POST /trace/start {"families": ["nccl", "cuda", "gloo"], "output": path,
-    "stacks": true}."""
+    "stacks": true, "launch_stacks": false}."""
     from probing.bpf import tracer
 
     try:
@@ -112,10 +112,12 @@ def trace_start(probe: Probe, req: Request) -> Response:
         families = list(payload.get("families") or ("nccl", "cuda", "gloo"))
         output = payload.get("output")
         stacks = bool(payload.get("stacks", True))
+        launch_stacks = bool(payload.get("launch_stacks", False))
     except (ValueError, AttributeError, TypeError) as err:
         return Response.error(400, f"bad /trace/start request: {err}")
     _ = probe.engine  # the tables exist before the first event arrives
-    return Response.json(tracer.start(families, output=output, stacks=stacks).status())
+    started = tracer.start(families, output=output, stacks=stacks, launch_stacks=launch_stacks)
+    return Response.json(started.status())
 
 
 def trace_stop(probe: Probe, req: Request) -> Response:
