@@ -87,6 +87,10 @@ class TraceMonitor:
             libs = ", ".join(lib.rsplit("/", 1)[-1] for lib in fam["libraries"])
             where = f"{fam['uprobes']} uprobes on {libs}" if libs else "no library mapped yet"
             lines.append(f"  {name + '.calls':<11} {where}")
+        if "stacks" in self.status:
+            on = "on" if self.status["stacks"] else "off"
+            launches = " (launches too)" if self.status.get("launch_stacks") else ""
+            lines.append(f"  {'stacks':<11} {on}{launches}, in python.stacks")
         if self.status.get("output"):
             lines.append(f"  output      {self.status['output']}")
         return "\n".join(lines)
