@@ -214,3 +214,39 @@ def test_the_committed_table_is_the_generators_output() -> None:
     assert Path(gen_offsets.__file__).with_name("offsets_table.py").read_text() == (
         gen_offsets.render()
     )
+
+
+def test_callsites_view_gives_the_innermost_user_frame() -> None:
+    import pyarrow as pa
+
+    from probing.bpf.pystacks import STACKS_SCHEMA, is_user_file
+    from probing.engine import Engine
+    from probing.store import Store
+    from probing.tables import install
+
+    lib = f"{sys.prefix}/lib/python3/site-packages/torch/distributed/c10d.py"
+    assert not is_user_file(lib) and not is_user_file("<frozen runpy>")
+    assert is_user_file("/home/me/train.py")
+    frames = [  # stack 7: torch frames inside the user's; stack 9: no user frame
+        (7, 0, lib, "all_reduce", 10),
+        (7, 1, "/home/me/train.py", "train_step", 42),
+        (7, 2, "/home/me/train.py", "<module>", 60),
+        (9, 0, lib, "barrier", 20),
+        (9, 1, lib, "wrapper", 5),
+    ]
+    engine = Engine(Store())
+    install(engine)
+    cols = list(zip(*frames, strict=True))
+    batch = pa.RecordBatch.from_arrays(
+        [*(pa.array(c, type=f.type) for c, f in zip(cols, STACKS_SCHEMA, strict=False)),
+         pa.array([is_user_file(f[2]) for f in frames])],
+        schema=STACKS_SCHEMA,
+    )  # fmt: skip
+    engine.store.table("python", "stacks").append_batch(batch)
+    rows = engine.sql(
+        "SELECT stack_id, callsite AS site FROM python.callsites ORDER BY 1"
+    ).to_pylist()
+    assert rows == [
+        {"stack_id": 7, "site": "/home/me/train.py:42 train_step"},
+        {"stack_id": 9, "site": f"{lib}:20 barrier"},
+    ]

@@ -39,7 +39,8 @@ PY_STACKS_MAX = 8192  # entries of each program's py_stacks map (bpf/pyframes.h)
 # python.callsites: the one-line "file:line func" of each stack's innermost
 # user frame (the innermost frame where the stack has no user frame)
 CALLSITES_SQL = """
-SELECT stack_id, file || ':' || CAST(line AS VARCHAR) || ' ' || func AS callsite,
+SELECT stack_id, CAST(file || ':' || CAST(line AS VARCHAR) || ' ' || func AS VARCHAR)
+         AS callsite,
        file, line, func
 FROM (
   SELECT *, row_number() OVER (PARTITION BY stack_id ORDER BY user DESC, depth) AS rn

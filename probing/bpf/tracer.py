@@ -578,9 +578,11 @@ def _stop_at_exit() -> None:
 def _after_fork_in_child() -> None:
     # the uprobes filter on the parent's pid and the drain thread is gone:
     # the child starts untraced (closing the inherited fds is harmless)
+    # (nor does it register its threads in the parent's maps)
     global _current, _current_lock
     _current = None
     _current_lock = threading.Lock()
+    PyStacks.unhook_threads()
 
 
 atexit.register(_stop_at_exit)
