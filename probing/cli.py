@@ -194,9 +194,11 @@ def stack(
         except NoSuchProcess:
             raise
         except ProbingError as err:
+            from probing.errors import NoProbe
             from probing.pyframes.outside import stacks_from_outside
 
-            typer.echo(f"probing: {err}; reading the stacks from outside", err=True)
+            why = f"pid {pid} has no probe" if isinstance(err, NoProbe) and not inject else err
+            typer.echo(f"probing: {why}; reading the stacks from outside", err=True)
             info, frames = stacks_from_outside(pid)
     except ProbingError as err:
         raise _fail(err) from None

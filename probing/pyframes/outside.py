@@ -24,8 +24,12 @@ def _state(pid: int, tid: int) -> tuple[str, str | None]:
         return "exited", None
     if stat[0] == "R":
         return "active", None
+    from probing.tables.stacks import syscall_name
+
     nr = task_syscall(tid, pid)
-    return "idle", (f"syscall {nr}" if nr >= 0 else None)
+    if nr < 0:
+        return "idle", None
+    return ("waiting" if syscall_name(nr) == "futex" else "idle"), syscall_name(nr)
 
 
 def stacks_from_outside(pid: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -38,14 +42,13 @@ def stacks_from_outside(pid: int) -> tuple[dict[str, Any], list[dict[str, Any]]]
             cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         cmdline = "?"
-    info = {
-        "pid": pid,
-        "cmdline": cmdline,
-        "python": interp.python,
-        "python_executable": interp.executable,
-    }
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = interp.executable
+    info = {"pid": pid, "cmdline": cmdline, "python": interp.python, "python_executable": exe}
     rows = []
-    for t in threads:
+    for t in reversed(threads):  # the interpreter lists the newest first: main first
         state, syscall = _state(pid, t.native_id) if t.native_id > 0 else ("unknown", None)
         head = {
             "tid": t.native_id if t.native_id > 0 else None,

@@ -45,7 +45,8 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _ARCH = ARCHES.get(platform.machine().lower())
 
 
-def _syscall_name(nr: int) -> str:
+def syscall_name(nr: int) -> str:
+    """The name of syscall ``nr`` on this machine's architecture."""
     names = _ARCH.syscall_names if _ARCH is not None else {}
     return names.get(nr, f"syscall {nr}")
 
@@ -65,8 +66,8 @@ def _states(tids: list[int]) -> dict[int, tuple[str, str | None, float]]:
         elif nr < 0:
             state = "idle"
         else:
-            state = "waiting" if _syscall_name(nr) == "futex" else "idle"
-        out[tid] = (state, _syscall_name(nr) if nr >= 0 else None, round(100 * min(cpu, 1.0), 1))
+            state = "waiting" if syscall_name(nr) == "futex" else "idle"
+        out[tid] = (state, syscall_name(nr) if nr >= 0 else None, round(100 * min(cpu, 1.0), 1))
     return out
 
 
