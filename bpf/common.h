@@ -25,8 +25,9 @@ struct inflight_key {
     u32 fn;
 };
 
-/* The maps and the helpers that touch them (count_drop, emit, park, unpark) live in each family's .bpf.c, through PAIRING_MAPS below: BCC only
- * rewrites map calls written in the main source file, and not inside macros. */
+/* The maps and the helpers that touch them (count_drop, emit, park, unpark,
+ * py_stack_id) live in each family's .bpf.c: BCC only rewrites map calls
+ * written in the main source file, not in headers or inside macros. */
 
 static __always_inline u64 read_u64(u64 addr) {
     u64 v = 0;
