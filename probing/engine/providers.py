@@ -27,6 +27,25 @@ Producer = Callable[[], TableData]
 Resolver = Callable[[str], TableData | None]
 
 
+_code = threading.local()
+
+
+def code_allowed() -> bool:
+    """Whether a resolver that runs code may run on this thread now.
+
+    Fail closed: only inside ``Engine.sql(..., allow_code=True)`` on the
+    calling thread. A query from a peer (TCP) never evaluates expressions.
+    """
+    return getattr(_code, "allowed", False)
+
+
+def set_code_allowed(allowed: bool) -> bool:
+    """Set this thread's flag; returns the previous value."""
+    old = code_allowed()
+    _code.allowed = allowed
+    return old
+
+
 def empty_frame(ctx: SessionContext, schema: pa.Schema) -> DataFrame:
     """No rows, but one partition: a pyarrow dataset of no rows has no
     fragments, hence no partitions, and a sort or union above it fails
@@ -141,6 +160,10 @@ class ProbeSchema(SchemaProvider):
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:
             prepared = self._prepared.get((self.name, name))
             return prepared if prepared is not None else Table(snapshot_dataset(tbl.snapshot()))
+        if self._resolver is not None and not code_allowed():
+            raise PermissionError(
+                f"{self.name}.`{name}` runs code in the target: local unix socket only"
+            )
         if self._resolver is not None and (data := self._resolver(name)) is not None:
             return as_table(data, self._ctx())
         return None
