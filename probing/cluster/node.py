@@ -122,11 +122,15 @@ class ClusterNode:
                 print(f"probing: cluster mode off: {err}", file=sys.stderr)
             except Exception:
                 pass
-        finally:
-            self.ready.set()
 
     def setup(self, server: Any) -> None:
         """Token, TCP listener, rank, publication (blocking; tests call it directly)."""
+        try:
+            self._setup_blocking(server)
+        finally:
+            self.ready.set()
+
+    def _setup_blocking(self, server: Any) -> None:
         ident = self.ident
         if self.token is None:
             self.token = token_from_env()

@@ -1,0 +1,186 @@
+"""Cluster query latency for 4, 64 and 256 peers on loopback; prints JSON.
+
+Peers are simulated: several worker processes each host many peers, every
+peer with its own engine, store (100k rows in ``bench.events``), TCP port
+and identity (8 ranks per simulated node). The asker is rank 0; the clock
+runs from the client's request to the merged answer, as a user sees it.
+
+Side by side, in one run:
+  pushed   GROUP BY rank: each peer aggregates, the asker concatenates
+  rows     the same question as GROUP BY 1 (not recognised): each peer
+           ships its rows' projected column and the asker aggregates
+  flat / tree   the asker talks to every peer / to each node's first rank,
+           which gathers its node
+
+    python benchmarks/cluster_bench.py [--sizes 4,64,256] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROWS = 100_000
+RANKS_PER_NODE = 8
+TOKEN = "bench-token"
+PUSHED = "SELECT rank, count(*) AS n, avg(dur_ns) AS avg_dur FROM bench.events GROUP BY rank"
+ROWS_SHIPPED = "SELECT rank, count(*) AS n, avg(dur_ns) AS avg_dur FROM bench.events GROUP BY 1"
+
+
+class PeerHost:
+    """What the probe's HTTP app needs of a probe: an engine and a cluster node."""
+
+    def __init__(self, engine, cluster) -> None:  # type: ignore[no-untyped-def]
+        self.engine = engine
+        self.cluster = cluster
+        self.queries = 0
+
+    def note_query(self) -> None:
+        self.queries += 1
+
+    def describe(self) -> dict:
+        return {"rank": self.cluster.rank, "queries": self.queries}
+
+
+def worker(ranks: list[int], peers: list[str]) -> None:
+    import numpy as np
+
+    from probing.cluster.identity import Identity
+    from probing.cluster.node import ClusterNode
+    from probing.engine import Engine
+    from probing.probe.api import make_app
+    from probing.probe.server import UnixHTTPServer
+    from probing.store import Store
+
+    servers = []
+    for rank in ranks:
+        store = Store(chunk_rows=1 << 16)
+        rng = np.random.default_rng(rank)
+        store.table("bench", "events").append_batch(
+            {
+                "ts": np.arange(ROWS, dtype=np.int64) * 1000,
+                "dur_ns": rng.integers(1000, 100_000, ROWS, dtype=np.int64),
+            }
+        )
+        eng = Engine(store)
+        ident = Identity(
+            rank=rank,
+            world_size=len(peers),
+            local_rank=rank % RANKS_PER_NODE,
+            node=f"n{rank // RANKS_PER_NODE}",
+            group_rank=rank // RANKS_PER_NODE,
+            master=None,
+            run_id="bench",
+            peers=tuple(peers),
+            port=0,
+        )
+        node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode())
+        server = UnixHTTPServer(None, make_app(PeerHost(eng, node)))
+        server.start()
+        node.setup(server)
+        servers.append(server)
+    print("ready", flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    for s in servers:
+        s.stop()
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cpu_s(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
+    from probing.cluster import cluster_query
+
+    times, rows, missing = [], 0, 0
+    cpu0 = cpu_s(pids)
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        res = cluster_query(sql, addr=addr, token=TOKEN, timeout=20.0, fanout=fanout)
+        times.append((time.perf_counter() - t0) * 1e3)
+        rows, missing = res.table.num_rows, len(res.missing)
+    return {
+        "median_ms": round(statistics.median(times), 1),
+        "min_ms": round(min(times), 1),
+        "rows": rows,
+        "missing": missing,
+        "mode": res.plan.get("mode"),
+        "cpu_ms_per_query": round((cpu_s(pids) - cpu0) / runs * 1e3, 1),  # every peer process
+    }
+
+
+def measure(n: int, runs: int, workers: int) -> dict:
+    peers = [f"127.0.0.1:{p}" for p in free_ports(n)]
+    groups = [list(range(i, n, workers)) for i in range(min(workers, n))]
+    procs = []
+    try:
+        for ranks in groups:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", ",".join(map(str, ranks)), *peers],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        pids = [p.pid for p in procs]
+        timed(PUSHED, peers[0], "flat", 2, pids)  # warm-up: engines load, node names are learned
+        out: dict = {"peers": n, "rows_per_peer": ROWS, "processes": len(procs)}
+        out["pushed_flat"] = timed(PUSHED, peers[0], "flat", runs, pids)
+        out["pushed_tree"] = timed(PUSHED, peers[0], "tree", runs, pids)
+        if n <= 64:  # 256 x 100k rows shipped is what pushing down avoids
+            out["rows_flat"] = timed(ROWS_SHIPPED, peers[0], "flat", max(1, runs // 2), pids)
+            out["rows_tree"] = timed(ROWS_SHIPPED, peers[0], "tree", max(1, runs // 2), pids)
+        return out
+    finally:
+        for p in procs:
+            if p.stdin:
+                p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker([int(r) for r in sys.argv[2].split(",")], sys.argv[3:])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="4,64,256")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=8, help="processes hosting the peers")
+    args = ap.parse_args()
+    results = [measure(int(n), args.runs, args.workers) for n in args.sizes.split(",") if n.strip()]
+    print(json.dumps({"benchmark": "cluster_query", "cpus": os.cpu_count(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
