@@ -6,6 +6,7 @@ and identity (8 ranks per simulated node). The asker is rank 0; the clock
 runs from the client's request to the merged answer, as a user sees it.
 
 Side by side, in one run:
+  fanout   GROUP BY rank over a one-row table: the cost of asking alone
   pushed   GROUP BY rank: each peer aggregates, the asker concatenates
   rows     the same question as GROUP BY 1 (not recognised): each peer
            ships its rows' projected column and the asker aggregates
@@ -31,6 +32,7 @@ RANKS_PER_NODE = 8
 TOKEN = "bench-token"
 PUSHED = "SELECT rank, count(*) AS n, avg(dur_ns) AS avg_dur FROM bench.events GROUP BY rank"
 ROWS_SHIPPED = "SELECT rank, count(*) AS n, avg(dur_ns) AS avg_dur FROM bench.events GROUP BY 1"
+FANOUT_ONLY = "SELECT rank, count(*) AS n FROM bench.one GROUP BY rank"  # one row per peer
 
 
 class PeerHost:
@@ -68,6 +70,7 @@ def worker(ranks: list[int], peers: list[str]) -> None:
                 "dur_ns": rng.integers(1000, 100_000, ROWS, dtype=np.int64),
             }
         )
+        store.table("bench", "one").append_batch({"x": np.zeros(1, dtype=np.int64)})
         eng = Engine(store)
         ident = Identity(
             rank=rank,
@@ -152,6 +155,8 @@ def measure(n: int, runs: int, workers: int) -> dict:
         pids = [p.pid for p in procs]
         timed(PUSHED, peers[0], "flat", 2, pids)  # warm-up: engines load, node names are learned
         out: dict = {"peers": n, "rows_per_peer": ROWS, "processes": len(procs)}
+        out["fanout_flat"] = timed(FANOUT_ONLY, peers[0], "flat", runs, pids)
+        out["fanout_tree"] = timed(FANOUT_ONLY, peers[0], "tree", runs, pids)
         out["pushed_flat"] = timed(PUSHED, peers[0], "flat", runs, pids)
         out["pushed_tree"] = timed(PUSHED, peers[0], "tree", runs, pids)
         if n <= 64:  # 256 x 100k rows shipped is what pushing down avoids
@@ -167,6 +172,41 @@ def measure(n: int, runs: int, workers: int) -> dict:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+IDLE = "import time; time.sleep(60)"
+
+
+def idle_cost(seconds: float = 5.0) -> dict:
+    """CPU and threads of an idle probe, without and with cluster mode (4 peers listed)."""
+    import psutil
+
+    from probing.probe import paths
+
+    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(4))
+    out = {}
+    for label, extra in (("local_only", {}), ("cluster", {"PROBING_PEERS": peers})):
+        env = dict(os.environ, PROBING="1", PROBING_TOKEN=TOKEN, **extra)
+        env.pop("PROBING_PEERS", None) if not extra else None
+        proc = subprocess.Popen([sys.executable, "-c", IDLE], env=env)
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(paths.socket_path(proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # start-up done (cluster: bound and listed)
+            p = psutil.Process(proc.pid)
+            c0 = sum(p.cpu_times()[:2])
+            time.sleep(seconds)
+            c1 = sum(p.cpu_times()[:2])
+            out[label] = {
+                "cpu_ms_per_s": round((c1 - c0) / seconds * 1e3, 3),
+                "threads": p.num_threads(),
+                "rss_mb": round(p.memory_info().rss / 2**20, 1),
+            }
+        finally:
+            proc.kill()
+            proc.wait()
+    return out
 
 
 def main() -> None:

@@ -53,6 +53,7 @@ def listed_peers(spawn):
     targets = [spawn(IDLE_LOOP, env={**env, "RANK": str(i)}) for i in range(4)]
     for t in targets:
         wait_ready(t.pid)
+        ProbeClient.for_pid(t.pid).query("SELECT 1")  # engines loaded: timeouts below are tight
     return targets, addrs
 
 
