@@ -187,7 +187,6 @@ def idle_cost(seconds: float = 5.0) -> dict:
     out = {}
     for label, extra in (("local_only", {}), ("cluster", {"PROBING_PEERS": peers})):
         env = dict(os.environ, PROBING="1", PROBING_TOKEN=TOKEN, **extra)
-        env.pop("PROBING_PEERS", None) if not extra else None
         proc = subprocess.Popen([sys.executable, "-c", IDLE], env=env)
         try:
             deadline = time.monotonic() + 20
@@ -218,8 +217,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--workers", type=int, default=8, help="processes hosting the peers")
     args = ap.parse_args()
-    results = [measure(int(n), args.runs, args.workers) for n in args.sizes.split(",") if n.strip()]
-    print(json.dumps({"benchmark": "cluster_query", "cpus": os.cpu_count(), "results": results}))
+    sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
+    out: dict = {"benchmark": "cluster_query", "cpus": os.cpu_count()}
+    out["load_avg_1m"] = round(os.getloadavg()[0], 1)
+    out["idle_probe"] = idle_cost()
+    out["results"] = [measure(n, args.runs, args.workers) for n in sizes]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
