@@ -37,6 +37,12 @@ class Format(str, Enum):
     json = "json"
 
 
+class Fanout(str, Enum):
+    auto = "auto"
+    flat = "flat"
+    tree = "tree"
+
+
 def _fail(err: ProbingError | str, code: int = 1) -> typer.Exit:
     typer.echo(f"probing: error: {err}", err=True)
     return typer.Exit(code)
@@ -92,6 +98,9 @@ def query(
     timings: Annotated[
         bool, typer.Option("--timings", help="print each peer's response time on stderr")
     ] = False,
+    fanout: Annotated[
+        Fanout, typer.Option(help="ask every peer, or each node's first rank (--cluster)")
+    ] = Fanout.auto,
 ) -> None:
     """Run SQL in a process's probe (or across the job with --cluster) and print it."""
     from probing.render import format_arrow
@@ -100,7 +109,9 @@ def query(
         raise _fail("give exactly one of --pid or --addr", 2)
     try:
         if cluster:
-            result = _cluster_query(sql, pid, addr, timeout, strict)
+            result = _cluster_query(
+                sql, pid, addr, timeout=timeout, strict=strict, fanout=fanout.value
+            )
             _report_peers(result, timings)
             table = result.table
         else:
@@ -126,20 +137,15 @@ def query(
 
 
 def _addr_client(addr: str):  # type: ignore[no-untyped-def]
-    import os
-
     from probing.client import ProbeClient
 
-    token = os.environ.get("PROBING_TOKEN")
-    if not token:
-        raise ProbingError(f"asking {addr} needs the job's token", hint="set PROBING_TOKEN")
-    return ProbeClient.for_addr(addr, token=token)
+    return ProbeClient.for_addr(addr)
 
 
-def _cluster_query(sql: str, pid: int | None, addr: str | None, timeout: float, strict: bool):  # type: ignore[no-untyped-def]
+def _cluster_query(sql: str, pid: int | None, addr: str | None, **kw: object):  # type: ignore[no-untyped-def]
     from probing.cluster import cluster_query
 
-    return cluster_query(sql, pid=pid, addr=addr, timeout=timeout, strict=strict)
+    return cluster_query(sql, pid=pid, addr=addr, **kw)  # type: ignore[arg-type]
 
 
 def _report_peers(result, timings: bool) -> None:  # type: ignore[no-untyped-def]

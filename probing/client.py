@@ -121,8 +121,14 @@ class ProbeClient:
         self.transport = transport
 
     @classmethod
-    def for_addr(cls, addr: str, *, token: str, timeout: float = 30.0) -> ProbeClient:
-        """The client of a peer probe's TCP port (``host:port``), with the job's token."""
+    def for_addr(cls, addr: str, *, token: str | None = None, timeout: float = 30.0) -> ProbeClient:
+        """The client of a peer probe's TCP port (``host:port``), with the job's
+        token (``token``, else ``$PROBING_TOKEN``)."""
+        token = token or os.environ.get("PROBING_TOKEN")
+        if not token:
+            raise ProbingError(
+                f"asking {addr} needs the job's token", hint="pass token= or set PROBING_TOKEN"
+            )
         return cls(TcpTransport(addr, token, timeout=timeout))
 
     @classmethod

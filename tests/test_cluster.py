@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -107,6 +109,27 @@ def test_cluster_query_over_tcp_with_the_token(listed_peers) -> None:
     assert res.table.column("rank").to_pylist() == [0, 1, 2, 3]
     with pytest.raises(AccessDenied):
         cluster_query(GROUP_BY_RANK, addr=addrs[3], token="wrong")
+    r = cli(
+        "query",
+        "--addr",
+        addrs[1],
+        "SELECT pid FROM process.info",
+        "-f",
+        "json",
+        env={"PROBING_TOKEN": TOKEN},
+    )
+    assert r.returncode == 0 and json.loads(r.stdout) == [{"pid": targets[1].pid}]
+    env = {k: v for k, v in os.environ.items() if k != "PROBING_TOKEN"}
+    r = subprocess.run(
+        [sys.executable, "-m", "probing", "query", "--addr", addrs[1], "SELECT 1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and r.stdout == "" and "PROBING_TOKEN" in r.stderr
+    r = cli("query", "SELECT 1")
+    assert r.returncode == 2 and "--pid or --addr" in r.stderr
 
 
 def test_wrong_token_is_401_and_nothing_runs(listed_peers) -> None:

@@ -8,7 +8,6 @@ result.peers      # [PeerTiming(rank, node, addr, response_ms, clock_offset_ns)]
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,12 +50,6 @@ def cluster_query(
     if pid is not None:
         client = ProbeClient.for_pid(pid, timeout=timeout + 30)
     else:
-        assert addr is not None
-        tok = token or os.environ.get("PROBING_TOKEN")
-        if not tok:
-            raise ProbingError(
-                f"asking {addr} needs the job's token", hint="pass token= or set PROBING_TOKEN"
-            )
-        client = ProbeClient.for_addr(addr, token=tok, timeout=timeout + 30)
+        client = ProbeClient.for_addr(addr or "", token=token, timeout=timeout + 30)
     with client:
         return client.cluster_query(sql, timeout=timeout, strict=strict, fanout=fanout)
