@@ -175,6 +175,63 @@ def measure(n: int, runs: int, workers: int) -> dict:
 
 
 IDLE = "import time; time.sleep(60)"
+THREADS_BY_RANK = "SELECT rank, count(*) FROM process.threads GROUP BY rank"
+
+
+def real_probes(runs: int) -> dict:
+    """4 real probes (PROBING=1 processes, PROBING_PEERS): the CLI end to end
+    (a fresh `probing` process each time) and the API call from a warm client."""
+    from probing.cluster import cluster_query
+    from probing.probe import paths
+
+    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(4))
+    env = dict(os.environ, PROBING="1", PROBING_TOKEN=TOKEN, PROBING_PEERS=peers)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", IDLE], env=dict(env, RANK=str(i))) for i in range(4)
+    ]
+    try:
+        for p in procs:
+            while not os.path.exists(paths.socket_path(p.pid)):
+                time.sleep(0.05)
+        pid = procs[0].pid
+        cluster_query(THREADS_BY_RANK, pid=pid, timeout=20)  # engines load
+        cli, api = [], []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "probing",
+                    "query",
+                    "-p",
+                    str(pid),
+                    "--cluster",
+                    THREADS_BY_RANK,
+                    "-f",
+                    "json",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            cli.append((time.perf_counter() - t0) * 1e3)
+            assert len(json.loads(out.stdout)) == 4
+            t0 = time.perf_counter()
+            assert cluster_query(THREADS_BY_RANK, pid=pid).table.num_rows == 4
+            api.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "probing", "--help"], capture_output=True)
+        return {
+            "peers": 4,
+            "cli_median_ms": round(statistics.median(cli), 1),
+            "cli_startup_only_ms": round((time.perf_counter() - t0) * 1e3, 1),
+            "api_median_ms": round(statistics.median(api), 1),
+        }
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def idle_cost(seconds: float = 5.0) -> dict:
@@ -221,6 +278,7 @@ def main() -> None:
     out: dict = {"benchmark": "cluster_query", "cpus": os.cpu_count()}
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
     out["idle_probe"] = idle_cost()
+    out["real_probes_cli"] = real_probes(args.runs)
     out["results"] = [measure(n, args.runs, args.workers) for n in sizes]
     print(json.dumps(out))
 
