@@ -6,6 +6,7 @@ other through ``PROBING_PEERS`` or through a real torch TCPStore.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -204,7 +205,8 @@ def test_torch_tcpstore_discovery(spawn) -> None:
     for t in targets:
         wait_ready(t.pid, timeout=60)  # each imports torch for the store client
     res = cluster_query(GROUP_BY_RANK, pid=targets[1].pid)
-    assert res.table.column("rank").to_pylist() == [0, 1, 2, 3] and res.missing == []
+    health = ProbeClient.for_pid(targets[1].pid).health()
+    assert res.table.column("rank").to_pylist() == [0, 1, 2, 3] and res.missing == [], health
     peers = ProbeClient.for_pid(targets[1].pid).peers()
     assert sorted(p["rank"] for p in peers) == [0, 1, 2, 3]
     assert {p["pid"] for p in peers} == {t.pid for t in targets}
@@ -213,3 +215,11 @@ def test_torch_tcpstore_discovery(spawn) -> None:
     token = bytes(master.get(f"probing/{env['TORCHELASTIC_RUN_ID']}/token")).decode()
     addr = next(p["addr"] for p in peers if p["rank"] == 2)
     assert cluster_query(GROUP_BY_RANK, addr=addr, token=token).table.num_rows == 4
+    # the store goes away (the job's agent died): what was read last still serves
+    del master
+    gc.collect()
+    t0 = time.monotonic()
+    res = cluster_query(GROUP_BY_RANK, pid=targets[1].pid, timeout=2.0)
+    assert res.table.column("rank").to_pylist() == [0, 1, 2, 3]
+    assert time.monotonic() - t0 < 2.0 + 1.0
+    assert "rendezvous store" in ProbeClient.for_pid(targets[1].pid).health()["cluster"]["error"]

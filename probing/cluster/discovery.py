@@ -147,9 +147,9 @@ class StoreDirectory:
         self._store: Any = None
         self._lock = threading.Lock()
 
-    def _client(self) -> Any:
+    def _client(self, budget: float = STORE_TIMEOUT_S) -> Any:
         if self._store is None:
-            if not reachable(self.host, self.port, STORE_TIMEOUT_S):
+            if not reachable(self.host, self.port, budget):
                 raise OSError(f"no rendezvous store answers at {self.host}:{self.port}")
             from torch.distributed import TCPStore
 
@@ -176,13 +176,13 @@ class StoreDirectory:
         with self._lock:
             self._client().append(self.prefix + "peers", (entry + "\n").encode())
 
-    def read(self) -> list[PeerInfo]:
+    def read(self, budget: float = STORE_TIMEOUT_S) -> list[PeerInfo]:
         """Every published peer (the latest entry per rank); raises OSError
         (or torch's error) when the store does not answer."""
         key = self.prefix + "peers"
         with self._lock:
             try:
-                store = self._client()
+                store = self._client(budget)
                 raw = bytes(store.get(key)) if store.check([key]) else b""
             except Exception:
                 self._store = None  # reconnect next time

@@ -93,6 +93,7 @@ class ClusterNode:
         self.directory = StoreDirectory(ident) if ident.master and not ident.peers else None
         self.ready = threading.Event()
         self.error: str | None = None
+        self.published = False
         self._columns: dict[str, list[str]] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -152,8 +153,24 @@ class ClusterNode:
             self.rank, ident.node, self.addr, self.pid, "torchrun", time.time_ns(), "self"
         )
         self.registry.upsert(me)
-        if self.directory is not None:
+        self._publish()
+        self.refresh()  # whoever published before me
+
+    def _publish(self) -> None:
+        """Append my address to the store; when it does not answer, the next
+        cluster query I ask tries again (the port stays open meanwhile)."""
+        me = next((p for p in self.registry.peers() if p.rank == self.rank), None)
+        if self.directory is None or me is None:
+            return
+        try:
             self.directory.publish(me)
+            self.published = True
+        except Exception as err:
+            self.error = f"not published: rendezvous store: {err}"
+            try:
+                print(f"probing: cluster: {self.error}", file=sys.stderr)
+            except Exception:
+                pass
 
     def _listen_listed(self, server: Any) -> None:
         """Bind my entry of PROBING_PEERS: ``RANK``'s, else the first I can bind."""
@@ -172,12 +189,14 @@ class ClusterNode:
         raise ProbingError(f"cannot listen on any PROBING_PEERS address: {last}")
 
     # -- discovery ------------------------------------------------------------
-    def refresh(self) -> None:
-        """Re-read the store (bounded); keep what was known when it is gone."""
+    def refresh(self, budget: float = 2.0) -> None:
+        """Re-read the store (within ``budget`` s); keep what was known when it is gone."""
         if self.directory is None:
             return
+        if not self.published:
+            self._publish()
         try:
-            for info in self.directory.read():
+            for info in self.directory.read(budget):
                 if info.rank != self.rank:
                     self.registry.upsert(info)
         except Exception as err:
@@ -212,6 +231,15 @@ class ClusterNode:
 
     def run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
         """This peer's rows for ``work``: per-table scans, or the whole query."""
+        try:
+            return self._run_local(work)
+        except QueryError:
+            if not self._columns:
+                raise
+            self._columns.clear()  # a table's columns changed since I cached them
+            return self._run_local(work)
+
+    def _run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
         from probing.cluster import plan as planner
 
         eng = self.engine()
@@ -401,7 +429,7 @@ class ClusterNode:
             raise QueryError(f"unknown fan-out {fanout!r} (use one of {', '.join(FANOUTS)})")
         deadline = time.monotonic() + timeout
         eng = self.engine()
-        self.refresh()
+        self.refresh(budget=min(2.0, max(1.0, timeout / 4)))
         known = set(eng.catalog.schema_names())
         schemas: dict[str, pa.Schema | None] = {}
         for ref in planner.table_refs(sql, known):
@@ -417,6 +445,10 @@ class ClusterNode:
         got = self.gather(
             the_plan.work(), self.others(), max(0.0, deadline - time.monotonic()), fanout
         )
+        answered = {t.rank for t in got.peers} | {m.rank for m in got.missing}
+        for rank in range(self.ident.world_size):  # torchrun: the ranks never discovered
+            if rank not in answered and self.directory is not None:
+                got.missing.append(MissingPeer(rank, "?", "", "not discovered"))
         if strict and got.missing:
             names = ", ".join(f"rank {m.rank} ({m.addr}: {m.reason})" for m in got.missing)
             raise PeerUnreachable(f"{len(got.missing)} peer(s) did not answer: {names}")
