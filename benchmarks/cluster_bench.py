@@ -50,9 +50,11 @@ class PeerHost:
         return {"rank": self.cluster.rank, "queries": self.queries}
 
 
-def worker(ranks: list[int], peers: list[str]) -> None:
+def worker(ranks: list[int], world: int) -> None:
+    """Host ``ranks``: print their addresses, read everyone's, serve until EOF."""
     import numpy as np
 
+    from probing.cluster.discovery import PeerInfo
     from probing.cluster.identity import Identity
     from probing.cluster.node import ClusterNode
     from probing.engine import Engine
@@ -60,7 +62,7 @@ def worker(ranks: list[int], peers: list[str]) -> None:
     from probing.probe.server import UnixHTTPServer
     from probing.store import Store
 
-    servers = []
+    servers, nodes = [], []
     for rank in ranks:
         store = Store(chunk_rows=1 << 16)
         rng = np.random.default_rng(rank)
@@ -74,21 +76,27 @@ def worker(ranks: list[int], peers: list[str]) -> None:
         eng = Engine(store)
         ident = Identity(
             rank=rank,
-            world_size=len(peers),
+            world_size=world,
             local_rank=rank % RANKS_PER_NODE,
             node=f"n{rank // RANKS_PER_NODE}",
             group_rank=rank // RANKS_PER_NODE,
             master=None,
             run_id="bench",
-            peers=tuple(peers),
-            port=0,
+            peers=(),
+            port=0,  # any free port on 127.0.0.1: the parent collects them
         )
         node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode())
         server = UnixHTTPServer(None, make_app(PeerHost(eng, node)))
         server.start()
         node.setup(server)
         servers.append(server)
-    print("ready", flush=True)
+        nodes.append(node)
+    print(" ".join(f"{n.rank}={n.addr}" for n in nodes), flush=True)
+    everyone = json.loads(sys.stdin.readline())  # rank -> addr, for whoever asks
+    for node in nodes:
+        for rank, addr in everyone.items():
+            if int(rank) != node.rank:
+                node.registry.upsert(PeerInfo(int(rank), f"n{int(rank) // RANKS_PER_NODE}", addr))
     sys.stdin.read()  # until the parent closes our stdin
     for s in servers:
         s.stop()
@@ -137,31 +145,40 @@ def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
 
 
 def measure(n: int, runs: int, workers: int) -> dict:
-    peers = [f"127.0.0.1:{p}" for p in free_ports(n)]
     groups = [list(range(i, n, workers)) for i in range(min(workers, n))]
     procs = []
     try:
         for ranks in groups:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, __file__, "--worker", ",".join(map(str, ranks)), *peers],
+                    [sys.executable, __file__, "--worker", ",".join(map(str, ranks)), str(n)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
                 )
             )
+        addrs: dict[int, str] = {}
         for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            assert p.stdout is not None and p.stdin is not None
+            for item in p.stdout.readline().split():
+                rank, addr = item.split("=")
+                addrs[int(rank)] = addr
+        assert len(addrs) == n, f"{n - len(addrs)} peers did not start"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(addrs) + "\n")
+            p.stdin.flush()
+        asker = addrs[0]
         pids = [p.pid for p in procs]
-        timed(PUSHED, peers[0], "flat", 2, pids)  # warm-up: engines load, node names are learned
+        timed(PUSHED, asker, "flat", 2, pids)  # warm-up: engines load
         out: dict = {"peers": n, "rows_per_peer": ROWS, "processes": len(procs)}
-        out["fanout_flat"] = timed(FANOUT_ONLY, peers[0], "flat", runs, pids)
-        out["fanout_tree"] = timed(FANOUT_ONLY, peers[0], "tree", runs, pids)
-        out["pushed_flat"] = timed(PUSHED, peers[0], "flat", runs, pids)
-        out["pushed_tree"] = timed(PUSHED, peers[0], "tree", runs, pids)
+        out["fanout_flat"] = timed(FANOUT_ONLY, asker, "flat", runs, pids)
+        out["fanout_tree"] = timed(FANOUT_ONLY, asker, "tree", runs, pids)
+        out["pushed_flat"] = timed(PUSHED, asker, "flat", runs, pids)
+        out["pushed_tree"] = timed(PUSHED, asker, "tree", runs, pids)
         if n <= 64:  # 256 x 100k rows shipped is what pushing down avoids
-            out["rows_flat"] = timed(ROWS_SHIPPED, peers[0], "flat", max(1, runs // 2), pids)
-            out["rows_tree"] = timed(ROWS_SHIPPED, peers[0], "tree", max(1, runs // 2), pids)
+            out["rows_flat"] = timed(ROWS_SHIPPED, asker, "flat", max(1, runs // 2), pids)
+            out["rows_tree"] = timed(ROWS_SHIPPED, asker, "tree", max(1, runs // 2), pids)
         return out
     finally:
         for p in procs:
@@ -267,7 +284,7 @@ def idle_cost(seconds: float = 5.0) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker([int(r) for r in sys.argv[2].split(",")], sys.argv[3:])
+        worker([int(r) for r in sys.argv[2].split(",")], int(sys.argv[3]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4,64,256")
