@@ -114,17 +114,19 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def cpu_s(pids: list[int]) -> float:
+def cpu_s(pids: list[int]) -> list[float]:
     import psutil
 
-    total = 0.0
+    out = []
     for pid in pids:
         t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
+        out.append(t.user + t.system)
+    return out
 
 
 def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
+    """Median wall time of ``runs`` queries, and CPU per query: all processes,
+    the asker's process (rank 0 and the peers it hosts), the others' mean."""
     from probing.cluster import cluster_query
 
     times, rows, missing = [], 0, 0
@@ -134,18 +136,22 @@ def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
         res = cluster_query(sql, addr=addr, token=TOKEN, timeout=20.0, fanout=fanout)
         times.append((time.perf_counter() - t0) * 1e3)
         rows, missing = res.table.num_rows, len(res.missing)
+    used = [(b - a) / runs * 1e3 for a, b in zip(cpu0, cpu_s(pids), strict=True)]
     return {
         "median_ms": round(statistics.median(times), 1),
         "min_ms": round(min(times), 1),
         "rows": rows,
         "missing": missing,
         "mode": res.plan.get("mode"),
-        "cpu_ms_per_query": round((cpu_s(pids) - cpu0) / runs * 1e3, 1),  # every peer process
+        "cpu_ms_per_query": round(sum(used), 1),
+        "asker_process_cpu_ms": round(used[0], 1),
+        "other_process_cpu_ms": round(statistics.mean(used[1:]), 1) if len(used) > 1 else 0.0,
     }
 
 
 def measure(n: int, runs: int, workers: int) -> dict:
-    groups = [list(range(i, n, workers)) for i in range(min(workers, n))]
+    w = min(workers, n)  # contiguous ranks: a process hosts whole simulated nodes
+    groups = [list(range(i * n // w, (i + 1) * n // w)) for i in range(w)]
     procs = []
     try:
         for ranks in groups:

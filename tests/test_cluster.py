@@ -223,3 +223,22 @@ def test_torch_tcpstore_discovery(spawn) -> None:
     assert res.table.column("rank").to_pylist() == [0, 1, 2, 3]
     assert time.monotonic() - t0 < 2.0 + 1.0
     assert "rendezvous store" in ProbeClient.for_pid(targets[1].pid).health()["cluster"]["error"]
+
+
+def test_bad_cluster_settings_leave_the_host_and_local_probe_alone(spawn) -> None:
+    bad = spawn(IDLE_LOOP, env={"PROBING_PEERS": "no-port-here", "PROBING_TOKEN": TOKEN})
+    no_token = spawn(IDLE_LOOP, env={"PROBING_PEERS": "127.0.0.1:1", "PROBING_TOKEN": ""})
+    for t in (bad, no_token):
+        client = ProbeClient.for_pid(t.pid)
+        assert client.query("SELECT pid FROM process.info").to_pylist() == [{"pid": t.pid}]
+    r = cli("query", "-p", str(bad.pid), "--cluster", GROUP_BY_RANK)
+    assert r.returncode == 1 and "not in cluster mode" in r.stderr
+    deadline = time.monotonic() + 10
+    while ProbeClient.for_pid(no_token.pid).health()["cluster"]["error"] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for t, why in ((bad, "bad peer address"), (no_token, "PROBING_TOKEN")):
+        t.proc.kill()
+        _, err = t.proc.communicate(timeout=10)
+        lines = [line for line in err.splitlines() if line.startswith("probing:")]
+        assert len(lines) == 1 and "cluster mode off" in lines[0] and why in lines[0], err

@@ -55,9 +55,11 @@ class Probe:
         }
 
     def start(self) -> None:
+        node = self._cluster_node() if self._want_cluster else None
+        self.cluster = node  # before the socket exists: a caller never sees it unset
         self.server.start()
-        if self._want_cluster:
-            self._start_cluster()
+        if node is not None:
+            node.start(self.server)
         interval = os.environ.get("PROBING_NVML_INTERVAL")
         if interval:  # off the caller's thread: NVML and pyarrow load in the background
             threading.Thread(
@@ -67,23 +69,23 @@ class Probe:
     def stop(self) -> None:
         self.server.stop()
 
-    def _start_cluster(self) -> None:
+    def _cluster_node(self) -> Any:
         """Cluster mode when this is a rank of a multi-process job or PROBING_PEERS
-        is set: the TCP port and the publication happen in the background."""
+        is set (None otherwise); its TCP port and publication start in the background."""
         try:
             from probing.cluster import identity
 
             if not identity.cluster_wanted():
-                return
+                return None
             from probing.cluster.node import ClusterNode
 
-            self.cluster = ClusterNode(identity.from_env(), engine, pid=self.pid)
-            self.cluster.start(self.server)
+            return ClusterNode(identity.from_env(), engine, pid=self.pid)
         except Exception as err:  # a bad PROBING_PEERS never reaches the host
             try:
                 print(f"probing: cluster mode off: {err}", file=sys.stderr)
             except Exception:
                 pass
+            return None
 
 
 def _start_nvml(interval: str) -> None:
