@@ -84,6 +84,14 @@ def test_cli_cluster_group_by_rank_over_peers_list(listed_peers) -> None:
     table = cli("query", "-p", str(targets[0].pid), "--cluster", "--timings", GROUP_BY_RANK)
     assert table.returncode == 0 and "(4 rows)" in table.stdout
     assert all(a in table.stderr for a in addrs[1:])  # one timing line per peer
+    for bad, why in (
+        ("SELECT nope FROM process.threads", "nope"),
+        ("SELECT 1", "schema.table"),
+        ("SELECT * FROM process.nonexistent", "nonexistent"),
+    ):
+        r = cli("query", "-p", str(targets[0].pid), "--cluster", bad)
+        assert r.returncode == 1 and r.stdout == "", (bad, r.stdout)
+        assert len(r.stderr.splitlines()) == 1 and why in r.stderr, (bad, r.stderr)
 
 
 def test_rows_are_tagged_and_filters_pushed(listed_peers) -> None:

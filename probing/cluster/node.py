@@ -423,6 +423,8 @@ class ClusterNode:
         self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
     ) -> tuple[pa.Table, Gathered, planner.Plan]:
         """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
+        import pyarrow as pa
+
         from probing.cluster import plan as planner
 
         if fanout not in FANOUTS:
@@ -458,6 +460,8 @@ class ClusterNode:
             for name in the_plan.scans:
                 data = merged.get(name)
                 sch = schemas.get(name)
+                if data is None and sch is None:
+                    raise QueryError(f"table '{name}' not found here nor on any peer that answered")
                 tables[name] = data if data is not None else (sch or pa.schema(list(planner.TAGS)))
             result = planner.run_final(the_plan.final_sql, tables)
         else:

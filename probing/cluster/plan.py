@@ -181,13 +181,18 @@ def planning_context(
     return ctx
 
 
+def _message(err: Exception) -> str:
+    """DataFusion's message on one line, without its prefix."""
+    return " ".join(str(err).split()).removeprefix("DataFusion error: ")
+
+
 def run_final(sql: str, tables: dict[str, pa.Table | pa.Schema]) -> pa.Table:
     """Run read-only ``sql`` in a fresh session over ``tables``."""
     ctx = planning_context(tables, execute=True)
     try:
         return ctx.sql_with_options(sql, READ_ONLY).to_arrow_table()
     except Exception as err:  # datafusion raises plain Exception subclasses
-        raise QueryError(str(err).strip().removeprefix("DataFusion error: ")) from err
+        raise QueryError(_message(err)) from err
 
 
 _BLOCKERS = {"JOIN", "UNION", "INTERSECT", "EXCEPT", "OVER", "WITH", "DISTINCT"}
@@ -311,7 +316,7 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
             try:
                 out = ctx.sql(sql).schema().names
             except Exception as err:
-                raise QueryError(str(err).strip().removeprefix("DataFusion error: ")) from err
+                raise QueryError(_message(err)) from err
             final = _agg_final(sql, toks, out)
             if final is not None:
                 by = "rank" if mode == "agg" else "node"
@@ -335,7 +340,7 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
         try:
             logical = ctx.sql(sql).optimized_logical_plan()
         except Exception as err:
-            raise QueryError(str(err).strip().removeprefix("DataFusion error: ")) from err
+            raise QueryError(_message(err)) from err
         found: dict[str, list[ScanSpec]] = {}
         _collect_scans(logical, None, found)
         for name, specs in found.items():
