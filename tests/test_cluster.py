@@ -250,3 +250,51 @@ def test_bad_cluster_settings_leave_the_host_and_local_probe_alone(spawn) -> Non
         _, err = t.proc.communicate(timeout=10)
         lines = [line for line in err.splitlines() if line.startswith("probing:")]
         assert len(lines) == 1 and "cluster mode off" in lines[0] and why in lines[0], err
+
+
+STEPS = """
+import os, time, probing, pyarrow as pa
+t = probing.ExternalTable("steps", [("step", pa.int64()), ("rank", pa.int64()), ("ms", pa.float64())])
+me = int(os.environ["RANK"])
+for s in range(10):
+    t.append([s, 100 + me, 10.0 * (me + 1) + s])
+t.flush()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_user_tables_joins_and_an_own_rank_column(spawn) -> None:
+    import pyarrow as pa
+
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    env = {"PROBING_PEERS": ",".join(addrs), "PROBING_TOKEN": TOKEN}
+    targets = [spawn(STEPS, env={**env, "RANK": str(i)}) for i in range(3)]
+    for t in targets:
+        wait_ready(t.pid)
+    pid = targets[0].pid
+    # the table's own `rank` is kept as table_rank; `rank` is the peer's
+    res = cluster_query(
+        "SELECT rank, min(table_rank) AS own, max(ms) AS slowest FROM python.steps "
+        "GROUP BY rank ORDER BY slowest DESC",
+        pid=pid,
+    )
+    assert res.plan["mode"] == "agg"
+    assert res.table.to_pylist() == [
+        {"rank": 2, "own": 102, "slowest": 39.0},
+        {"rank": 1, "own": 101, "slowest": 29.0},
+        {"rank": 0, "own": 100, "slowest": 19.0},
+    ]
+    # a join across ranks: which rank was slowest at each step (straggler per step)
+    res = cluster_query(
+        "SELECT s.step, s.rank FROM python.steps s JOIN "
+        "(SELECT step, max(ms) AS ms FROM python.steps GROUP BY step) m "
+        "ON s.step = m.step AND s.ms = m.ms WHERE s.step < 3 ORDER BY s.step",
+        pid=pid,
+    )
+    assert res.plan["mode"] == "scan"
+    assert res.table.to_pylist() == [{"step": k, "rank": 2} for k in range(3)]
+    assert res.table.schema.field("rank").type == pa.int64()
+    # GROUP BY node over three peers of one node: computed once, by the asker
+    res = cluster_query("SELECT node, count(*) AS n FROM python.steps GROUP BY node", pid=pid)
+    assert res.table.column("n").to_pylist() == [30]
