@@ -254,7 +254,8 @@ def test_bad_cluster_settings_leave_the_host_and_local_probe_alone(spawn) -> Non
 
 STEPS = """
 import os, time, probing, pyarrow as pa
-t = probing.ExternalTable("steps", [("step", pa.int64()), ("rank", pa.int64()), ("ms", pa.float64())])
+cols = [("step", pa.int64()), ("rank", pa.int64()), ("ms", pa.float64())]
+t = probing.ExternalTable("steps", cols)
 me = int(os.environ["RANK"])
 for s in range(10):
     t.append([s, 100 + me, 10.0 * (me + 1) + s])
