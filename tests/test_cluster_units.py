@@ -100,6 +100,7 @@ def test_group_by_rank_is_computed_on_the_peers() -> None:
         "ON a.rank = b.rank GROUP BY a.rank",
         "SELECT rank, count(*) FROM process.threads GROUP BY rank ORDER BY max(tid)",
         "SELECT op, rank, count(*) OVER () FROM comm.collectives GROUP BY op, rank",
+        "SELECT rank, count(*) FROM process.threads GROUP BY rank ORDER BY 2 LIMIT 2 OFFSET 1",
     ],
 )
 def test_other_shapes_fall_back_to_scans(sql: str) -> None:

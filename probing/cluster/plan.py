@@ -195,7 +195,8 @@ def run_final(sql: str, tables: dict[str, pa.Table | pa.Schema]) -> pa.Table:
         raise QueryError(_message(err)) from err
 
 
-_BLOCKERS = {"JOIN", "UNION", "INTERSECT", "EXCEPT", "OVER", "WITH", "DISTINCT"}
+# shapes the peers cannot finish on their own (OFFSET: each would skip its own first rows)
+_BLOCKERS = {"JOIN", "UNION", "INTERSECT", "EXCEPT", "OVER", "WITH", "DISTINCT", "OFFSET"}
 _CLAUSE_END = {"HAVING", "ORDER", "LIMIT", "OFFSET", "WINDOW", "QUALIFY"}
 
 
