@@ -18,6 +18,9 @@ def install(engine: Engine) -> None:
     engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
     trace.install(engine)
+    from probing import analyze  # after trace: its tables read comm.collectives
+
+    analyze.install(engine)
 
 
 __all__ = ["ExternalTable", "install"]
