@@ -424,16 +424,24 @@ def diagnose(
         typer.echo(render(d))
 
 
-@app.command(epilog="Examples:\n\n  probing demo\n\n  probing demo --seconds 5")
+@app.command(
+    epilog="Examples:\n\n  probing demo\n\n  probing demo --slow-rank 2\n\n  probing demo --hang"
+)
 def demo(
     seconds: Annotated[
-        float, typer.Option(help="how long the job runs before the questions")
-    ] = 3.0,
+        float, typer.Option(help="how long to trace the job before diagnosing")
+    ] = 4.0,
+    slow_rank: Annotated[
+        int | None, typer.Option(help="the rank to slow down (default: one at random)")
+    ] = None,
+    hang: Annotated[
+        bool, typer.Option("--hang", help="one rank gets stuck before a collective instead")
+    ] = False,
 ) -> None:
-    """Start a built-in example job with a probe and query it, step by step."""
+    """Run a 4-rank DDP job with one slow rank, attach, and name it with diagnose."""
     from probing.demo import main as demo_main
 
-    raise typer.Exit(demo_main(seconds))
+    raise typer.Exit(demo_main(seconds, slow_rank=slow_rank, hang=hang))
 
 
 def main() -> None:
