@@ -62,8 +62,12 @@ class DemoJob:
             prefix = (rank_prefix or {}).get(r, [])
             self.procs.append(
                 subprocess.Popen(
-                    [*prefix, *cmd], env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    text=True, start_new_session=True,
+                    [*prefix, *cmd],
+                    env=base,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
                 )  # fmt: skip
             )
 
@@ -112,7 +116,9 @@ def trace_all(pids: Sequence[int], families: Sequence[str]) -> list[str]:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "probing", "trace", "--pid", str(pid), *flags, "--background"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for pid in pids
     ]

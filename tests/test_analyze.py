@@ -167,7 +167,12 @@ def test_a_hang_found_after_the_fact_from_counts_and_stacks() -> None:
     states.append(_state(2, 40, "sleep", "train.py"))
     assert hg.snapshot_hangs(states, stalled_s=3.0, hang_after_s=10) == []
     [h] = hg.snapshot_hangs(states, stalled_s=11.0, hang_after_s=10)
-    assert (h.comm, h.seq, h.missing_ranks, h.waiting_ranks) == ("default_pg", 40, [2], [0, 1, 3])
+    assert (h.comm, h.seq, h.missing_ranks, h.waiting_ranks) == (
+        "process group default_pg",
+        40,
+        [2],
+        [0, 1, 3],
+    )
     assert set(h.stacks) == {2, 0}
     d = analyze(pa.table({}), frames={s.rank: s.frames for s in states}, states=states,
                 stalled_s=11.0)  # fmt: skip
@@ -211,3 +216,26 @@ def test_json_shape_and_sql_tables() -> None:
 def test_no_data_is_no_verdict() -> None:
     d = analyze(pa.table({}), now_ns=T0)
     assert d.healthy and d.verdict.startswith("no verdict")
+
+
+def test_calls_in_flight_do_not_throw_the_alignment_off() -> None:
+    # a 40 ms straggler in a ~55 ms step: nearest *arrivals* would pair the wrong
+    # steps; the synchronous returns pair them right, in-flight calls left out
+    rows = job(straggler=2, lag_ms=40, step_ms=10, seed=11).to_pylist()
+    last = max(r["ts"] for r in rows)
+    for rank in range(4):
+        mine = max((r for r in rows if r["rank"] == rank), key=lambda r: r["seq"])
+        rows.append({**mine, "seq": mine["seq"] + 1, "ts": last + 10**8, "dur_ns": None})
+    d = analyze(pa.Table.from_pylist(rows), now_ns=last + 2 * 10**8)
+    assert [s.rank for s in d.stragglers] == [2], d.verdict
+
+
+def test_stack_paths_are_short_and_collective_frames_are_seen() -> None:
+    assert hg.short_path("/x/.venv/lib/python3.11/site-packages/torch/autograd/graph.py") == (
+        "torch/autograd/graph.py"
+    )
+    assert hg.short_path("/usr/lib/python3.11/threading.py") == "threading.py"
+    assert hg.short_path("train.py") == "train.py"
+    inside = {"func": "all_reduce", "file": "torch/distributed/distributed_c10d.py"}
+    assert hg.in_collective([inside])
+    assert not hg.in_collective([{"func": "Event.wait", "file": "/usr/lib/threading.py"}])

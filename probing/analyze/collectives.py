@@ -187,9 +187,9 @@ def match(table: pa.Table) -> list[Collective]:
             )
             return s, t
 
-        synchronous = all(
-            r["dur_ns"] is not None for r in by_rank[ref] if r["backend"] == "gloo"
-        ) and all(r["backend"] == "gloo" for r in by_rank[ref])
+        # Gloo on CPU is synchronous: a call returns when the collective is done,
+        # so the returns line up across ranks (calls still in flight are left out)
+        synchronous = all(r["backend"] == "gloo" for r in by_rank[ref])
         ref_s, ref_t = series(by_rank[ref], synchronous)
         merged: dict[int, Collective] = {}
         for rank, rs in by_rank.items():

@@ -1,7 +1,7 @@
 """A small DDP training job, one process per rank, started *without* probing.
 
     python demo_job.py --rank R --world 4 --port 29500 [--slow-rank 2 --slow-ms 40]
-                       [--hang-rank 1 --hang-step 30] [--steps 0]
+                       [--hang-rank 1 --hang-step 30] [--work 10] [--steps 0]
 
 Each step loads a batch (``load_batch``: a data loader that sleeps like one
 reading and decoding from storage; slower on ``--slow-rank``), runs forward
@@ -31,7 +31,11 @@ def load_batch(rank: int, args: argparse.Namespace, step: int) -> tuple[torch.Te
         threading.Event().wait()  # the loader never returns: a stuck read
     delay = args.load_ms + (args.slow_ms if rank == args.slow_rank else 0.0)
     time.sleep(delay * random.uniform(0.9, 1.1) / 1000)
-    return torch.randn(32, 64), torch.randint(0, 10, (32,))
+    x = torch.randn(32, 64)
+    a, w = torch.randn(256, 256), torch.randn(256, 256) * 0.05
+    for _ in range(args.work):  # decode/augment: a fixed amount of CPU work
+        a = torch.tanh(a @ w)
+    return x + a[:32, :64] * 0, torch.randint(0, 10, (32,))
 
 
 def main() -> None:
@@ -43,6 +47,7 @@ def main() -> None:
     p.add_argument("--backend", default="gloo")
     p.add_argument("--steps", type=int, default=0, help="0: until killed")
     p.add_argument("--load-ms", type=float, default=20.0)
+    p.add_argument("--work", type=int, default=0, help="CPU work per batch (~0.5 ms units)")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=40.0)
     p.add_argument("--hang-rank", type=int, default=-1)

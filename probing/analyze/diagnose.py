@@ -161,8 +161,12 @@ def analyze(
     hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
     if not hangs and states:
         hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
+    slow = [] if hangs else coll.slow_links(matched, nodes)
     strag = [] if hangs else coll.stragglers(matched, nodes)
-    slow = [] if hangs or strag else coll.slow_links(matched, nodes)
+    # behind a slow link a rank is released last and so arrives last next time:
+    # only a lag beyond the link's own transfer time is a straggler of its own
+    worst = max((s.transfer_ms_median for s in slow), default=0.0)
+    strag = [s for s in strag if s.excess_ms_median > worst]
     summary = coll.summarize(matched)
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
@@ -301,7 +305,7 @@ def diagnose(
     table = ask(COLLECTIVES_SQL.format(since_ns=now - int(window_s * 1e9)))
     frames = _frames_by_rank(ask(STACKS_SQL))
     states = _states(ask, frames)
-    stalled = _stalled_s(table, now, pids if not (cluster or addr) else None)
+    stalled = round(_stalled_s(table, now, pids if not (cluster or addr) else None), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s,

@@ -27,7 +27,7 @@ HANG_AFTER_S = 10.0
 # a Python frame that is waiting on a collective (torch.distributed, DDP, autograd)
 _IN_COLLECTIVE = re.compile(
     r"torch/(distributed|nn/parallel|autograd)/|(^|\.)(all_reduce|allreduce|barrier|"
-    r"broadcast|all_gather|reduce_scatter|all_to_all|wait)$"
+    r"broadcast|all_gather|reduce_scatter|all_to_all)$"
 )
 
 
@@ -64,7 +64,17 @@ def main_stack(frames: list[dict[str, Any]]) -> list[str]:
     rows = sorted(by_thread[pick], key=lambda f: f.get("depth") or 0)
     state = rows[0].get("state") if rows else None
     head = [f"thread {pick[1]} ({pick[0]}) {state or ''}".rstrip()]
-    return head + [f"{f.get('func')} ({f.get('file')}:{f.get('line')})" for f in rows]
+    return head + [f"{f.get('func')} ({short_path(f.get('file'))}:{f.get('line')})" for f in rows]
+
+
+def short_path(path: str | None) -> str:
+    """``.../site-packages/torch/autograd/graph.py`` -> ``torch/autograd/graph.py``."""
+    text = str(path or "?")
+    for marker in ("site-packages/", "dist-packages/", "/lib/python3."):
+        if marker in text:
+            rest = text.split(marker, 1)[1]
+            return rest.split("/", 1)[1] if marker.startswith("/lib") and "/" in rest else rest
+    return text
 
 
 def in_collective(frames: list[dict[str, Any]]) -> bool:
@@ -113,7 +123,8 @@ def snapshot_hangs(
         waiting = sorted(r for r, n in counts.items() if n == top)
         if not missing:
             continue
-        out.append(Hang(g, top - 1, None, missing, waiting, stalled_s, "stacks and counts", {}))
+        label = f"process group {g}"
+        out.append(Hang(label, top - 1, None, missing, waiting, stalled_s, "stacks and counts", {}))
     if not groups:  # no counts at all: who sits in a collective, who does not
         inside = sorted(s.rank for s in states if in_collective(s.frames))
         outside = sorted(s.rank for s in states if not in_collective(s.frames))

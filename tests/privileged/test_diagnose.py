@@ -1,0 +1,163 @@
+"""``probing diagnose`` on real 4-rank torch.distributed (Gloo) jobs, started
+without probing and traced with dynamic injection: a compute straggler (slow
+data loading), a CPU-starved rank (pinned to a busy core), a slow link (one
+rank in its own network namespace behind ``tc netem``), a hang found after
+the fact, and a healthy job. The straggler's rank is drawn at random each
+run (printed, so a failure names it). Root-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from probing.demo import DemoJob, trace_all
+from tests.conftest import cli, require, require_bpf
+
+pytestmark = pytest.mark.privileged
+
+WORLD = 4
+NS, HOST_IF, NS_IF = "p8n0", "p8h0", "p8n0v"
+HOST_IP, NS_IP = "10.88.0.1", "10.88.0.2"
+
+
+def _diagnose(job: DemoJob, *extra: str, seconds: float = 4.0) -> dict:  # type: ignore[type-arg]
+    import time
+
+    errors = trace_all(job.pids, ["gloo"])
+    assert not errors, errors
+    time.sleep(seconds)
+    args = [a for p in job.pids for a in ("--pid", str(p))]
+    r = cli("diagnose", *args, "--format", "json", *extra, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def job() -> Iterator:
+    started: list[DemoJob] = []
+
+    def start(*job_args: str, **kw) -> DemoJob:  # type: ignore[no-untyped-def]
+        j = DemoJob(WORLD, job_args=job_args, **kw)
+        started.append(j)
+        j.wait_ready(timeout=120)
+        return j
+
+    yield start
+    for j in started:
+        j.stop()
+
+
+def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    rank = random.randrange(WORLD)
+    print(f"straggler: rank {rank}")
+    out = _diagnose(job("--slow-rank", str(rank), "--slow-ms", "40"))
+    assert not out["healthy"] and not out["hangs"], out["verdict"]
+    [s] = out["stragglers"]
+    assert s["rank"] == rank, out["verdict"]
+    assert 25 < s["lag_ms_mean"] < 120 and s["lag_ms_p99"] >= s["lag_ms_mean"]
+    assert 0.2 < s["share_of_step"] < 0.9
+    assert out["verdict"].startswith(f"rank {rank} on node ")
+
+
+def test_a_cpu_starved_rank_is_named(job) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    require(len(os.sched_getaffinity(0)) >= 2, "needs 2 CPUs (one busy, one for the rest)")
+    busy_cpu, free_cpu = sorted(os.sched_getaffinity(0))[:2]
+    rank = random.randrange(WORLD)
+    print(f"starved: rank {rank} on cpu {busy_cpu}")
+    hogs = [
+        subprocess.Popen(["taskset", "-c", str(busy_cpu), sys.executable, "-c", "while 1: pass"])
+        for _ in range(4)
+    ]
+    try:
+        prefix = {
+            r: ["taskset", "-c", str(busy_cpu if r == rank else free_cpu)] for r in range(WORLD)
+        }
+        out = _diagnose(job("--work", "8", "--load-ms", "25", rank_prefix=prefix))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert not out["healthy"], out["verdict"]
+    assert [s["rank"] for s in out["stragglers"]] == [rank], out["verdict"]
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A namespace ``p8n0`` joined to the host by a veth pair, 15 ms netem delay inside."""
+    require(os.geteuid() == 0, "needs root (ip netns, tc)")
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
+    try:
+        ip("netns", "add", NS)
+        ip("link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+        ip("link", "set", NS_IF, "netns", NS)
+        ip("addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
+        ip("link", "set", HOST_IF, "up")
+        ip("-n", NS, "addr", "add", f"{NS_IP}/24", "dev", NS_IF)
+        ip("-n", NS, "link", "set", NS_IF, "up")
+        ip("-n", NS, "link", "set", "lo", "up")
+        subprocess.run(
+            ["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", NS_IF, "root", "netem",
+             "delay", "15ms"], check=True, capture_output=True,
+        )  # fmt: skip
+        yield NS
+    finally:
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
+
+
+def test_a_slow_link_is_not_a_straggler(job, netns: str) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    rank = random.randrange(1, WORLD)  # rank 0 hosts the rendezvous on the host side
+    print(f"slow link: rank {rank} in {netns}")
+    prefix = {rank: ["ip", "netns", "exec", netns]}
+    # every rank talks Gloo over the veth addresses: the host ranks over HOST_IF
+    j = job(
+        "--master", HOST_IP, rank_prefix=prefix,
+        env={"GLOO_SOCKET_IFNAME": f"{HOST_IF},{NS_IF}"},
+    )  # fmt: skip
+    out = _diagnose(j)
+    assert not out["healthy"] and not out["stragglers"], out["verdict"]
+    [link] = out["slow_links"]
+    assert link["transfer_ms_median"] > 15 and link["skew_ms_median"] < link["transfer_ms_median"]
+    assert out["verdict"].startswith("slow link: allreduce on gloo/n4#0")
+
+
+def test_a_hang_after_the_fact_names_the_missing_rank(job) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    rank = random.randrange(WORLD)
+    print(f"hang: rank {rank}")
+    out = _diagnose(
+        job("--hang-rank", str(rank), "--hang-step", "5"), "--hang-after", "2s", seconds=1.0
+    )
+    assert not out["healthy"], out["verdict"]
+    [h] = out["hangs"]
+    assert h["missing_ranks"] == [rank]
+    assert h["waiting_ranks"] == sorted(set(range(WORLD)) - {rank})
+    assert h["evidence"] == "stacks and counts"
+    missing = h["stacks"][str(rank)]
+    assert any(line.startswith("load_batch ") for line in missing)
+    waiting = next(v for k, v in h["stacks"].items() if k != str(rank))
+    assert any("backward" in line for line in waiting)
+    assert f"rank {rank} never entered it" in out["verdict"]
+
+
+def test_a_healthy_job_raises_nothing(job) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    out = _diagnose(job())
+    assert out["healthy"], out["verdict"]
+    assert out["verdict"].startswith("healthy: 4 ranks")
+    assert out["summary"]["collectives"] >= 20
+    assert not out["stragglers"] and not out["slow_links"] and not out["hangs"]
