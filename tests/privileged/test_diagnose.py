@@ -1,7 +1,7 @@
 """``probing diagnose`` on real 4-rank torch.distributed (Gloo) jobs, started
 without probing and traced with dynamic injection: a compute straggler (slow
 data loading), a CPU-starved rank (pinned to a busy core), a slow link (one
-rank in its own network namespace behind ``tc netem``), a hang found after
+rank in its own network namespace behind ``tc netem`` or ``tbf``), a hang found after
 the fact, and a healthy job. The straggler's rank is drawn at random each
 run (printed, so a failure names it). Root-only."""
 
@@ -72,15 +72,20 @@ def test_a_cpu_starved_rank_is_named(job) -> None:  # type: ignore[no-untyped-de
     busy_cpu, free_cpu = sorted(os.sched_getaffinity(0))[:2]
     rank = random.randrange(WORLD)
     print(f"starved: rank {rank} on cpu {busy_cpu}")
+    # each hog in its own session: with autogroup scheduling a session shares a CPU
+    # as one task, and every rank runs in a session of its own
     hogs = [
-        subprocess.Popen(["taskset", "-c", str(busy_cpu), sys.executable, "-c", "while 1: pass"])
-        for _ in range(4)
+        subprocess.Popen(
+            ["taskset", "-c", str(busy_cpu), sys.executable, "-c", "while 1: pass"],
+            start_new_session=True,
+        )
+        for _ in range(6)
     ]
     try:
         prefix = {
             r: ["taskset", "-c", str(busy_cpu if r == rank else free_cpu)] for r in range(WORLD)
         }
-        out = _diagnose(job("--work", "8", "--load-ms", "25", rank_prefix=prefix))
+        out = _diagnose(job("--work", "30", "--load-ms", "2", rank_prefix=prefix))
     finally:
         for h in hogs:
             h.kill()
@@ -91,7 +96,8 @@ def test_a_cpu_starved_rank_is_named(job) -> None:  # type: ignore[no-untyped-de
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    """A namespace ``p8n0`` joined to the host by a veth pair, 15 ms netem delay inside."""
+    """A namespace ``p8n0`` joined to the host by a veth pair, its side slowed by
+    ``tc netem delay 15ms`` (or, where the kernel has no netem, ``tbf rate 8mbit``)."""
     require(os.geteuid() == 0, "needs root (ip netns, tc)")
 
     def ip(*args: str) -> None:
@@ -108,10 +114,11 @@ def netns() -> Iterator[str]:
         ip("-n", NS, "addr", "add", f"{NS_IP}/24", "dev", NS_IF)
         ip("-n", NS, "link", "set", NS_IF, "up")
         ip("-n", NS, "link", "set", "lo", "up")
-        subprocess.run(
-            ["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", NS_IF, "root", "netem",
-             "delay", "15ms"], check=True, capture_output=True,
-        )  # fmt: skip
+        tc = ["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", NS_IF, "root"]
+        delay = subprocess.run([*tc, "netem", "delay", "15ms"], capture_output=True)
+        if delay.returncode:  # a kernel without sch_netem: a thin pipe instead of a long one
+            rate = ["tbf", "rate", "8mbit", "burst", "16kb", "latency", "200ms"]
+            subprocess.run([*tc, *rate], check=True, capture_output=True)
         yield NS
     finally:
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
@@ -122,12 +129,11 @@ def test_a_slow_link_is_not_a_straggler(job, netns: str) -> None:  # type: ignor
     require_bpf()
     rank = random.randrange(1, WORLD)  # rank 0 hosts the rendezvous on the host side
     print(f"slow link: rank {rank} in {netns}")
-    prefix = {rank: ["ip", "netns", "exec", netns]}
-    # every rank talks Gloo over the veth addresses: the host ranks over HOST_IF
-    j = job(
-        "--master", HOST_IP, rank_prefix=prefix,
-        env={"GLOO_SOCKET_IFNAME": f"{HOST_IF},{NS_IF}"},
-    )  # fmt: skip
+    # every rank talks Gloo over the veth's addresses (``env`` and ``ip netns exec``
+    # exec: the pid is the rank's Python)
+    prefix = {r: ["env", f"GLOO_SOCKET_IFNAME={HOST_IF}"] for r in range(WORLD)}
+    prefix[rank] = ["ip", "netns", "exec", netns, "env", f"GLOO_SOCKET_IFNAME={NS_IF}"]
+    j = job("--master", HOST_IP, rank_prefix=prefix)
     out = _diagnose(j)
     assert not out["healthy"] and not out["stragglers"], out["verdict"]
     [link] = out["slow_links"]
