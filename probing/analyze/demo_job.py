@@ -29,6 +29,13 @@ def load_batch(rank: int, args: argparse.Namespace, step: int) -> tuple[torch.Te
     """Read and decode one batch (storage latency, with a little noise)."""
     if rank == args.hang_rank and step >= args.hang_step >= 0:
         threading.Event().wait()  # the loader never returns: a stuck read
+    if args.slow_file:  # "RANK MS": which rank is slow, changeable while the job runs
+        try:
+            with open(args.slow_file) as f:
+                slow_rank, slow_ms = f.read().split()
+            args.slow_rank, args.slow_ms = int(slow_rank), float(slow_ms)
+        except (OSError, ValueError):
+            pass
     delay = args.load_ms + (args.slow_ms if rank == args.slow_rank else 0.0)
     time.sleep(delay * random.uniform(0.9, 1.1) / 1000)
     x = torch.randn(32, 64)
@@ -50,6 +57,7 @@ def main() -> None:
     p.add_argument("--work", type=int, default=0, help="CPU work per batch (~0.5 ms units)")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=40.0)
+    p.add_argument("--slow-file", help="a file holding 'RANK MS', read every step")
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
     args = p.parse_args()

@@ -310,7 +310,8 @@ def diagnose(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s,
     )  # fmt: skip
-    if not d.hangs and _counts_differ(states) and stalled < hang_after_s:
+    progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
+    if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
         watched = time.monotonic()
         if on_wait is not None:
             on_wait(hang_after_s - stalled)
