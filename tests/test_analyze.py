@@ -34,6 +34,7 @@ def job(
     hang_rank: int | None = None,
     hang_step: int | None = None,
     backend: str = "gloo",
+    behind_link: int | None = None,
     seed: int = 0,
 ) -> pa.Table:
     """Rows as ``gather(COLLECTIVES_SQL)`` returns them for a synchronous DDP job."""
@@ -41,7 +42,7 @@ def job(
     skipped = rng.integers(0, 5, size=ranks)  # collectives before each rank's trace began
     comm_ptr = rng.integers(1 << 40, 1 << 44, size=ranks)  # a local pointer per process
     rows = []
-    t = T0
+    t = np.full(ranks, float(T0))
     for k in range(steps):
         arrive = t + rng.normal(0, jitter_ms, size=ranks).clip(-3 * jitter_ms, 3 * jitter_ms) * 1e6
         arrive += 5e6  # compute
@@ -49,6 +50,9 @@ def job(
             arrive[straggler] += lag_ms * 1e6 * rng.uniform(0.8, 1.2)
         link = link_ms if k >= link_from else 0.4
         end = arrive.max() + link * 1e6 * rng.uniform(0.9, 1.1)
+        ends = np.full(ranks, end)
+        if behind_link is not None:  # the last hop's data reaches it one link delay later
+            ends[behind_link] += link * 1e6 / 2
         hung = hang_step is not None and k >= hang_step
         for r in range(ranks):
             if k < skipped[r] or (hung and (r == hang_rank or k > hang_step)):
@@ -59,11 +63,11 @@ def job(
                     "backend": backend, "op": "allreduce", "comm": int(comm_ptr[r]),
                     "seq": k - int(skipped[r]), "comm_rank": r, "nranks": ranks,
                     "bytes": 4 * 20_000, "ts": int(arrive[r]),
-                    "dur_ns": None if in_flight else int(end + rng.uniform(0, 2e4) - arrive[r]),
+                    "dur_ns": None if in_flight else int(ends[r] + rng.uniform(0, 2e4) - arrive[r]),
                     "pid": 1000 + r, "node": f"host{r // 2}", "rank": r,
                 }
             )  # fmt: skip
-        t = int(end) + int(step_ms * 1e6)
+        t = ends + step_ms * 1e6
     return pa.Table.from_pylist(rows)
 
 
@@ -131,6 +135,17 @@ def test_a_slow_link_is_slow_for_every_rank_without_skew() -> None:
     assert 50 < link.transfer_ms_median < 70 and link.skew_ms_median < 5
     assert link.nodes == ["host0", "host1"] and link.share_of_step > 0.2
     assert d.verdict.startswith("slow link: allreduce on gloo/n4#0 takes")
+
+
+def test_a_rank_behind_a_slow_link_is_released_late_not_a_straggler() -> None:
+    # rank 1 gets the last hop 30 ms late, so it arrives last at the next one:
+    # its own time between collectives is like the others', the link is slow
+    d = analyze(job(link_ms=60.0, behind_link=1, seed=8), now_ns=T0)
+    assert not d.stragglers, d.verdict
+    assert [s.comm for s in d.slow_links] == ["gloo/n4#0"]
+    assert coll.released_late(
+        [c for c in coll.match(job(link_ms=60.0, behind_link=1, seed=8)) if c.complete], 1, 30.0
+    )
 
 
 def test_a_traced_hang_names_the_missing_rank() -> None:

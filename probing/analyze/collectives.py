@@ -288,7 +288,7 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             p = binom_tail(last[r], n, 1.0 / len(ranks))
             if med < max(MIN_LAG_MS, NOISE_FACTOR * noise) or last[r] / n < LAST_SHARE:
                 continue
-            if p >= P_VALUE:
+            if p >= P_VALUE or released_late(cs, r, med):
                 continue
             k, score = change_point(excess[r])
             thr = max(MIN_LAG_MS, NOISE_FACTOR * noise)
@@ -320,6 +320,23 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             if r not in found or s.share_of_step > found[r].share_of_step:
                 found[r] = s
     return sorted(found.values(), key=lambda s: -s.share_of_step)
+
+
+def released_late(cs: list[Collective], rank: int, excess_ms: float) -> bool:
+    """Whether ``rank`` arrives late only because the previous collective let it
+    go late (a rank behind a slow link), not because of its own work between
+    collectives. Needs return times (synchronous backends); else False."""
+    own = []  # its time from a return to its next arrival, minus the others' median
+    for prev, c in zip(cs, cs[1:], strict=False):
+        if c.seq != prev.seq + 1 or any(prev.end.get(o) is None for o in c.ts):
+            continue
+        gaps = {o: c.ts[o] - prev.end[o] for o in c.ts if o in prev.end}  # type: ignore[operator]
+        if rank in gaps and len(gaps) > 1:
+            others = [g for o, g in gaps.items() if o != rank]
+            own.append((gaps[rank] - float(np.median(others))) / 1e6)
+    if len(own) < MIN_COLLECTIVES:
+        return False
+    return float(np.median(own)) < 0.5 * excess_ms
 
 
 # -- slow links -------------------------------------------------------------------------

@@ -161,12 +161,9 @@ def analyze(
     hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
     if not hangs and states:
         hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
-    slow = [] if hangs else coll.slow_links(matched, nodes)
     strag = [] if hangs else coll.stragglers(matched, nodes)
-    # behind a slow link a rank is released last and so arrives last next time:
-    # only a lag beyond the link's own transfer time is a straggler of its own
-    worst = max((s.transfer_ms_median for s in slow), default=0.0)
-    strag = [s for s in strag if s.excess_ms_median > worst]
+    # a straggler slows the collectives too (its share of the reduction runs late)
+    slow = [] if hangs or strag else coll.slow_links(matched, nodes)
     summary = coll.summarize(matched)
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:

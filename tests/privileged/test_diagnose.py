@@ -35,7 +35,9 @@ def _diagnose(job: DemoJob, *extra: str, seconds: float = 4.0) -> dict:  # type:
     args = [a for p in job.pids for a in ("--pid", str(p))]
     r = cli("diagnose", *args, "--format", "json", *extra, timeout=120)
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    out = json.loads(r.stdout)
+    print(out["verdict"])
+    return out
 
 
 @pytest.fixture
