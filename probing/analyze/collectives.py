@@ -31,7 +31,7 @@ import pyarrow as pa
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
 MIN_COLLECTIVES = 5  # fewer complete collectives than this: no verdict
 MIN_LAG_MS = 2.0  # a straggler arrives at least this late (median excess)
-NOISE_FACTOR = 4.0  # ... and this many robust sigmas above the others' jitter
+NOISE_FACTOR = 3.0  # ... and this many robust sigmas above the others' jitter
 LAST_SHARE = 0.5  # ... and is the last to arrive at least this often
 P_VALUE = 1e-3  # ... which chance (1/nranks per collective) explains with p < this
 SLOW_LINK_MIN_MS = 5.0  # a collective's transfer time above this and ...

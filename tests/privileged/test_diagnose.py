@@ -74,6 +74,8 @@ def test_a_cpu_starved_rank_is_named(job) -> None:  # type: ignore[no-untyped-de
     busy_cpu, free_cpu = sorted(os.sched_getaffinity(0))[:2]
     rank = random.randrange(WORLD)
     print(f"starved: rank {rank} on cpu {busy_cpu}")
+    prefix = {r: ["taskset", "-c", str(busy_cpu if r == rank else free_cpu)] for r in range(WORLD)}
+    j = job("--work", "30", "--load-ms", "2", rank_prefix=prefix)
     # each hog in its own session: with autogroup scheduling a session shares a CPU
     # as one task, and every rank runs in a session of its own
     hogs = [
@@ -81,13 +83,10 @@ def test_a_cpu_starved_rank_is_named(job) -> None:  # type: ignore[no-untyped-de
             ["taskset", "-c", str(busy_cpu), sys.executable, "-c", "while 1: pass"],
             start_new_session=True,
         )
-        for _ in range(6)
+        for _ in range(8)
     ]
     try:
-        prefix = {
-            r: ["taskset", "-c", str(busy_cpu if r == rank else free_cpu)] for r in range(WORLD)
-        }
-        out = _diagnose(job("--work", "30", "--load-ms", "2", rank_prefix=prefix))
+        out = _diagnose(j)
     finally:
         for h in hogs:
             h.kill()
