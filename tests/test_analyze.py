@@ -254,3 +254,28 @@ def test_stack_paths_are_short_and_collective_frames_are_seen() -> None:
     inside = {"func": "all_reduce", "file": "torch/distributed/distributed_c10d.py"}
     assert hg.in_collective([inside])
     assert not hg.in_collective([{"func": "Event.wait", "file": "/usr/lib/threading.py"}])
+
+
+def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
+    import time
+
+    from probing.bpf.families import GLOO_SCHEMA
+    from probing.tables import install
+
+    engine = Engine(Store())
+    install(engine)
+    now = time.time_ns()
+    rows = [
+        {"event_id": k, "ts": now - (50 - k) * 10**8, "dur_ns": 10**6, "pid": 7, "tid": 7,
+         "api": "gloo::allreduce", "op": "allreduce", "comm": 0x55, "seq": k, "rank": 1,
+         "nranks": 4, "elements": 10, "bytes": 40}
+        for k in range(50)
+    ]  # fmt: skip
+    engine.store.table("gloo", "calls").append_batch(
+        pa.RecordBatch.from_pylist(rows, schema=GLOO_SCHEMA)
+    )
+    got = engine.sql("SELECT count(*) AS n FROM analyze.collectives").to_pylist()
+    assert got == [{"n": 50}]
+    assert engine.sql("SELECT count(*) AS n FROM analyze.stragglers").to_pylist() == [{"n": 0}]
+    [rank] = engine.sql("SELECT collectives FROM analyze.ranks").to_pylist()
+    assert rank == {"collectives": 0}  # one rank alone completes no collective

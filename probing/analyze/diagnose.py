@@ -437,8 +437,14 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     from probing.analyze.gather import RANK_EXPR, _tag
     from probing.tables.python import eval_with_imports
 
+    from concurrent.futures import ThreadPoolExecutor
+
     now = time.time_ns()
-    rows = engine.sql(COLLECTIVES_SQL.format(since_ns=now - int(window_s * 1e9)))
+    sql = COLLECTIVES_SQL.format(since_ns=now - int(window_s * 1e9))
+    # a table is produced inside the engine's own query: the query it needs runs
+    # on a thread of its own (DataFusion cannot block inside its runtime)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        rows = pool.submit(engine.sql, sql).result()
     try:
         rank = int(eval_with_imports(RANK_EXPR))
     except Exception:

@@ -163,8 +163,14 @@ def test_a_hang_after_the_fact_names_the_missing_rank(job) -> None:  # type: ign
 
 def test_a_healthy_job_raises_nothing(job) -> None:  # type: ignore[no-untyped-def]
     require_bpf()
-    out = _diagnose(job())
+    j = job()
+    out = _diagnose(j)
     assert out["healthy"], out["verdict"]
+    # the same tables in one rank's probe, over that rank's own rows
+    q = cli("query", "--pid", str(j.pids[0]), "-f", "json",
+            "SELECT rank, collectives FROM analyze.ranks")  # fmt: skip
+    assert q.returncode == 0, q.stderr
+    assert [r["rank"] for r in json.loads(q.stdout)] == [0]
     assert out["verdict"].startswith("healthy: 4 ranks")
     assert out["summary"]["collectives"] >= 20
     assert not out["stragglers"] and not out["slow_links"] and not out["hangs"]
