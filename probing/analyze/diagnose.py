@@ -433,11 +433,10 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     """The analyze.* tables over the data this one probe holds (its own rank)."""
     import os
     import socket
+    from concurrent.futures import ThreadPoolExecutor
 
     from probing.analyze.gather import RANK_EXPR, _tag
     from probing.tables.python import eval_with_imports
-
-    from concurrent.futures import ThreadPoolExecutor
 
     now = time.time_ns()
     sql = COLLECTIVES_SQL.format(since_ns=now - int(window_s * 1e9))
