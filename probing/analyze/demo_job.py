@@ -27,7 +27,8 @@ from torch import nn
 
 def load_batch(rank: int, args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Read and decode one batch (storage latency, with a little noise)."""
-    if rank == args.hang_rank and step >= args.hang_step >= 0:
+    stuck = step >= args.hang_step >= 0 or (args.hang_file and os.path.exists(args.hang_file))
+    if rank == args.hang_rank and stuck:
         threading.Event().wait()  # the loader never returns: a stuck read
     if args.slow_file:  # "RANK MS": which rank is slow, changeable while the job runs
         try:
@@ -60,6 +61,7 @@ def main() -> None:
     p.add_argument("--slow-file", help="a file holding 'RANK MS', read every step")
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
+    p.add_argument("--hang-file", help="--hang-rank gets stuck once this file exists")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -70,13 +72,16 @@ def main() -> None:
         rank=args.rank,
         world_size=args.world,
     )
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    )
+    device = torch.device("cpu")
+    if args.backend == "nccl":  # one GPU per rank (shared round-robin if fewer)
+        device = torch.device("cuda", args.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
+    model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0
     while args.steps <= 0 or step < args.steps:
-        x, y = load_batch(args.rank, args, step)
+        x, y = (t.to(device) for t in load_batch(args.rank, args, step))
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()  # DDP all-reduces the gradients here

@@ -26,11 +26,12 @@ NS, HOST_IF, NS_IF = "p8n0", "p8h0", "p8n0v"
 HOST_IP, NS_IP = "10.88.0.1", "10.88.0.2"
 
 
-def _diagnose(job: DemoJob, *extra: str, seconds: float = 4.0) -> dict:  # type: ignore[type-arg]
+def _diagnose(job: DemoJob, *extra: str, seconds: float = 4.0, trace: bool = True) -> dict:  # type: ignore[type-arg]
     import time
 
-    errors = trace_all(job.pids, ["gloo"])
-    assert not errors, errors
+    if trace:
+        errors = trace_all(job.pids, ["gloo"])
+        assert not errors, errors
     time.sleep(seconds)
     args = [a for p in job.pids for a in ("--pid", str(p))]
     r = cli("diagnose", *args, "--format", "json", *extra, timeout=120)
@@ -159,6 +160,22 @@ def test_a_hang_after_the_fact_names_the_missing_rank(job) -> None:  # type: ign
     waiting = next(v for k, v in h["stacks"].items() if k != str(rank))
     assert any("backward" in line for line in waiting)
     assert f"rank {rank} never entered it" in out["verdict"]
+
+
+def test_a_hang_while_traced_shows_the_call_in_flight(job, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    rank, stuck = random.randrange(WORLD), tmp_path / "stuck"
+    print(f"traced hang: rank {rank}")
+    j = job("--hang-rank", str(rank), "--hang-file", str(stuck))
+    errors = trace_all(j.pids, ["gloo"])
+    assert not errors, errors
+    stuck.touch()  # the others enter the next all-reduce, traced, and wait in it
+    out = _diagnose(j, "--hang-after", "2s", seconds=3.0, trace=False)
+    [h] = out["hangs"]
+    assert h["evidence"] == "traced" and h["op"] == "allreduce" and h["age_s"] >= 2
+    assert h["missing_ranks"] == [rank]
+    assert h["waiting_ranks"] == sorted(set(range(WORLD)) - {rank})
+    assert out["verdict"].startswith("hang: ranks ") and "wait in allreduce #" in out["verdict"]
 
 
 def test_a_healthy_job_raises_nothing(job) -> None:  # type: ignore[no-untyped-def]
