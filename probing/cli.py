@@ -382,6 +382,7 @@ def diagnose(
         typer.Option(help="SQL over analyze.stragglers/slow_links/hangs/ranks/collectives"),
     ] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+    inject: InjectOpt = True,
 ) -> None:
     """Name the straggler, slow link or hang of a distributed job, and show why."""
     from probing.analyze import diagnose as run_diagnosis
@@ -398,6 +399,8 @@ def diagnose(
         typer.echo(f"probing: counts differ; watching {seconds:.0f} s for a hang", err=True)
 
     try:
+        for p in pid or []:  # a hung job never traced: stacks and counts still tell
+            _probe_client(p, inject)
         d, table = run_diagnosis(
             pids=pid, addr=addr, cluster=cluster, window_s=window_s, hang_after_s=hang_s,
             on_wait=waiting,
