@@ -166,7 +166,8 @@ def main(
             return 1
         named = f"rank {rank} never entered" if hang else f"rank {rank} on node"
         ok = named in " ".join(r.stdout.split("\n\n")[0].split())
-        print(f"demo: the slowed rank was {rank}; the verdict {'names it' if ok else 'MISSES it'}")
+        names = "names it" if ok else "MISSES it"
+        print(f"demo: the {'stuck' if hang else 'slowed'} rank was {rank}; the verdict {names}")
         return 0 if ok else 1
     finally:
         job.stop()

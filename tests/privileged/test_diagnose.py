@@ -191,3 +191,19 @@ def test_a_healthy_job_raises_nothing(job) -> None:  # type: ignore[no-untyped-d
     assert out["verdict"].startswith("healthy: 4 ranks")
     assert out["summary"]["collectives"] >= 20
     assert not out["stragglers"] and not out["slow_links"] and not out["hangs"]
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["straggler", "hang"])
+def test_demo_names_the_rank_it_slowed(hang: bool) -> None:
+    """`make demo`: a job started without probing, traced, diagnosed, stopped."""
+    require_bpf()
+    rank = random.randrange(WORLD)
+    args = ["demo", "--slow-rank", str(rank), "--seconds", "2"] + (["--hang"] if hang else [])
+    out = cli(*args, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "$ probing trace --pid P --background" in out.stdout
+    role = "stuck" if hang else "slowed"
+    assert f"the {role} rank was {rank}; the verdict names it" in out.stdout
+    first = out.stdout.split("$ probing diagnose")[1].splitlines()[1]
+    assert first.startswith("hang: ranks " if hang else f"rank {rank} on node ")
+    assert "demo: stopped the job's 4 ranks" in out.stdout
