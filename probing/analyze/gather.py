@@ -33,13 +33,31 @@ def _tag(table: pa.Table, node: str, rank: int) -> pa.Table:
     return table.append_column("rank", pa.array([rank] * n, type=pa.int64()))
 
 
-def process_rank(client: object) -> int:
-    """A local process's rank in its job (-1 when it has none)."""
+_RANKS: dict[tuple[int, float], int] = {}  # (pid, its start time) -> rank
+
+
+def process_rank(client: object, pid: int) -> int:
+    """A local process's rank in its job (-1 when it has none); asked once per process."""
+    key = (pid, _start_time(pid))
+    if key in _RANKS:
+        return _RANKS[key]
     try:
         value = client.query(f"SELECT value FROM python.`{RANK_EXPR}`")  # type: ignore[attr-defined]
-        return int(value.column(0)[0].as_py())
+        rank = int(value.column(0)[0].as_py())
     except (ProbingError, ValueError, TypeError, IndexError):
         return -1
+    if rank >= 0:
+        _RANKS[key] = rank
+    return rank
+
+
+def _start_time(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
 
 
 def gather(
@@ -61,7 +79,7 @@ def gather(
     clients = [ProbeClient.for_pid(pid, timeout=max(timeout, 1.0)) for pid in pids]
 
     def one(i: int) -> pa.Table:  # the ranks answer in parallel
-        rank = process_rank(clients[i])
+        rank = process_rank(clients[i], pids[i])
         return _tag(clients[i].query(sql), node, rank if rank >= 0 else i)
 
     with ThreadPoolExecutor(max_workers=min(16, len(clients))) as pool:
