@@ -279,3 +279,18 @@ def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
     assert engine.sql("SELECT count(*) AS n FROM analyze.stragglers").to_pylist() == [{"n": 0}]
     [rank] = engine.sql("SELECT collectives FROM analyze.ranks").to_pylist()
     assert rank == {"collectives": 0}  # one rank alone completes no collective
+
+
+def test_diagnose_bad_input_is_one_clear_line() -> None:
+    from tests.conftest import cli
+
+    cases = [
+        ((), "nothing to ask: give --pid"),
+        (("--pid", "999999999"), "no process with pid 999999999"),
+        (("--pid", "1", "--window", "soon"), "not a duration: 'soon'"),
+    ]
+    for args, msg in cases:
+        r = cli("diagnose", *args)
+        assert r.returncode == 1 and r.stdout == ""
+        assert r.stderr.startswith("probing: error: ") and msg in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
