@@ -294,3 +294,16 @@ def test_diagnose_bad_input_is_one_clear_line() -> None:
         assert r.returncode == 1 and r.stdout == ""
         assert r.stderr.startswith("probing: error: ") and msg in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ranks_that_did_not_answer_are_reported() -> None:
+    from probing.analyze.gather import MISSING_KEY, missing_ranks
+
+    t = job(seed=1)
+    gone = ["rank 5 (host9): timed out after 5 s"]
+    t = t.replace_schema_metadata({MISSING_KEY: json.dumps(gone).encode()})
+    assert missing_ranks(t) == gone and missing_ranks(job(seed=1)) == []
+    d = analyze(t, now_ns=T0)
+    d.missing = missing_ranks(t)
+    assert d.to_json()["missing"] == gone
+    assert "not heard from: rank 5 (host9)" in render(d)

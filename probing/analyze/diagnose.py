@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from probing.analyze import collectives as coll
 from probing.analyze import hangs as hg
-from probing.analyze.gather import gather
+from probing.analyze.gather import gather, missing_ranks
 from probing.errors import ProbingError
 
 COLLECTIVES_SQL = (
@@ -44,6 +44,7 @@ class Diagnosis:
     stacks: dict[int, list[str]]  # rank -> main thread stack, for the verdict's ranks
     window_s: float
     elapsed_s: float = 0.0
+    missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -81,6 +82,7 @@ class Diagnosis:
             ],
             "summary": dataclasses.asdict(self.summary),
             "ranks": self.ranks,
+            "missing": self.missing,
         }
 
 
@@ -219,6 +221,8 @@ def render(d: Diagnosis) -> str:
     from probing.render import format_rows
 
     out = [textwrap.fill(d.verdict, 80), ""]
+    if d.missing:
+        out[1:1] = [textwrap.fill("not heard from: " + "; ".join(d.missing), 80), ""]
     cols = ["rank", "node", "collectives", "last_pct", "lag_ms_mean", "lag_ms_p99", "count"]
     head = ["RANK", "NODE", "COLL", "LAST %", "LAG MS", "P99 MS", "COUNT", "IN COLL"]
     rows = [[r[c] for c in cols] + [_yes(r["in_collective"])] for r in d.ranks]
@@ -325,6 +329,7 @@ def diagnose(
                 stalled_s=round(stalled + time.monotonic() - watched, 1),
                 window_s=window_s, hang_after_s=hang_after_s,
             )  # fmt: skip
+    d.missing = missing_ranks(table)
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, table
 

@@ -10,6 +10,7 @@ Two paths behind one function:
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import pyarrow as pa
 
 from probing.errors import ProbingError
 
+MISSING_KEY = b"probing.missing"
 RANK_EXPR = (
     "(lambda d: d.get_rank() if d is not None and d.is_initialized() "
     "else int(os.environ.get('RANK', '-1')))(sys.modules.get('torch.distributed'))"
@@ -101,4 +103,16 @@ def _cluster(sql: str, *, pids: Sequence[int] | None, addr: str | None, timeout:
         res = cluster_query(sql, pid=pids[0], timeout=timeout)
     else:
         raise ProbingError("--cluster needs one local rank (--pid P) or a peer (--addr H:PORT)")
-    return res.table
+    table = res.table
+    if res.missing:  # ranks that did not answer: the diagnosis says it works without them
+        gone = [f"rank {m.rank} ({m.node or m.addr}): {m.reason}" for m in res.missing]
+        meta = dict(table.schema.metadata or {})
+        meta[MISSING_KEY] = json.dumps(gone).encode()
+        table = table.replace_schema_metadata(meta)
+    return table
+
+
+def missing_ranks(table: pa.Table) -> list[str]:
+    """The ranks a cluster gather could not reach (from the table's metadata)."""
+    raw = (table.schema.metadata or {}).get(MISSING_KEY)
+    return json.loads(raw) if raw else []
