@@ -37,7 +37,7 @@ def job(
     behind_link: int | None = None,
     seed: int = 0,
 ) -> pa.Table:
-    """Rows as ``gather(COLLECTIVES_SQL)`` returns them for a synchronous DDP job."""
+    """Rows as ``gather(queries()["collectives"])`` returns them for a synchronous DDP job."""
     rng = np.random.default_rng(seed)
     skipped = rng.integers(0, 5, size=ranks)  # collectives before each rank's trace began
     comm_ptr = rng.integers(1 << 40, 1 << 44, size=ranks)  # a local pointer per process

@@ -16,19 +16,34 @@ from probing.analyze import hangs as hg
 from probing.analyze.gather import gather, missing_ranks
 from probing.errors import ProbingError
 
+# what every rank is asked; ``{tags}`` is ", node, rank" in a cluster query,
+# where those are the peer's tags and the view's own ``rank`` is ``table_rank``
 COLLECTIVES_SQL = (
-    "SELECT backend, op, comm, seq, rank AS comm_rank, nranks, bytes, ts, dur_ns, pid "
-    "FROM comm.collectives WHERE ts >= {since_ns}"
+    "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
+    "pid{tags} FROM comm.collectives WHERE ts >= {since_ns}"
 )
-STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line FROM process.stacks"
+STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
 # torch's own count of collectives issued per process group (no tracing needed)
 COUNTS_EXPR = (
-    "(lambda d: [{'group': str(n), 'size': g.size(), "
-    "'count': g._get_sequence_number_for_group()} "
+    "(lambda d: [{{'group': str(n), 'size': g.size(), "
+    "'count': g._get_sequence_number_for_group()}} "
     "for g, n in d.distributed_c10d._world.pg_names.items()] "
     "if d is not None and d.is_initialized() else [])(sys.modules.get('torch.distributed'))"
 )
-COUNTS_SQL = f"SELECT * FROM python.`{COUNTS_EXPR}`"
+COUNTS_SQL = "SELECT *{tags} FROM python.`" + COUNTS_EXPR + "`"
+
+
+def queries(remote: bool) -> dict[str, str]:
+    """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
+    tags = {"tags": ", node, rank" if remote else "", "since_ns": "{since_ns}"}
+    comm_rank = "table_rank" if remote else "rank"
+    return {
+        "collectives": COLLECTIVES_SQL.format(comm_rank=comm_rank, **tags),
+        "stacks": STACKS_SQL.format(**tags),
+        "counts": COUNTS_SQL.format(**tags),
+    }
+
+
 POLL_S = 0.25
 
 
@@ -263,10 +278,10 @@ def _frames_by_rank(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
 
 
 def _states(
-    ask: Callable[[str], pa.Table], frames: dict[int, list[dict[str, Any]]]
+    ask: Callable[[str], pa.Table], frames: dict[int, list[dict[str, Any]]], sql: dict[str, str]
 ) -> list[hg.RankState]:
     try:
-        counts = ask(COUNTS_SQL)
+        counts = ask(sql["counts"])
     except ProbingError:  # python.`expr` is local-only: remote ranks give stacks only
         counts = pa.table({"rank": pa.array([], pa.int64())})
     per: dict[int, dict[str, int]] = {}
@@ -303,9 +318,10 @@ def diagnose(
         return gather(sql, pids=pids, addr=addr, cluster=cluster, timeout=timeout)
 
     now = time.time_ns()
-    table = ask(COLLECTIVES_SQL.format(since_ns=now - int(window_s * 1e9)))
-    frames = _frames_by_rank(ask(STACKS_SQL))
-    states = _states(ask, frames)
+    sql = queries(remote=cluster or addr is not None)
+    table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
+    frames = _frames_by_rank(ask(sql["stacks"]))
+    states = _states(ask, frames, sql)
     stalled = round(_stalled_s(table, now, pids if not (cluster or addr) else None), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
@@ -318,11 +334,11 @@ def diagnose(
             on_wait(hang_after_s - stalled)
         while stalled + time.monotonic() - watched < hang_after_s:
             time.sleep(POLL_S)
-            again = _states(ask, frames)
+            again = _states(ask, frames, sql)
             if [s.counts for s in again] != [s.counts for s in states]:
                 break
         else:
-            frames = _frames_by_rank(ask(STACKS_SQL))
+            frames = _frames_by_rank(ask(sql["stacks"]))
             states = [dataclasses.replace(s, frames=frames.get(s.rank, [])) for s in states]
             d = analyze(
                 table, frames=frames, states=states, now_ns=time.time_ns(),
@@ -444,7 +460,7 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     from probing.tables.python import eval_with_imports
 
     now = time.time_ns()
-    sql = COLLECTIVES_SQL.format(since_ns=now - int(window_s * 1e9))
+    sql = queries(remote=False)["collectives"].format(since_ns=now - int(window_s * 1e9))
     # a table is produced inside the engine's own query: the query it needs runs
     # on a thread of its own (DataFusion cannot block inside its runtime)
     with ThreadPoolExecutor(max_workers=1) as pool:
