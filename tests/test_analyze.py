@@ -307,3 +307,17 @@ def test_ranks_that_did_not_answer_are_reported() -> None:
     d.missing = missing_ranks(t)
     assert d.to_json()["missing"] == gone
     assert "not heard from: rank 5 (host9)" in render(d)
+
+
+def test_a_collective_every_rank_entered_and_none_left_is_a_hang() -> None:
+    rows = job(steps=20, seed=9).to_pylist()
+    last = max(r["ts"] for r in rows)
+    for rank in range(4):  # everyone enters the next all-reduce; nobody returns
+        mine = max((r for r in rows if r["rank"] == rank), key=lambda r: r["seq"])
+        rows.append({**mine, "seq": mine["seq"] + 1, "ts": last + 10**8, "dur_ns": None})
+    t = pa.Table.from_pylist(rows)
+    assert not analyze(t, now_ns=last + 5 * 10**9).hangs
+    d = analyze(t, now_ns=last + 15 * 10**9)
+    [h] = d.hangs
+    assert h.missing_ranks == [] and h.waiting_ranks == [0, 1, 2, 3] and h.age_s >= 14
+    assert d.verdict.startswith("hang: every rank (0, 1, 2, 3) waits in allreduce #")

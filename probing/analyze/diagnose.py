@@ -120,6 +120,12 @@ def verdict(
     if hangs:
         h = hangs[0]
         what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
+        if not h.missing_ranks:
+            return (
+                f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {what} "
+                f"of {h.comm} for {h.age_s:g}+ s and none returns: the collective itself "
+                "is stuck (network, or a peer's transport)"
+            )
         return (
             f"hang: {_ranks_text(h.waiting_ranks)} wait in {what} of {h.comm} for "
             f"{h.age_s:g}+ s; {_ranks_text(h.missing_ranks)} never entered it"

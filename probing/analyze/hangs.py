@@ -91,7 +91,8 @@ def traced_hangs(
     hang_after_s: float = HANG_AFTER_S,
     frames: dict[int, list[dict[str, Any]]] | None = None,
 ) -> list[Hang]:
-    """Collectives in flight in some ranks and not entered by others for long enough."""
+    """Collectives in flight in some ranks and not entered by others for long enough;
+    or entered by every rank and left by none (the collective itself is stuck)."""
     out = []
     for c in collectives:
         inside = [r for r, e in c.end.items() if e is None]
@@ -100,7 +101,8 @@ def traced_hangs(
         members = set(ranks) if len(ranks) >= c.nranks else set(ranks) | set(c.ts)
         missing = sorted(members - set(c.ts))
         age = (now_ns - min(c.ts[r] for r in inside)) / 1e9
-        if not missing or age < hang_after_s:
+        stuck = not missing and len(inside) == len(c.ts) >= c.nranks
+        if (not missing and not stuck) or age < hang_after_s:
             continue
         out.append(Hang(c.comm, c.seq, c.op, missing, sorted(inside), round(age, 1), "traced", {}))
     return _with_stacks(out, frames or {})
