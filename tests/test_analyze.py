@@ -321,3 +321,26 @@ def test_a_collective_every_rank_entered_and_none_left_is_a_hang() -> None:
     [h] = d.hangs
     assert h.missing_ranks == [] and h.waiting_ranks == [0, 1, 2, 3] and h.age_s >= 14
     assert d.verdict.startswith("hang: every rank (0, 1, 2, 3) waits in allreduce #")
+
+
+def test_callsites_pick_each_ranks_most_frequent() -> None:
+    from probing.analyze.diagnose import callsites, queries
+
+    rows = [
+        {"callsite": "train.py:69 main", "n": 40, "rank": 2},
+        {"callsite": "train.py:12 warmup", "n": 3, "rank": 2},
+        {"callsite": None, "n": 9, "rank": 1},
+        {"callsite": "train.py:69 main", "n": 41, "rank": 0},
+    ]
+    assert callsites(pa.Table.from_pylist(rows)) == {0: "train.py:69 main", 2: "train.py:69 main"}
+    d = analyze(job(straggler=2, seed=2), now_ns=T0)
+    d.callsites = {2: "train.py:69 main"}
+    assert "rank 2 issues its collectives at train.py:69 main" in render(d)
+    # without python.callsites (a trace with no Python stacks) the query is refused,
+    # which diagnose takes as "no callsites"
+    engine = Engine(Store())
+    from probing.tables import install
+
+    install(engine)
+    with pytest.raises(Exception, match="callsites|stack_id"):
+        engine.sql(queries(False)["callsites"].format(since_ns=0))

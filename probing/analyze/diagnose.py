@@ -33,6 +33,15 @@ COUNTS_EXPR = (
 COUNTS_SQL = "SELECT *{tags} FROM python.`" + COUNTS_EXPR + "`"
 
 
+# where each rank issues its collectives from, when the trace records Python
+# stacks (``stack_id`` and ``python.callsites``); absent: no callsites, no error
+CALLSITES_SQL = (
+    "SELECT s.callsite AS callsite, count(*) AS n{tags} FROM comm.collectives c "
+    "JOIN python.callsites s ON c.stack_id = s.stack_id WHERE c.ts >= {since_ns} "
+    "GROUP BY s.callsite{group}"
+)
+
+
 def queries(remote: bool) -> dict[str, str]:
     """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
     tags = {"tags": ", node, rank" if remote else "", "since_ns": "{since_ns}"}
@@ -41,7 +50,22 @@ def queries(remote: bool) -> dict[str, str]:
         "collectives": COLLECTIVES_SQL.format(comm_rank=comm_rank, **tags),
         "stacks": STACKS_SQL.format(**tags),
         "counts": COUNTS_SQL.format(**tags),
+        "callsites": CALLSITES_SQL.format(
+            tags=", rank" if remote else "",
+            group=", rank" if remote else "",
+            since_ns="{since_ns}",
+        ),  # fmt: skip
     }
+
+
+def callsites(table: pa.Table) -> dict[int, str]:
+    """Each rank's most frequent collective callsite (``callsite, n, rank`` rows)."""
+    best: dict[int, tuple[int, str]] = {}
+    for row in table.to_pylist():
+        r, n = row["rank"], row["n"] or 0
+        if row["callsite"] and (r not in best or n > best[r][0]):
+            best[r] = (n, row["callsite"])
+    return {r: site for r, (_, site) in sorted(best.items())}
 
 
 POLL_S = 0.25
@@ -60,6 +84,7 @@ class Diagnosis:
     window_s: float
     elapsed_s: float = 0.0
     missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
+    callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -98,6 +123,7 @@ class Diagnosis:
             "summary": dataclasses.asdict(self.summary),
             "ranks": self.ranks,
             "missing": self.missing,
+            "callsites": {str(r): c for r, c in self.callsites.items()},
         }
 
 
@@ -258,6 +284,10 @@ def render(d: Diagnosis) -> str:
         role = _role(d, rank)
         out.append(f"\nrank {rank} ({role}): {lines[0] if lines else ''}")
         out.extend(f"    {line}"[:80] for line in lines[1:])
+    named = {s.rank for s in d.stragglers}
+    named |= {r for h in d.hangs for r in (*h.missing_ranks, *h.waiting_ranks)}
+    for rank in sorted(named & set(d.callsites)):
+        out.append(f"rank {rank} issues its collectives at {d.callsites[rank]}"[:80])
     return "\n".join(out)
 
 
@@ -352,6 +382,12 @@ def diagnose(
                 window_s=window_s, hang_after_s=hang_after_s,
             )  # fmt: skip
     d.missing = missing_ranks(table)
+    if d.stragglers or d.hangs:
+        try:
+            since = now - int(window_s * 1e9)
+            d.callsites = callsites(ask(sql["callsites"].format(since_ns=since)))
+        except ProbingError:  # a trace without Python stacks
+            d.callsites = {}
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, table
 
