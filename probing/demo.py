@@ -55,15 +55,21 @@ class DemoJob:
         self.port = free_port()
         base = {k: v for k, v in os.environ.items() if k != "PROBING"}
         base.update(env or {})
+        args = list(job_args)
+        master = args[args.index("--master") + 1] if "--master" in args else "127.0.0.1"
         self.procs = []
         for r in range(world):
             cmd = [sys.executable, str(JOB_SCRIPT), "--rank", str(r), "--world", str(world)]
             cmd += ["--port", str(self.port), *job_args]
             prefix = (rank_prefix or {}).get(r, [])
+            # what torchrun gives each rank (a probe attached later reads it)
+            env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world))
+            env_r.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=master)
+            env_r.update(MASTER_PORT=str(self.port))
             self.procs.append(
                 subprocess.Popen(
                     [*prefix, *cmd],
-                    env=base,
+                    env=env_r,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
