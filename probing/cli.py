@@ -37,6 +37,12 @@ class Format(str, Enum):
     json = "json"
 
 
+class Fanout(str, Enum):
+    auto = "auto"
+    flat = "flat"
+    tree = "tree"
+
+
 def _fail(err: ProbingError | str, code: int = 1) -> typer.Exit:
     typer.echo(f"probing: error: {err}", err=True)
     return typer.Exit(code)
@@ -67,28 +73,102 @@ def ps() -> None:
         "Examples:\n\n"
         '  probing query --pid 1234 "SELECT count(*) FROM process.threads"\n\n'
         '  probing query -p 1234 -f json "SELECT * FROM probing.tables"\n\n'
-        '  probing query -p 1234 "SELECT * FROM python.`torch.__version__`"'
+        '  probing query -p 1234 "SELECT * FROM python.`torch.__version__`"\n\n'
+        '  probing query -p 1234 --cluster "SELECT rank, count(*) FROM process.threads '
+        'GROUP BY rank"\n\n'
+        "  PROBING_TOKEN=... probing query --addr 10.0.0.2:7070 --cluster --strict "
+        '"SELECT node, rank, max(ts) FROM comm.collectives GROUP BY node, rank"'
     )
 )
 def query(
     sql: Annotated[str, typer.Argument(help="read-only SQL (SELECT, WITH, SHOW, EXPLAIN)")],
-    pid: PidOpt,
+    pid: Annotated[int | None, typer.Option("--pid", "-p", help="process id of the target")] = None,
+    addr: Annotated[
+        str | None,
+        typer.Option("--addr", help="a peer probe's host:port instead (token: $PROBING_TOKEN)"),
+    ] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="output format")] = Format.table,
+    cluster: Annotated[
+        bool, typer.Option("--cluster", help="run over every peer of the job; rows get node, rank")
+    ] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the peers (--cluster)")] = 5.0,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="fail when a peer does not answer (--cluster)")
+    ] = False,
+    timings: Annotated[
+        bool, typer.Option("--timings", help="print each peer's response time on stderr")
+    ] = False,
+    fanout: Annotated[
+        Fanout, typer.Option(help="ask every peer, or each node's first rank (--cluster)")
+    ] = Fanout.auto,
 ) -> None:
-    """Run SQL in a process's probe and print the result."""
+    """Run SQL in a process's probe (or across the job with --cluster) and print it."""
     from probing.render import format_arrow
 
+    if (pid is None) == (addr is None):
+        raise _fail("give exactly one of --pid or --addr", 2)
     try:
-        client = _client(pid)
-        if fmt is Format.table:
-            typer.echo(format_arrow(client.query(sql)))
+        if cluster:
+            result = _cluster_query(
+                sql, pid, addr, timeout=timeout, strict=strict, fanout=fanout.value
+            )
+            _report_peers(result, timings)
+            table = result.table
         else:
-            sys.stdout.buffer.write(client.query_raw(sql, fmt.value))
-            if fmt is Format.json:
-                sys.stdout.buffer.write(b"\n")
-            sys.stdout.flush()
+            client = _client(pid) if pid is not None else _addr_client(addr or "")
+            if fmt is not Format.table:
+                sys.stdout.buffer.write(client.query_raw(sql, fmt.value))
+                if fmt is Format.json:
+                    sys.stdout.buffer.write(b"\n")
+                sys.stdout.flush()
+                return
+            table = client.query(sql)
     except ProbingError as err:
         raise _fail(err) from None
+    if fmt is Format.table:
+        typer.echo(format_arrow(table))
+    elif fmt is Format.json:
+        typer.echo(json.dumps(table.to_pylist(), default=str))
+    else:
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(table, sys.stdout.buffer)
+        sys.stdout.flush()
+
+
+def _addr_client(addr: str):  # type: ignore[no-untyped-def]
+    from probing.client import ProbeClient
+
+    return ProbeClient.for_addr(addr)
+
+
+def _cluster_query(sql: str, pid: int | None, addr: str | None, **kw: object):  # type: ignore[no-untyped-def]
+    from probing.cluster import cluster_query
+
+    return cluster_query(sql, pid=pid, addr=addr, **kw)  # type: ignore[arg-type]
+
+
+def _report_peers(result, timings: bool) -> None:  # type: ignore[no-untyped-def]
+    """Missing peers (always) and response times (the slowest, or all) on stderr."""
+    for m in result.missing:
+        typer.echo(f"probing: rank {m.rank} ({m.node}, {m.addr}) missing: {m.reason}", err=True)
+    if not result.peers:
+        return
+    if timings:
+        from probing.render import format_rows
+
+        rows = [
+            [t.rank, t.node, t.addr, round(t.response_ms, 1), t.clock_offset_ns]
+            for t in result.peers
+        ]
+        typer.echo(format_rows(["RANK", "NODE", "ADDR", "MS", "CLOCK_OFFSET_NS"], rows), err=True)
+        return
+    slow = max(result.peers, key=lambda t: t.response_ms)
+    typer.echo(
+        f"probing: {len(result.peers)} peer(s) answered; slowest rank {slow.rank} "
+        f"({slow.node}) in {slow.response_ms:.0f} ms",
+        err=True,
+    )
 
 
 TABLES_SQL = """

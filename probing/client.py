@@ -18,6 +18,7 @@ from probing.errors import (
     EvalError,
     NoProbe,
     NoSuchProcess,
+    PeerUnreachable,
     ProbingError,
     QueryError,
 )
@@ -80,11 +81,55 @@ class UnixTransport:
         pass
 
 
-class ProbeClient:
-    """One method per endpoint: ``health``, ``query``, ``tables``."""
+class TcpTransport:
+    """One HTTP request per call to a peer's TCP port, with the job's token."""
 
-    def __init__(self, transport: UnixTransport) -> None:
+    pid = None
+
+    def __init__(self, addr: str, token: str, *, timeout: float = 30.0) -> None:
+        from probing.cluster.identity import split_addr
+
+        self.addr = addr
+        self.host, self.port = split_addr(addr)
+        self.token = token
+        self.timeout = timeout
+
+    def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        try:
+            headers = {"Authorization": f"Bearer {self.token}"}
+            if body:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, url, body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("Content-Type", ""), resp.read()
+        except TimeoutError as err:
+            raise PeerUnreachable(f"{self.addr} did not answer in {self.timeout:g} s") from err
+        except (OSError, http.client.HTTPException) as err:
+            raise PeerUnreachable(f"cannot reach the probe at {self.addr}: {err}") from err
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        pass
+
+
+class ProbeClient:
+    """One method per endpoint: ``health``, ``query``, ``tables``, ``cluster_query``..."""
+
+    def __init__(self, transport: UnixTransport | TcpTransport) -> None:
         self.transport = transport
+
+    @classmethod
+    def for_addr(cls, addr: str, *, token: str | None = None, timeout: float = 30.0) -> ProbeClient:
+        """The client of a peer probe's TCP port (``host:port``), with the job's
+        token (``token``, else ``$PROBING_TOKEN``)."""
+        token = token or os.environ.get("PROBING_TOKEN")
+        if not token:
+            raise ProbingError(
+                f"asking {addr} needs the job's token", hint="pass token= or set PROBING_TOKEN"
+            )
+        return cls(TcpTransport(addr, token, timeout=timeout))
 
     @classmethod
     def for_pid(cls, pid: int, *, timeout: float = 30.0) -> ProbeClient:
@@ -125,6 +170,10 @@ class ProbeClient:
             raise EvalError(msg, pid=pid, detail=err.get("detail", ""))
         if status == 403:
             raise AccessDenied(msg, pid=pid)
+        if status == 401:
+            raise AccessDenied(f"the probe refused the token: {msg}", hint="check PROBING_TOKEN")
+        if kind == "PeerUnreachable":
+            raise PeerUnreachable(msg, pid=pid)
         raise ProbingError(f"probe answered {status}: {msg}", pid=pid)
 
     def health(self) -> dict[str, Any]:
@@ -160,6 +209,30 @@ class ProbeClient:
 
     def trace_stop(self) -> dict[str, Any]:
         return json.loads(self._call("POST", "/trace/stop", {})[1])
+
+    def peers(self) -> list[dict[str, Any]]:
+        """``probing.peers`` of this probe: every peer it knows, as it last saw it."""
+        return json.loads(self._call("GET", "/peers")[1])
+
+    def cluster_query(
+        self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
+    ) -> Any:
+        """Have this probe run ``sql`` across every peer; returns a ``ClusterResult``."""
+        from probing.cluster.query import ClusterResult
+        from probing.cluster.wire import missing_from, timings_from, unpack
+
+        payload = {"sql": sql, "timeout": timeout, "strict": strict, "fanout": fanout}
+        _, data = self._call("POST", "/cluster/query", payload)
+        try:
+            head, tables = unpack(data)
+        except (ValueError, KeyError) as err:
+            raise ProbingError(f"the probe sent a malformed cluster answer: {err}") from err
+        return ClusterResult(
+            tables["result"],
+            missing_from(head.get("missing", [])),
+            timings_from(head.get("peers", [])),
+            head.get("plan", {}),
+        )
 
     def trace_status(self) -> dict[str, Any]:
         return json.loads(self._call("GET", "/trace/status")[1])

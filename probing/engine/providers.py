@@ -27,6 +27,25 @@ Producer = Callable[[], TableData]
 Resolver = Callable[[str], TableData | None]
 
 
+_code = threading.local()
+
+
+def code_allowed() -> bool:
+    """Whether a resolver that runs code may run on this thread now.
+
+    Fail closed: only inside ``Engine.sql(..., allow_code=True)`` on the
+    calling thread. A query from a peer (TCP) never evaluates expressions.
+    """
+    return getattr(_code, "allowed", False)
+
+
+def set_code_allowed(allowed: bool) -> bool:
+    """Set this thread's flag; returns the previous value."""
+    old = code_allowed()
+    _code.allowed = allowed
+    return old
+
+
 def empty_frame(ctx: SessionContext, schema: pa.Schema) -> DataFrame:
     """No rows, but one partition: a pyarrow dataset of no rows has no
     fragments, hence no partitions, and a sort or union above it fails
@@ -41,6 +60,11 @@ def as_table(data: TableData, ctx: SessionContext | None = None) -> Table:
             return Table(empty_frame(ctx, data.schema))
         data = ds.dataset(data)
     return Table(data)
+
+
+def _int_lit(value: int):  # type: ignore[no-untyped-def]
+    """``lit`` of an int64 scalar: 10x cheaper than ``lit(int)`` (0.2 ms a call)."""
+    return lit(pa.scalar(value, pa.int64()))
 
 
 def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
@@ -58,11 +82,11 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
             df = ctx.read_parquet(snap.chunk_dir, table_partition_cols=parts, schema=snap.schema)
         else:
             df = ctx.read_arrow(snap.chunk_dir, file_partition_cols=parts, schema=snap.schema)
-        in_range = (col(CHUNK_COL) >= lit(snap.first_chunk)) & (
-            col(CHUNK_COL) <= lit(snap.last_chunk)
+        in_range = (col(CHUNK_COL) >= _int_lit(snap.first_chunk)) & (
+            col(CHUNK_COL) <= _int_lit(snap.last_chunk)
         )
         for chunk_id in snap.sealing:  # rows in flight are read from `pending`
-            in_range = in_range & (col(CHUNK_COL) != lit(chunk_id))
+            in_range = in_range & (col(CHUNK_COL) != _int_lit(chunk_id))
         frames.append(df.filter(in_range).select(*[col(n) for n in snap.schema.names]))
     if snap.pending.num_rows:
         # not ctx.from_arrow: it registers a temporary table in the default
@@ -141,6 +165,10 @@ class ProbeSchema(SchemaProvider):
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:
             prepared = self._prepared.get((self.name, name))
             return prepared if prepared is not None else Table(snapshot_dataset(tbl.snapshot()))
+        if self._resolver is not None and not code_allowed():
+            raise PermissionError(
+                f"{self.name}.`{name}` runs code in the target: local unix socket only"
+            )
         if self._resolver is not None and (data := self._resolver(name)) is not None:
             return as_table(data, self._ctx())
         return None

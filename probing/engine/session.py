@@ -5,7 +5,13 @@ from __future__ import annotations
 import pyarrow as pa
 from datafusion import SessionConfig, SessionContext, SQLOptions
 
-from probing.engine.providers import ProbeCatalog, ProbeSchema, Producer, Resolver
+from probing.engine.providers import (
+    ProbeCatalog,
+    ProbeSchema,
+    Producer,
+    Resolver,
+    set_code_allowed,
+)
 from probing.errors import QueryError
 from probing.store import Store, default_store
 
@@ -54,10 +60,21 @@ class Engine:
         """Resolve unknown names in ``schema`` on demand (dynamic tables)."""
         self.schema(schema).set_resolver(resolver)
 
-    def sql(self, query: str, *, read_only: bool = True) -> pa.Table:
-        """Run one query; raise ``QueryError`` with the engine's message."""
+    def sql(self, query: str, *, read_only: bool = True, allow_code: bool = True) -> pa.Table:
+        """Run one query; raise ``QueryError`` with the engine's message.
+
+        ``allow_code=False`` refuses tables that evaluate Python
+        (``python.`expr```): what a peer asking over TCP gets.
+        """
         if not query or not query.strip():
             raise QueryError("empty query")
+        old = set_code_allowed(allow_code)
+        try:
+            return self._sql(query, read_only)
+        finally:
+            set_code_allowed(old)
+
+    def _sql(self, query: str, read_only: bool) -> pa.Table:
         for attempt in (1, 2):
             try:
                 self.catalog.prepare(self.ctx, query)

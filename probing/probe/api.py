@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from typing import TYPE_CHECKING
 
-from probing.errors import EvalError, ProbingError, QueryError
+from probing.errors import EvalError, PeerUnreachable, ProbingError, QueryError
 from probing.probe.runtime import quick_gil_handoff
 from probing.probe.server import Request, Response
 
@@ -56,7 +58,7 @@ def health(probe: Probe, req: Request) -> Response:
 
 def query(probe: Probe, req: Request) -> Response:
     sql, fmt = _sql_request(req)
-    resp = encode(probe.engine.sql(sql), fmt)
+    resp = encode(probe.engine.sql(sql, allow_code=_code_allowed(req)), fmt)
     probe.note_query()
     return resp
 
@@ -74,7 +76,7 @@ def evaluate(probe: Probe, req: Request) -> Response:
     """POST /eval {"code": ...}: local (unix socket) callers only."""
     from probing.probe.evaluate import run
 
-    if req.peer_uid is None:
+    if not _code_allowed(req):
         return Response.error(403, "eval is served on the local socket only", "AccessDenied")
     try:
         code = json.loads(req.body)["code"]
@@ -134,6 +136,84 @@ def trace_status(probe: Probe, req: Request) -> Response:
     return Response.json(current.status() if current else {"state": "stopped", "families": {}})
 
 
+def _cluster(probe: Probe):  # type: ignore[no-untyped-def]
+    node = probe.cluster
+    if node is None:
+        raise ProbingError(
+            "this probe is not in cluster mode",
+            hint="it turns on in a rank of a torchrun job (WORLD_SIZE > 1) or with PROBING_PEERS",
+        )
+    node.ready.wait(5.0)
+    return node
+
+
+def peers(probe: Probe, req: Request) -> Response:
+    """GET /peers: ``probing.peers`` as JSON (empty outside cluster mode)."""
+    if probe.cluster is None:
+        return Response.json([])
+    return Response.json(probe.cluster.registry.table().to_pylist())
+
+
+def cluster_query(probe: Probe, req: Request) -> Response:
+    """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}: this
+    probe asks every peer and answers with the merged result, the missing
+    peers and each peer's response time and clock offset."""
+    from probing.cluster.wire import CLUSTER_CONTENT_TYPE, pack
+
+    t_recv = time.time_ns()
+    try:
+        payload = json.loads(req.body or b"{}")
+        sql = payload["sql"]
+        timeout = float(payload.get("timeout", 5.0))
+        strict = bool(payload.get("strict", False))
+        fanout = str(payload.get("fanout", "auto"))
+        fmt = payload.get("format", "arrow")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return Response.error(400, f'bad /cluster/query request (want {{"sql": ...}}): {err}')
+    result, got, plan = _cluster(probe).coordinate(
+        sql, timeout=timeout, strict=strict, fanout=fanout
+    )
+    probe.note_query()
+    meta = {
+        "missing": [vars(m) for m in got.missing],
+        "peers": [vars(t) for t in got.peers],
+        "plan": {"mode": plan.mode, "pushed": plan.pushed},
+    }
+    if fmt == "json":
+        return Response.json({"rows": result.to_pylist(), **meta})
+    return Response(200, CLUSTER_CONTENT_TYPE, pack(meta, {"result": result}, t_recv))
+
+
+def cluster_gather(probe: Probe, req: Request) -> Response:
+    """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
+    from probing.cluster.wire import CLUSTER_CONTENT_TYPE
+
+    t_recv = time.time_ns()
+    try:
+        payload = json.loads(req.body)
+        payload["work"]["mode"]
+    except (ValueError, KeyError, TypeError) as err:
+        return Response.error(400, f"bad /cluster/gather request: {err}")
+    body = _cluster(probe).answer_gather(payload, t_recv)
+    probe.note_query()
+    return Response(200, CLUSTER_CONTENT_TYPE, body)
+
+
+def _code_allowed(req: Request) -> bool:
+    """Code runs for local callers; over TCP only with PROBING_REMOTE_CODE=1."""
+    return req.remote is None or os.environ.get("PROBING_REMOTE_CODE") == "1"
+
+
+# what a TCP caller may reach without PROBING_REMOTE_CODE=1: reading only
+TCP_ROUTES = {
+    ("GET", "/health"),
+    ("GET", "/tables"),
+    ("GET", "/peers"),
+    ("POST", "/query"),
+    ("POST", "/cluster/query"),
+    ("POST", "/cluster/gather"),
+}
+
 ROUTES = {
     ("GET", "/health"): health,
     ("POST", "/query"): query,
@@ -143,6 +223,9 @@ ROUTES = {
     ("POST", "/trace/start"): trace_start,
     ("POST", "/trace/stop"): trace_stop,
     ("GET", "/trace/status"): trace_status,
+    ("GET", "/peers"): peers,
+    ("POST", "/cluster/query"): cluster_query,
+    ("POST", "/cluster/gather"): cluster_gather,
 }
 
 
@@ -152,11 +235,17 @@ def make_app(probe: Probe):  # type: ignore[no-untyped-def]
         if route is None:
             known = ", ".join(f"{m} {p}" for m, p in ROUTES)
             return Response.error(404, f"no endpoint {req.method} {req.path} (known: {known})")
+        if (req.method, req.path) not in TCP_ROUTES and not _code_allowed(req):
+            return Response.error(
+                403, f"{req.method} {req.path} is served on the local socket only", "AccessDenied"
+            )
         try:
             with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
                 return route(probe, req)
         except QueryError as err:
             return Response.error(400, str(err), "QueryError")
+        except PeerUnreachable as err:
+            return Response.error(503, str(err), "PeerUnreachable")
         except ProbingError as err:
             return Response.error(500, str(err), type(err).__name__)
 

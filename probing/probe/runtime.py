@@ -22,11 +22,13 @@ class Probe:
     an idle probe adds a thread blocked in ``select`` and little memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, cluster: bool = True) -> None:
         self.pid = os.getpid()
         self.started_ns = time.time_ns()
         self.socket_path = paths.socket_path(self.pid)
         self.queries = 0
+        self.cluster: Any = None  # a ClusterNode in cluster mode (probing.cluster)
+        self._want_cluster = cluster
         from probing.probe.api import make_app
 
         self.server = UnixHTTPServer(self.socket_path, make_app(self))
@@ -49,10 +51,15 @@ class Probe:
             "socket": self.socket_path,
             "engine_loaded": _engine is not None,
             "queries": self.queries,
+            "cluster": self.cluster.describe() if self.cluster is not None else None,
         }
 
     def start(self) -> None:
+        node = self._cluster_node() if self._want_cluster else None
+        self.cluster = node  # before the socket exists: a caller never sees it unset
         self.server.start()
+        if node is not None:
+            node.start(self.server)
         interval = os.environ.get("PROBING_NVML_INTERVAL")
         if interval:  # off the caller's thread: NVML and pyarrow load in the background
             threading.Thread(
@@ -61,6 +68,24 @@ class Probe:
 
     def stop(self) -> None:
         self.server.stop()
+
+    def _cluster_node(self) -> Any:
+        """Cluster mode when this is a rank of a multi-process job or PROBING_PEERS
+        is set (None otherwise); its TCP port and publication start in the background."""
+        try:
+            from probing.cluster import identity
+
+            if not identity.cluster_wanted():
+                return None
+            from probing.cluster.node import ClusterNode
+
+            return ClusterNode(identity.from_env(), engine, pid=self.pid)
+        except Exception as err:  # a bad PROBING_PEERS never reaches the host
+            try:
+                print(f"probing: cluster mode off: {err}", file=sys.stderr)
+            except Exception:
+                pass
+            return None
 
 
 def _start_nvml(interval: str) -> None:
@@ -160,7 +185,9 @@ def _after_fork_in_child() -> None:
         parent.server.abandon_after_fork()
         if os.environ.get("PROBING_FORK", "child").lower() == "none":
             return
-        child = Probe()  # shares the engine: DataFusion survives fork, tables are copied
+        # shares the engine (DataFusion survives fork, tables are copied);
+        # no cluster mode: the parent is the job's peer for this rank
+        child = Probe(cluster=False)
         child.start()
         _probe = child
     except Exception as err:  # never break the child

@@ -1,14 +1,19 @@
-"""HTTP on a unix socket, served by one daemon thread that sleeps in select().
+"""HTTP on a unix socket (and, in cluster mode, a TCP port), one select() thread.
 
 No timers and no polling: an idle probe is a thread blocked in ``select``
-on the listening socket and a wake-up pipe, so it costs no CPU. Each
+on the listening sockets and a wake-up pipe, so it costs no CPU. Each
 connection is handled on its own short-lived daemon thread, and every
 exception ends as an HTTP error, never in the host process.
+
+The unix socket trusts its caller's uid (``SO_PEERCRED``). The TCP port
+trusts only a bearer token, compared in constant time before the request
+reaches any endpoint: without it the answer is 401 and nothing runs.
 """
 
 from __future__ import annotations
 
 import errno
+import hmac
 import json
 import os
 import select
@@ -26,6 +31,8 @@ class Request(NamedTuple):
     query: dict[str, str]
     body: bytes
     peer_uid: int | None
+    remote: str | None = None  # "host:port" of a TCP caller; None on the unix socket
+    headers: dict[str, str] | None = None
 
 
 class Response(NamedTuple):
@@ -58,18 +65,29 @@ def _peer_uid(conn: socket.socket) -> int | None:
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     403: "Forbidden",
     404: "Not Found",
     413: "Payload Too Large",
     500: "Internal Server Error",
+    503: "Service Unavailable",
 }
 
 
-def _read_request(conn: socket.socket) -> tuple[str, str, bytes] | None:
-    """Parse one HTTP/1.x request: (method, target, body), or None if malformed.
+class _Parsed(NamedTuple):
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+
+
+def _read_request(conn: socket.socket, token: bytes | None = None) -> _Parsed | None:
+    """Parse one HTTP/1.x request, or None if malformed.
 
     A few lines instead of ``http.server``, which would pull ``email`` and
-    ``ssl`` into every probed process.
+    ``ssl`` into every probed process. With ``token``, the request must
+    carry ``Authorization: Bearer <token>``: checked after the headers and
+    before the body is read, so an unauthenticated body is never even read.
     """
     f = conn.makefile("rb")
     try:
@@ -77,20 +95,34 @@ def _read_request(conn: socket.socket) -> tuple[str, str, bytes] | None:
         parts = line.decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return None
-        length = 0
+        headers: dict[str, str] = {}
         for _ in range(100):
             header = f.readline(8192)
             if header in (b"\r\n", b"\n", b""):
                 break
             name, _, value = header.decode("latin-1").partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value.strip())
+            headers[name.strip().lower()] = value.strip()
+        if token is not None and not authorized(headers, token):
+            raise Unauthorized("missing or wrong token")
+        length = int(headers.get("content-length", "0") or 0)
         if length < 0 or length > MAX_BODY:
             raise ValueError("request body too large")
         body = f.read(length) if length else b""
-        return parts[0], parts[1], body
+        return _Parsed(parts[0], parts[1], headers, body)
     finally:
         f.close()
+
+
+class Unauthorized(Exception):
+    """A TCP request without the job's token."""
+
+
+def authorized(headers: dict[str, str], token: bytes) -> bool:
+    """``Authorization: Bearer <token>``, compared in constant time."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("latin-1", "replace"), token)
 
 
 def _write_response(conn: socket.socket, resp: Response) -> None:
@@ -102,21 +134,33 @@ def _write_response(conn: socket.socket, resp: Response) -> None:
     conn.sendall(head.encode("latin-1") + resp.body)
 
 
-def handle_connection(conn: socket.socket, app: App) -> None:
-    """Answer one request on ``conn``. Every failure becomes an HTTP error."""
+def handle_connection(
+    conn: socket.socket, app: App, *, token: bytes | None = None, remote: str | None = None
+) -> None:
+    """Answer one request on ``conn``. Every failure becomes an HTTP error.
+
+    ``remote`` (a TCP caller's address) means: authenticate with ``token``
+    instead of the caller's uid; no token configured refuses everything.
+    """
     try:
-        peer_uid = _peer_uid(conn)
-        if peer_uid not in (os.getuid(), 0):
+        peer_uid = None if remote is not None else _peer_uid(conn)
+        if remote is None and peer_uid not in (os.getuid(), 0):
             resp = Response.error(403, "this probe belongs to another user", "AccessDenied")
+        elif remote is not None and not token:
+            resp = Response.error(401, "this probe has no token: TCP is closed", "Unauthorized")
         else:
-            parsed = _read_request(conn)
+            parsed = _read_request(conn, token if remote is not None else None)
             if parsed is None:
                 resp = Response.error(400, "not an HTTP request")
             else:
-                method, target, body = parsed
-                url = urlsplit(target)
+                url = urlsplit(parsed.target)
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                resp = app(Request(method, url.path, query, body, peer_uid))
+                req = Request(
+                    parsed.method, url.path, query, parsed.body, peer_uid, remote, parsed.headers
+                )
+                resp = app(req)
+    except Unauthorized as err:
+        resp = Response.error(401, str(err), "Unauthorized")
     except ValueError as err:
         resp = Response.error(413 if "too large" in str(err) else 400, str(err))
     except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
@@ -128,69 +172,123 @@ def handle_connection(conn: socket.socket, app: App) -> None:
 
 
 class UnixHTTPServer:
-    """Serve ``app`` on a unix socket at ``path`` (mode 0600) until ``stop()``."""
+    """Serve ``app`` on a unix socket at ``path`` (mode 0600) until ``stop()``.
 
-    def __init__(self, path: str, app: App) -> None:
+    ``path=None`` serves no unix socket (several cluster peers in one
+    process, as the benchmark runs them). ``listen_tcp`` adds a TCP port to
+    the same loop and the same ``app``, guarded by a token.
+    """
+
+    def __init__(self, path: str | None, app: App) -> None:
         self.path = path
         self.app = app
         self._sock: socket.socket | None = None
+        self._tcp: socket.socket | None = None
+        self._token: bytes | None = None
         self._wake_r = self._wake_w = -1
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        directory = os.path.dirname(self.path)
+        if self.path is not None:
+            self._sock = self._bind_unix(self.path)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, name="probing-server", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _bind_unix(path: str) -> socket.socket:
+        directory = os.path.dirname(path)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         st = os.stat(directory)
         if st.st_uid != os.getuid():
             raise PermissionError(f"{directory} belongs to uid {st.st_uid}, not to this user")
         os.chmod(directory, 0o700)
-        self._unlink_stale()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
-            sock.bind(self.path)
+            sock.bind(path)
         finally:
             os.umask(old_umask)
         sock.listen(64)
         sock.setblocking(False)
-        self._sock = sock
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, name="probing-server", daemon=True)
-        self._thread.start()
+        return sock
 
-    def _unlink_stale(self) -> None:
+    def listen_tcp(self, host: str, port: int, token: bytes) -> tuple[str, int]:
+        """Also serve on TCP ``host:port`` (0: any free port); returns the bound address.
+
+        Call after ``start()``; the select loop picks the new socket up at once.
+        """
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            sock.bind((host, port))
+            sock.listen(256)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._token = token
+        self._tcp = sock
+        self._wake()
+        bound = sock.getsockname()
+        return bound[0], bound[1]
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        if self._tcp is None:
+            return None
+        bound = self._tcp.getsockname()
+        return bound[0], bound[1]
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"w")
+            except OSError:
+                pass
 
     def _loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
         while True:
+            listeners = [s for s in (self._sock, self._tcp) if s is not None]
             try:
-                ready, _, _ = select.select([sock, self._wake_r], [], [])
-            except OSError as err:
-                if err.errno == errno.EINTR:
+                ready, _, _ = select.select([*listeners, self._wake_r], [], [])
+            except (OSError, ValueError) as err:
+                if isinstance(err, OSError) and err.errno == errno.EINTR:
                     continue
                 return
             if self._wake_r in ready:
-                return
-            try:
-                conn, _ = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                return
-            conn.setblocking(True)
-            conn.settimeout(30)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="probing-request", daemon=True
-            ).start()
+                try:
+                    if b"x" in os.read(self._wake_r, 64):
+                        return
+                except OSError:
+                    return
+            for sock in listeners:
+                if sock not in ready:
+                    continue
+                try:
+                    conn, addr = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    return
+                remote = None
+                if sock is self._tcp:
+                    remote = f"{addr[0]}:{addr[1]}"
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setblocking(True)
+                conn.settimeout(30)
+                threading.Thread(
+                    target=self._serve, args=(conn, remote), name="probing-request", daemon=True
+                ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, remote: str | None) -> None:
         try:
-            handle_connection(conn, self.app)
+            handle_connection(conn, self.app, token=self._token, remote=remote)
         except BaseException:  # noqa: BLE001
             pass
         finally:
@@ -212,15 +310,24 @@ class UnixHTTPServer:
         if unlink:
             self._unlink_stale()
 
+    def _unlink_stale(self) -> None:
+        if self.path is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
     def abandon_after_fork(self) -> None:
-        """In a forked child: drop the parent's socket without touching its path."""
+        """In a forked child: drop the parent's sockets without touching its path."""
         self._thread = None
         self._close_fds()
 
     def _close_fds(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for sock in (self._sock, self._tcp):
+            if sock is not None:
+                sock.close()
+        self._sock = self._tcp = None
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 try:

@@ -18,9 +18,20 @@ def install(engine: Engine) -> None:
     engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
     trace.install(engine)
+    engine.register_table("probing", "peers", _peers)
     from probing import analyze  # after trace: its tables read comm.collectives
 
     analyze.install(engine)
+
+
+def _peers():  # type: ignore[no-untyped-def]
+    """``probing.peers`` of this process's probe (no rows outside cluster mode)."""
+    from probing.cluster.discovery import Registry
+    from probing.probe import runtime
+
+    probe = runtime.current()
+    node = probe.cluster if probe is not None else None
+    return (node.registry if node is not None else Registry()).table()
 
 
 __all__ = ["ExternalTable", "install"]

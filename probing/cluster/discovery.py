@@ -1,0 +1,207 @@
+"""Who the peers are: the job's own rendezvous store, or an explicit list.
+
+torchrun jobs: every rank appends ``{"rank", "node", "addr", ...}`` to the
+key ``probing/<run id>/peers`` of the TCPStore at MASTER_ADDR:MASTER_PORT
+(as a client: nothing new to deploy) and reads the same key back when it
+asks a cluster query. The first rank to come stores a random token under
+``probing/<run id>/token`` (compare-and-set); everyone uses that one.
+
+The store is touched only from background threads and at query time, each
+call bounded by a timeout; when the store is gone, what was read last stays.
+Without torchrun, ``PROBING_PEERS`` lists the addresses: rank = position.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from probing.cluster.identity import Identity
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+STORE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class PeerInfo:
+    """One row of ``probing.peers``."""
+
+    rank: int
+    node: str
+    addr: str
+    pid: int | None = None
+    source: str = ""
+    last_seen: int | None = None  # wall-clock ns of its last answer (or its publication)
+    status: str = "unknown"  # self, up, missing, unknown (never asked yet)
+    reason: str | None = None
+    response_ms: float | None = None
+    clock_offset_ns: int | None = None
+
+    def ref(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "addr": self.addr}
+
+
+def peers_schema() -> pa.Schema:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("rank", pa.int64()),
+            ("node", pa.string()),
+            ("addr", pa.string()),
+            ("pid", pa.int64()),
+            ("source", pa.string()),
+            ("last_seen", pa.int64()),
+            ("status", pa.string()),
+            ("reason", pa.string()),
+            ("response_ms", pa.float64()),
+            ("clock_offset_ns", pa.int64()),
+        ]
+    )
+
+
+class Registry:
+    """The peers this probe knows, by rank; updated by discovery and by answers."""
+
+    def __init__(self) -> None:
+        self._peers: dict[int, PeerInfo] = {}
+        self._lock = threading.Lock()
+
+    def upsert(self, info: PeerInfo) -> None:
+        """A (re)published address; what was measured stays while it is the same peer."""
+        with self._lock:
+            old = self._peers.get(info.rank)
+            if old is not None and old.addr == info.addr and old.status != "unknown":
+                old.node, old.pid = info.node, info.pid
+                return
+            self._peers[info.rank] = info
+
+    def peers(self) -> list[PeerInfo]:
+        with self._lock:
+            return [self._peers[r] for r in sorted(self._peers)]
+
+    def mark_up(self, rank: int, response_ms: float, offset_ns: int) -> None:
+        with self._lock:
+            p = self._peers.get(rank)
+            if p is not None and p.status != "self":
+                p.status, p.reason = "up", None
+                p.response_ms, p.clock_offset_ns = response_ms, offset_ns
+                p.last_seen = time.time_ns()
+
+    def mark_missing(self, rank: int, reason: str) -> None:
+        with self._lock:
+            p = self._peers.get(rank)
+            if p is not None and p.status != "self":
+                p.status, p.reason = "missing", reason
+
+    def table(self) -> pa.Table:
+        import pyarrow as pa
+
+        rows = [vars(p) for p in self.peers()]
+        return pa.Table.from_pylist(rows, schema=peers_schema())
+
+
+def static_peers(ident: Identity, self_rank: int, self_pid: int) -> list[PeerInfo]:
+    """The ``PROBING_PEERS`` list as peers; node names come with the first answer."""
+    return [
+        PeerInfo(rank=i, node="?", addr=addr, source="peers")
+        if i != self_rank
+        else PeerInfo(
+            rank=i,
+            node=ident.node,
+            addr=addr,
+            pid=self_pid,
+            source="peers",
+            status="self",
+            last_seen=time.time_ns(),
+        )
+        for i, addr in enumerate(ident.peers)
+    ]
+
+
+def reachable(host: str, port: int, timeout: float) -> bool:
+    """Whether something accepts TCP there: checked before torch's client,
+    which retries and prints C++ tracebacks on the host's stderr when not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class StoreDirectory:
+    """The job's TCPStore as a phone book, under ``probing/<run id>/``."""
+
+    def __init__(self, ident: Identity) -> None:
+        assert ident.master is not None
+        self.host, self.port = ident.master
+        self.prefix = f"probing/{ident.run_id}/"
+        self._store: Any = None
+        self._lock = threading.Lock()
+
+    def _client(self, budget: float = STORE_TIMEOUT_S) -> Any:
+        if self._store is None:
+            if not reachable(self.host, self.port, budget):
+                raise OSError(f"no rendezvous store answers at {self.host}:{self.port}")
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(
+                self.host,
+                self.port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                wait_for_workers=False,
+            )
+        return self._store
+
+    def token(self) -> bytes:
+        """The job's token: the first rank's random one (compare-and-set)."""
+        with self._lock:
+            fresh = secrets.token_hex(16)
+            got = self._client().compare_set(self.prefix + "token", "", fresh)
+            return bytes(got)
+
+    def publish(self, info: PeerInfo) -> None:
+        entry = json.dumps(
+            {"rank": info.rank, "node": info.node, "addr": info.addr, "pid": info.pid}
+        )
+        with self._lock:
+            self._client().append(self.prefix + "peers", (entry + "\n").encode())
+
+    def read(self, budget: float = STORE_TIMEOUT_S) -> list[PeerInfo]:
+        """Every published peer (the latest entry per rank); raises OSError
+        (or torch's error) when the store does not answer."""
+        key = self.prefix + "peers"
+        with self._lock:
+            try:
+                store = self._client(budget)
+                raw = bytes(store.get(key)) if store.check([key]) else b""
+            except Exception:
+                self._store = None  # reconnect next time
+                raise
+        return parse_published(raw)
+
+
+def parse_published(raw: bytes) -> list[PeerInfo]:
+    latest: dict[int, PeerInfo] = {}
+    for line in raw.splitlines():
+        try:
+            e = json.loads(line)
+            latest[int(e["rank"])] = PeerInfo(
+                rank=int(e["rank"]),
+                node=str(e["node"]),
+                addr=str(e["addr"]),
+                pid=e.get("pid"),
+                source="torchrun",
+            )
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn or foreign line
+    return [latest[r] for r in sorted(latest)]

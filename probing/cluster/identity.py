@@ -1,0 +1,141 @@
+"""Who this probe is in the job, read from the environment torchrun sets.
+
+Everything here is pure (an ``environ`` mapping in, dataclasses out), so it
+is tested on canned environments. A probe injected into a running job reads
+the process's own ``os.environ``, which holds what torchrun gave it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from probing.errors import ProbingError
+
+DEFAULT_PORT = 0  # any free port: the address is published, not guessed
+
+
+@dataclass(frozen=True)
+class Identity:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node: str
+    group_rank: int | None
+    master: tuple[str, int] | None  # the rendezvous store (MASTER_ADDR, MASTER_PORT)
+    run_id: str
+    peers: tuple[str, ...]  # the explicit PROBING_PEERS list, "host:port" each
+    port: int  # TCP port to listen on (0: any)
+
+    @property
+    def source(self) -> str:
+        return "peers" if self.peers else "torchrun"
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) into its parts; ProbingError when malformed."""
+    host, sep, port = addr.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ProbingError(f"bad peer address {addr!r}", hint="use host:port, e.g. 10.0.0.2:7070")
+    return host, int(port)
+
+
+def parse_peers(value: str) -> tuple[str, ...]:
+    """``PROBING_PEERS``: ``host:port,host:port`` or ``@file`` (one a line, ``#`` comments)."""
+    value = value.strip()
+    if value.startswith("@") or (value and os.path.isfile(value)):
+        path = value.removeprefix("@")
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as err:
+            raise ProbingError(f"cannot read the peer list {path}: {err.strerror}") from err
+        items = [line.split("#", 1)[0] for line in text.splitlines()]
+    else:
+        items = value.split(",")
+    peers = tuple(item.strip() for item in items if item.strip())
+    for addr in peers:
+        split_addr(addr)
+    return peers
+
+
+def _int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError as err:
+        raise ProbingError(f"{name}={raw!r} is not an integer") from err
+
+
+def cluster_wanted(environ: Mapping[str, str] = os.environ) -> bool:
+    """Cluster mode: a rank of a multi-process job, or an explicit peer list."""
+    if environ.get("PROBING_CLUSTER", "").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    return (_int(environ, "WORLD_SIZE") or 1) > 1 or bool(environ.get("PROBING_PEERS", "").strip())
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
+    """This process's identity. With ``PROBING_PEERS``, a process that sets no
+    ``RANK`` takes the index of the first listed address it can bind."""
+    peers = parse_peers(environ["PROBING_PEERS"]) if environ.get("PROBING_PEERS") else ()
+    rank = _int(environ, "PROBING_RANK")
+    if rank is None:
+        rank = _int(environ, "RANK")
+    world = _int(environ, "WORLD_SIZE") or (len(peers) or 1)
+    if peers:
+        world = len(peers)
+    master = None
+    if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT") and not peers:
+        master = (environ["MASTER_ADDR"], _int(environ, "MASTER_PORT") or 0)
+    port = _int(environ, "PROBING_PORT")
+    return Identity(
+        rank=-1 if rank is None else rank,
+        world_size=world,
+        local_rank=_int(environ, "LOCAL_RANK") or 0,
+        node=environ.get("PROBING_NODE") or socket.gethostname(),
+        group_rank=_int(environ, "GROUP_RANK"),
+        master=master,
+        run_id=environ.get("TORCHELASTIC_RUN_ID") or "none",
+        peers=peers,
+        port=DEFAULT_PORT if port is None else port,
+    )
+
+
+def job_address(master: tuple[str, int] | None) -> str:
+    """The local address this host uses to reach the job's rendezvous.
+
+    A UDP ``connect`` sends nothing; it only asks the kernel for the route,
+    so this is the interface the job's own traffic goes through.
+    """
+    if master is None:
+        return "127.0.0.1"
+    host, port = master
+    try:
+        infos = socket.getaddrinfo(host, port or 1, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def token_from_env(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """``PROBING_TOKEN``, or the first line of ``PROBING_TOKEN_FILE``."""
+    if environ.get("PROBING_TOKEN"):
+        return environ["PROBING_TOKEN"].strip().encode()
+    path = environ.get("PROBING_TOKEN_FILE")
+    if path:
+        try:
+            with open(path) as f:
+                return f.readline().strip().encode() or None
+        except OSError as err:
+            raise ProbingError(f"cannot read PROBING_TOKEN_FILE {path}: {err.strerror}") from err
+    return None

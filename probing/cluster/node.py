@@ -1,0 +1,593 @@
+"""This probe as a cluster peer: TCP listener, discovery, answering, asking.
+
+``ClusterNode.start`` returns at once; a short-lived background thread
+reads the token, binds the TCP port and publishes the address, then ends.
+Nothing runs between queries: no heartbeat, no polling. The peers' state
+in ``probing.peers`` is what discovery published and what the last
+cluster query measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from probing.cluster.discovery import PeerInfo, Registry, StoreDirectory, static_peers
+from probing.cluster.identity import Identity, job_address, split_addr, token_from_env
+from probing.cluster.wire import (
+    MissingPeer,
+    PeerTiming,
+    clock_offset,
+    pack,
+    unpack,
+)
+from probing.errors import PeerUnreachable, ProbingError, QueryError
+
+if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
+    import pyarrow as pa
+
+    from probing.cluster import plan as planner
+
+FANOUTS = ("auto", "flat", "tree")
+TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
+MAX_THREADS = 256
+
+
+@dataclass
+class Gathered:
+    """What one gatherer collected: tables by name, who was missing, who answered."""
+
+    tables: dict[str, list[pa.Table]] = field(default_factory=dict)
+    missing: list[MissingPeer] = field(default_factory=list)
+    peers: list[PeerTiming] = field(default_factory=list)
+
+    def add_tables(self, tables: dict[str, pa.Table]) -> None:
+        for name, t in tables.items():
+            self.tables.setdefault(name, []).append(t)
+
+    def extend(self, other: Gathered) -> None:
+        for name, ts in other.tables.items():
+            self.tables.setdefault(name, []).extend(ts)
+        self.missing.extend(other.missing)
+        self.peers.extend(other.peers)
+
+    def merged(self) -> dict[str, pa.Table]:
+        return {n: _concat(ts) for n, ts in self.tables.items()}
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    import pyarrow as pa
+
+    tables = [t for t in tables if t.num_columns]
+    if len(tables) == 1:
+        return tables[0]
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+class ClusterNode:
+    """One peer: its identity, its peers, its token, and its share of a query."""
+
+    def __init__(
+        self,
+        ident: Identity,
+        engine: Callable[[], Any],
+        *,
+        token: bytes | None = None,
+        pid: int | None = None,
+    ) -> None:
+        self.ident = ident
+        self.engine = engine
+        self.token = token
+        self.pid = pid if pid is not None else os.getpid()
+        self.rank = ident.rank
+        self.addr: str | None = None
+        self.registry = Registry()
+        self.directory = StoreDirectory(ident) if ident.master and not ident.peers else None
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self.published = False
+        self._columns: dict[str, list[str]] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.ident.world_size,
+            "node": self.ident.node,
+            "addr": self.addr,
+            "source": self.ident.source,
+            "peers": len(self.registry.peers()),
+            "error": self.error,
+        }
+
+    # -- start-up -------------------------------------------------------------
+    def start(self, server: Any) -> None:
+        """Bind and publish in the background; the host never waits on the network."""
+        threading.Thread(
+            target=self._setup, args=(server,), name="probing-cluster", daemon=True
+        ).start()
+
+    def _setup(self, server: Any) -> None:
+        try:
+            self.setup(server)
+        except Exception as err:  # never into the host: say it once and stay local-only
+            self.error = str(err)
+            try:
+                print(f"probing: cluster mode off: {err}", file=sys.stderr)
+            except Exception:
+                pass
+
+    def setup(self, server: Any) -> None:
+        """Token, TCP listener, rank, publication (blocking; tests call it directly)."""
+        try:
+            self._setup_blocking(server)
+        finally:
+            self.ready.set()
+
+    def _setup_blocking(self, server: Any) -> None:
+        ident = self.ident
+        if self.token is None:
+            self.token = token_from_env()
+        if self.token is None and self.directory is not None:
+            self.token = self.directory.token()
+        if not self.token:
+            raise ProbingError(
+                "no token for the peer port", hint="set PROBING_TOKEN (the same for every peer)"
+            )
+        if ident.peers:
+            self._listen_listed(server)
+            for info in static_peers(ident, self.rank, self.pid):
+                self.registry.upsert(info)
+            return
+        host = os.environ.get("PROBING_HOST") or job_address(ident.master)
+        bound = server.listen_tcp(host, ident.port, self.token)
+        self.addr = f"{bound[0]}:{bound[1]}"
+        me = PeerInfo(
+            self.rank, ident.node, self.addr, self.pid, "torchrun", time.time_ns(), "self"
+        )
+        self.registry.upsert(me)
+        self._publish()
+        self.refresh()  # whoever published before me
+
+    def _publish(self) -> None:
+        """Append my address to the store; when it does not answer, the next
+        cluster query I ask tries again (the port stays open meanwhile)."""
+        me = next((p for p in self.registry.peers() if p.rank == self.rank), None)
+        if self.directory is None or me is None:
+            return
+        try:
+            self.directory.publish(me)
+            self.published = True
+        except Exception as err:
+            self.error = f"not published: rendezvous store: {err}"
+            try:
+                print(f"probing: cluster: {self.error}", file=sys.stderr)
+            except Exception:
+                pass
+
+    def _listen_listed(self, server: Any) -> None:
+        """Bind my entry of PROBING_PEERS: ``RANK``'s, else the first I can bind."""
+        ident = self.ident
+        order = [self.rank] if 0 <= self.rank < len(ident.peers) else range(len(ident.peers))
+        last: OSError | None = None
+        for i in order:
+            host, port = split_addr(ident.peers[i])
+            try:
+                server.listen_tcp(host, port, self.token)
+            except OSError as err:
+                last = err
+                continue
+            self.rank, self.addr = i, ident.peers[i]
+            return
+        raise ProbingError(f"cannot listen on any PROBING_PEERS address: {last}")
+
+    # -- discovery ------------------------------------------------------------
+    def refresh(self, budget: float = 2.0) -> None:
+        """Re-read the store (within ``budget`` s); keep what was known when it is gone."""
+        if self.directory is None:
+            return
+        if not self.published:
+            self._publish()
+        try:
+            for info in self.directory.read(budget):
+                if info.rank != self.rank:
+                    self.registry.upsert(info)
+        except Exception as err:
+            self.error = f"rendezvous store: {err}"
+
+    def others(self) -> list[PeerInfo]:
+        return [p for p in self.registry.peers() if p.rank != self.rank]
+
+    # -- answering: this peer's share ------------------------------------------
+    def _own_columns(self, table: str, eng: Any) -> list[str]:
+        cols = self._columns.get(table)
+        if cols is None:
+            cols = eng.sql(f"SELECT * FROM {table} LIMIT 0", allow_code=False).schema.names
+            self._columns[table] = cols
+        return cols
+
+    def _tagged(self, table: str, eng: Any) -> str:
+        """``table`` as this peer serves it: plus node and rank."""
+        sch, name = table.split(".", 1)
+        cols = self._own_columns(table, eng)
+        if "node" in cols or "rank" in cols:
+            own = ", ".join(
+                f'"{c}" AS "table_{c}"' if c in ("node", "rank") else f'"{c}"' for c in cols
+            )
+        else:
+            own = "*"
+        node = self.ident.node.replace("'", "''")
+        return (
+            f"SELECT {own}, '{node}' AS node, CAST({int(self.rank)} AS BIGINT) AS rank "
+            f'FROM "{sch}"."{name}"'
+        )
+
+    def run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
+        """This peer's rows for ``work``: per-table scans, or the whole query."""
+        try:
+            return self._run_local(work)
+        except QueryError:
+            if not self._columns:
+                raise
+            self._columns.clear()  # a table's columns changed since I cached them
+            return self._run_local(work)
+
+    def _run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
+        from probing.cluster import plan as planner
+
+        eng = self.engine()
+        out: dict[str, pa.Table] = {}
+        if work["mode"] == "agg":
+            sql = work["sql"]
+            refs = planner.table_refs(sql, set(eng.catalog.schema_names()))
+            for ref in sorted(refs, key=lambda r: -r.start):
+                if not self._exists(ref.name, eng):
+                    return out  # this peer has no such table: it adds no rows
+                source = f"({self._tagged(ref.name, eng)})"
+                if not _has_alias(sql, ref.end):
+                    source += f' AS "{ref.name.split(".", 1)[1]}"'
+                sql = sql[: ref.start] + source + sql[ref.end :]
+            out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
+            return out
+        for table, spec in work["scans"].items():
+            if not self._exists(table, eng):
+                continue
+            cols = spec.get("columns")
+            select = ", ".join(f'"{c}"' for c in cols) if cols else "*"
+            bare = table.split(".", 1)[1]
+            sql = f'SELECT {select} FROM ({self._tagged(table, eng)}) AS "{bare}"'
+            if spec.get("where"):
+                sql += f" WHERE {spec['where']}"
+            out[table] = eng.sql(sql, allow_code=False)
+        return out
+
+    def _exists(self, table: str, eng: Any) -> bool:
+        sch, name = table.split(".", 1)
+        schema = eng.catalog.schema(sch)
+        return schema is not None and name in schema.table_names
+
+    # -- gathering: me and the peers I am asked to ask ---------------------------
+    def gather(
+        self,
+        work: dict[str, Any],
+        members: list[PeerInfo],
+        timeout: float,
+        fanout: str = "flat",
+        *,
+        with_self: bool = True,
+    ) -> Gathered:
+        deadline = time.monotonic() + timeout
+        result = Gathered()
+        leaders, groups = self._route(members, fanout)
+        pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_THREADS, len(leaders))))
+        try:
+            futs = {}
+            for p in leaders:
+                sub = groups.get(p.rank, [])
+                # a peer of my own node sends me its rows: I aggregate my node
+                w = self._member_work(work) if _node_key(p) == self.ident.node else work
+                futs[pool.submit(self._ask, p, w, sub, deadline)] = (p, sub)
+            if with_self:
+                t0 = time.perf_counter()
+                result.add_tables(self.run_local(self._member_work(work)))
+                result.peers.append(
+                    PeerTiming(
+                        self.rank,
+                        self.ident.node,
+                        self.addr or "local",
+                        (time.perf_counter() - t0) * 1e3,
+                        0,
+                    )
+                )
+            done, _ = wait(futs, timeout=max(0.0, deadline - time.monotonic()))
+            retry: list[PeerInfo] = []
+            for fut, (peer, sub) in futs.items():
+                if fut not in done:
+                    for p in [peer, *sub]:
+                        result.missing.append(MissingPeer(p.rank, p.node, p.addr, "timeout"))
+                    continue
+                answer = fut.result()
+                if isinstance(answer, str):
+                    result.missing.append(MissingPeer(peer.rank, peer.node, peer.addr, answer))
+                    retry.extend(sub)  # its node's others, asked directly
+                    continue
+                result.extend(answer)
+            if retry and deadline - time.monotonic() > 0.05:
+                again = self.gather(
+                    self._member_work(work),
+                    retry,
+                    deadline - time.monotonic(),
+                    "flat",
+                    with_self=False,
+                )
+                result.extend(again)
+            elif retry:
+                result.missing.extend(MissingPeer(p.rank, p.node, p.addr, "timeout") for p in retry)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for m in result.missing:
+            self.registry.mark_missing(m.rank, m.reason)
+        for t in result.peers:
+            self.registry.mark_up(t.rank, t.response_ms, t.clock_offset_ns)
+        return result
+
+    @staticmethod
+    def _member_work(work: dict[str, Any]) -> dict[str, Any]:
+        """What a member runs: in agg_node mode its rows; the gatherer aggregates."""
+        return {**work, "mode": "scan"} if work["mode"] == "agg_node" else work
+
+    def _route(
+        self, members: list[PeerInfo], fanout: str
+    ) -> tuple[list[PeerInfo], dict[int, list[PeerInfo]]]:
+        """Whom to ask directly, and whom each of them asks for me (tree: its node)."""
+        nodes = {_node_key(p) for p in members}
+        tree = fanout == "tree" or (
+            fanout == "auto" and len(members) >= TREE_MIN_PEERS and len(nodes) > 1
+        )
+        if not tree:
+            return members, {}
+        mine = self.ident.node
+        by_node: dict[str, list[PeerInfo]] = {}
+        for p in members:
+            by_node.setdefault(_node_key(p), []).append(p)
+        leaders: list[PeerInfo] = []
+        groups: dict[int, list[PeerInfo]] = {}
+        for key, group in by_node.items():
+            group.sort(key=lambda p: p.rank)
+            if key == mine:
+                leaders.extend(group)  # my own node: I am its gatherer
+                continue
+            leaders.append(group[0])
+            groups[group[0].rank] = group[1:]
+        return leaders, groups
+
+    def _ask(
+        self, peer: PeerInfo, work: dict[str, Any], members: list[PeerInfo], deadline: float
+    ) -> Gathered | str:
+        """One peer's answer (with its members'), or the reason there is none."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout"
+        body = json.dumps(
+            {
+                "work": work,
+                "members": [vars(m) for m in members],
+                "timeout": left * 0.8,  # its members must be answered before I give up on it
+            }
+        ).encode()
+        try:
+            host, port = split_addr(peer.addr)
+        except ProbingError:
+            return "bad address"
+        t0 = time.time_ns()
+        try:
+            status, data = _post(host, port, "/cluster/gather", body, self.token, left)
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+        except (ConnectionResetError, BrokenPipeError):
+            return "connection closed"
+        except OSError as err:
+            return f"unreachable: {err}"
+        t3 = time.time_ns()
+        if status != 200:
+            return _http_reason(status, data)
+        try:
+            head, tables = unpack(data)
+        except ValueError as err:
+            return f"bad answer: {err}"
+        offset = clock_offset(t0, head["t_recv_ns"], head["t_send_ns"], t3)
+        peer.node = head.get("node", peer.node)
+        out = Gathered()
+        out.add_tables(tables)
+        out.peers.append(PeerTiming(peer.rank, peer.node, peer.addr, (t3 - t0) / 1e6, offset))
+        for m in head.get("missing", []):
+            out.missing.append(MissingPeer(**m))
+        for t in head.get("peers", []):  # measured by that gatherer: my clock = its + offset
+            t = PeerTiming(**t)
+            if t.rank != peer.rank:
+                t.clock_offset_ns += offset
+                out.peers.append(t)
+        return out
+
+    # -- asking: the coordinator ---------------------------------------------------
+    def coordinate(
+        self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
+    ) -> tuple[pa.Table, Gathered, planner.Plan]:
+        """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
+        import pyarrow as pa
+
+        from probing.cluster import plan as planner
+
+        if fanout not in FANOUTS:
+            raise QueryError(f"unknown fan-out {fanout!r} (use one of {', '.join(FANOUTS)})")
+        deadline = time.monotonic() + timeout
+        eng = self.engine()
+        self.refresh(budget=min(2.0, max(1.0, timeout / 4)))
+        known = set(eng.catalog.schema_names())
+        schemas: dict[str, pa.Schema | None] = {}
+        for ref in planner.table_refs(sql, known):
+            try:
+                cols = eng.sql(f"SELECT * FROM {ref.name} LIMIT 0", allow_code=False).schema
+                schemas[ref.name] = planner.tagged_schema(cols)
+            except QueryError:
+                schemas[ref.name] = None
+        the_plan = planner.plan(sql, schemas, known)
+        mode = the_plan.mode
+        if mode == "agg_node" and not self._is_tree(fanout):
+            the_plan = planner.plan_scan(sql, schemas, known)  # flat: the asker aggregates
+        got = self.gather(
+            the_plan.work(), self.others(), max(0.0, deadline - time.monotonic()), fanout
+        )
+        answered = {t.rank for t in got.peers} | {m.rank for m in got.missing}
+        for rank in range(self.ident.world_size):  # torchrun: the ranks never discovered
+            if rank not in answered and self.directory is not None:
+                got.missing.append(MissingPeer(rank, "?", "", "not discovered"))
+        if strict and got.missing:
+            names = ", ".join(f"rank {m.rank} ({m.addr}: {m.reason})" for m in got.missing)
+            raise PeerUnreachable(f"{len(got.missing)} peer(s) did not answer: {names}")
+        merged = got.merged()
+        if the_plan.mode == "scan":
+            tables: dict[str, pa.Table | pa.Schema] = {}
+            for name in the_plan.scans:
+                data = merged.get(name)
+                sch = schemas.get(name)
+                if data is None and sch is None:
+                    raise QueryError(f"table '{name}' not found here nor on any peer that answered")
+                tables[name] = data if data is not None else (sch or pa.schema(list(planner.TAGS)))
+            result = planner.run_final(the_plan.final_sql, tables)
+        else:
+            partial = merged.get(planner.PARTIAL)
+            rows = {n: t for n, t in merged.items() if n != planner.PARTIAL}
+            if the_plan.mode == "agg_node" and rows:  # my node's rows (and any re-asked)
+                mine = planner.run_final(sql, rows)  # type: ignore[arg-type]
+                partial = mine if partial is None else _concat([partial, mine])
+            if partial is None:
+                ref = planner.table_refs(sql, known)[0].name
+                empty = schemas[ref] or pa.schema(list(planner.TAGS))
+                partial = planner.run_final(the_plan.sql, {ref: empty})
+            result = planner.run_final(the_plan.final_sql, {f"probing.{planner.PARTIAL}": partial})
+        got.peers.sort(key=lambda t: t.rank)
+        got.missing.sort(key=lambda m: m.rank)
+        return result, got, the_plan
+
+    def _is_tree(self, fanout: str) -> bool:
+        others = self.others()
+        return fanout == "tree" or (
+            fanout == "auto"
+            and len(others) >= TREE_MIN_PEERS
+            and len({_node_key(p) for p in others}) > 1
+        )
+
+    def answer_gather(self, payload: dict[str, Any], t_recv_ns: int) -> bytes:
+        """POST /cluster/gather: my share, plus my members' when I gather for someone."""
+        from probing.cluster import plan as planner
+
+        work = payload["work"]
+        members = [PeerInfo(**m) for m in payload.get("members") or []]
+        timeout = float(payload.get("timeout", 5.0))
+        got = self.gather(work, members, timeout, "flat")
+        tables = got.merged()
+        if work["mode"] == "agg_node":
+            refs = list(work["scans"]) or []
+            inputs: dict[str, pa.Table | pa.Schema] = {n: tables[n] for n in refs if n in tables}
+            if inputs:
+                tables = {planner.PARTIAL: planner.run_final(work["sql"], inputs)}
+            else:
+                tables = {}
+        meta = {
+            "rank": self.rank,
+            "node": self.ident.node,
+            "missing": [vars(m) for m in got.missing],
+            "peers": [vars(t) for t in got.peers if t.rank != self.rank],
+        }
+        return pack(meta, tables, t_recv_ns)
+
+
+def _node_key(p: PeerInfo) -> str:
+    """What groups peers into nodes: the node name, else the address's host."""
+    if p.node and p.node != "?":
+        return p.node
+    return p.addr.rpartition(":")[0]
+
+
+_ALIAS_STOP = {
+    "WHERE",
+    "GROUP",
+    "ORDER",
+    "LIMIT",
+    "HAVING",
+    "JOIN",
+    "ON",
+    "INNER",
+    "LEFT",
+    "RIGHT",
+    "FULL",
+    "CROSS",
+    "UNION",
+    "OFFSET",
+    "WINDOW",
+}
+
+
+def _has_alias(sql: str, end: int) -> bool:
+    from probing.cluster import plan as planner
+
+    rest = planner.tokens(sql[end:])
+    if not rest:
+        return False
+    first = rest[0]
+    return first.word == "AS" or (first.kind in ("word", "qid") and first.word not in _ALIAS_STOP)
+
+
+def _http_reason(status: int, data: bytes) -> str:
+    try:
+        msg = json.loads(data).get("error", "")
+    except (ValueError, AttributeError):
+        msg = ""
+    return str(status) if status == 401 or not msg else f"{status}: {msg}"
+
+
+def _post(
+    host: str, port: int, path: str, body: bytes, token: bytes | None, timeout: float
+) -> tuple[int, bytes]:
+    """One HTTP/1.0 POST; the peer closes the connection after its answer.
+
+    A plain socket rather than ``http.client``: the asker parses hundreds of
+    these per query and needs only the status and the body.
+    """
+    auth = b"Authorization: Bearer " + token + b"\r\n" if token else b""
+    head = (
+        b"POST "
+        + path.encode()
+        + b" HTTP/1.0\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(head + body)
+        chunks = []
+        while True:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    data = b"".join(chunks)
+    header, sep, payload = data.partition(b"\r\n\r\n")
+    parts = header.split(b" ", 2)
+    if not sep or len(parts) < 2 or not parts[1].isdigit():
+        raise ConnectionResetError("not an HTTP answer")
+    return int(parts[1]), payload

@@ -1,0 +1,211 @@
+"""Cluster logic on canned input: identity, peer lists, planning, wire, clocks."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from probing.cluster import identity, plan
+from probing.cluster.discovery import PeerInfo, Registry, parse_published
+from probing.cluster.wire import clock_offset, pack, unpack
+from probing.errors import ProbingError, QueryError
+
+THREADS = plan.tagged_schema(pa.schema([("tid", pa.int64()), ("name", pa.string())]))
+COLL = plan.tagged_schema(
+    pa.schema(
+        [("op", pa.string()), ("rank", pa.int32()), ("ts", pa.int64()), ("dur_ns", pa.int64())]
+    )
+)
+SCHEMAS: dict[str, pa.Schema | None] = {"process.threads": THREADS, "comm.collectives": COLL}
+KNOWN = {"process", "comm", "probing"}
+
+
+def test_identity_from_torchrun_env() -> None:
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "GROUP_RANK": "2",
+        "MASTER_ADDR": "10.1.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "job42",
+        "PROBING_NODE": "gpu-07",
+    }
+    assert identity.cluster_wanted(env)
+    ident = identity.from_env(env)
+    assert (ident.rank, ident.world_size, ident.local_rank, ident.group_rank) == (5, 8, 1, 2)
+    assert ident.master == ("10.1.0.1", 29500) and ident.run_id == "job42"
+    assert ident.node == "gpu-07" and ident.source == "torchrun" and ident.port == 0
+
+
+def test_cluster_mode_only_for_jobs() -> None:
+    assert not identity.cluster_wanted({})
+    assert not identity.cluster_wanted({"WORLD_SIZE": "1", "RANK": "0"})
+    assert identity.cluster_wanted({"PROBING_PEERS": "a:1,b:2"})
+    assert not identity.cluster_wanted({"WORLD_SIZE": "4", "PROBING_CLUSTER": "off"})
+
+
+def test_peer_list_from_string_and_file(tmp_path) -> None:
+    assert identity.parse_peers(" 10.0.0.1:7070, 10.0.0.2:7070 ,") == (
+        "10.0.0.1:7070",
+        "10.0.0.2:7070",
+    )
+    f = tmp_path / "peers"
+    f.write_text("# the job\nh0:1\n\nh1:2  # second\n[::1]:3\n")
+    assert identity.parse_peers(f"@{f}") == ("h0:1", "h1:2", "[::1]:3")
+    assert identity.parse_peers(str(f)) == ("h0:1", "h1:2", "[::1]:3")
+    assert identity.split_addr("[::1]:3") == ("::1", 3)
+    for bad in ("h0", "h0:x", "h0:70000", ":1"):
+        with pytest.raises(ProbingError, match="bad peer address"):
+            identity.parse_peers(bad)
+    ident = identity.from_env({"PROBING_PEERS": f"@{f}", "WORLD_SIZE": "9"})
+    assert ident.world_size == 3 and ident.rank == -1 and ident.source == "peers"
+
+
+def test_token_from_env_or_file(tmp_path) -> None:
+    assert identity.token_from_env({"PROBING_TOKEN": " abc \n"}) == b"abc"
+    f = tmp_path / "tok"
+    f.write_text("s3cret\nignored\n")
+    assert identity.token_from_env({"PROBING_TOKEN_FILE": str(f)}) == b"s3cret"
+    assert identity.token_from_env({}) is None
+
+
+def test_job_address_is_the_route_to_the_master() -> None:
+    assert identity.job_address(("127.0.0.1", 29500)) == "127.0.0.1"
+    assert identity.job_address(None) == "127.0.0.1"
+
+
+def test_group_by_rank_is_computed_on_the_peers() -> None:
+    p = plan.plan(
+        "SELECT rank, count(*) AS n FROM process.threads GROUP BY rank ORDER BY n DESC LIMIT 3",
+        SCHEMAS,
+        KNOWN,
+    )
+    assert p.mode == "agg"
+    assert p.final_sql == 'SELECT * FROM cluster_partial ORDER BY "n" DESC LIMIT 3'
+    p = plan.plan(
+        "SELECT rank, count(*) FROM process.threads GROUP BY rank ORDER BY count(*)", SCHEMAS, KNOWN
+    )
+    assert p.final_sql == 'SELECT * FROM cluster_partial ORDER BY "count(*)"'
+    p = plan.plan("SELECT node, max(ts) FROM comm.collectives GROUP BY node", SCHEMAS, KNOWN)
+    assert p.mode == "agg_node" and p.scans["comm.collectives"].columns == ["ts", "node"]
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT rank, count(*) FROM process.threads GROUP BY 1",  # key not named
+        "SELECT rank, sum(n) FROM (SELECT rank, 1 AS n FROM process.threads) GROUP BY rank",
+        "SELECT a.rank, count(*) FROM process.threads a JOIN comm.collectives b "
+        "ON a.rank = b.rank GROUP BY a.rank",
+        "SELECT rank, count(*) FROM process.threads GROUP BY rank ORDER BY max(tid)",
+        "SELECT op, rank, count(*) OVER () FROM comm.collectives GROUP BY op, rank",
+        "SELECT rank, count(*) FROM process.threads GROUP BY rank ORDER BY 2 LIMIT 2 OFFSET 1",
+    ],
+)
+def test_other_shapes_fall_back_to_scans(sql: str) -> None:
+    assert plan.plan(sql, SCHEMAS, KNOWN).mode == "scan"
+
+
+def test_scans_push_columns_filters_and_time_windows() -> None:
+    p = plan.plan(
+        "SELECT op, max(ts) - min(ts) FROM comm.collectives "
+        "WHERE ts BETWEEN 1000 AND 2000 AND op LIKE 'all%' AND rank < 4 GROUP BY op",
+        SCHEMAS,
+        KNOWN,
+    )
+    scan = p.scans["comm.collectives"]
+    assert p.mode == "scan" and sorted(scan.columns or []) == ["op", "ts"]
+    assert scan.where is not None and "LIKE 'all%'" in scan.where
+    assert "ts >= 1000" in scan.where and "ts <= 2000" in scan.where
+    assert '"rank" < 4' in scan.where
+    # a self-join: the union of columns, either side's rows
+    p = plan.plan(
+        "SELECT a.rank FROM comm.collectives a JOIN comm.collectives b ON a.seq_x = b.seq_x",
+        {"comm.collectives": plan.tagged_schema(pa.schema([("seq_x", pa.int64())]))},
+        KNOWN,
+    )
+    assert p.scans["comm.collectives"] == plan.ScanSpec(["seq_x", "rank"], None)
+
+
+def test_unknown_schema_fetches_every_column_and_no_table_is_an_error() -> None:
+    p = plan.plan("SELECT count(*) FROM comm.collectives", {"comm.collectives": None}, KNOWN)
+    assert p.mode == "scan" and p.scans["comm.collectives"] == plan.ScanSpec(None, None)
+    with pytest.raises(QueryError, match="schema.table"):
+        plan.plan("SELECT 1", SCHEMAS, KNOWN)
+
+
+def test_table_refs_skip_strings_comments_and_column_qualifiers() -> None:
+    sql = (
+        "SELECT comm.collectives.ts, 'process.threads' -- process.info\n"
+        'FROM comm.collectives WHERE x = "process"."stacks"'
+    )
+    refs = plan.table_refs(sql, KNOWN)
+    assert [(r.name, r.qualified_column) for r in refs] == [
+        ("comm.collectives", True),
+        ("comm.collectives", False),
+        ("process.stacks", False),
+    ]
+
+
+def test_tagged_schema_keeps_a_tables_own_rank() -> None:
+    assert COLL.names == ["op", "table_rank", "ts", "dur_ns", "node", "rank"]
+    assert COLL.field("rank").type == pa.int64() and COLL.field("table_rank").type == pa.int32()
+
+
+def test_final_sql_runs_over_empty_and_merged_tables() -> None:
+    empty = plan.run_final(
+        "SELECT count(*) AS n FROM process.threads", {"process.threads": THREADS}
+    )
+    assert empty.to_pylist() == [{"n": 0}]
+    rows = pa.table({"rank": pa.array([0, 0, 1], pa.int64()), "tid": [1, 2, 3]})
+    out = plan.run_final(
+        "SELECT rank, count(*) AS n FROM process.threads GROUP BY rank ORDER BY rank",
+        {"process.threads": rows},
+    )
+    assert out.to_pylist() == [{"rank": 0, "n": 2}, {"rank": 1, "n": 1}]
+    with pytest.raises(QueryError):
+        plan.run_final("DROP TABLE process.threads", {"process.threads": rows})
+
+
+def test_pack_unpack_roundtrip() -> None:
+    a = pa.table({"x": [1, 2]})
+    b = pa.table({"y": ["u"]})
+    data = pack({"rank": 3, "missing": []}, {"t.a": a, "t.b": b}, t_recv_ns=123)
+    head, tables = unpack(data)
+    assert head["rank"] == 3 and head["t_recv_ns"] == 123 and head["t_send_ns"] >= 123
+    assert tables["t.a"].equals(a) and tables["t.b"].equals(b)
+    with pytest.raises(ValueError):
+        unpack(data + b"x")
+    with pytest.raises(ValueError):
+        unpack(b"no head line")
+
+
+def test_ntp_offset() -> None:
+    # the peer's clock is 500 ahead; 10 each way, 30 of work on the peer
+    assert clock_offset(t0=1000, t1=1510, t2=1540, t3=1050) == 500
+    # 500 ahead, 20 out and 0 back: the error is half the difference
+    assert clock_offset(t0=0, t1=520, t2=520, t3=20) == 510
+
+
+def test_registry_and_published_entries() -> None:
+    raw = (
+        b'{"rank": 1, "node": "a", "addr": "h:1", "pid": 7}\n'
+        b"torn{\n"
+        b'{"rank": 0, "node": "b", "addr": "h:2", "pid": 8}\n'
+        b'{"rank": 1, "node": "a", "addr": "h:3", "pid": 9}\n'
+    )
+    peers = parse_published(raw)
+    assert [(p.rank, p.addr, p.pid) for p in peers] == [(0, "h:2", 8), (1, "h:3", 9)]
+    reg = Registry()
+    for p in peers:
+        reg.upsert(p)
+    reg.upsert(PeerInfo(2, "c", "h:4", status="self"))
+    reg.mark_up(0, 12.5, -300)
+    reg.mark_missing(1, "timeout")
+    reg.mark_missing(2, "timeout")  # never for itself
+    rows = {r["rank"]: r for r in reg.table().to_pylist()}
+    assert rows[0]["status"] == "up" and rows[0]["response_ms"] == 12.5
+    assert rows[0]["clock_offset_ns"] == -300 and rows[0]["last_seen"] > 0
+    assert rows[1]["status"] == "missing" and rows[1]["reason"] == "timeout"
+    assert rows[2]["status"] == "self"
