@@ -162,9 +162,10 @@ def main(
             return 1
         print(f"# tracing; letting the job run {seconds:g} s", flush=True)
         time.sleep(seconds)
-        args = [a for p in pids for a in ("--pid", str(p))]
-        if hang:
-            args += ["--hang-after", "3s"]
+        if hang:  # torch's collective counts are read over each rank's local socket
+            args = [a for p in pids for a in ("--pid", str(p))] + ["--hang-after", "3s"]
+        else:  # one rank's probe asks its peers (cluster mode, found through the store)
+            args = ["--pid", str(pids[0]), "--cluster"]
         print(f"$ probing diagnose {' '.join(args)}", flush=True)
         r = _probing("diagnose", *args)
         print((r.stdout or r.stderr).rstrip() + "\n", flush=True)

@@ -197,6 +197,18 @@ def test_a_hang_found_after_the_fact_from_counts_and_stacks() -> None:
     assert all(len(line) <= 80 for line in text.splitlines())
 
 
+def test_without_counts_the_stacks_tell_who_waits() -> None:
+    states = [_state(r, 0, "backward", "torch/autograd/__init__.py") for r in (0, 1, 3)]
+    states.append(_state(2, 0, "load_batch", "train.py"))
+    for s in states:
+        s.counts = {}  # python.`expr` is refused over TCP: no counts from a cluster
+    d = analyze(pa.table({}), frames={s.rank: s.frames for s in states}, states=states,
+                stalled_s=11.0)  # fmt: skip
+    [h] = d.hangs
+    assert (h.missing_ranks, h.waiting_ranks, h.evidence) == ([2], [0, 1, 3], "stacks")
+    assert d.verdict.startswith("hang: ranks 0, 1, 3 wait in a collective (by their stacks)")
+
+
 def test_equal_counts_are_no_hang() -> None:
     states = [_state(r, 41, "step", "train.py") for r in range(4)]
     assert hg.snapshot_hangs(states, stalled_s=60.0) == []

@@ -146,14 +146,15 @@ def verdict(
     if hangs:
         h = hangs[0]
         what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
+        where = f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
         if not h.missing_ranks:
             return (
-                f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {what} "
-                f"of {h.comm} for {h.age_s:g}+ s and none returns: the collective itself "
+                f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {where} "
+                f"for {h.age_s:g}+ s and none returns: the collective itself "
                 "is stuck (network, or a peer's transport)"
             )
         return (
-            f"hang: {_ranks_text(h.waiting_ranks)} wait in {what} of {h.comm} for "
+            f"hang: {_ranks_text(h.waiting_ranks)} wait in {where} for "
             f"{h.age_s:g}+ s; {_ranks_text(h.missing_ranks)} never entered it"
         )
     if stragglers:
@@ -326,6 +327,8 @@ def _states(
         for row in counts.to_pylist():
             per.setdefault(row["rank"], {})[row["group"]] = int(row["count"])
             nodes[row["rank"]] = row["node"]
+    for r, rows in frames.items():
+        nodes.setdefault(r, str(rows[0].get("node") or "") if rows else "")
     return [
         hg.RankState(r, nodes.get(r, ""), per.get(r, {}), frames.get(r, []))
         for r in sorted(set(per) | set(frames))
@@ -358,7 +361,7 @@ def diagnose(
     table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
     frames = _frames_by_rank(ask(sql["stacks"]))
     states = _states(ask, frames, sql)
-    stalled = round(_stalled_s(table, now, pids if not (cluster or addr) else None), 1)
+    stalled = round(_stalled_s(table, now, pids), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s,

@@ -60,7 +60,12 @@ def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-de
     require_bpf()
     rank = random.randrange(WORLD)
     print(f"straggler: rank {rank}")
-    out = _diagnose(job("--slow-rank", str(rank), "--slow-ms", "40"))
+    j = job("--slow-rank", str(rank), "--slow-ms", "40")
+    out = _diagnose(j)
+    # the same through one rank's probe in cluster mode (peers from the job's store)
+    r = cli("diagnose", "--pid", str(j.pids[-1]), "--cluster", "--format", "json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [s["rank"] for s in json.loads(r.stdout)["stragglers"]] == [rank]
     assert not out["healthy"] and not out["hangs"], out["verdict"]
     [s] = out["stragglers"]
     assert s["rank"] == rank, out["verdict"]
