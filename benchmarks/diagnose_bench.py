@@ -13,7 +13,8 @@ statistics, no test of how often it is last).
 
 Figures: straggler detection accuracy, false positives on healthy runs (for
 both detectors), and the time from ``probing diagnose`` (the command, a new
-process) to its verdict, and the analysis alone, for 4 ranks.
+process; over the 4 local pids, and ``--pid P --cluster``) to its verdict,
+and the gathering and analysis alone, for 4 ranks.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def one_run(pids: list[int], truth: int | None, window: float) -> dict:  # type:
     }
 
 
-def cli_seconds(pids: list[int], window: float) -> float:
+def cli_seconds(pids: list[int], window: float, cluster: bool = False) -> float:
     args = [a for p in pids for a in ("--pid", str(p))]
+    if cluster:  # one rank's probe asks its peers
+        args = ["--pid", str(pids[0]), "--cluster"]
     t0 = time.perf_counter()
     r = subprocess.run(
         [sys.executable, "-m", "probing", "diagnose", *args, "--window", f"{window}s"],
@@ -102,6 +105,7 @@ def main() -> None:
             ctl.write_text("-1 0")
             time.sleep(args.window)
             cli = [cli_seconds(job.pids, args.window) for _ in range(5)]
+            cli_cluster = [cli_seconds(job.pids, args.window, cluster=True) for _ in range(5)]
         finally:
             job.stop()
     for _ in range(args.fresh_jobs):
@@ -114,10 +118,10 @@ def main() -> None:
             runs.append({**one_run(job.pids, truth, 60.0), "slow_ms": 40.0, "fresh": True})
         finally:
             job.stop()
-    print(json.dumps(summarize(runs, cli), indent=1))
+    print(json.dumps(summarize(runs, cli, cli_cluster), indent=1))
 
 
-def summarize(runs: list[dict], cli: list[float]) -> dict:  # type: ignore[type-arg]
+def summarize(runs: list[dict], cli: list[float], cli_cluster: list[float]) -> dict:  # type: ignore[type-arg]
     strag = [r for r in runs if r["truth"] is not None]
     healthy = [r for r in runs if r["truth"] is None]
 
@@ -137,6 +141,10 @@ def summarize(runs: list[dict], cli: list[float]) -> dict:  # type: ignore[type-
         "probing": {"accuracy": acc("named"), "false_positives": false_pos("named")},
         "naive_baseline": {"accuracy": acc("naive"), "false_positives": false_pos("naive")},
         "diagnose_cli_s": {"median": round(statistics.median(cli), 3), "max": round(max(cli), 3)},
+        "diagnose_cli_cluster_s": {
+            "median": round(statistics.median(cli_cluster), 3),
+            "max": round(max(cli_cluster), 3),
+        },
         "analysis_s": {"median": round(statistics.median(analysis), 3), "max": analysis[-1]},
         "misses": [
             {k: r[k] for k in ("truth", "named", "slow_ms", "verdict")}
