@@ -463,16 +463,98 @@ def run(ctx: typer.Context, script: Annotated[str, typer.Argument(help="script t
     raise typer.Exit(run_script([script, *ctx.args]))
 
 
-@app.command(epilog="Examples:\n\n  probing demo\n\n  probing demo --seconds 5")
+@app.command(
+    epilog=(
+        "Examples:\n\n  probing diagnose --pid 101 --pid 102 --pid 103 --pid 104\n\n"
+        "  probing diagnose -p 101 -p 102 --window 30s --format json\n\n"
+        "  probing diagnose --pid 101 --cluster\n\n"
+        '  probing diagnose -p 101 -p 102 --sql "SELECT rank, lag_ms_p99 FROM '
+        'analyze.stragglers"'
+    )
+)
+def diagnose(
+    pid: Annotated[
+        list[int] | None,
+        typer.Option("--pid", "-p", help="a local rank's process id (repeat for every rank)"),
+    ] = None,
+    addr: Annotated[
+        str | None, typer.Option("--addr", help="a peer probe, host:port (cluster query)")
+    ] = None,
+    cluster: Annotated[
+        bool, typer.Option("--cluster", help="ask every rank of the job through its peers")
+    ] = False,
+    window: Annotated[str, typer.Option(help="how far back to look (60s, 500ms)")] = "60s",
+    hang_after: Annotated[
+        str, typer.Option(help="a collective not entered by every rank this long is a hang")
+    ] = "10s",
+    sql: Annotated[
+        str | None,
+        typer.Option(help="SQL over analyze.stragglers/slow_links/hangs/ranks/collectives"),
+    ] = None,
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+    inject: InjectOpt = True,
+) -> None:
+    """Name the straggler, slow link or hang of a distributed job, and show why."""
+    from probing.analyze import diagnose as run_diagnosis
+    from probing.analyze import render
+    from probing.analyze.diagnose import sql_tables
+    from probing.tables.nvml import parse_interval
+
+    try:
+        window_s, hang_s = parse_interval(window), parse_interval(hang_after)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+
+    def waiting(seconds: float) -> None:
+        typer.echo(f"probing: counts differ; watching {seconds:.0f} s for a hang", err=True)
+
+    try:
+        for p in pid or []:  # a hung job never traced: stacks and counts still tell
+            _probe_client(p, inject)
+        d, table = run_diagnosis(
+            pids=pid, addr=addr, cluster=cluster, window_s=window_s, hang_after_s=hang_s,
+            on_wait=waiting,
+        )  # fmt: skip
+        if sql is not None:
+            from probing.engine import Engine
+            from probing.render import format_arrow
+            from probing.store import Store
+
+            engine = Engine(Store())
+            for name, t in sql_tables(d, table).items():
+                engine.register_table("analyze", name, lambda t=t: t)
+            result = engine.sql(sql)
+            if fmt is Format.json:
+                typer.echo(json.dumps(result.to_pylist(), default=str))
+            else:
+                typer.echo(format_arrow(result))
+            return
+    except ProbingError as err:
+        raise _fail(err) from None
+    if fmt is Format.json:
+        typer.echo(json.dumps(d.to_json(), default=str))
+    else:
+        typer.echo(render(d))
+
+
+@app.command(
+    epilog="Examples:\n\n  probing demo\n\n  probing demo --slow-rank 2\n\n  probing demo --hang"
+)
 def demo(
     seconds: Annotated[
-        float, typer.Option(help="how long the job runs before the questions")
-    ] = 3.0,
+        float, typer.Option(help="how long to trace the job before diagnosing")
+    ] = 4.0,
+    slow_rank: Annotated[
+        int | None, typer.Option(help="the rank to slow down (default: one at random)")
+    ] = None,
+    hang: Annotated[
+        bool, typer.Option("--hang", help="one rank gets stuck before a collective instead")
+    ] = False,
 ) -> None:
-    """Start a built-in example job with a probe and query it, step by step."""
+    """Run a 4-rank DDP job with one slow rank, attach, and name it with diagnose."""
     from probing.demo import main as demo_main
 
-    raise typer.Exit(demo_main(seconds))
+    raise typer.Exit(demo_main(seconds, slow_rank=slow_rank, hang=hang))
 
 
 def main() -> None:

@@ -1,107 +1,184 @@
-"""``make demo`` / ``probing demo``: the main job so far, on a built-in example.
+"""``make demo`` / ``probing demo``: name the slow rank of a live 4-rank job.
 
-Starts a small training-like job (plain Python: a data-loader thread, a
-compute loop, a metrics table) *without* a probe, attaches to it with
-``probing inject``, prints its threads' stacks, then asks SQL questions
-through the ``probing`` command, exactly as a user would from another
-terminal, and shuts it down.
+Starts a 4-rank ``torch.distributed`` DDP job (``analyze/demo_job.py``: Gloo
+on CPU, NCCL when a GPU is there) *without* probing, one rank's data loader
+slowed (at random unless ``--slow-rank``), attaches to every rank with
+``probing trace`` (dynamic injection), lets it run a few seconds, then runs
+``probing diagnose`` over all ranks exactly as a user would from another
+terminal, and shuts everything down. ``--hang``: one rank's loader gets
+stuck before a collective instead, and the demo shows the hang report.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import signal
+import socket
 import subprocess
 import sys
-import textwrap
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
-EXAMPLE_JOB = textwrap.dedent(
-    """
-    import math, queue, random, threading, time
-    import probing
-
-    steps = probing.ExternalTable("steps", ["step", "ts_ns", "loss", "step_ms"])
-    batches = queue.Queue(maxsize=4)
-    step, loss = 0, 10.0
-
-    def data_loader():
-        while True:
-            time.sleep(random.uniform(0.002, 0.006))   # "read and decode a batch"
-            batches.put([random.random() for _ in range(512)])
-
-    threading.Thread(target=data_loader, name="data-loader", daemon=True).start()
-    while True:
-        t0 = time.perf_counter()
-        batch = batches.get()
-        acc = sum(math.sin(x) * math.cos(x) for x in batch * 20)   # "forward/backward"
-        loss = 10.0 / (1 + step / 50) + acc * 1e-6
-        step += 1
-        steps.append([step, time.time_ns(), loss, (time.perf_counter() - t0) * 1e3])
-    """
-)
-
-QUESTIONS = [
-    (
-        "Which threads does the job run, and what are they doing?",
-        "SELECT tid, name, state, is_python, round(cpu_user_s, 2) AS cpu_s "
-        "FROM process.threads ORDER BY tid",
-    ),
-    (
-        "What is the training loop's state right now (its own globals)?",
-        "SELECT * FROM python.`{'step': step, 'loss': round(loss, 4)}`",
-    ),
-    (
-        "How fast are steps, per 100 steps?",
-        "SELECT step / 100 AS bucket, count(*) AS steps, round(avg(step_ms), 2) AS avg_ms, "
-        "round(max(step_ms), 2) AS max_ms FROM python.steps GROUP BY 1 ORDER BY 1 LIMIT 5",
-    ),
-    (
-        "What does the probe hold, and how well is it compressed?",
-        'SELECT "schema", "table", rows, raw_bytes, stored_bytes, compression_ratio '
-        "FROM probing.tables",
-    ),
-]
+JOB_SCRIPT = Path(__file__).resolve().parent / "analyze" / "demo_job.py"
 
 
-def _probing(*args: str) -> subprocess.CompletedProcess[str]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend() -> str:
+    """NCCL when torch sees a GPU, else Gloo."""
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    except ImportError:
+        return "gloo"
+
+
+class DemoJob:
+    """The ranks of one demo job: start, wait until they step, stop."""
+
+    def __init__(
+        self,
+        world: int = 4,
+        *,
+        job_args: Sequence[str] = (),
+        rank_prefix: dict[int, list[str]] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.world = world
+        self.port = free_port()
+        base = {k: v for k, v in os.environ.items() if k != "PROBING"}
+        base.update(env or {})
+        args = list(job_args)
+        master = args[args.index("--master") + 1] if "--master" in args else "127.0.0.1"
+        self.procs = []
+        for r in range(world):
+            cmd = [sys.executable, str(JOB_SCRIPT), "--rank", str(r), "--world", str(world)]
+            cmd += ["--port", str(self.port), *job_args]
+            prefix = (rank_prefix or {}).get(r, [])
+            # what torchrun gives each rank (a probe attached later reads it)
+            env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world))
+            env_r.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=master)
+            env_r.update(MASTER_PORT=str(self.port))
+            self.procs.append(
+                subprocess.Popen(
+                    [*prefix, *cmd],
+                    env=env_r,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until every rank has done its first step (prints ``ready``)."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            while True:
+                line = p.stdout.readline() if p.stdout else ""
+                if line.strip() == "ready":
+                    break
+                if not line and p.poll() is not None:
+                    err = p.stderr.read() if p.stderr else ""
+                    raise RuntimeError(f"rank pid {p.pid} exited: {err.strip()[-500:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank pid {p.pid} did not start in {timeout:g} s")
+
+    def target_pids(self) -> list[int]:
+        """The Python processes (a ``taskset``/``ip netns exec`` prefix execs into them)."""
+        return self.pids
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.communicate(timeout=30)
+
+
+def _probing(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "probing", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "probing", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
-def _show(*args: str) -> int:
-    print(f"$ probing {' '.join(args)}", flush=True)
-    r = _probing(*args)
-    print((r.stdout or r.stderr).rstrip() + "\n", flush=True)
-    return r.returncode
+def trace_all(pids: Sequence[int], families: Sequence[str]) -> list[str]:
+    """``probing trace --pid P --background`` for every pid at once; errors, if any."""
+    flags = [f"--no-{f}" for f in ("nccl", "cuda", "gloo") if f not in families]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "probing", "trace", "--pid", str(pid), *flags, "--background"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for pid in pids
+    ]
+    errors = []
+    for pid, p in zip(pids, procs, strict=True):
+        out, err = p.communicate(timeout=120)
+        if p.returncode:
+            errors.append(f"pid {pid}: {err.strip()}")
+    return errors
 
 
-def main(seconds: float = 3.0) -> int:
-    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
-    print("$ python example_job.py &          # started without probing", flush=True)
-    job = subprocess.Popen([sys.executable, "-c", EXAMPLE_JOB], env=env)
-    pid = str(job.pid)
+def main(
+    seconds: float = 4.0, *, slow_rank: int | None = None, hang: bool = False, world: int = 4
+) -> int:
+    t0 = time.monotonic()
+    be = backend()
+    rank = random.randrange(world) if slow_rank is None else slow_rank
+    if hang:
+        job_args = ["--hang-rank", str(rank), "--hang-step", "25", "--backend", be]
+        what = f"rank {rank}'s data loader gets stuck at step 25"
+    else:
+        job_args = ["--slow-rank", str(rank), "--slow-ms", "40", "--backend", be]
+        what = f"rank {rank}'s data loader is 40 ms slower"
+    print(f"$ torchrun-like: 4 ranks of {JOB_SCRIPT.name} ({be}); {what}", flush=True)
+    job = DemoJob(world, job_args=job_args)
     try:
-        time.sleep(seconds)
-        if job.poll() is not None:
-            print("demo: the example job exited", file=sys.stderr)
+        job.wait_ready()
+        pids = job.pids
+        print(f"# ranks started without probing: pids {' '.join(map(str, pids))}")
+        families = ["nccl", "cuda"] if be == "nccl" else ["gloo"]
+        print(f"$ probing trace --pid P --background    # for each of the {world} ranks")
+        errors = trace_all(pids, families)
+        if errors:
+            print("demo: tracing failed:\n  " + "\n  ".join(errors), file=sys.stderr)
             return 1
-        print("# Attach to the running job: no restart, no code change", flush=True)
-        for args in (("ps",), ("inject", "--pid", pid), ("stack", "--pid", pid)):
-            if _show(*args):
-                return 1
-        for question, sql in QUESTIONS:
-            print(f"# {question}")
-            if _show("query", "--pid", pid, sql):
-                return 1
-        bad = "SELECT * FROM process.no_such_table"
-        print("# A bad query gets the engine's message, and the probe keeps answering:")
-        _show("query", "--pid", pid, bad)
-        return 0
+        print(f"# tracing; letting the job run {seconds:g} s", flush=True)
+        time.sleep(seconds)
+        if hang:  # torch's collective counts are read over each rank's local socket
+            args = [a for p in pids for a in ("--pid", str(p))] + ["--hang-after", "3s"]
+        else:  # one rank's probe asks its peers (cluster mode, found through the store)
+            args = ["--pid", str(pids[0]), "--cluster"]
+        print(f"$ probing diagnose {' '.join(args)}", flush=True)
+        r = _probing("diagnose", *args)
+        print((r.stdout or r.stderr).rstrip() + "\n", flush=True)
+        if r.returncode:
+            return 1
+        named = f"rank {rank} never entered" if hang else f"rank {rank} on node"
+        ok = named in " ".join(r.stdout.split("\n\n")[0].split())
+        names = "names it" if ok else "MISSES it"
+        print(f"demo: the {'stuck' if hang else 'slowed'} rank was {rank}; the verdict {names}")
+        return 0 if ok else 1
     finally:
-        job.kill()
-        job.wait()
-        print(f"demo: stopped the example job (pid {job.pid})")
+        job.stop()
+        print(f"demo: stopped the job's {world} ranks ({time.monotonic() - t0:.1f} s in all)")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ def install(engine: Engine) -> None:
     engine.register_resolver("python", python.evaluate)
     trace.install(engine)
     engine.register_table("probing", "peers", _peers)
+    from probing import analyze  # after trace: its tables read comm.collectives
+
+    analyze.install(engine)
 
 
 def _peers():  # type: ignore[no-untyped-def]

@@ -357,13 +357,3 @@ def test_unsupported_python_is_refused(spawn, monkeypatch) -> None:
     _untouched(t.pid)
     ps = cli("ps")
     assert any(line.split()[:3] == [str(t.pid), "root", "-"] for line in ps.stdout.splitlines())
-
-
-def test_demo_attaches_to_its_job() -> None:
-    """`make demo`: a job started without probing, injected, stacked, queried."""
-    out = cli("demo", "--seconds", "1.5", timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "probe started in pid" in out.stdout
-    assert '"data-loader"' in out.stdout and "data_loader (<string>:" in out.stdout
-    assert "compression_ratio" in out.stdout and "python" in out.stdout
-    assert "no_such_table" in out.stdout and "demo: stopped the example job" in out.stdout

@@ -1,0 +1,27 @@
+"""Stragglers, slow links and hangs, from every rank's collectives and stacks.
+
+``gather`` asks every rank (local pids, or the cluster); ``analyze`` is pure
+and works on the gathered table; ``diagnose`` does both for the CLI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from probing.analyze.diagnose import Diagnosis, analyze, diagnose, local_tables, render
+from probing.analyze.gather import gather
+
+SQL_TABLES = ("stragglers", "slow_links", "hangs", "ranks", "collectives")
+
+
+def install(engine: Any) -> None:
+    """``analyze.*`` in a probe: over this probe's own rows (one rank)."""
+
+    def producer(name: str):  # type: ignore[no-untyped-def]
+        return lambda: local_tables(engine)[name]
+
+    for name in SQL_TABLES:
+        engine.register_table("analyze", name, producer(name))
+
+
+__all__ = ["Diagnosis", "analyze", "diagnose", "gather", "install", "render"]

@@ -1,0 +1,519 @@
+"""``probing diagnose``: gather every rank's collectives, stacks and counts,
+name the straggler, the slow link or the hang, and render the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from probing.analyze import collectives as coll
+from probing.analyze import hangs as hg
+from probing.analyze.gather import gather, missing_ranks
+from probing.errors import ProbingError
+
+# what every rank is asked; ``{tags}`` is ", node, rank" in a cluster query,
+# where those are the peer's tags and the view's own ``rank`` is ``table_rank``
+COLLECTIVES_SQL = (
+    "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
+    "pid{tags} FROM comm.collectives WHERE ts >= {since_ns}"
+)
+STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
+# torch's own count of collectives issued per process group (no tracing needed)
+COUNTS_EXPR = (
+    "(lambda d: [{{'group': str(n), 'size': g.size(), "
+    "'count': g._get_sequence_number_for_group()}} "
+    "for g, n in d.distributed_c10d._world.pg_names.items()] "
+    "if d is not None and d.is_initialized() else [])(sys.modules.get('torch.distributed'))"
+)
+COUNTS_SQL = "SELECT *{tags} FROM python.`" + COUNTS_EXPR + "`"
+
+
+# where each rank issues its collectives from, when the trace records Python
+# stacks (``stack_id`` and ``python.callsites``); absent: no callsites, no error
+CALLSITES_SQL = (
+    "SELECT s.callsite AS callsite, count(*) AS n{tags} FROM comm.collectives c "
+    "JOIN python.callsites s ON c.stack_id = s.stack_id WHERE c.ts >= {since_ns} "
+    "GROUP BY s.callsite{group}"
+)
+
+
+def queries(remote: bool) -> dict[str, str]:
+    """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
+    tags = {"tags": ", node, rank" if remote else "", "since_ns": "{since_ns}"}
+    comm_rank = "table_rank" if remote else "rank"
+    return {
+        "collectives": COLLECTIVES_SQL.format(comm_rank=comm_rank, **tags),
+        "stacks": STACKS_SQL.format(**tags),
+        "counts": COUNTS_SQL.format(**tags),
+        "callsites": CALLSITES_SQL.format(
+            tags=", rank" if remote else "",
+            group=", rank" if remote else "",
+            since_ns="{since_ns}",
+        ),  # fmt: skip
+    }
+
+
+def callsites(table: pa.Table) -> dict[int, str]:
+    """Each rank's most frequent collective callsite (``callsite, n, rank`` rows)."""
+    best: dict[int, tuple[int, str]] = {}
+    for row in table.to_pylist():
+        r, n = row["rank"], row["n"] or 0
+        if row["callsite"] and (r not in best or n > best[r][0]):
+            best[r] = (n, row["callsite"])
+    return {r: site for r, (_, site) in sorted(best.items())}
+
+
+POLL_S = 0.25
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    healthy: bool
+    verdict: str
+    stragglers: list[coll.Straggler]
+    slow_links: list[coll.SlowLink]
+    hangs: list[hg.Hang]
+    summary: coll.Summary
+    ranks: list[dict[str, Any]]  # the evidence table, one row per rank
+    stacks: dict[int, list[str]]  # rank -> main thread stack, for the verdict's ranks
+    window_s: float
+    elapsed_s: float = 0.0
+    missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
+    callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON object (plus ``summary`` and ``ranks``)."""
+        return {
+            "healthy": self.healthy,
+            "verdict": self.verdict,
+            "stragglers": [
+                {
+                    "rank": s.rank,
+                    "node": s.node,
+                    "lag_ms_mean": s.lag_ms_mean,
+                    "lag_ms_p99": s.lag_ms_p99,
+                    "share_of_step": s.share_of_step,
+                    "since": s.since,
+                    "last_share": s.last_share,
+                    "comm": s.comm,
+                    "op": s.op,
+                    "collectives": s.collectives,
+                }
+                for s in self.stragglers
+            ],
+            "slow_links": [dataclasses.asdict(s) for s in self.slow_links],
+            "hangs": [
+                {
+                    "comm": h.comm,
+                    "seq": h.seq,
+                    "missing_ranks": h.missing_ranks,
+                    "stacks": {str(r): v for r, v in h.stacks.items()},
+                    "waiting_ranks": h.waiting_ranks,
+                    "op": h.op,
+                    "age_s": h.age_s,
+                    "evidence": h.evidence,
+                }
+                for h in self.hangs
+            ],
+            "summary": dataclasses.asdict(self.summary),
+            "ranks": self.ranks,
+            "missing": self.missing,
+            "callsites": {str(r): c for r, c in self.callsites.items()},
+        }
+
+
+def _hms(ns: int) -> str:
+    return coll.iso(ns)[11:19] + " UTC"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def verdict(
+    stragglers: list[coll.Straggler],
+    slow_links: list[coll.SlowLink],
+    hangs: list[hg.Hang],
+    summary: coll.Summary,
+    window_s: float,
+) -> str:
+    """One sentence: the worst finding first, or the figures that say it is healthy."""
+    if hangs:
+        h = hangs[0]
+        what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
+        where = f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
+        if not h.missing_ranks:
+            return (
+                f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {where} "
+                f"for {h.age_s:g}+ s and none returns: the collective itself "
+                "is stuck (network, or a peer's transport)"
+            )
+        return (
+            f"hang: {_ranks_text(h.waiting_ranks)} wait in {where} for "
+            f"{h.age_s:g}+ s; {_ranks_text(h.missing_ranks)} never entered it"
+        )
+    if stragglers:
+        s = stragglers[0]
+        since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
+        node = f" on node {s.node}" if s.node else ""
+        return (
+            f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
+            f"{100 * s.last_share:.0f} % of {s.op}s {since}; the job loses "
+            f"~{100 * s.share_of_step:.0f} % of its step time"
+        )
+    if slow_links:
+        s = slow_links[0]
+        return (
+            f"slow link: {s.op} on {s.comm} takes {s.transfer_ms_median:.0f} ms on every "
+            f"rank (model {s.baseline_ms:.1f} ms) with no arrival skew "
+            f"({s.skew_ms_median:.1f} ms); ~{100 * s.share_of_step:.0f} % of the job's "
+            f"time since {_hms(s.since_ns)}"
+        )
+    if not summary.collectives:
+        return (
+            f"no verdict: no complete collective traced in the last {window_s:g} s "
+            "(is every rank traced? probing trace --pid P --background)"
+        )
+    return (
+        f"healthy: {summary.ranks} ranks, {summary.collectives} collectives in the last "
+        f"{window_s:g} s; arrival skew median {summary.skew_ms_median:.1f} ms "
+        f"(p99 {summary.skew_ms_p99:.1f} ms); no rank last more than "
+        f"{100 * (summary.last_share_max or 0):.0f} % of the time"
+    )
+
+
+def analyze(
+    table: pa.Table,
+    *,
+    frames: dict[int, list[dict[str, Any]]] | None = None,
+    states: list[hg.RankState] | None = None,
+    stalled_s: float = 0.0,
+    now_ns: int | None = None,
+    window_s: float = 60.0,
+    hang_after_s: float = hg.HANG_AFTER_S,
+) -> Diagnosis:
+    """The whole diagnosis from gathered rows (pure: no probe is asked)."""
+    now_ns = now_ns or time.time_ns()
+    frames = frames or {}
+    matched = coll.match(table)
+    nodes = {}
+    if table.num_rows and "node" in table.column_names:
+        tags = zip(table.column("node").to_pylist(), table.column("rank").to_pylist(), strict=True)
+        nodes = {r: n for n, r in tags}
+    for s in states or []:
+        nodes.setdefault(s.rank, s.node)
+    ranks = sorted(set(nodes) | set(frames))
+    hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
+    if not hangs and states:
+        hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
+    strag = [] if hangs else coll.stragglers(matched, nodes)
+    # a straggler slows the collectives too (its share of the reduction runs late)
+    slow = [] if hangs or strag else coll.slow_links(matched, nodes)
+    summary = coll.summarize(matched)
+    stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
+    for h in hangs:
+        stacks.update(h.stacks)
+    return Diagnosis(
+        healthy=not (hangs or strag or slow),
+        verdict=verdict(strag, slow, hangs, summary, window_s),
+        stragglers=strag,
+        slow_links=slow,
+        hangs=hangs,
+        summary=summary,
+        ranks=_rank_rows(matched, ranks, nodes, frames, states or []),
+        stacks=stacks,
+        window_s=window_s,
+    )
+
+
+def _rank_rows(
+    matched: list[coll.Collective],
+    ranks: list[int],
+    nodes: dict[int, str],
+    frames: dict[int, list[dict[str, Any]]],
+    states: list[hg.RankState],
+) -> list[dict[str, Any]]:
+    import numpy as np
+
+    done = [c for c in matched if c.complete and c.nranks > 1]
+    counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
+    rows = []
+    for r in ranks:
+        mine = [c for c in done if r in c.ts]
+        lags = np.array([c.lags_ns()[r] / 1e6 for c in mine])
+        last = sum(1 for c in mine if max(c.ts, key=c.ts.__getitem__) == r)
+        rows.append(
+            {
+                "rank": r,
+                "node": nodes.get(r, ""),
+                "collectives": len(mine),
+                "last_pct": round(100 * last / len(mine), 1) if mine else None,
+                "lag_ms_mean": round(float(lags.mean()), 2) if len(lags) else None,
+                "lag_ms_p99": round(float(np.percentile(lags, 99)), 2) if len(lags) else None,
+                "count": counts.get(r),
+                "in_collective": hg.in_collective(frames[r]) if r in frames else None,
+            }
+        )
+    return rows
+
+
+def render(d: Diagnosis) -> str:
+    """Verdict first, then the evidence table, then the stacks (80 columns)."""
+    import textwrap
+
+    from probing.render import format_rows
+
+    out = [textwrap.fill(d.verdict, 80), ""]
+    if d.missing:
+        out[1:1] = [textwrap.fill("not heard from: " + "; ".join(d.missing), 80), ""]
+    cols = ["rank", "node", "collectives", "last_pct", "lag_ms_mean", "lag_ms_p99", "count"]
+    head = ["RANK", "NODE", "COLL", "LAST %", "LAG MS", "P99 MS", "COUNT", "IN COLL"]
+    rows = [[r[c] for c in cols] + [_yes(r["in_collective"])] for r in d.ranks]
+    out.append(format_rows(head, rows))
+    for s in d.slow_links:
+        out.append(
+            f"\n{s.comm}: transfer median {s.transfer_ms_median} ms (model "
+            f"{s.baseline_ms} ms), skew median {s.skew_ms_median} ms, "
+            f"{s.collectives} collectives"
+        )
+    for rank, lines in d.stacks.items():
+        role = _role(d, rank)
+        out.append(f"\nrank {rank} ({role}): {lines[0] if lines else ''}")
+        out.extend(f"    {line}"[:80] for line in lines[1:])
+    named = {s.rank for s in d.stragglers}
+    named |= {r for h in d.hangs for r in (*h.missing_ranks, *h.waiting_ranks)}
+    for rank in sorted(named & set(d.callsites)):
+        out.append(f"rank {rank} issues its collectives at {d.callsites[rank]}"[:80])
+    return "\n".join(out)
+
+
+def _yes(v: bool | None) -> str:
+    return "" if v is None else ("yes" if v else "no")
+
+
+def _role(d: Diagnosis, rank: int) -> str:
+    if any(rank in h.missing_ranks for h in d.hangs):
+        return "missing"
+    if any(rank in h.waiting_ranks for h in d.hangs):
+        return "waiting"
+    return "straggler"
+
+
+# -- talking to the probes --------------------------------------------------------------
+
+
+def _frames_by_rank(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        out.setdefault(row["rank"], []).append(row)
+    return out
+
+
+def _states(
+    ask: Callable[[str], pa.Table], frames: dict[int, list[dict[str, Any]]], sql: dict[str, str]
+) -> list[hg.RankState]:
+    try:
+        counts = ask(sql["counts"])
+    except ProbingError:  # python.`expr` is local-only: remote ranks give stacks only
+        counts = pa.table({"rank": pa.array([], pa.int64())})
+    per: dict[int, dict[str, int]] = {}
+    nodes: dict[int, str] = {}
+    if "count" in counts.column_names:
+        for row in counts.to_pylist():
+            per.setdefault(row["rank"], {})[row["group"]] = int(row["count"])
+            nodes[row["rank"]] = row["node"]
+    for r, rows in frames.items():
+        nodes.setdefault(r, str(rows[0].get("node") or "") if rows else "")
+    return [
+        hg.RankState(r, nodes.get(r, ""), per.get(r, {}), frames.get(r, []))
+        for r in sorted(set(per) | set(frames))
+    ]
+
+
+def diagnose(
+    *,
+    pids: Sequence[int] | None = None,
+    addr: str | None = None,
+    cluster: bool = False,
+    window_s: float = 60.0,
+    hang_after_s: float = hg.HANG_AFTER_S,
+    timeout: float = 5.0,
+    on_wait: Callable[[float], None] | None = None,
+) -> tuple[Diagnosis, pa.Table]:
+    """Ask every rank, analyze, and return the diagnosis and the gathered collectives.
+
+    When the counts say some ranks are ahead but nothing has been traced to
+    date the stall, the counts are watched until they have stood still for
+    ``hang_after_s`` (``on_wait`` is told how long that will take) or move.
+    """
+    t0 = time.perf_counter()
+
+    def ask(sql: str) -> pa.Table:
+        return gather(sql, pids=pids, addr=addr, cluster=cluster, timeout=timeout)
+
+    now = time.time_ns()
+    sql = queries(remote=cluster or addr is not None)
+    table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
+    frames = _frames_by_rank(ask(sql["stacks"]))
+    states = _states(ask, frames, sql)
+    stalled = round(_stalled_s(table, now, pids), 1)
+    d = analyze(
+        table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
+        window_s=window_s, hang_after_s=hang_after_s,
+    )  # fmt: skip
+    progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
+    if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
+        watched = time.monotonic()
+        if on_wait is not None:
+            on_wait(hang_after_s - stalled)
+        while stalled + time.monotonic() - watched < hang_after_s:
+            time.sleep(POLL_S)
+            again = _states(ask, frames, sql)
+            if [s.counts for s in again] != [s.counts for s in states]:
+                break
+        else:
+            frames = _frames_by_rank(ask(sql["stacks"]))
+            states = [dataclasses.replace(s, frames=frames.get(s.rank, [])) for s in states]
+            d = analyze(
+                table, frames=frames, states=states, now_ns=time.time_ns(),
+                stalled_s=round(stalled + time.monotonic() - watched, 1),
+                window_s=window_s, hang_after_s=hang_after_s,
+            )  # fmt: skip
+    d.missing = missing_ranks(table)
+    if d.stragglers or d.hangs:
+        try:
+            since = now - int(window_s * 1e9)
+            d.callsites = callsites(ask(sql["callsites"].format(since_ns=since)))
+        except ProbingError:  # a trace without Python stacks
+            d.callsites = {}
+    d.elapsed_s = round(time.perf_counter() - t0, 3)
+    return d, table
+
+
+def _counts_differ(states: list[hg.RankState]) -> bool:
+    groups: dict[str, set[int]] = {}
+    for s in states:
+        for g, n in s.counts.items():
+            groups.setdefault(g, set()).add(n)
+    return any(len(v) > 1 for v in groups.values())
+
+
+def _stalled_s(table: pa.Table, now_ns: int, pids: Sequence[int] | None) -> float:
+    """How long no collective has started or ended (a lower bound, from the trace)."""
+    last = 0
+    if table.num_rows:
+        for ts, dur in zip(
+            table.column("ts").to_pylist(), table.column("dur_ns").to_pylist(), strict=True
+        ):
+            last = max(last, ts + (dur or 0))
+    if not last and pids:  # nothing traced: since when have the probes traced?
+        from probing.client import ProbeClient
+
+        starts = []
+        for pid in pids:
+            try:
+                st = ProbeClient.for_pid(pid).trace_status()
+            except ProbingError:
+                continue
+            if st.get("state") == "tracing" and st.get("started_ns"):
+                starts.append(int(st["started_ns"]))
+        last = max(starts) if starts else now_ns
+    return max(0.0, (now_ns - (last or now_ns)) / 1e9)
+
+
+# -- SQL: analyze.* -----------------------------------------------------------------------
+
+
+def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
+    """``analyze.stragglers``, ``analyze.slow_links``, ``analyze.hangs``,
+    ``analyze.ranks``, ``analyze.collectives`` (the gathered rows)."""
+    strag = [
+        {k: v for k, v in dataclasses.asdict(s).items() if k != "since_ns"} for s in d.stragglers
+    ]
+    hangs = [
+        {
+            "comm": h.comm, "seq": h.seq, "op": h.op, "missing_ranks": h.missing_ranks,
+            "waiting_ranks": h.waiting_ranks, "age_s": h.age_s, "evidence": h.evidence,
+            "stacks": json.dumps({str(r): v for r, v in h.stacks.items()}),
+        }
+        for h in d.hangs
+    ]  # fmt: skip
+    return {
+        "stragglers": _table(strag, STRAGGLERS_SCHEMA),
+        "slow_links": _table(
+            [
+                {k: v for k, v in dataclasses.asdict(s).items() if k != "since_ns"}
+                for s in d.slow_links
+            ],
+            SLOW_LINKS_SCHEMA,
+        ),  # fmt: skip
+        "hangs": _table(hangs, HANGS_SCHEMA),
+        "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
+        "collectives": table,
+    }
+
+
+def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+STRAGGLERS_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int64()), ("node", pa.string()), ("lag_ms_mean", pa.float64()),
+        ("lag_ms_p99", pa.float64()), ("excess_ms_median", pa.float64()),
+        ("last_share", pa.float64()), ("share_of_step", pa.float64()), ("since", pa.string()),
+        ("since_start", pa.bool_()), ("comm", pa.string()), ("op", pa.string()),
+        ("collectives", pa.int64()), ("p_value", pa.float64()),
+    ]
+)  # fmt: skip
+SLOW_LINKS_SCHEMA = pa.schema(
+    [
+        ("comm", pa.string()), ("op", pa.string()), ("nodes", pa.list_(pa.string())),
+        ("transfer_ms_median", pa.float64()), ("baseline_ms", pa.float64()),
+        ("skew_ms_median", pa.float64()), ("share_of_step", pa.float64()),
+        ("since", pa.string()), ("collectives", pa.int64()),
+    ]
+)  # fmt: skip
+HANGS_SCHEMA = pa.schema(
+    [
+        ("comm", pa.string()), ("seq", pa.int64()), ("op", pa.string()),
+        ("missing_ranks", pa.list_(pa.int64())), ("waiting_ranks", pa.list_(pa.int64())),
+        ("age_s", pa.float64()), ("evidence", pa.string()), ("stacks", pa.string()),
+    ]
+)  # fmt: skip
+RANKS_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int64()), ("node", pa.string()), ("collectives", pa.int64()),
+        ("last_pct", pa.float64()), ("lag_ms_mean", pa.float64()), ("lag_ms_p99", pa.float64()),
+        ("count", pa.int64()), ("in_collective", pa.bool_()),
+    ]
+)  # fmt: skip
+
+
+def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
+    """The analyze.* tables over the data this one probe holds (its own rank)."""
+    import os
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from probing.analyze.gather import RANK_EXPR, _tag
+    from probing.tables.python import eval_with_imports
+
+    now = time.time_ns()
+    sql = queries(remote=False)["collectives"].format(since_ns=now - int(window_s * 1e9))
+    # a table is produced inside the engine's own query: the query it needs runs
+    # on a thread of its own (DataFusion cannot block inside its runtime)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        rows = pool.submit(engine.sql, sql).result()
+    try:
+        rank = int(eval_with_imports(RANK_EXPR))
+    except Exception:
+        rank = -1
+    rows = _tag(rows, socket.gethostname(), rank if rank >= 0 else os.getpid())
+    d = analyze(rows, now_ns=now, window_s=window_s)
+    return sql_tables(d, rows)

@@ -1,0 +1,142 @@
+"""Hangs: a collective some ranks entered and others have not, for N seconds.
+
+Two kinds of evidence, both pure functions here:
+
+* traced: a call still in flight (``<family>.inflight``, NULL ``dur_ns``)
+  in some ranks, its matched k-th collective absent in others, entered at
+  least ``hang_after_s`` ago;
+* snapshot, when probing attached after the job already hung (no call
+  enters or returns any more, so nothing is traced): every rank's
+  collective count per process group (torch's own sequence numbers) and its
+  current Python stacks. Ranks whose count is ahead entered a collective
+  the others never reached; the counts must not have moved for
+  ``hang_after_s`` (the caller observes that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from typing import Any
+
+from probing.analyze.collectives import Collective
+
+HANG_AFTER_S = 10.0
+
+# a Python frame that is waiting on a collective (torch.distributed, DDP, autograd)
+_IN_COLLECTIVE = re.compile(
+    r"torch/(distributed|nn/parallel|autograd)/|(^|\.)(all_reduce|allreduce|barrier|"
+    r"broadcast|all_gather|reduce_scatter|all_to_all)$"
+)
+
+
+@dataclasses.dataclass
+class Hang:
+    comm: str
+    seq: int
+    op: str | None
+    missing_ranks: list[int]
+    waiting_ranks: list[int]
+    age_s: float  # how long the first waiting rank has waited (a lower bound)
+    evidence: str  # "traced" or "stacks and counts"
+    stacks: dict[int, list[str]]  # rank -> its main thread, innermost frame first
+
+
+@dataclasses.dataclass
+class RankState:
+    """One rank's snapshot: collective counts per group and its Python stacks."""
+
+    rank: int
+    node: str
+    counts: dict[str, int]  # process group -> collectives issued so far
+    frames: list[dict[str, Any]]  # process.stacks rows
+
+
+def main_stack(frames: list[dict[str, Any]]) -> list[str]:
+    """The main thread's frames (or the first thread's), innermost first."""
+    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for f in frames:
+        by_thread[(f.get("tid"), f.get("thread"))].append(f)
+    if not by_thread:
+        return []
+    pick = next((t for t in by_thread if t[1] == "MainThread"), next(iter(by_thread)))
+    rows = sorted(by_thread[pick], key=lambda f: f.get("depth") or 0)
+    state = rows[0].get("state") if rows else None
+    head = [f"thread {pick[1]} ({pick[0]}) {state or ''}".rstrip()]
+    return head + [f"{f.get('func')} ({short_path(f.get('file'))}:{f.get('line')})" for f in rows]
+
+
+def short_path(path: str | None) -> str:
+    """``.../site-packages/torch/autograd/graph.py`` -> ``torch/autograd/graph.py``."""
+    text = str(path or "?")
+    for marker in ("site-packages/", "dist-packages/", "/lib/python3."):
+        if marker in text:
+            rest = text.split(marker, 1)[1]
+            return rest.split("/", 1)[1] if marker.startswith("/lib") and "/" in rest else rest
+    return text
+
+
+def in_collective(frames: list[dict[str, Any]]) -> bool:
+    """Whether any Python thread sits in a collective (or waits on one)."""
+    return any(
+        _IN_COLLECTIVE.search(str(f.get(key) or "")) for f in frames for key in ("file", "func")
+    )
+
+
+def traced_hangs(
+    collectives: list[Collective],
+    ranks: list[int],
+    now_ns: int,
+    hang_after_s: float = HANG_AFTER_S,
+    frames: dict[int, list[dict[str, Any]]] | None = None,
+) -> list[Hang]:
+    """Collectives in flight in some ranks and not entered by others for long enough;
+    or entered by every rank and left by none (the collective itself is stuck)."""
+    out = []
+    for c in collectives:
+        inside = [r for r, e in c.end.items() if e is None]
+        if not inside:
+            continue
+        members = set(ranks) if len(ranks) >= c.nranks else set(ranks) | set(c.ts)
+        missing = sorted(members - set(c.ts))
+        age = (now_ns - min(c.ts[r] for r in inside)) / 1e9
+        stuck = not missing and len(inside) == len(c.ts) >= c.nranks
+        if (not missing and not stuck) or age < hang_after_s:
+            continue
+        out.append(Hang(c.comm, c.seq, c.op, missing, sorted(inside), round(age, 1), "traced", {}))
+    return _with_stacks(out, frames or {})
+
+
+def snapshot_hangs(
+    states: list[RankState], stalled_s: float, hang_after_s: float = HANG_AFTER_S
+) -> list[Hang]:
+    """From counts and stacks alone: ranks ahead in a group wait for those behind."""
+    if stalled_s < hang_after_s:
+        return []
+    groups: dict[str, dict[int, int]] = defaultdict(dict)
+    for s in states:
+        for g, n in s.counts.items():
+            groups[g][s.rank] = n
+    out = []
+    for g, counts in groups.items():
+        top = max(counts.values())
+        missing = sorted(r for r, n in counts.items() if n < top)
+        waiting = sorted(r for r, n in counts.items() if n == top)
+        if not missing:
+            continue
+        label = f"process group {g}"
+        out.append(Hang(label, top - 1, None, missing, waiting, stalled_s, "stacks and counts", {}))
+    if not groups:  # no counts at all: who sits in a collective, who does not
+        inside = sorted(s.rank for s in states if in_collective(s.frames))
+        outside = sorted(s.rank for s in states if not in_collective(s.frames))
+        if inside and outside:
+            out.append(Hang("?", -1, None, outside, inside, stalled_s, "stacks", {}))
+    return _with_stacks(out, {s.rank: s.frames for s in states})
+
+
+def _with_stacks(hangs: list[Hang], frames: dict[int, list[dict[str, Any]]]) -> list[Hang]:
+    for h in hangs:
+        shown = [*h.missing_ranks, *h.waiting_ranks[:1]]
+        h.stacks = {r: main_stack(frames[r]) for r in shown if frames.get(r)}
+    return hangs

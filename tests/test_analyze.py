@@ -1,0 +1,358 @@
+"""probing.analyze on canned collectives: several ranks, each traced from a
+different moment (so their sequence numbers disagree), per-process comm
+pointers, arrival noise, and one straggler, a slow link, jitter or a hang."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from probing.analyze import analyze
+from probing.analyze import collectives as coll
+from probing.analyze import hangs as hg
+from probing.analyze.diagnose import render, sql_tables
+from probing.engine import Engine
+from probing.store import Store
+
+T0 = 1_763_880_000 * 10**9  # a wall-clock ns
+
+
+def job(
+    *,
+    ranks: int = 4,
+    steps: int = 60,
+    step_ms: float = 80.0,
+    jitter_ms: float = 1.0,
+    straggler: int | None = None,
+    lag_ms: float = 30.0,
+    slow_from: int = 0,
+    link_ms: float = 0.4,
+    link_from: int = 0,
+    hang_rank: int | None = None,
+    hang_step: int | None = None,
+    backend: str = "gloo",
+    behind_link: int | None = None,
+    seed: int = 0,
+) -> pa.Table:
+    """Rows as ``gather(queries()["collectives"])`` returns them for a synchronous DDP job."""
+    rng = np.random.default_rng(seed)
+    skipped = rng.integers(0, 5, size=ranks)  # collectives before each rank's trace began
+    comm_ptr = rng.integers(1 << 40, 1 << 44, size=ranks)  # a local pointer per process
+    rows = []
+    t = np.full(ranks, float(T0))
+    for k in range(steps):
+        arrive = t + rng.normal(0, jitter_ms, size=ranks).clip(-3 * jitter_ms, 3 * jitter_ms) * 1e6
+        arrive += 5e6  # compute
+        if straggler is not None and k >= slow_from:
+            arrive[straggler] += lag_ms * 1e6 * rng.uniform(0.8, 1.2)
+        link = link_ms if k >= link_from else 0.4
+        end = arrive.max() + link * 1e6 * rng.uniform(0.9, 1.1)
+        ends = np.full(ranks, end)
+        if behind_link is not None:  # the last hop's data reaches it one link delay later
+            ends[behind_link] += link * 1e6 / 2
+        hung = hang_step is not None and k >= hang_step
+        for r in range(ranks):
+            if k < skipped[r] or (hung and (r == hang_rank or k > hang_step)):
+                continue
+            in_flight = hung and k == hang_step
+            rows.append(
+                {
+                    "backend": backend, "op": "allreduce", "comm": int(comm_ptr[r]),
+                    "seq": k - int(skipped[r]), "comm_rank": r, "nranks": ranks,
+                    "bytes": 4 * 20_000, "ts": int(arrive[r]),
+                    "dur_ns": None if in_flight else int(ends[r] + rng.uniform(0, 2e4) - arrive[r]),
+                    "pid": 1000 + r, "node": f"host{r // 2}", "rank": r,
+                }
+            )  # fmt: skip
+        t = ends + step_ms * 1e6
+    return pa.Table.from_pylist(rows)
+
+
+def test_collectives_match_across_ranks_despite_different_trace_starts() -> None:
+    matched = coll.match(job(steps=20))
+    complete = [c for c in matched if c.complete]
+    # every rank's rows line up: the collectives every rank traced are complete
+    assert len(complete) >= 15
+    assert len({c.comm for c in matched}) == 1 and matched[0].comm == "gloo/n4#0"
+    for c in complete:
+        ends = list(c.end.values())
+        assert max(ends) - min(ends) < 1e6  # synchronous: every rank returns together
+
+
+def test_nccl_unique_id_is_the_cross_process_identity() -> None:
+    t = job(steps=10, backend="nccl")
+    t = t.set_column(t.schema.get_field_index("comm"), "comm", pa.array([0xABC] * t.num_rows))
+    assert {c.comm for c in coll.match(t)} == {"nccl:abc"}
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_a_straggler_is_named_with_its_lag_share_and_since(rank: int) -> None:
+    d = analyze(job(straggler=rank, lag_ms=30, slow_from=25, seed=rank), now_ns=T0)
+    assert not d.healthy and not d.hangs and not d.slow_links
+    [s] = d.stragglers
+    assert s.rank == rank and s.node == f"host{rank // 2}"
+    assert 25 < s.lag_ms_mean < 35 and s.lag_ms_p99 > s.lag_ms_mean
+    assert s.last_share > 0.55  # slow for the last 35 of 60 collectives
+    # about 30 ms lost per 115 ms step, since step 25
+    assert 0.1 < s.share_of_step < 0.3
+    matched = [c for c in coll.match(job(straggler=rank, slow_from=25, seed=rank)) if c.complete]
+    change = min(c.ts[rank] for c in matched if c.seq >= 25 - 5)
+    assert not s.since_start and abs(s.since_ns - change) < 0.5e9
+    assert d.verdict.startswith(f"rank {rank} on node host{rank // 2} arrives")
+    assert "of its step time" in d.verdict
+
+
+def test_a_straggler_slow_from_the_start_says_since_at_least() -> None:
+    d = analyze(job(straggler=2, lag_ms=15, seed=7), now_ns=T0)
+    [s] = d.stragglers
+    assert s.rank == 2 and s.since_start and s.last_share > 0.95
+    assert "since at least" in d.verdict
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_healthy_job_with_jitter_raises_nothing(seed: int) -> None:
+    d = analyze(job(jitter_ms=4.0, seed=seed), now_ns=T0)
+    assert d.healthy, d.verdict
+    assert d.verdict.startswith("healthy: 4 ranks")
+    assert d.summary.collectives >= 50 and d.summary.last_share_max < 0.5
+
+
+def test_one_noisy_step_raises_nothing() -> None:
+    t = job(seed=3).to_pylist()
+    for r in t:  # rank 1 is 200 ms late once
+        if r["rank"] == 1 and r["seq"] == 30:
+            r["ts"] += 200_000_000
+    assert analyze(pa.Table.from_pylist(t), now_ns=T0).healthy
+
+
+def test_a_slow_link_is_slow_for_every_rank_without_skew() -> None:
+    d = analyze(job(link_ms=60.0, link_from=20, seed=4), now_ns=T0)
+    assert not d.stragglers and not d.hangs
+    [link] = d.slow_links
+    assert 50 < link.transfer_ms_median < 70 and link.skew_ms_median < 5
+    assert link.nodes == ["host0", "host1"] and link.share_of_step > 0.2
+    assert d.verdict.startswith("slow link: allreduce on gloo/n4#0 takes")
+
+
+def test_a_rank_behind_a_slow_link_is_released_late_not_a_straggler() -> None:
+    # rank 1 gets the last hop 30 ms late, so it arrives last at the next one:
+    # its own time between collectives is like the others', the link is slow
+    d = analyze(job(link_ms=60.0, behind_link=1, seed=8), now_ns=T0)
+    assert not d.stragglers, d.verdict
+    assert [s.comm for s in d.slow_links] == ["gloo/n4#0"]
+    assert coll.released_late(
+        [c for c in coll.match(job(link_ms=60.0, behind_link=1, seed=8)) if c.complete], 1, 30.0
+    )
+
+
+def test_a_traced_hang_names_the_missing_rank() -> None:
+    t = job(steps=30, hang_rank=3, hang_step=25, seed=5)
+    last = max(r["ts"] for r in t.to_pylist())
+    frames = {
+        3: [{"tid": 9, "thread": "MainThread", "state": "idle", "depth": 0,
+             "func": "load_batch", "file": "train.py", "line": 12}],
+        0: [{"tid": 8, "thread": "MainThread", "state": "waiting", "depth": 0,
+             "func": "all_reduce", "file": "torch/distributed/distributed_c10d.py",
+             "line": 2500}],
+    }  # fmt: skip
+    early = analyze(t, frames=frames, now_ns=last + 2 * 10**9)
+    assert early.healthy or not early.hangs  # 2 s is not a hang yet
+    d = analyze(t, frames=frames, now_ns=last + 12 * 10**9)
+    [h] = d.hangs
+    assert h.missing_ranks == [3] and h.waiting_ranks == [0, 1, 2] and h.evidence == "traced"
+    assert h.age_s >= 12 and h.op == "allreduce"
+    assert h.stacks[3][1].startswith("load_batch (train.py:12)")
+    assert "all_reduce" in h.stacks[0][1]
+    assert d.verdict.startswith("hang: ranks 0, 1, 2 wait in allreduce #")
+    out = d.to_json()
+    assert out["hangs"][0]["missing_ranks"] == [3] and "3" in out["hangs"][0]["stacks"]
+
+
+def _state(rank: int, count: int, func: str, file: str) -> hg.RankState:
+    frame = {"tid": rank, "thread": "MainThread", "state": "waiting", "depth": 0,
+             "func": func, "file": file, "line": 1}  # fmt: skip
+    return hg.RankState(rank, "h", {"default_pg": count}, [frame])
+
+
+def test_a_hang_found_after_the_fact_from_counts_and_stacks() -> None:
+    states = [_state(r, 41, "backward", "torch/autograd/__init__.py") for r in (0, 1, 3)]
+    states.append(_state(2, 40, "sleep", "train.py"))
+    assert hg.snapshot_hangs(states, stalled_s=3.0, hang_after_s=10) == []
+    [h] = hg.snapshot_hangs(states, stalled_s=11.0, hang_after_s=10)
+    assert (h.comm, h.seq, h.missing_ranks, h.waiting_ranks) == (
+        "process group default_pg",
+        40,
+        [2],
+        [0, 1, 3],
+    )
+    assert set(h.stacks) == {2, 0}
+    d = analyze(pa.table({}), frames={s.rank: s.frames for s in states}, states=states,
+                stalled_s=11.0)  # fmt: skip
+    assert d.hangs and not d.healthy and "rank 2 never entered it" in d.verdict
+    text = render(d)
+    assert "rank 2 (missing)" in text and "rank 0 (waiting)" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_without_counts_the_stacks_tell_who_waits() -> None:
+    states = [_state(r, 0, "backward", "torch/autograd/__init__.py") for r in (0, 1, 3)]
+    states.append(_state(2, 0, "load_batch", "train.py"))
+    for s in states:
+        s.counts = {}  # python.`expr` is refused over TCP: no counts from a cluster
+    d = analyze(pa.table({}), frames={s.rank: s.frames for s in states}, states=states,
+                stalled_s=11.0)  # fmt: skip
+    [h] = d.hangs
+    assert (h.missing_ranks, h.waiting_ranks, h.evidence) == ([2], [0, 1, 3], "stacks")
+    assert d.verdict.startswith("hang: ranks 0, 1, 3 wait in a collective (by their stacks)")
+
+
+def test_equal_counts_are_no_hang() -> None:
+    states = [_state(r, 41, "step", "train.py") for r in range(4)]
+    assert hg.snapshot_hangs(states, stalled_s=60.0) == []
+
+
+def test_change_point_and_binomial_tail() -> None:
+    x = np.r_[np.zeros(30), np.full(20, 5.0)] + np.random.default_rng(1).normal(0, 0.3, 50)
+    k, score = coll.change_point(x)
+    assert k == 30 and score > 3
+    assert coll.binom_tail(10, 10, 0.25) == pytest.approx(0.25**10)
+    assert coll.binom_tail(0, 10, 0.25) == 1.0
+
+
+def test_json_shape_and_sql_tables() -> None:
+    t = job(straggler=1, seed=2)
+    d = analyze(t, now_ns=T0)
+    out = json.loads(json.dumps(d.to_json()))
+    assert {"healthy", "verdict", "stragglers", "slow_links", "hangs"} <= set(out)
+    s = out["stragglers"][0]
+    assert {"rank", "node", "lag_ms_mean", "lag_ms_p99", "share_of_step", "since"} <= set(s)
+    assert s["since"].endswith("Z")
+    engine = Engine(Store())
+    for name, table in sql_tables(d, t).items():
+        engine.register_table("analyze", name, lambda table=table: table)
+    rows = engine.sql("SELECT rank, last_share FROM analyze.stragglers").to_pylist()
+    assert [r["rank"] for r in rows] == [1]
+    ranks = engine.sql("SELECT rank FROM analyze.ranks ORDER BY last_pct DESC LIMIT 1")
+    assert ranks.to_pylist() == [{"rank": 1}]
+    assert engine.sql("SELECT count(*) AS n FROM analyze.hangs").to_pylist() == [{"n": 0}]
+
+
+def test_no_data_is_no_verdict() -> None:
+    d = analyze(pa.table({}), now_ns=T0)
+    assert d.healthy and d.verdict.startswith("no verdict")
+
+
+def test_calls_in_flight_do_not_throw_the_alignment_off() -> None:
+    # a 40 ms straggler in a ~55 ms step: nearest *arrivals* would pair the wrong
+    # steps; the synchronous returns pair them right, in-flight calls left out
+    rows = job(straggler=2, lag_ms=40, step_ms=10, seed=11).to_pylist()
+    last = max(r["ts"] for r in rows)
+    for rank in range(4):
+        mine = max((r for r in rows if r["rank"] == rank), key=lambda r: r["seq"])
+        rows.append({**mine, "seq": mine["seq"] + 1, "ts": last + 10**8, "dur_ns": None})
+    d = analyze(pa.Table.from_pylist(rows), now_ns=last + 2 * 10**8)
+    assert [s.rank for s in d.stragglers] == [2], d.verdict
+
+
+def test_stack_paths_are_short_and_collective_frames_are_seen() -> None:
+    assert hg.short_path("/x/.venv/lib/python3.11/site-packages/torch/autograd/graph.py") == (
+        "torch/autograd/graph.py"
+    )
+    assert hg.short_path("/usr/lib/python3.11/threading.py") == "threading.py"
+    assert hg.short_path("train.py") == "train.py"
+    inside = {"func": "all_reduce", "file": "torch/distributed/distributed_c10d.py"}
+    assert hg.in_collective([inside])
+    assert not hg.in_collective([{"func": "Event.wait", "file": "/usr/lib/threading.py"}])
+
+
+def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
+    import time
+
+    from probing.bpf.families import GLOO_SCHEMA
+    from probing.tables import install
+
+    engine = Engine(Store())
+    install(engine)
+    now = time.time_ns()
+    rows = [
+        {"event_id": k, "ts": now - (50 - k) * 10**8, "dur_ns": 10**6, "pid": 7, "tid": 7,
+         "api": "gloo::allreduce", "op": "allreduce", "comm": 0x55, "seq": k, "rank": 1,
+         "nranks": 4, "elements": 10, "bytes": 40}
+        for k in range(50)
+    ]  # fmt: skip
+    engine.store.table("gloo", "calls").append_batch(
+        pa.RecordBatch.from_pylist(rows, schema=GLOO_SCHEMA)
+    )
+    got = engine.sql("SELECT count(*) AS n FROM analyze.collectives").to_pylist()
+    assert got == [{"n": 50}]
+    assert engine.sql("SELECT count(*) AS n FROM analyze.stragglers").to_pylist() == [{"n": 0}]
+    [rank] = engine.sql("SELECT collectives FROM analyze.ranks").to_pylist()
+    assert rank == {"collectives": 0}  # one rank alone completes no collective
+
+
+def test_diagnose_bad_input_is_one_clear_line() -> None:
+    from tests.conftest import cli
+
+    cases = [
+        ((), "nothing to ask: give --pid"),
+        (("--pid", "999999999"), "no process with pid 999999999"),
+        (("--pid", "1", "--window", "soon"), "not a duration: 'soon'"),
+    ]
+    for args, msg in cases:
+        r = cli("diagnose", *args)
+        assert r.returncode == 1 and r.stdout == ""
+        assert r.stderr.startswith("probing: error: ") and msg in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ranks_that_did_not_answer_are_reported() -> None:
+    from probing.analyze.gather import MISSING_KEY, missing_ranks
+
+    t = job(seed=1)
+    gone = ["rank 5 (host9): timed out after 5 s"]
+    t = t.replace_schema_metadata({MISSING_KEY: json.dumps(gone).encode()})
+    assert missing_ranks(t) == gone and missing_ranks(job(seed=1)) == []
+    d = analyze(t, now_ns=T0)
+    d.missing = missing_ranks(t)
+    assert d.to_json()["missing"] == gone
+    assert "not heard from: rank 5 (host9)" in render(d)
+
+
+def test_a_collective_every_rank_entered_and_none_left_is_a_hang() -> None:
+    rows = job(steps=20, seed=9).to_pylist()
+    last = max(r["ts"] for r in rows)
+    for rank in range(4):  # everyone enters the next all-reduce; nobody returns
+        mine = max((r for r in rows if r["rank"] == rank), key=lambda r: r["seq"])
+        rows.append({**mine, "seq": mine["seq"] + 1, "ts": last + 10**8, "dur_ns": None})
+    t = pa.Table.from_pylist(rows)
+    assert not analyze(t, now_ns=last + 5 * 10**9).hangs
+    d = analyze(t, now_ns=last + 15 * 10**9)
+    [h] = d.hangs
+    assert h.missing_ranks == [] and h.waiting_ranks == [0, 1, 2, 3] and h.age_s >= 14
+    assert d.verdict.startswith("hang: every rank (0, 1, 2, 3) waits in allreduce #")
+
+
+def test_callsites_pick_each_ranks_most_frequent() -> None:
+    from probing.analyze.diagnose import callsites, queries
+
+    rows = [
+        {"callsite": "train.py:69 main", "n": 40, "rank": 2},
+        {"callsite": "train.py:12 warmup", "n": 3, "rank": 2},
+        {"callsite": None, "n": 9, "rank": 1},
+        {"callsite": "train.py:69 main", "n": 41, "rank": 0},
+    ]
+    assert callsites(pa.Table.from_pylist(rows)) == {0: "train.py:69 main", 2: "train.py:69 main"}
+    d = analyze(job(straggler=2, seed=2), now_ns=T0)
+    d.callsites = {2: "train.py:69 main"}
+    assert "rank 2 issues its collectives at train.py:69 main" in render(d)
+    # without python.callsites (a trace with no Python stacks) the query is refused,
+    # which diagnose takes as "no callsites"
+    engine = Engine(Store())
+    from probing.tables import install
+
+    install(engine)
+    with pytest.raises(Exception, match="callsites|stack_id"):
+        engine.sql(queries(False)["callsites"].format(since_ns=0))
