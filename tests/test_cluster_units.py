@@ -128,6 +128,37 @@ def test_scans_push_columns_filters_and_time_windows() -> None:
     assert p.scans["comm.collectives"] == plan.ScanSpec(["seq_x", "rank"], None)
 
 
+def test_a_filter_the_scan_takes_keeps_its_columns() -> None:
+    # the scan takes `ts >= 5` whole and projects only what the join and the
+    # output need; the asker re-runs the WHERE over the merged rows, so ts must come
+    stacks = plan.tagged_schema(pa.schema([("stack_id", pa.int64()), ("callsite", pa.string())]))
+    coll = plan.tagged_schema(pa.schema([("stack_id", pa.int64()), ("ts", pa.int64())]))
+    sql = (
+        "SELECT s.callsite, count(*) AS n, c.rank FROM comm.collectives c "
+        "JOIN python.callsites s ON c.stack_id = s.stack_id AND c.rank = s.rank "
+        "WHERE c.ts >= 5 GROUP BY s.callsite, c.rank"
+    )
+    schemas: dict[str, pa.Schema | None] = {"comm.collectives": coll, "python.callsites": stacks}
+    p = plan.plan(sql, schemas, KNOWN | {"python"})
+    assert "ts" in (p.scans["comm.collectives"].columns or [])
+    peer_rows = {
+        "comm.collectives": pa.table(
+            {"stack_id": [7, 7, 7], "ts": [1, 6, 9], "node": ["a"] * 3, "rank": [0, 0, 0]}
+        ),
+        "python.callsites": pa.table(
+            {"stack_id": [7], "callsite": ["t.py:3 f"], "node": ["a"], "rank": [0]}
+        ),
+    }
+    picked = {
+        name: t.select(
+            list(dict.fromkeys([*(p.scans[name].columns or t.column_names), "node", "rank"]))
+        )
+        for name, t in peer_rows.items()
+    }
+    out = plan.run_final(p.final_sql, picked)
+    assert out.to_pylist() == [{"callsite": "t.py:3 f", "n": 2, "rank": 0}]
+
+
 def test_unknown_schema_fetches_every_column_and_no_table_is_an_error() -> None:
     p = plan.plan("SELECT count(*) FROM comm.collectives", {"comm.collectives": None}, KNOWN)
     assert p.mode == "scan" and p.scans["comm.collectives"] == plan.ScanSpec(None, None)

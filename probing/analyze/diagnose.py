@@ -35,9 +35,10 @@ COUNTS_SQL = "SELECT *{tags} FROM python.`" + COUNTS_EXPR + "`"
 
 # where each rank issues its collectives from, when the trace records Python
 # stacks (``stack_id`` and ``python.callsites``); absent: no callsites, no error
+# stack ids are per process: over a cluster, a stack joins its own rank's calls only
 CALLSITES_SQL = (
     "SELECT s.callsite AS callsite, count(*) AS n{tags} FROM comm.collectives c "
-    "JOIN python.callsites s ON c.stack_id = s.stack_id WHERE c.ts >= {since_ns} "
+    "JOIN python.callsites s ON c.stack_id = s.stack_id{same_rank} WHERE c.ts >= {since_ns} "
     "GROUP BY s.callsite{group}"
 )
 
@@ -51,8 +52,9 @@ def queries(remote: bool) -> dict[str, str]:
         "stacks": STACKS_SQL.format(**tags),
         "counts": COUNTS_SQL.format(**tags),
         "callsites": CALLSITES_SQL.format(
-            tags=", rank" if remote else "",
-            group=", rank" if remote else "",
+            tags=", c.rank AS rank" if remote else "",
+            same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
+            group=", c.rank" if remote else "",
             since_ns="{since_ns}",
         ),  # fmt: skip
     }

@@ -346,7 +346,7 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
         _collect_scans(logical, None, found)
         for name, specs in found.items():
             if name in scans:
-                scans[name] = _merge_specs(specs)
+                scans[name] = _with_filter_columns(_merge_specs(specs), known[name])
     pushed = "; ".join(
         f"{n}: {', '.join(s.columns) if s.columns else '*'}"
         + (f" WHERE {s.where}" if s.where else "")
@@ -372,6 +372,20 @@ def _collect_scans(node: Any, parent: Any, found: dict[str, list[ScanSpec]]) -> 
         return
     for child in node.inputs():
         _collect_scans(child, node, found)
+
+
+def _with_filter_columns(spec: ScanSpec, schema: pa.Schema) -> ScanSpec:
+    """The columns the filters name, too: a filter the scan takes whole
+    leaves its columns out of the scan's projection, but the asker runs the
+    original SQL, filters included, over what the peers send."""
+    if spec.columns is None or not spec.where:
+        return spec
+    names = set(schema.names) - {n for n, _ in TAGS}  # every peer sends its tags
+    columns = list(spec.columns)
+    for t in tokens(spec.where):
+        if t.name in names and t.name not in columns:
+            columns.append(t.name)
+    return ScanSpec(columns, spec.where)
 
 
 def _merge_specs(specs: list[ScanSpec]) -> ScanSpec:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from probing.demo import DemoJob, trace_all
+from probing.demo import JOB_SCRIPT, DemoJob, trace_all
 from tests.conftest import cli, require, require_bpf
 
 pytestmark = pytest.mark.privileged
@@ -65,7 +65,15 @@ def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-de
     # the same through one rank's probe in cluster mode (peers from the job's store)
     r = cli("diagnose", "--pid", str(j.pids[-1]), "--cluster", "--format", "json", timeout=120)
     assert r.returncode == 0, r.stderr
-    assert [s["rank"] for s in json.loads(r.stdout)["stragglers"]] == [rank]
+    over_cluster = json.loads(r.stdout)
+    assert [s["rank"] for s in over_cluster["stragglers"]] == [rank]
+    # the trace records Python stacks: the straggler's collectives come from
+    # the line of the job that runs DDP's backward pass, through either path
+    backward = next(
+        n for n, line in enumerate(JOB_SCRIPT.read_text().splitlines(), 1) if "backward()" in line
+    )
+    for d in (out, over_cluster):
+        assert d["callsites"][str(rank)].startswith(f"{JOB_SCRIPT}:{backward} "), d["callsites"]
     assert not out["healthy"] and not out["hangs"], out["verdict"]
     [s] = out["stragglers"]
     assert s["rank"] == rank, out["verdict"]
