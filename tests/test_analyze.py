@@ -348,11 +348,10 @@ def test_callsites_pick_each_ranks_most_frequent() -> None:
     d = analyze(job(straggler=2, seed=2), now_ns=T0)
     d.callsites = {2: "train.py:69 main"}
     assert "rank 2 issues its collectives at train.py:69 main" in render(d)
-    # without python.callsites (a trace with no Python stacks) the query is refused,
-    # which diagnose takes as "no callsites"
+    # the query plans against a probe's real tables (comm.collectives with
+    # stack_id, the python.callsites view); nothing traced: no rows
     engine = Engine(Store())
     from probing.tables import install
 
     install(engine)
-    with pytest.raises(Exception, match="callsites|stack_id"):
-        engine.sql(queries(False)["callsites"].format(since_ns=0))
+    assert engine.sql(queries(False)["callsites"].format(since_ns=0)).num_rows == 0
