@@ -39,6 +39,10 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
 FANOUTS = ("auto", "flat", "tree")
 TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
 MAX_THREADS = 256
+# A process runs at most this many peers' shares at once (one probe per
+# process in a job; several in the benchmark): more at once only adds
+# thread and allocator contention to the same CPU work.
+_RUNNING = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
 
 
 @dataclass
@@ -95,6 +99,7 @@ class ClusterNode:
         self.error: str | None = None
         self.published = False
         self._columns: dict[str, list[str]] = {}
+        self._rewritten: dict[str, str] = {}  # agg SQL -> what I run over my tagged tables
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -231,30 +236,25 @@ class ClusterNode:
 
     def run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
         """This peer's rows for ``work``: per-table scans, or the whole query."""
-        try:
-            return self._run_local(work)
-        except QueryError:
-            if not self._columns:
-                raise
-            self._columns.clear()  # a table's columns changed since I cached them
-            return self._run_local(work)
+        with _RUNNING:
+            try:
+                return self._run_local(work)
+            except QueryError:
+                if not self._columns:
+                    raise
+                self._columns.clear()  # a table's columns changed since I cached them
+                self._rewritten.clear()
+                return self._run_local(work)
 
     def _run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
-        from probing.cluster import plan as planner
-
         eng = self.engine()
         out: dict[str, pa.Table] = {}
         if work["mode"] == "agg":
-            sql = work["sql"]
-            refs = planner.table_refs(sql, set(eng.catalog.schema_names()))
-            for ref in sorted(refs, key=lambda r: -r.start):
-                if not self._exists(ref.name, eng):
-                    return out  # this peer has no such table: it adds no rows
-                source = f"({self._tagged(ref.name, eng)})"
-                if not _has_alias(sql, ref.end):
-                    source += f' AS "{ref.name.split(".", 1)[1]}"'
-                sql = sql[: ref.start] + source + sql[ref.end :]
-            out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
+            sql = self._agg_sql(work["sql"], eng)
+            if sql is not None:  # else this peer has no such table: it adds no rows
+                from probing.cluster import plan as planner
+
+                out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
             return out
         for table, spec in work["scans"].items():
             if not self._exists(table, eng):
@@ -267,6 +267,27 @@ class ClusterNode:
                 sql += f" WHERE {spec['where']}"
             out[table] = eng.sql(sql, allow_code=False)
         return out
+
+    def _agg_sql(self, sql: str, eng: Any) -> str | None:
+        """``sql`` over my tagged tables (None when I lack one). Kept per query
+        text, like the columns it was built from (both dropped when a query fails)."""
+        cached = self._rewritten.get(sql)
+        if cached is not None:
+            return cached
+        from probing.cluster import plan as planner
+
+        refs = planner.table_refs(sql, set(eng.catalog.schema_names()))
+        text = sql
+        for ref in sorted(refs, key=lambda r: -r.start):
+            if not self._exists(ref.name, eng):
+                return None
+            source = f"({self._tagged(ref.name, eng)})"
+            if not _has_alias(sql, ref.end):
+                source += f' AS "{ref.name.split(".", 1)[1]}"'
+            text = text[: ref.start] + source + text[ref.end :]
+        if len(self._rewritten) < 64:
+            self._rewritten[sql] = text
+        return text
 
     def _exists(self, table: str, eng: Any) -> bool:
         sch, name = table.split(".", 1)
@@ -286,14 +307,15 @@ class ClusterNode:
         deadline = time.monotonic() + timeout
         result = Gathered()
         leaders, groups = self._route(members, fanout)
-        pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_THREADS, len(leaders))))
+        # no one to ask (a peer answering for itself): no pool
+        pool = ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(leaders))) if leaders else None
         try:
             futs = {}
             for p in leaders:
                 sub = groups.get(p.rank, [])
                 # a peer of my own node sends me its rows: I aggregate my node
                 w = self._member_work(work) if _node_key(p) == self.ident.node else work
-                futs[pool.submit(self._ask, p, w, sub, deadline)] = (p, sub)
+                futs[pool.submit(self._ask, p, w, sub, deadline)] = (p, sub)  # type: ignore[union-attr]
             if with_self:
                 t0 = time.perf_counter()
                 result.add_tables(self.run_local(self._member_work(work)))
@@ -306,7 +328,7 @@ class ClusterNode:
                         0,
                     )
                 )
-            done, _ = wait(futs, timeout=max(0.0, deadline - time.monotonic()))
+            done = wait(futs, timeout=max(0.0, deadline - time.monotonic()))[0] if futs else set()
             retry: list[PeerInfo] = []
             for fut, (peer, sub) in futs.items():
                 if fut not in done:
@@ -331,7 +353,8 @@ class ClusterNode:
             elif retry:
                 result.missing.extend(MissingPeer(p.rank, p.node, p.addr, "timeout") for p in retry)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for m in result.missing:
             self.registry.mark_missing(m.rank, m.reason)
         for t in result.peers:
