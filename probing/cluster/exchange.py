@@ -80,7 +80,7 @@ class Exchange:
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline  # time.monotonic()
         self.results: list[Reply | str | None] = []
-        self._sel = selectors.DefaultSelector()
+        self._sel: selectors.BaseSelector | None = None  # made by the first add
         self._resolved: dict[str, tuple[socket.AddressFamily, tuple]] = {}
 
     def add(self, host: str, port: int, request: bytes) -> int:
@@ -102,6 +102,8 @@ class Exchange:
                 sock.close()
             self.results[i] = reason(err)
             return i
+        if self._sel is None:
+            self._sel = selectors.DefaultSelector()
         self._sel.register(sock, selectors.EVENT_WRITE, _Call(i, sock, memoryview(request), t0))
         return i
 
@@ -116,26 +118,29 @@ class Exchange:
 
     def run(self) -> list[Reply | str | None]:
         """Serve every socket until all are done or the deadline passes."""
+        sel = self._sel
+        if sel is None:
+            return self.results
         try:
-            while self._sel.get_map():
+            while sel.get_map():
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     break
-                for key, _ in self._sel.select(left):
-                    self._step(key.data)
+                for key, _ in sel.select(left):
+                    self._step(sel, key.data)
         finally:
-            for key in list(self._sel.get_map().values()):  # the deadline passed: None
-                self._sel.unregister(key.fileobj)
+            for key in list(sel.get_map().values()):  # the deadline passed: None
+                sel.unregister(key.fileobj)
                 key.data.sock.close()
-            self._sel.close()
+            sel.close()
         return self.results
 
-    def _finish(self, call: _Call, result: Reply | str) -> None:
-        self._sel.unregister(call.sock)
+    def _finish(self, sel: selectors.BaseSelector, call: _Call, result: Reply | str) -> None:
+        sel.unregister(call.sock)
         call.sock.close()
         self.results[call.index] = result
 
-    def _step(self, call: _Call) -> None:
+    def _step(self, sel: selectors.BaseSelector, call: _Call) -> None:
         try:
             if call.out is not None:
                 if not call.connected:
@@ -146,13 +151,13 @@ class Exchange:
                 sent = call.sock.send(call.out)
                 call.out = call.out[sent:] if sent < len(call.out) else None
                 if call.out is None:
-                    self._sel.modify(call.sock, selectors.EVENT_READ, call)
+                    sel.modify(call.sock, selectors.EVENT_READ, call)
                 return
             chunk = call.sock.recv(1 << 20)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as err:
-            self._finish(call, reason(err))
+            self._finish(sel, call, reason(err))
             return
         if chunk:
             call.chunks.append(chunk)
@@ -161,6 +166,6 @@ class Exchange:
         try:
             status, body = parse_answer(b"".join(call.chunks))
         except ConnectionResetError as err:
-            self._finish(call, reason(err))
+            self._finish(sel, call, reason(err))
             return
-        self._finish(call, Reply(status, body, call.t0, t3))
+        self._finish(sel, call, Reply(status, body, call.t0, t3))
