@@ -48,6 +48,20 @@ def wait_ready(pid: int, timeout: float = 15.0) -> dict:
     raise AssertionError(f"pid {pid} never entered cluster mode: {health}")
 
 
+def wait_rows(pid: int, table: str, rows: int, timeout: float = 15.0) -> None:
+    """Until ``table`` holds ``rows`` rows in ``pid``'s probe (its script wrote them)."""
+    deadline = time.monotonic() + timeout
+    client = ProbeClient.for_pid(pid)
+    while time.monotonic() < deadline:
+        try:
+            if client.query(f"SELECT count(*) AS n FROM {table}").to_pylist()[0]["n"] >= rows:
+                return
+        except Exception:  # noqa: BLE001 - no such table yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} never had {rows} rows in {table}")
+
+
 @pytest.fixture
 def listed_peers(spawn):
     """Four peers that know each other from PROBING_PEERS; returns (targets, addrs)."""
@@ -273,6 +287,7 @@ def test_user_tables_joins_and_an_own_rank_column(spawn) -> None:
     targets = [spawn(STEPS, env={**env, "RANK": str(i)}) for i in range(3)]
     for t in targets:
         wait_ready(t.pid)
+        wait_rows(t.pid, "python.steps", 10)  # the probe answers before the script runs
     pid = targets[0].pid
     # the table's own `rank` is kept as table_rank; `rank` is the peer's
     res = cluster_query(

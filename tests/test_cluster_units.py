@@ -240,3 +240,54 @@ def test_registry_and_published_entries() -> None:
     assert rows[0]["clock_offset_ns"] == -300 and rows[0]["last_seen"] > 0
     assert rows[1]["status"] == "missing" and rows[1]["reason"] == "timeout"
     assert rows[2]["status"] == "self"
+
+
+def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
+    """Five loopback listeners, each answering differently, asked in one call."""
+    import socket
+    import threading
+    import time
+
+    from probing.cluster.exchange import Exchange, Reply, request_bytes
+
+    def listener() -> socket.socket:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        return s
+
+    ok, closes, garbage, silent = listener(), listener(), listener(), listener()
+    refused = listener()
+    refused_port = refused.getsockname()[1]
+    refused.close()  # nothing listens there any more
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = ok.accept()
+        data = b""
+        while not data.endswith(b"hello"):
+            data += conn.recv(1 << 16)
+        seen.append(data)
+        conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+        conn.close()
+        closes.accept()[0].close()
+        conn, _ = garbage.accept()
+        conn.sendall(b"not http")
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    deadline = time.monotonic() + 1.0
+    ex = Exchange(deadline)
+    req = request_bytes("/cluster/gather", b"hello", b"tok")
+    for s in (ok, closes, garbage, silent):  # silent: accepted by the kernel, never answered
+        ex.add("127.0.0.1", s.getsockname()[1], req)
+    ex.add("127.0.0.1", refused_port, req)
+    got = ex.run()
+    assert time.monotonic() >= deadline - 0.01  # the silent one waited for the deadline
+    assert isinstance(got[0], Reply) and (got[0].status, got[0].body) == (200, b"abc")
+    assert got[0].t_done_ns >= got[0].t_send_ns
+    assert seen[0].startswith(b"POST /cluster/gather HTTP/1.0\r\n")
+    assert b"Authorization: Bearer tok\r\n" in seen[0] and b"Content-Length: 5\r\n" in seen[0]
+    assert got[1:] == ["connection closed", "connection closed", None, "refused"]
+    for s in (ok, closes, garbage, silent):
+        s.close()

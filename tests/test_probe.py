@@ -222,3 +222,35 @@ def test_subprocess_without_env_has_no_probe(runtime_dir) -> None:
         env=dict(os.environ, PROBING="0"),
     )
     assert out.stdout.strip() == "None"
+
+
+def test_request_threads_are_reused_then_leave(tmp_path, monkeypatch) -> None:
+    """Back-to-back requests share one thread; it exits once idle for LINGER_S."""
+    import threading
+
+    from probing.probe import server as srv
+
+    monkeypatch.setattr(srv._Workers, "LINGER_S", 0.3)
+    seen: list[int] = []
+
+    def app(req: srv.Request) -> srv.Response:
+        seen.append(threading.get_ident())
+        return srv.Response.json({"ok": True})
+
+    path = str(tmp_path / "s" / "probe.sock")
+    server = srv.UnixHTTPServer(path, app)
+    server.start()
+    try:
+        for _ in range(3):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+                s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                assert s.makefile("rb").read().startswith(b"HTTP/1.0 200")
+            time.sleep(0.05)  # the thread is back waiting before the next one
+        assert len(seen) == 3 and len(set(seen)) == 1
+        deadline = time.monotonic() + 5
+        while any(t.ident == seen[0] for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the request thread never left"
+            time.sleep(0.05)
+    finally:
+        server.stop()

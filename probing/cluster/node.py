@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from probing.cluster.discovery import PeerInfo, Registry, StoreDirectory, static_peers
+from probing.cluster.exchange import Exchange, Reply, request_bytes
 from probing.cluster.identity import Identity, job_address, split_addr, token_from_env
 from probing.cluster.wire import (
     MissingPeer,
@@ -38,7 +37,10 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
 
 FANOUTS = ("auto", "flat", "tree")
 TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
-MAX_THREADS = 256
+# A process runs at most this many peers' shares at once (one probe per
+# process in a job; several in the benchmark): more at once only adds
+# thread and allocator contention to the same CPU work.
+_RUNNING = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
 
 
 @dataclass
@@ -95,6 +97,7 @@ class ClusterNode:
         self.error: str | None = None
         self.published = False
         self._columns: dict[str, list[str]] = {}
+        self._rewritten: dict[str, str] = {}  # agg SQL -> what I run over my tagged tables
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -231,30 +234,25 @@ class ClusterNode:
 
     def run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
         """This peer's rows for ``work``: per-table scans, or the whole query."""
-        try:
-            return self._run_local(work)
-        except QueryError:
-            if not self._columns:
-                raise
-            self._columns.clear()  # a table's columns changed since I cached them
-            return self._run_local(work)
+        with _RUNNING:
+            try:
+                return self._run_local(work)
+            except QueryError:
+                if not self._columns:
+                    raise
+                self._columns.clear()  # a table's columns changed since I cached them
+                self._rewritten.clear()
+                return self._run_local(work)
 
     def _run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
-        from probing.cluster import plan as planner
-
         eng = self.engine()
         out: dict[str, pa.Table] = {}
         if work["mode"] == "agg":
-            sql = work["sql"]
-            refs = planner.table_refs(sql, set(eng.catalog.schema_names()))
-            for ref in sorted(refs, key=lambda r: -r.start):
-                if not self._exists(ref.name, eng):
-                    return out  # this peer has no such table: it adds no rows
-                source = f"({self._tagged(ref.name, eng)})"
-                if not _has_alias(sql, ref.end):
-                    source += f' AS "{ref.name.split(".", 1)[1]}"'
-                sql = sql[: ref.start] + source + sql[ref.end :]
-            out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
+            sql = self._agg_sql(work["sql"], eng)
+            if sql is not None:  # else this peer has no such table: it adds no rows
+                from probing.cluster import plan as planner
+
+                out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
             return out
         for table, spec in work["scans"].items():
             if not self._exists(table, eng):
@@ -267,6 +265,27 @@ class ClusterNode:
                 sql += f" WHERE {spec['where']}"
             out[table] = eng.sql(sql, allow_code=False)
         return out
+
+    def _agg_sql(self, sql: str, eng: Any) -> str | None:
+        """``sql`` over my tagged tables (None when I lack one). Kept per query
+        text, like the columns it was built from (both dropped when a query fails)."""
+        cached = self._rewritten.get(sql)
+        if cached is not None:
+            return cached
+        from probing.cluster import plan as planner
+
+        refs = planner.table_refs(sql, set(eng.catalog.schema_names()))
+        text = sql
+        for ref in sorted(refs, key=lambda r: -r.start):
+            if not self._exists(ref.name, eng):
+                return None
+            source = f"({self._tagged(ref.name, eng)})"
+            if not _has_alias(sql, ref.end):
+                source += f' AS "{ref.name.split(".", 1)[1]}"'
+            text = text[: ref.start] + source + text[ref.end :]
+        if len(self._rewritten) < 64:
+            self._rewritten[sql] = text
+        return text
 
     def _exists(self, table: str, eng: Any) -> bool:
         sch, name = table.split(".", 1)
@@ -286,52 +305,53 @@ class ClusterNode:
         deadline = time.monotonic() + timeout
         result = Gathered()
         leaders, groups = self._route(members, fanout)
-        pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_THREADS, len(leaders))))
-        try:
-            futs = {}
-            for p in leaders:
-                sub = groups.get(p.rank, [])
-                # a peer of my own node sends me its rows: I aggregate my node
-                w = self._member_work(work) if _node_key(p) == self.ident.node else work
-                futs[pool.submit(self._ask, p, w, sub, deadline)] = (p, sub)
-            if with_self:
-                t0 = time.perf_counter()
-                result.add_tables(self.run_local(self._member_work(work)))
-                result.peers.append(
-                    PeerTiming(
-                        self.rank,
-                        self.ident.node,
-                        self.addr or "local",
-                        (time.perf_counter() - t0) * 1e3,
-                        0,
-                    )
-                )
-            done, _ = wait(futs, timeout=max(0.0, deadline - time.monotonic()))
-            retry: list[PeerInfo] = []
-            for fut, (peer, sub) in futs.items():
-                if fut not in done:
-                    for p in [peer, *sub]:
-                        result.missing.append(MissingPeer(p.rank, p.node, p.addr, "timeout"))
-                    continue
-                answer = fut.result()
-                if isinstance(answer, str):
-                    result.missing.append(MissingPeer(peer.rank, peer.node, peer.addr, answer))
-                    retry.extend(sub)  # its node's others, asked directly
-                    continue
-                result.extend(answer)
-            if retry and deadline - time.monotonic() > 0.05:
-                again = self.gather(
-                    self._member_work(work),
-                    retry,
-                    deadline - time.monotonic(),
-                    "flat",
-                    with_self=False,
-                )
-                result.extend(again)
-            elif retry:
-                result.missing.extend(MissingPeer(p.rank, p.node, p.addr, "timeout") for p in retry)
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        exchange = Exchange(deadline)
+        asked: list[tuple[PeerInfo, list[PeerInfo], int | str]] = []
+        for p in leaders:
+            sub = groups.get(p.rank, [])
+            # a peer of my own node sends me its rows: I aggregate my node
+            w = self._member_work(work) if _node_key(p) == self.ident.node else work
+            asked.append((p, sub, self._send(exchange, p, w, sub, deadline)))
+        local: list[Any] = []
+        runner = None
+        if with_self and asked:  # my share while the answers come in
+            runner = threading.Thread(
+                target=self._run_self, args=(work, local), name="probing-cluster", daemon=True
+            )
+            runner.start()
+        elif with_self:
+            self._run_self(work, local)
+        replies = exchange.run()
+        if runner is not None:
+            runner.join()
+        if local and isinstance(local[0], BaseException):
+            raise local[0]
+        for item in local:
+            result.extend(item)
+        retry: list[PeerInfo] = []
+        for peer, sub, sent in asked:
+            reply = replies[sent] if isinstance(sent, int) else sent
+            if reply is None:  # the deadline passed: its members are late with it
+                for p in [peer, *sub]:
+                    result.missing.append(MissingPeer(p.rank, p.node, p.addr, "timeout"))
+                continue
+            answer = self._answer(peer, reply) if isinstance(reply, Reply) else reply
+            if isinstance(answer, str):
+                result.missing.append(MissingPeer(peer.rank, peer.node, peer.addr, answer))
+                retry.extend(sub)  # its node's others, asked directly
+                continue
+            result.extend(answer)
+        if retry and deadline - time.monotonic() > 0.05:
+            again = self.gather(
+                self._member_work(work),
+                retry,
+                deadline - time.monotonic(),
+                "flat",
+                with_self=False,
+            )
+            result.extend(again)
+        elif retry:
+            result.missing.extend(MissingPeer(p.rank, p.node, p.addr, "timeout") for p in retry)
         for m in result.missing:
             self.registry.mark_missing(m.rank, m.reason)
         for t in result.peers:
@@ -368,10 +388,28 @@ class ClusterNode:
             groups[group[0].rank] = group[1:]
         return leaders, groups
 
-    def _ask(
-        self, peer: PeerInfo, work: dict[str, Any], members: list[PeerInfo], deadline: float
-    ) -> Gathered | str:
-        """One peer's answer (with its members'), or the reason there is none."""
+    def _run_self(self, work: dict[str, Any], out: list[Any]) -> None:
+        """My own share into ``out`` (a Gathered, or the exception it raised)."""
+        try:
+            t0 = time.perf_counter()
+            mine = Gathered()
+            mine.add_tables(self.run_local(self._member_work(work)))
+            ms = (time.perf_counter() - t0) * 1e3
+            mine.peers.append(PeerTiming(self.rank, self.ident.node, self.addr or "local", ms, 0))
+            out.append(mine)
+        except BaseException as err:  # noqa: BLE001 - raised again by the asking thread
+            out[:] = [err]
+
+    def _send(
+        self,
+        exchange: Exchange,
+        peer: PeerInfo,
+        work: dict[str, Any],
+        members: list[PeerInfo],
+        deadline: float,
+    ) -> int | str:
+        """Start asking ``peer`` (and, through it, ``members``): the exchange's
+        index of the request, or the reason it could not start."""
         left = deadline - time.monotonic()
         if left <= 0:
             return "timeout"
@@ -386,24 +424,17 @@ class ClusterNode:
             host, port = split_addr(peer.addr)
         except ProbingError:
             return "bad address"
-        t0 = time.time_ns()
+        return exchange.add(host, port, request_bytes("/cluster/gather", body, self.token))
+
+    def _answer(self, peer: PeerInfo, reply: Reply) -> Gathered | str:
+        """One peer's answer (with its members'), or the reason it is none."""
+        if reply.status != 200:
+            return _http_reason(reply.status, reply.body)
         try:
-            status, data = _post(host, port, "/cluster/gather", body, self.token, left)
-        except ConnectionRefusedError:
-            return "refused"
-        except TimeoutError:
-            return "timeout"
-        except (ConnectionResetError, BrokenPipeError):
-            return "connection closed"
-        except OSError as err:
-            return f"unreachable: {err}"
-        t3 = time.time_ns()
-        if status != 200:
-            return _http_reason(status, data)
-        try:
-            head, tables = unpack(data)
+            head, tables = unpack(reply.body)
         except ValueError as err:
             return f"bad answer: {err}"
+        t0, t3 = reply.t_send_ns, reply.t_done_ns
         offset = clock_offset(t0, head["t_recv_ns"], head["t_send_ns"], t3)
         peer.node = head.get("node", peer.node)
         out = Gathered()
@@ -554,40 +585,3 @@ def _http_reason(status: int, data: bytes) -> str:
     except (ValueError, AttributeError):
         msg = ""
     return str(status) if status == 401 or not msg else f"{status}: {msg}"
-
-
-def _post(
-    host: str, port: int, path: str, body: bytes, token: bytes | None, timeout: float
-) -> tuple[int, bytes]:
-    """One HTTP/1.0 POST; the peer closes the connection after its answer.
-
-    A plain socket rather than ``http.client``: the asker parses hundreds of
-    these per query and needs only the status and the body.
-    """
-    auth = b"Authorization: Bearer " + token + b"\r\n" if token else b""
-    head = (
-        b"POST "
-        + path.encode()
-        + b" HTTP/1.0\r\nContent-Type: application/json\r\n"
-        + auth
-        + b"Content-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-    )
-    deadline = time.monotonic() + timeout
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(head + body)
-        chunks = []
-        while True:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            chunk = sock.recv(1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    data = b"".join(chunks)
-    header, sep, payload = data.partition(b"\r\n\r\n")
-    parts = header.split(b" ", 2)
-    if not sep or len(parts) < 2 or not parts[1].isdigit():
-        raise ConnectionResetError("not an HTTP answer")
-    return int(parts[1]), payload

@@ -2,7 +2,8 @@
 
 No timers and no polling: an idle probe is a thread blocked in ``select``
 on the listening sockets and a wake-up pipe, so it costs no CPU. Each
-connection is handled on its own short-lived daemon thread, and every
+connection is handled on a daemon thread of its own, which then waits 5 s
+for the next one (a cluster query's burst reuses it) and exits; every
 exception ends as an HTTP error, never in the host process.
 
 The unix socket trusts its caller's uid (``SO_PEERCRED``). The TCP port
@@ -16,6 +17,7 @@ import errno
 import hmac
 import json
 import os
+import queue
 import select
 import socket
 import struct
@@ -171,6 +173,42 @@ def handle_connection(
         pass  # the client went away
 
 
+class _Workers:
+    """Request threads, each kept ``LINGER_S`` after its last request: the
+    requests of a burst (a cluster query every few seconds) reuse them
+    rather than starting a thread each; an idle probe is back to none."""
+
+    LINGER_S = 5.0
+
+    def __init__(self, serve: Callable[[socket.socket, str | None], None]) -> None:
+        self._serve = serve
+        self._lock = threading.Lock()
+        self._idle = 0  # waiting threads no request has been promised to
+        self._jobs: queue.SimpleQueue[tuple[socket.socket, str | None]] = queue.SimpleQueue()
+
+    def submit(self, job: tuple[socket.socket, str | None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                self._jobs.put(job)
+                return
+        threading.Thread(target=self._run, args=(job,), name="probing-request", daemon=True).start()
+
+    def _run(self, job: tuple[socket.socket, str | None]) -> None:
+        while True:
+            self._serve(*job)
+            with self._lock:
+                self._idle += 1
+            try:
+                job = self._jobs.get(timeout=self.LINGER_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle:  # no request was promised to a waiting thread: leave
+                        self._idle -= 1
+                        return
+                    job = self._jobs.get_nowait()  # one was, as I timed out
+
+
 class UnixHTTPServer:
     """Serve ``app`` on a unix socket at ``path`` (mode 0600) until ``stop()``.
 
@@ -187,6 +225,7 @@ class UnixHTTPServer:
         self._token: bytes | None = None
         self._wake_r = self._wake_w = -1
         self._thread: threading.Thread | None = None
+        self._workers = _Workers(self._serve)
 
     def start(self) -> None:
         if self.path is not None:
@@ -282,9 +321,7 @@ class UnixHTTPServer:
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.setblocking(True)
                 conn.settimeout(30)
-                threading.Thread(
-                    target=self._serve, args=(conn, remote), name="probing-request", daemon=True
-                ).start()
+                self._workers.submit((conn, remote))
 
     def _serve(self, conn: socket.socket, remote: str | None) -> None:
         try:
@@ -321,6 +358,7 @@ class UnixHTTPServer:
     def abandon_after_fork(self) -> None:
         """In a forked child: drop the parent's sockets without touching its path."""
         self._thread = None
+        self._workers = _Workers(self._serve)  # the parent's threads do not exist here
         self._close_fds()
 
     def _close_fds(self) -> None:
