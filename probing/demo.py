@@ -106,8 +106,14 @@ class DemoJob:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        # no communicate(): it waits for EOF, which anything that inherited the
+        # pipes could hold; the exit itself can take a while (the kernel tears
+        # down the uprobes of a traced process as it dies)
         for p in self.procs:
-            p.communicate(timeout=30)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+            p.wait(timeout=120)
 
 
 def _probing(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
