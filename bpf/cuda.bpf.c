@@ -128,8 +128,38 @@ int cuda_launchkernelexc(struct pt_regs *ctx) {
     return 0;
 }
 
+/* Where each loaded libcudart lies (the tracer fills it from /proc/self/maps).
+ * The runtime launches through the driver's own cuLaunchKernel: a call from
+ * there is a cudaLaunchKernel already recorded, not a second launch. */
+#define RUNTIME_RANGES 8 /* RUNTIME_RANGES in probing/bpf/tracer.py */
+struct text_range {
+    u64 start, end;
+};
+BPF_ARRAY(runtime_text, struct text_range, RUNTIME_RANGES);
+
+static __always_inline int called_from_runtime(struct pt_regs *ctx) {
+#if defined(__x86_64__)
+    u64 pc = 0; /* the return address, on top of the stack at entry */
+    bpf_probe_read_user(&pc, sizeof(pc), (void *)PT_REGS_SP(ctx));
+#else
+    u64 pc = ctx->regs[30]; /* the link register */
+#endif
+#pragma unroll
+    for (int i = 0; i < RUNTIME_RANGES; i++) {
+        int k = i;
+        struct text_range *r = runtime_text.lookup(&k);
+        if (!r || !r->end)
+            break;
+        if (pc >= r->start && pc < r->end)
+            return 1;
+    }
+    return 0;
+}
+
 /* cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) */
 int cu_launchkernel(struct pt_regs *ctx) {
+    if (called_from_runtime(ctx))
+        return 0;
     EVENT ev = {};
     init_hot(&ev, CU_LAUNCHKERNEL);
     ev.func = arg(ctx, 1);

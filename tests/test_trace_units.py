@@ -3,8 +3,12 @@ C/Python mirror of every event, decoders, symbols. No privileges needed."""
 
 from __future__ import annotations
 
+import ctypes
+import shutil
 import struct
+import subprocess
 from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +16,7 @@ import pytest
 
 from probing.bpf import families as fam
 from probing.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, record_size, take_records
-from probing.bpf.symbols import demangle, exported, exported_matching
+from probing.bpf.symbols import RuntimeNames, Symbolizer, demangle, exported, exported_matching
 from probing.bpf.tracer import OutputWriter, installed_libraries
 from probing.tables.trace import COLLECTIVES_SQL
 
@@ -179,6 +183,26 @@ def test_demangle() -> None:
         "gloo::allreduce(gloo::AllreduceOptions const&)"
     )
     assert demangle("cudaMalloc") == "cudaMalloc"
+
+
+def test_a_stripped_stub_is_named_by_the_loaded_runtime(tmp_path: Path) -> None:
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("needs a C compiler (make setup installs gcc)")
+    src = Path(__file__).parent / "fixtures" / "fake_cudart.c"
+    lib = tmp_path / "libcudart.so.99"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-s", "-o", str(lib), str(src)], check=True)
+    unloaded = tmp_path / "libcudart.so.98"
+    shutil.copy(lib, unloaded)
+    runtime = ctypes.CDLL(str(lib))
+    runtime.probing_hidden_stub.restype = ctypes.c_void_p
+    stub = runtime.probing_hidden_stub()
+    assert Symbolizer().name(stub) is None  # no symbol: the ELF file cannot name it
+    names = RuntimeNames()
+    # a runtime this process never loaded is not loaded to ask it
+    assert names.name(stub, [str(unloaded)]) is None
+    assert RuntimeNames().name(stub, [str(unloaded), str(lib)]) == "hidden_stub(float*, int)"
+    assert RuntimeNames().name(stub + 1, [str(lib)]) is None  # not a registered stub
 
 
 def test_gloo_symbols_in_the_installed_torch() -> None:

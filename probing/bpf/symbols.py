@@ -7,6 +7,8 @@
   dynamic string table for the mangled prefix.
 * ``Symbolizer``: address in this process -> function name (demangled), for
   the host stubs that cudaLaunchKernel receives.
+* ``RuntimeNames``: the same, asked of the CUDA runtime the process loaded,
+  for stubs whose symbols were stripped (torch's).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import bisect
 import ctypes
 import ctypes.util
 import functools
+import os
 import re
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -220,3 +223,40 @@ class Symbolizer:
 
     def forget_maps(self) -> None:
         self._maps = []
+
+
+class RuntimeNames:
+    """Kernel names the CUDA runtime knows: ``cudaFuncGetName`` (CUDA 12.3+)
+    of a host stub registered with a libcudart this process has loaded.
+
+    Torch's stubs are hidden symbols stripped from its libraries, so the ELF
+    files name none of them. A runtime that is not loaded is never loaded
+    here (RTLD_NOLOAD); an older one without the function names nothing."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, Callable[..., int] | None] = {}
+        self._cache: dict[int, str | None] = {}
+
+    def _fn(self, path: str) -> Callable[..., int] | None:
+        if path not in self._fns:
+            try:
+                fn = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaFuncGetName
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p]
+            except (OSError, AttributeError):
+                fn = None
+            self._fns[path] = fn
+        return self._fns[path]
+
+    def name(self, addr: int, runtimes: Iterable[str]) -> str | None:
+        if addr in self._cache:
+            return self._cache[addr]
+        name = None
+        for path in runtimes:
+            fn = self._fn(path)
+            out = ctypes.c_char_p()
+            if fn is not None and fn(ctypes.byref(out), addr) == 0 and out.value:
+                name = demangle(out.value.decode("utf-8", "replace"))
+                break
+        self._cache[addr] = name
+        return name

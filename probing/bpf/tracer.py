@@ -31,11 +31,19 @@ import pyarrow as pa
 from probing.bpf import families as fam
 from probing.bpf.pystacks import PyStacks
 from probing.bpf.ringbuf import RingReader
-from probing.bpf.symbols import Symbolizer, exported, exported_matching, mapped_files
+from probing.bpf.symbols import (
+    Mapping,
+    RuntimeNames,
+    Symbolizer,
+    exported,
+    exported_matching,
+    mapped_files,
+)
 from probing.errors import BPFUnavailable, ProbingError
 
 DEFAULT_INTERVAL_S = 0.05
 RESCAN_EVERY_S = 0.5
+RUNTIME_RANGES = 8  # libcudart copies the cuda program tells apart (bpf/cuda.bpf.c)
 
 
 @dataclasses.dataclass
@@ -94,7 +102,8 @@ def installed_libraries() -> list[str]:
     for entry in sys.path:
         for pattern in (
             "nvidia/nccl/lib/libnccl.so*",
-            "nvidia/cuda_runtime/lib/libcudart.so*",
+            "nvidia/cuda_runtime/lib/libcudart.so*",  # CUDA 12 wheels
+            "nvidia/cu[0-9]*/lib/libcudart.so*",  # CUDA 13 wheels: nvidia/cu13/lib
             "torch/lib/libtorch_cpu.so",
         ):
             found.extend(glob.glob(os.path.join(entry, pattern)))
@@ -150,6 +159,8 @@ class Tracer:
         self._all: list[_Live] = []  # every family loaded, for status after stop
         self._decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
         self._symbolizer = Symbolizer()
+        self._runtime_names = RuntimeNames()
+        self._runtime_ranges: list[tuple[int, ...]] = []
         self._cu_functions: dict[int, str | None] = {}
         self._seen_files: set[tuple[int, int]] = set()
         self._stop = threading.Event()
@@ -281,7 +292,9 @@ class Tracer:
     # -- attaching --------------------------------------------------------------
     def attach_new_libraries(self) -> None:
         """Attach to every matching library not attached yet (by inode)."""
-        paths = [m.path for m in mapped_files()] + installed_libraries()
+        maps = mapped_files()
+        self._mark_runtime_text(maps)
+        paths = [m.path for m in maps] + installed_libraries()
         for path in dict.fromkeys(paths):
             base = os.path.basename(path)
             wanted = [live for live in self._live if live.family.libraries.match(base)]
@@ -297,6 +310,26 @@ class Tracer:
             self._seen_files.add(key)
             for live in wanted:
                 self._attach_library(live, path)
+
+    def _mark_runtime_text(self, maps: list[Mapping]) -> None:
+        """Tell the cuda program where each loaded libcudart lies: the runtime
+        launches through cuLaunchKernel, and that call is not a second launch."""
+        spans: dict[str, list[int]] = {}
+        for m in maps:
+            if os.path.basename(m.path).startswith("libcudart.so"):
+                lo_hi = spans.setdefault(m.path, [m.start, m.end])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], m.start), max(lo_hi[1], m.end)
+        ranges = sorted(tuple(v) for v in spans.values())[:RUNTIME_RANGES]
+        if ranges == self._runtime_ranges:
+            return
+        for live in self._live:
+            if live.family.name != "cuda":
+                continue
+            table = live.bpf["runtime_text"]
+            for i in range(RUNTIME_RANGES):
+                start, end = ranges[i] if i < len(ranges) else (0, 0)
+                table[ctypes.c_int(i)] = table.Leaf(start, end)
+        self._runtime_ranges = ranges
 
     def _symbols(self, f: fam.Family, path: str) -> dict[str, str]:
         """Func.enum -> the symbol to attach to in ``path``."""
@@ -396,6 +429,9 @@ class Tracer:
         return pa.Table.from_batches([batch]).set_column(0, "event_id", ids)
 
     # -- kernel names -------------------------------------------------------------
+    def _cuda_libraries(self) -> list[str]:
+        return sorted(p for live in self._all if live.family.name == "cuda" for p in live.libraries)
+
     def _kernel_names(self, ev: np.ndarray, launch: np.ndarray) -> pa.Array:
         ids = {fn.enum: i for i, fn in enumerate(fam.CUDA_FUNCS)}
         got = (ev["fn"] == ids[fam.CU_GETFUNCTION]) & ((ev["flags"] & fam.HAS_RET) != 0)
@@ -408,8 +444,11 @@ class Tracer:
         # one key per (address, runtime or driver): addresses fit in 63 bits
         driver = (ev["fn"][idx] == ids[fam.CU_LAUNCH]).astype(np.uint64) << np.uint64(63)
         keys, inverse = np.unique(ev["func"][idx] | driver, return_inverse=True)
+        runtimes = [p for p in self._cuda_libraries() if "libcudart" in os.path.basename(p)]
         resolved = [
-            self._cu_functions.get(k ^ (1 << 63)) if k & (1 << 63) else self._symbolizer.name(k)
+            self._cu_functions.get(k ^ (1 << 63))
+            if k & (1 << 63)
+            else self._symbolizer.name(k) or self._runtime_names.name(k, runtimes)
             for k in keys.tolist()
         ]
         slot = np.full(len(ev), len(resolved), dtype=np.int32)  # the last slot is NULL

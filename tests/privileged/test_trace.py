@@ -60,6 +60,16 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A stripped stand-in runtime that launches through the driver."""
+    d = tmp_path_factory.mktemp("fake-cudart")
+    out = d / "libcudart.so.99"
+    src = str(FIXTURES / "fake_cudart.c")
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-s", "-o", str(out), src, "-ldl"], check=True)
+    return str(out)
+
+
 class _Traced:
     """This (test) process traced into a private store."""
 
@@ -86,6 +96,35 @@ class Dim3(ctypes.Structure):
 
 P = ctypes.c_void_p
 SZ = ctypes.c_size_t
+
+
+def test_a_runtime_launch_is_one_launch_named_by_the_runtime(
+    fake_libcuda: str, fake_cudart: str
+) -> None:
+    """The runtime launches through the driver's cuLaunchKernel (seen on an
+    H100 with torch: every kernel came twice); only a direct driver launch,
+    Triton's way, is a cuLaunchKernel row. The stub has no symbol: the
+    runtime's cudaFuncGetName names it."""
+    _privileged()
+    runtime = ctypes.CDLL(fake_cudart)
+    assert runtime.probing_use_driver(fake_libcuda.encode()) == 1
+    runtime.probing_hidden_stub.restype = P
+    stub = runtime.probing_hidden_stub()
+    driver = ctypes.CDLL(fake_libcuda)
+    with _Traced(["cuda"]) as t:
+        assert set(t.tracer.status()["families"]["cuda"]["libraries"]) >= {
+            fake_libcuda,
+            fake_cudart,
+        }
+        for _ in range(3):
+            assert (
+                runtime.cudaLaunchKernel(P(stub), Dim3(8, 1, 1), Dim3(64, 1, 1), None, 0, None) == 0
+            )
+        driver.cuLaunchKernel(P(0x10), 1, 1, 1, 32, 1, 1, 0, None, None, None)
+        rows = t.rows("SELECT api, kernel, grid FROM cuda.calls ORDER BY event_id")
+    assert [r["api"] for r in rows] == ["cudaLaunchKernel"] * 3 + ["cuLaunchKernel"]
+    assert {r["kernel"] for r in rows[:3]} == {"hidden_stub(float*, int)"}
+    assert rows[0]["grid"] == [8, 1, 1]
 
 
 def test_cuda_runtime_and_driver_calls_decode_exactly(fake_libcuda: str) -> None:
