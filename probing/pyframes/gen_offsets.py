@@ -97,6 +97,17 @@ FRAME = {  # 3.10: PyFrameObject; 3.11+: _PyInterpreterFrame
 }
 FRAME[(3, 13)] = FRAME[(3, 12)]  # f_executable and instr_ptr took their places
 _CO_PTRS = ("co_localsplusnames", "co_localspluskinds", "filename", "name", "qualname")
+# 3.13 keeps 3.12's code object up to co_extra and adds co_executors
+_CODE_312 = (
+    VARHEAD
+    + _ptrs("co_consts", "co_names", "co_exceptiontable")
+    + _ints("co_flags", "co_argcount", "co_posonly", "co_kwonly", "co_stacksize")
+    + _ints("firstlineno", "co_nlocalsplus", "co_framesize", "co_nlocals", "co_ncellvars")
+    + _ints("co_nfreevars", "co_version")
+    + _ptrs(*_CO_PTRS, "linetable", "co_weakreflist", "_co_cached")
+    + [("_co_instrumentation_version", U64), ("_co_monitoring", P)]
+    + [("_co_firsttraceable", I), ("co_extra", P)]
+)
 CODE = {
     (3, 10): HEAD
     + _ints("co_argcount", "co_posonly", "co_kwonly", "co_nlocals", "co_stacksize")
@@ -110,23 +121,8 @@ CODE = {
     + _ints("co_nlocalsplus", "co_nlocals", "co_nplaincellvars", "co_ncellvars", "co_nfree")
     + _ptrs(*_CO_PTRS, "linetable", "co_weakreflist", "_co_code", "_co_linearray")
     + [("_co_firsttraceable", I), ("co_extra", P), ("adaptive", ctypes.c_char)],
-    (3, 12): VARHEAD
-    + _ptrs("co_consts", "co_names", "co_exceptiontable")
-    + _ints("co_flags", "co_argcount", "co_posonly", "co_kwonly", "co_stacksize")
-    + _ints("firstlineno", "co_nlocalsplus", "co_framesize", "co_nlocals", "co_ncellvars")
-    + _ints("co_nfreevars", "co_version")
-    + _ptrs(*_CO_PTRS, "linetable", "co_weakreflist", "_co_cached")
-    + [("_co_instrumentation_version", U64), ("_co_monitoring", P)]
-    + [("_co_firsttraceable", I), ("co_extra", P), ("adaptive", ctypes.c_char)],
-    (3, 13): VARHEAD
-    + _ptrs("co_consts", "co_names", "co_exceptiontable")
-    + _ints("co_flags", "co_argcount", "co_posonly", "co_kwonly", "co_stacksize")
-    + _ints("firstlineno", "co_nlocalsplus", "co_framesize", "co_nlocals", "co_ncellvars")
-    + _ints("co_nfreevars", "co_version")
-    + _ptrs(*_CO_PTRS, "linetable", "co_weakreflist", "_co_cached")
-    + [("_co_instrumentation_version", U64), ("_co_monitoring", P)]
-    + [("_co_firsttraceable", I), ("co_extra", P), ("co_executors", P)]
-    + [("adaptive", ctypes.c_char)],
+    (3, 12): _CODE_312 + [("adaptive", ctypes.c_char)],
+    (3, 13): _CODE_312 + [("co_executors", P), ("adaptive", ctypes.c_char)],
 }
 _ASCII = [*HEAD, ("length", ctypes.c_ssize_t), ("hash", ctypes.c_ssize_t), ("state", I)]
 _WSTR = [("wstr", P)]

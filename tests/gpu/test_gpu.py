@@ -14,7 +14,8 @@ import pytest
 
 from probing.client import ProbeClient
 from tests.conftest import require_bpf
-from tests.privileged.test_trace import _free_port, _wait_line
+from tests.privileged.test_pystacks import MARK
+from tests.privileged.test_trace import _free_port, _line_after, _wait_line
 
 pytestmark = pytest.mark.gpu
 
@@ -35,18 +36,6 @@ def _require_gpu() -> None:
         pytest.skip("torch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here (CPU build)")
-
-
-def _line_after(target, prefix: str, timeout: float = 120) -> str:  # type: ignore[no-untyped-def]
-    """The rest of the first line of the target's output that starts with ``prefix``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = target.proc.stdout.readline()
-        if line.startswith(prefix):
-            return line[len(prefix) :].strip()
-        if not line and target.proc.poll() is not None:
-            raise AssertionError(f"target exited: {target.proc.communicate()}")
-    raise AssertionError(f"no {prefix!r} line from pid {target.pid}")
 
 
 LOAD = """
@@ -90,21 +79,17 @@ def test_nvml_samples_a_real_gpu_under_load(spawn) -> None:  # type: ignore[no-u
 
 # train_step: a kernel launched through the runtime (an in-place add), a
 # device-to-host copy, and an NCCL all-reduce; mark() notes the line of each.
-NCCL_JOB = """
+NCCL_JOB = (
+    """
 import json, os, sys, time, traceback
 import torch, torch.distributed as dist
 
 port, go, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-marks = {}
-
-
-def mark(name, value):
-    caller = traceback.extract_stack()[-2]
-    marks[name] = [caller.filename, caller.lineno, caller.name]
-    return value
-
+"""
+    + MARK
+    + """
 
 def train_step(t):
     t.add_(1.0)
@@ -124,6 +109,7 @@ print("marks " + json.dumps(marks), flush=True)
 print("result", last, flush=True)
 time.sleep(600)
 """
+)
 
 
 def test_trace_sees_torch_cuda_and_nccl_on_a_real_gpu(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -142,8 +128,8 @@ def test_trace_sees_torch_cuda_and_nccl_on_a_real_gpu(spawn, tmp_path: Path) -> 
     assert any("libnccl" in p for p in libs["nccl"]), libs
     assert any("libcudart" in p for p in libs["cuda"]), libs
     go.touch()
-    marks = json.loads(_line_after(t, "marks "))
-    _line_after(t, "result ")
+    marks = json.loads(_line_after(t, "marks ", timeout=120))
+    _line_after(t, "result ", timeout=120)
     time.sleep(0.2)
 
     ar = client.query(

@@ -15,21 +15,14 @@ import pytest
 
 from probing.client import ProbeClient
 from tests.conftest import cli, require, require_bpf
-from tests.privileged.test_trace import _free_port, _lib, _wait_line
+from tests.privileged.test_trace import _free_port, _lib, _line_after, _wait_line
 
 pytestmark = pytest.mark.privileged
 
-# train_step issues an all_reduce (Gloo) and a cudaMalloc (ctypes, the
-# wheel's libcudart); mark() records, with traceback, the frame it is called
-# from: train_step at the line of the call it is an argument of.
-TRAIN = """
-import ctypes, json, os, sys, threading, time, traceback
-import torch, torch.distributed as dist
-
-rank, port, go, cudart_path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-blocked = len(sys.argv) > 5
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-cudart = ctypes.CDLL(cudart_path)
+# MARK, in a target script: mark(name, value) records, with traceback, the
+# file, line and function it is called from (the line of the call it is an
+# argument of) and returns value.
+MARK = """
 marks = {}
 
 
@@ -37,7 +30,22 @@ def mark(name, value):
     caller = traceback.extract_stack()[-2]
     marks[name] = [caller.filename, caller.lineno, caller.name]
     return value
+"""
 
+# train_step issues an all_reduce (Gloo) and a cudaMalloc (ctypes, the
+# wheel's libcudart), each marked: train_step at the line of the call.
+TRAIN = (
+    """
+import ctypes, json, os, sys, threading, time, traceback
+import torch, torch.distributed as dist
+
+rank, port, go, cudart_path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+blocked = len(sys.argv) > 5
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+cudart = ctypes.CDLL(cudart_path)
+"""
+    + MARK
+    + """
 
 def train_step(t):
     dist.all_reduce(mark("all_reduce", t))
@@ -65,23 +73,13 @@ else:
 print("done", flush=True)
 time.sleep(600)
 """
+)
 
 FRAMES_SQL = """
 SELECT s.stack_id, s.depth, s.file, s.line, s.func
 FROM {table} c JOIN python.stacks s ON s.stack_id = c.stack_id
 WHERE c.api = '{api}' ORDER BY s.depth
 """
-
-
-def _marks(target) -> dict[str, list]:  # type: ignore[no-untyped-def,type-arg]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = target.proc.stdout.readline()
-        if line.startswith("marks "):
-            return json.loads(line[6:])
-        if not line and target.proc.poll() is not None:
-            raise AssertionError(f"target exited: {target.proc.communicate()}")
-    raise AssertionError("no marks line")
 
 
 def _job(spawn, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
@@ -115,7 +113,7 @@ def test_traced_calls_carry_the_stack_traceback_sees(spawn, tmp_path: Path) -> N
     status = client.trace_start(["gloo", "cuda"])
     assert status["stacks"] is True
     go.touch()
-    marks = _marks(r0)
+    marks = json.loads(_line_after(r0, "marks "))
     _wait_line(r0, "done")
     for table, api, name in (
         ("gloo.calls", "gloo::allreduce", "all_reduce"),
@@ -145,7 +143,9 @@ def test_a_call_blocked_without_the_gil_has_its_stack(spawn, tmp_path: Path) -> 
     client = ProbeClient.for_pid(r0.pid)
     client.trace_start(["gloo"])
     go.touch()
-    marks = _marks(r0)  # rank 0's thread is inside the all_reduce, waiting for rank 1
+    marks = json.loads(
+        _line_after(r0, "marks ")
+    )  # rank 0's thread is inside the all_reduce, waiting for rank 1
     try:
         rows = client.query(
             "SELECT c.dur_ns, c.stack_id, s.callsite FROM gloo.inflight c "

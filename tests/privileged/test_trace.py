@@ -277,15 +277,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_line(target, want: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+def _read_until(target, match, what: str, timeout: float) -> str:  # type: ignore[no-untyped-def]
+    """The first line of the target's output that ``match`` accepts."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = target.proc.stdout.readline()
-        if line.strip() == want:
-            return
+        if match(line):
+            return line
         if not line and target.proc.poll() is not None:
             raise AssertionError(f"target exited: {target.proc.communicate()}")
-    raise AssertionError(f"no {want!r} line from pid {target.pid}")
+    raise AssertionError(f"no {what!r} line from pid {target.pid}")
+
+
+def _wait_line(target, want: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    _read_until(target, lambda line: line.strip() == want, want, timeout)
+
+
+def _line_after(target, prefix: str, timeout: float = 60) -> str:  # type: ignore[no-untyped-def]
+    """The rest of the first line of the target's output that starts with ``prefix``."""
+    line = _read_until(target, lambda line: line.startswith(prefix), prefix, timeout)
+    return line[len(prefix) :].strip()
 
 
 def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
