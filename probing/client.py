@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import socket
+import struct
 from typing import Any
 
 from probing.errors import (
@@ -26,31 +27,64 @@ from probing.probe import paths
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(
+        self, path: str, timeout: float, pid: int | None = None, uid: int | None = None
+    ) -> None:
         super().__init__("localhost", timeout=timeout)
         self._path = path
+        self._pid = pid
+        self._uid = uid
 
     def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
             sock.connect(self._path)
+            check_peer(sock, self._path, self._pid, self._uid)
         except BaseException:
             sock.close()
             raise
         self.sock = sock
 
 
+def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None) -> None:
+    """AccessDenied unless the server on ``sock`` is process ``pid`` run by ``uid``
+    (``SO_PEERCRED``), checked before a byte is sent."""
+    if pid is None and uid is None:
+        return
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    got_pid, got_uid, _ = struct.unpack("3i", raw)
+    if (pid is None or got_pid == pid) and (uid is None or got_uid == uid):
+        return
+    want = f"process {pid}" if pid is not None else "the probe"
+    raise AccessDenied(
+        f"{path} is answered by pid {got_pid} (uid {got_uid}), not by {want}"
+        + (f" (uid {uid})" if uid is not None else "")
+        + ": refusing to send it anything",
+        pid=pid,
+        hint=f"another process may be impersonating the probe; remove {path} "
+        f"if you trust its directory, then start the probe again with: probing inject --pid {pid}",
+    )
+
+
 class UnixTransport:
     """One HTTP request per call over the probe's unix socket."""
 
-    def __init__(self, path: str, *, pid: int | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        pid: int | None = None,
+        uid: int | None = None,
+        timeout: float = 30.0,
+    ) -> None:
         self.path = path
-        self.pid = pid
+        self.pid = pid  # with uid: what SO_PEERCRED must say before anything is sent
+        self.uid = uid
         self.timeout = timeout
 
     def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
-        conn = _UnixConnection(self.path, self.timeout)
+        conn = _UnixConnection(self.path, self.timeout, self.pid, self.uid)
         try:
             headers = {"Content-Type": "application/json"} if body else {}
             conn.request(method, url, body=body, headers=headers)
@@ -136,7 +170,15 @@ class ProbeClient:
         """The client of ``pid``'s probe; raises a clear error when there is none."""
         if pid <= 0:
             raise NoSuchProcess(f"{pid} is not a valid pid", pid=pid)
-        path = paths.find_socket(pid)
+        try:
+            path = paths.find_socket(pid)
+        except paths.UnsafePath as err:
+            raise AccessDenied(
+                f"refusing the probe socket of pid {pid}: {err}",
+                pid=pid,
+                hint="another user may have planted it: remove it if it is not yours, "
+                "then start the probe again",
+            ) from err
         if path is None:
             if not os.path.exists(f"/proc/{pid}"):
                 raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
@@ -147,7 +189,8 @@ class ProbeClient:
             )
         if not os.path.exists(f"/proc/{pid}"):
             raise NoSuchProcess(f"process {pid} has exited (stale socket {path})", pid=pid)
-        return cls(UnixTransport(path, pid=pid, timeout=timeout))
+        uid = paths.pid_owner(pid)
+        return cls(UnixTransport(path, pid=pid, uid=uid, timeout=timeout))
 
     def _call(
         self, method: str, url: str, payload: dict[str, Any] | None = None

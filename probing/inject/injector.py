@@ -480,7 +480,10 @@ def _alive(pid: int, wait: bool = False) -> bool:
 def existing_probe(pid: int) -> str | None:
     from probing.procs import socket_alive
 
-    path = paths.find_socket(pid)
+    try:
+        path = paths.find_socket(pid)
+    except paths.UnsafePath:
+        return None  # the probe started now refuses that directory and says why
     return path if path and socket_alive(path) else None
 
 

@@ -1,14 +1,39 @@
-"""HTTP on a unix socket (and, in cluster mode, a TCP port), one select() thread.
+"""HTTP on a unix socket (and, in cluster mode, a TCP port): one loop thread
+reads requests, a few worker threads answer them.
 
-No timers and no polling: an idle probe is a thread blocked in ``select``
-on the listening sockets and a wake-up pipe, so it costs no CPU. Each
-connection is handled on a daemon thread of its own, which then waits 5 s
-for the next one (a cluster query's burst reuses it) and exits; every
-exception ends as an HTTP error, never in the host process.
+No timers and no polling: an idle probe is a thread blocked in ``epoll`` on
+the listening sockets and a wake-up pipe, so it costs no CPU. The loop
+accepts connections and reads each request without blocking, under
+deadlines: a slow or silent client costs a file descriptor and a buffer,
+never a thread. A complete request goes to a bounded pool of worker
+threads, each kept 5 s after its last request (a cluster query's burst
+reuses them). Every exception ends as an HTTP error, never in the host.
 
 The unix socket trusts its caller's uid (``SO_PEERCRED``). The TCP port
-trusts only a bearer token, compared in constant time before the request
-reaches any endpoint: without it the answer is 401 and nothing runs.
+trusts only a bearer token, compared in constant time once the headers are
+in and before the body is read: without it the answer is 401 and nothing
+runs.
+
+Limits, read from the environment when the server starts:
+
+- ``PROBING_MAX_CONNECTIONS`` (64): open connections per listening socket.
+  At the cap, the connection that has waited longest (at least 1 s) for its
+  request is dropped to make room; when none has, the new one gets 503.
+- ``PROBING_WORKERS`` (8): threads answering requests; the rest wait.
+- ``PROBING_HEADER_TIMEOUT_S`` (10): time for the request line and headers.
+- ``PROBING_IDLE_TIMEOUT_S`` (10): longest silence while a body arrives.
+- File descriptors: a connection that would leave the host fewer than
+  ``fd_reserve()`` descriptors below ``RLIMIT_NOFILE`` is answered 503 and
+  closed. When ``accept`` fails (EMFILE, ENFILE, ...), one spare descriptor
+  is given up to accept and drop the waiting connection, and the listeners
+  rest (50 ms, doubling to 1 s) before the next try; the loop never ends
+  but by ``stop()``.
+
+Requests are parsed strictly (``parse_head``): a line over 8 KiB or a head
+over 32 KiB is 431, never split; duplicate ``Authorization``,
+``Content-Length``, ``Host`` or ``Transfer-Encoding`` headers, a
+``Content-Length`` that is not digits, folded lines and control characters
+are 400, and chunked bodies 501.
 """
 
 from __future__ import annotations
@@ -17,11 +42,13 @@ import errno
 import hmac
 import json
 import os
-import queue
-import select
+import re
+import selectors
 import socket
 import struct
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -54,14 +81,34 @@ class Response(NamedTuple):
 App = Callable[[Request], Response]
 
 MAX_BODY = 16 << 20
+MAX_LINE = 8192  # request line or one header line, without its line end
+MAX_HEAD = 32768  # request line and headers together
+MAX_HEADERS = 100
+EVICT_AFTER_S = 1.0  # at the connection cap, a connection this old without its request makes room
+WRITE_TIMEOUT_S = 30.0
+
+
+def _env_number(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, "") or default)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def _peer_cred(conn: socket.socket) -> tuple[int, int] | None:
+    """(pid, uid) of the other end of a unix socket, or None."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _ = struct.unpack("3i", raw)
+        return pid, uid
+    except OSError:
+        return None
 
 
 def _peer_uid(conn: socket.socket) -> int | None:
-    try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", raw)[1]
-    except OSError:
-        return None
+    cred = _peer_cred(conn)
+    return None if cred is None else cred[1]
 
 
 _REASONS = {
@@ -70,53 +117,103 @@ _REASONS = {
     401: "Unauthorized",
     403: "Forbidden",
     404: "Not Found",
+    408: "Request Timeout",
     413: "Payload Too Large",
+    431: "Request Header Fields Too Large",
     500: "Internal Server Error",
+    501: "Not Implemented",
     503: "Service Unavailable",
 }
 
 
-class _Parsed(NamedTuple):
+class HttpError(Exception):
+    """A request refused before it reaches the app: its status and why."""
+
+    def __init__(self, status: int, msg: str) -> None:
+        super().__init__(msg)
+        self.status = status
+
+
+class Head(NamedTuple):
+    """A request line and its headers (names lower-case), with the body's length."""
+
     method: str
     target: str
     headers: dict[str, str]
-    body: bytes
+    length: int
 
 
-def _read_request(conn: socket.socket, token: bytes | None = None) -> _Parsed | None:
-    """Parse one HTTP/1.x request, or None if malformed.
+_END = re.compile(rb"\r?\n\r?\n")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(rb"[\x21-\x7e]+")
+_VERSION = re.compile(rb"HTTP/1\.[01]")
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_DIGITS = re.compile(rb"[0-9]{1,15}")
+_ONCE = {b"authorization", b"content-length", b"host", b"transfer-encoding"}
 
-    A few lines instead of ``http.server``, which would pull ``email`` and
-    ``ssl`` into every probed process. With ``token``, the request must
-    carry ``Authorization: Bearer <token>``: checked after the headers and
-    before the body is read, so an unauthenticated body is never even read.
+
+def head_end(buf: bytes | bytearray) -> int:
+    """Where the head in ``buf`` ends (after its blank line), -1 when it has not
+    yet; HttpError(431) as soon as a line or the head is too long."""
+    m = _END.search(buf, 0, MAX_HEAD + 4)
+    if m is not None:
+        return m.end()
+    if len(buf) > MAX_HEAD:
+        raise HttpError(431, f"request head over {MAX_HEAD} bytes")
+    if len(buf) - (buf.rfind(b"\n") + 1) > MAX_LINE + 1:
+        raise HttpError(431, f"a request line or header over {MAX_LINE} bytes")
+    return -1
+
+
+def parse_head(raw: bytes) -> Head:
+    """The request line and headers of ``raw`` (a whole head), strictly.
+
+    >>> parse_head(b"POST /query HTTP/1.0\\r\\nContent-Length: 2\\r\\n\\r\\n").length
+    2
     """
-    f = conn.makefile("rb")
-    try:
-        line = f.readline(8192)
-        parts = line.decode("latin-1").split()
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            return None
-        headers: dict[str, str] = {}
-        for _ in range(100):
-            header = f.readline(8192)
-            if header in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = header.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if token is not None and not authorized(headers, token):
-            raise Unauthorized("missing or wrong token")
-        length = int(headers.get("content-length", "0") or 0)
-        if length < 0 or length > MAX_BODY:
-            raise ValueError("request body too large")
-        body = f.read(length) if length else b""
-        return _Parsed(parts[0], parts[1], headers, body)
-    finally:
-        f.close()
-
-
-class Unauthorized(Exception):
-    """A TCP request without the job's token."""
+    lines = raw.split(b"\n")
+    while lines and lines[-1] in (b"", b"\r"):
+        lines.pop()
+    if not lines:
+        raise HttpError(400, "empty request")
+    for i, line in enumerate(lines):
+        if line.endswith(b"\r"):
+            line = lines[i] = line[:-1]
+        if len(line) > MAX_LINE:
+            raise HttpError(431, f"a request line or header over {MAX_LINE} bytes")
+        if b"\r" in line:
+            raise HttpError(400, "a bare CR in the request head")
+    if len(lines) - 1 > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} headers")
+    parts = lines[0].split(b" ")
+    if (
+        len(parts) != 3
+        or not _TOKEN.fullmatch(parts[0])
+        or not _TARGET.fullmatch(parts[1])
+        or not _VERSION.fullmatch(parts[2])
+    ):
+        raise HttpError(400, "not an HTTP/1.x request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise HttpError(400, "malformed header line (or a folded one)")
+        value = value.strip(b" \t")
+        if _CTL.search(value):
+            raise HttpError(400, "a control character in a header value")
+        key = name.lower()
+        if key in _ONCE and key.decode() in headers:
+            raise HttpError(400, f"duplicate {name.decode()} header")
+        headers[key.decode()] = value.decode("latin-1")
+    if "transfer-encoding" in headers:
+        raise HttpError(501, "Transfer-Encoding is not supported: send a Content-Length")
+    length = 0
+    if "content-length" in headers:
+        given = headers["content-length"].encode("latin-1")
+        if not _DIGITS.fullmatch(given):
+            raise HttpError(400, "Content-Length must be digits only")
+        length = int(given)
+    return Head(parts[0].decode(), parts[1].decode(), headers, length)
 
 
 def authorized(headers: dict[str, str], token: bytes) -> bool:
@@ -127,86 +224,150 @@ def authorized(headers: dict[str, str], token: bytes) -> bool:
     return hmac.compare_digest(given.strip().encode("latin-1", "replace"), token)
 
 
-def _write_response(conn: socket.socket, resp: Response) -> None:
+def _response_bytes(resp: Response) -> bytes:
     head = (
         f"HTTP/1.0 {resp.status} {_REASONS.get(resp.status, 'Error')}\r\n"
         f"Server: probing\r\nContent-Type: {resp.content_type}\r\n"
         f"Content-Length: {len(resp.body)}\r\nConnection: close\r\n\r\n"
     )
-    conn.sendall(head.encode("latin-1") + resp.body)
+    return head.encode("latin-1") + resp.body
 
 
-def handle_connection(
-    conn: socket.socket, app: App, *, token: bytes | None = None, remote: str | None = None
-) -> None:
-    """Answer one request on ``conn``. Every failure becomes an HTTP error.
-
-    ``remote`` (a TCP caller's address) means: authenticate with ``token``
-    instead of the caller's uid; no token configured refuses everything.
-    """
+def _refuse(sock: socket.socket, status: int, msg: str, kind: str = "ProbingError") -> None:
+    """Answer a short error without blocking (what does not fit is lost), then close."""
     try:
-        peer_uid = None if remote is not None else _peer_uid(conn)
-        if remote is None and peer_uid not in (os.getuid(), 0):
-            resp = Response.error(403, "this probe belongs to another user", "AccessDenied")
-        elif remote is not None and not token:
-            resp = Response.error(401, "this probe has no token: TCP is closed", "Unauthorized")
-        else:
-            parsed = _read_request(conn, token if remote is not None else None)
-            if parsed is None:
-                resp = Response.error(400, "not an HTTP request")
-            else:
-                url = urlsplit(parsed.target)
-                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                req = Request(
-                    parsed.method, url.path, query, parsed.body, peer_uid, remote, parsed.headers
-                )
-                resp = app(req)
-    except Unauthorized as err:
-        resp = Response.error(401, str(err), "Unauthorized")
-    except ValueError as err:
-        resp = Response.error(413 if "too large" in str(err) else 400, str(err))
-    except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
-        resp = Response.error(500, f"{type(err).__name__}: {err}")
-    try:
-        _write_response(conn, resp)
+        sock.send(_response_bytes(Response.error(status, msg, kind)), socket.MSG_DONTWAIT)
     except OSError:
-        pass  # the client went away
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def answer(app: App, head: Head, body: bytes, peer_uid: int | None, remote: str | None) -> Response:
+    """Run ``app`` on one parsed request; every failure becomes an HTTP error."""
+    try:
+        url = urlsplit(head.target)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        req = Request(head.method, url.path, query, body, peer_uid, remote, head.headers)
+        return app(req)
+    except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
+        return Response.error(500, f"{type(err).__name__}: {err}")
 
 
 class _Workers:
-    """Request threads, each kept ``LINGER_S`` after its last request: the
-    requests of a burst (a cluster query every few seconds) reuse them
-    rather than starting a thread each; an idle probe is back to none."""
+    """At most ``limit`` request threads, each kept ``LINGER_S`` after its last
+    request: the requests of a burst (a cluster query every few seconds) reuse
+    them rather than starting a thread each; an idle probe is back to none.
+    Jobs beyond ``limit`` wait in order for a thread."""
 
     LINGER_S = 5.0
 
-    def __init__(self, serve: Callable[[socket.socket, str | None], None]) -> None:
+    def __init__(self, serve: Callable[..., None], limit: int = 8) -> None:
         self._serve = serve
-        self._lock = threading.Lock()
-        self._idle = 0  # waiting threads no request has been promised to
-        self._jobs: queue.SimpleQueue[tuple[socket.socket, str | None]] = queue.SimpleQueue()
+        self.limit = max(1, limit)
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs: deque[tuple] = deque()
+        self._threads = 0
+        self._idle = 0
 
-    def submit(self, job: tuple[socket.socket, str | None]) -> None:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-                self._jobs.put(job)
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    def submit(self, job: tuple) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            if self._idle >= len(self._jobs):
+                self._cond.notify()
                 return
-        threading.Thread(target=self._run, args=(job,), name="probing-request", daemon=True).start()
+            if self._threads >= self.limit:
+                return  # a thread takes it when it is done with its own
+            self._threads += 1
+        try:
+            threading.Thread(target=self._run, name="probing-request", daemon=True).start()
+        except BaseException:  # noqa: BLE001 - no thread to be had: a running one takes it
+            with self._cond:
+                self._threads -= 1
 
-    def _run(self, job: tuple[socket.socket, str | None]) -> None:
+    def _run(self) -> None:
         while True:
-            self._serve(*job)
-            with self._lock:
-                self._idle += 1
-            try:
-                job = self._jobs.get(timeout=self.LINGER_S)
-            except queue.Empty:
-                with self._lock:
-                    if self._idle:  # no request was promised to a waiting thread: leave
-                        self._idle -= 1
+            with self._cond:
+                deadline = time.monotonic() + self.LINGER_S
+                while not self._jobs:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._threads -= 1
                         return
-                    job = self._jobs.get_nowait()  # one was, as I timed out
+                    self._idle += 1
+                    self._cond.wait(left)
+                    self._idle -= 1
+                job = self._jobs.popleft()
+            try:
+                self._serve(*job)
+            except BaseException:  # noqa: BLE001
+                pass
+
+
+class _Listener:
+    __slots__ = ("sock", "tcp", "open")
+
+    def __init__(self, sock: socket.socket, tcp: bool) -> None:
+        self.sock = sock
+        self.tcp = tcp
+        self.open = 0  # its connections not yet closed (reading, queued or answered)
+
+
+class _Conn:
+    __slots__ = ("sock", "listener", "remote", "peer_uid", "buf", "head", "opened", "deadline")
+
+    def __init__(
+        self, sock: socket.socket, listener: _Listener, remote: str | None, peer_uid: int | None
+    ) -> None:
+        self.sock = sock
+        self.listener = listener
+        self.remote = remote
+        self.peer_uid = peer_uid
+        self.buf = bytearray()
+        self.head: Head | None = None
+        self.opened = time.monotonic()
+        self.deadline = 0.0
+
+
+def fd_reserve(soft_limit: int) -> int:
+    """Descriptors always left to the host below its ``RLIMIT_NOFILE``.
+
+    >>> fd_reserve(1024), fd_reserve(200), fd_reserve(1 << 20)
+    (128, 25, 256)
+    """
+    return min(256, max(16, soft_limit // 8))
+
+
+def _nofile() -> int:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft > 0 else 1 << 20
+    except (ImportError, OSError, ValueError):
+        return 1 << 20
+
+
+_WAKE = object()
+_ACCEPT_ERRORS_TRANSIENT = {
+    errno.ECONNABORTED,
+    errno.EPROTO,
+    errno.EPERM,
+    errno.ENETDOWN,
+    errno.ENOPROTOOPT,
+    errno.EHOSTDOWN,
+    errno.ENONET,
+    errno.EHOSTUNREACH,
+    errno.EOPNOTSUPP,
+    errno.ENETUNREACH,
+    errno.ETIMEDOUT,
+}
 
 
 class UnixHTTPServer:
@@ -220,28 +381,41 @@ class UnixHTTPServer:
     def __init__(self, path: str | None, app: App) -> None:
         self.path = path
         self.app = app
-        self._sock: socket.socket | None = None
-        self._tcp: socket.socket | None = None
+        self.max_connections = int(_env_number("PROBING_MAX_CONNECTIONS", 64))
+        self.header_timeout = _env_number("PROBING_HEADER_TIMEOUT_S", 10.0)
+        self.idle_timeout = _env_number("PROBING_IDLE_TIMEOUT_S", 10.0)
         self._token: bytes | None = None
+        self._listeners: list[_Listener] = []
+        self._new: list[_Listener] = []  # bound by listen_tcp, registered by the loop
+        self._conns: dict[int, _Conn] = {}  # fd -> connection the loop is reading
+        self._lock = threading.Lock()  # the listeners' counts (workers close connections)
+        self._sel: selectors.BaseSelector | None = None
         self._wake_r = self._wake_w = -1
+        self._spare = -1  # given up to accept-and-drop when the process is out of fds
+        self._stopping = False
+        self._paused_until = 0.0
+        self._backoff = 0.0
+        self.stats = {"refused": 0, "dropped": 0, "accept_errors": 0, "evicted": 0}
         self._thread: threading.Thread | None = None
-        self._workers = _Workers(self._serve)
+        self._workers = _Workers(self._serve, int(_env_number("PROBING_WORKERS", 8)))
 
     def start(self) -> None:
         if self.path is not None:
-            self._sock = self._bind_unix(self.path)
-        self._wake_r, self._wake_w = os.pipe()
+            self._listeners.append(_Listener(self._bind_unix(self.path), tcp=False))
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._spare = _open_spare()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        for lst in self._listeners:
+            self._sel.register(lst.sock, selectors.EVENT_READ, lst)
         self._thread = threading.Thread(target=self._loop, name="probing-server", daemon=True)
         self._thread.start()
 
     @staticmethod
     def _bind_unix(path: str) -> socket.socket:
-        directory = os.path.dirname(path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.stat(directory)
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"{directory} belongs to uid {st.st_uid}, not to this user")
-        os.chmod(directory, 0o700)
+        from probing.probe.paths import ensure_private_dir
+
+        ensure_private_dir(os.path.dirname(path))
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -259,7 +433,7 @@ class UnixHTTPServer:
     def listen_tcp(self, host: str, port: int, token: bytes) -> tuple[str, int]:
         """Also serve on TCP ``host:port`` (0: any free port); returns the bound address.
 
-        Call after ``start()``; the select loop picks the new socket up at once.
+        Call after ``start()``; the loop picks the new socket up at once.
         """
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -272,17 +446,25 @@ class UnixHTTPServer:
             raise
         sock.setblocking(False)
         self._token = token
-        self._tcp = sock
+        lst = _Listener(sock, tcp=True)
+        with self._lock:
+            self._new.append(lst)
+            self._listeners.append(lst)
         self._wake()
         bound = sock.getsockname()
         return bound[0], bound[1]
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:
-        if self._tcp is None:
+        tcp = next((lst for lst in self._listeners if lst.tcp), None)
+        if tcp is None:
             return None
-        bound = self._tcp.getsockname()
+        bound = tcp.sock.getsockname()
         return bound[0], bound[1]
+
+    def connections(self) -> int:
+        """Connections open now, over every listener."""
+        return sum(lst.open for lst in self._listeners)
 
     def _wake(self) -> None:
         if self._wake_w >= 0:
@@ -291,56 +473,240 @@ class UnixHTTPServer:
             except OSError:
                 pass
 
+    # -- the loop --------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            listeners = [s for s in (self._sock, self._tcp) if s is not None]
+        while not self._stopping:
             try:
-                ready, _, _ = select.select([*listeners, self._wake_r], [], [])
-            except (OSError, ValueError) as err:
-                if isinstance(err, OSError) and err.errno == errno.EINTR:
-                    continue
-                return
-            if self._wake_r in ready:
-                try:
-                    if b"x" in os.read(self._wake_r, 64):
-                        return
-                except OSError:
-                    return
-            for sock in listeners:
-                if sock not in ready:
-                    continue
-                try:
-                    conn, addr = sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    return
-                remote = None
-                if sock is self._tcp:
-                    remote = f"{addr[0]}:{addr[1]}"
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.setblocking(True)
-                conn.settimeout(30)
-                self._workers.submit((conn, remote))
+                self._once()
+            except BaseException:  # noqa: BLE001 - whatever it was, rest and go on
+                self._rest()
+                time.sleep(0.01)
 
-    def _serve(self, conn: socket.socket, remote: str | None) -> None:
+    def _once(self) -> None:
+        sel = self._sel
+        if sel is None:
+            self._stopping = True
+            return
+        now = time.monotonic()
+        timeout = None
+        if self._conns:
+            timeout = max(0.0, min(c.deadline for c in self._conns.values()) - now)
+        if self._paused_until:
+            left = max(0.0, self._paused_until - now)
+            timeout = left if timeout is None else min(timeout, left)
         try:
-            handle_connection(conn, self.app, token=self._token, remote=remote)
-        except BaseException:  # noqa: BLE001
+            events = sel.select(timeout)
+        except InterruptedError:
+            return
+        for key, _ in events:
+            what = key.data
+            if what is _WAKE:
+                self._drain_wake()
+            elif isinstance(what, _Listener):
+                self._accept(what)
+            else:
+                self._read(what)
+        now = time.monotonic()
+        for c in [c for c in self._conns.values() if c.deadline <= now]:
+            what = "request head" if c.head is None else "request body"
+            self._close(c, 408, f"the {what} did not arrive in time")
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            for lst in self._listeners:
+                self._watch(lst)
+
+    def _drain_wake(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except OSError:
+            pass
+        with self._lock:
+            new, self._new = self._new, []
+        if not self._paused_until:
+            for lst in new:
+                self._watch(lst)
+
+    def _watch(self, lst: _Listener) -> None:
+        sel = self._sel
+        if sel is None:
+            return
+        try:
+            sel.register(lst.sock, selectors.EVENT_READ, lst)
+        except KeyError:
+            pass  # already watched
+        except (OSError, ValueError):
+            pass  # closed meanwhile
+
+    def _rest(self) -> None:
+        """Stop accepting for a while (50 ms, doubling to 1 s while it lasts)."""
+        self._backoff = min(1.0, max(0.05, self._backoff * 2))
+        self._paused_until = time.monotonic() + self._backoff
+        sel = self._sel
+        for lst in self._listeners:
+            try:
+                if sel is not None:
+                    sel.unregister(lst.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _accept(self, lst: _Listener) -> None:
+        for _ in range(32):  # the rest at the next wake-up: reading goes on meanwhile
+            try:
+                conn, addr = lst.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                self.stats["accept_errors"] += 1
+                if err.errno in _ACCEPT_ERRORS_TRANSIENT:
+                    continue
+                if err.errno in (errno.EMFILE, errno.ENFILE):
+                    self._drop_one(lst)
+                self._rest()
+                return
+            self._backoff = 0.0
+            self._admit(lst, conn, addr)
+
+    def _drop_one(self, lst: _Listener) -> None:
+        """Out of descriptors: give up the spare one to accept and drop a caller."""
+        if self._spare < 0:
+            return
+        os.close(self._spare)
+        self._spare = -1
+        try:
+            conn, _ = lst.sock.accept()
+            self.stats["dropped"] += 1
+            _refuse(conn, 503, "the process is out of file descriptors: try again later")
+        except OSError:
+            pass
+        self._spare = _open_spare()
+
+    def _admit(self, lst: _Listener, conn: socket.socket, addr: object) -> None:
+        if conn.fileno() >= _nofile() - fd_reserve(_nofile()):
+            self.stats["refused"] += 1
+            _refuse(conn, 503, "the process is near its file-descriptor limit: try again later")
+            return
+        remote = peer_uid = None
+        if lst.tcp:
+            remote = f"{addr[0]}:{addr[1]}"  # type: ignore[index]
+        else:
+            peer_uid = _peer_uid(conn)
+            if peer_uid not in (os.getuid(), 0):
+                _refuse(conn, 403, "this probe belongs to another user", "AccessDenied")
+                return
+        if lst.open >= self.max_connections and not self._evict(lst):
+            self.stats["refused"] += 1
+            _refuse(
+                conn,
+                503,
+                f"the probe has {lst.open} connections open (PROBING_MAX_CONNECTIONS): "
+                "try again later",
+            )
+            return
+        try:
+            conn.setblocking(False)
+            if lst.tcp:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = _Conn(conn, lst, remote, peer_uid)
+            c.deadline = c.opened + self.header_timeout
+            self._sel.register(conn, selectors.EVENT_READ, c)  # type: ignore[union-attr]
+        except (OSError, ValueError, KeyError):
+            conn.close()
+            return
+        with self._lock:
+            lst.open += 1
+        self._conns[conn.fileno()] = c
+
+    def _evict(self, lst: _Listener) -> bool:
+        """Close the connection of ``lst`` that has waited longest for its request."""
+        now = time.monotonic()
+        waiting = [c for c in self._conns.values() if c.listener is lst]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.opened)
+        if now - oldest.opened < EVICT_AFTER_S:
+            return False
+        self.stats["evicted"] += 1
+        self._close(oldest, 408, "dropped to make room: the request took too long to arrive")
+        return True
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(c)
+            return
+        if not data:
+            self._close(c)
+            return
+        c.buf += data
+        try:
+            if c.head is None:
+                end = head_end(c.buf)
+                if end < 0:
+                    return
+                c.head = parse_head(bytes(c.buf[:end]))
+                del c.buf[:end]
+                if c.remote is not None:
+                    if not self._token:
+                        raise HttpError(401, "this probe has no token: TCP is closed")
+                    if not authorized(c.head.headers, self._token):
+                        raise HttpError(401, "missing or wrong token")
+                if c.head.length > MAX_BODY:
+                    raise HttpError(413, f"request body too large (over {MAX_BODY} bytes)")
+            c.deadline = time.monotonic() + self.idle_timeout
+            if len(c.buf) < c.head.length:
+                return
+        except HttpError as err:
+            kind = "Unauthorized" if err.status == 401 else "ProbingError"
+            self._close(c, err.status, str(err), kind)
+            return
+        self._forget(c)
+        body = bytes(c.buf[: c.head.length])
+        c.buf = bytearray()
+        self._workers.submit((c, body))
+
+    def _forget(self, c: _Conn) -> None:
+        self._conns.pop(c.sock.fileno(), None)
+        try:
+            self._sel.unregister(c.sock)  # type: ignore[union-attr]
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _close(self, c: _Conn, status: int = 0, msg: str = "", kind: str = "ProbingError") -> None:
+        self._forget(c)
+        if status:
+            _refuse(c.sock, status, msg, kind)
+        else:
+            c.sock.close()
+        self._closed(c)
+
+    def _closed(self, c: _Conn) -> None:
+        with self._lock:
+            c.listener.open -= 1
+
+    def _serve(self, c: _Conn, body: bytes) -> None:
+        """On a worker thread: answer one request and close its connection."""
+        try:
+            assert c.head is not None
+            resp = answer(self.app, c.head, body, c.peer_uid, c.remote)
+            c.sock.settimeout(WRITE_TIMEOUT_S)
+            c.sock.sendall(_response_bytes(resp))
+        except BaseException:  # noqa: BLE001 - the client went away, or worse: not the host's
             pass
         finally:
             try:
-                conn.close()
+                c.sock.close()
             except OSError:
                 pass
+            self._closed(c)
 
+    # -- stopping --------------------------------------------------------------
     def stop(self, *, unlink: bool = True) -> None:
         """Stop serving; safe to call twice."""
-        if self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass
+        self._stopping = True
+        self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         self._close_fds()
@@ -358,18 +724,42 @@ class UnixHTTPServer:
     def abandon_after_fork(self) -> None:
         """In a forked child: drop the parent's sockets without touching its path."""
         self._thread = None
-        self._workers = _Workers(self._serve)  # the parent's threads do not exist here
+        self._stopping = True
+        self._workers = _Workers(self._serve, self._workers.limit)  # no threads here
+        self._lock = threading.Lock()
         self._close_fds()
 
     def _close_fds(self) -> None:
-        for sock in (self._sock, self._tcp):
-            if sock is not None:
-                sock.close()
-        self._sock = self._tcp = None
-        for fd in (self._wake_r, self._wake_w):
+        sel, self._sel = self._sel, None
+        if sel is not None:
+            try:
+                sel.close()
+            except OSError:
+                pass
+        for c in list(self._conns.values()):
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+        self._conns.clear()
+        for lst in self._listeners:
+            try:
+                lst.sock.close()
+            except OSError:
+                pass
+        self._listeners = []
+        self._new = []
+        for fd in (self._wake_r, self._wake_w, self._spare):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self._wake_r = self._wake_w = -1
+        self._wake_r = self._wake_w = self._spare = -1
+
+
+def _open_spare() -> int:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
