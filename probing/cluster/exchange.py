@@ -6,6 +6,11 @@ start waits for the GIL), and they then fight over it to parse their
 answers. Here the calling thread connects to every peer, writes each
 request as its socket becomes writable and reads each answer as it
 arrives, until every peer has answered or failed, or the deadline passes.
+
+An answer is read up to ``max_reply`` bytes (``PROBING_MAX_REPLY_MB``,
+default 256 MiB) and all of them together up to ``max_total`` (four times
+that): a peer sending more is cut off and named missing with the reason,
+rather than growing the asker's memory without end.
 """
 
 from __future__ import annotations
@@ -16,6 +21,15 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass, field
+
+
+def reply_limit() -> int:
+    """Bytes one peer's answer may take: ``PROBING_MAX_REPLY_MB`` (default 256)."""
+    try:
+        mb = float(os.environ.get("PROBING_MAX_REPLY_MB", "") or 256)
+    except ValueError:
+        mb = 256.0
+    return int(max(mb, 0.001) * (1 << 20))
 
 
 @dataclass
@@ -36,6 +50,7 @@ class _Call:
     t0: int
     connected: bool = False
     chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
 
 
 def reason(err: OSError) -> str:
@@ -77,8 +92,13 @@ class Exchange:
     Reply, the reason it has none (``refused``, ``connection closed``, ...), or
     None when the deadline passed first."""
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(
+        self, deadline: float, max_reply: int | None = None, max_total: int | None = None
+    ) -> None:
         self.deadline = deadline  # time.monotonic()
+        self.max_reply = max_reply if max_reply is not None else reply_limit()
+        self.max_total = max_total if max_total is not None else 4 * self.max_reply
+        self._total = 0
         self.results: list[Reply | str | None] = []
         self._sel: selectors.BaseSelector | None = None  # made by the first add
         self._resolved: dict[str, tuple[socket.AddressFamily, tuple]] = {}
@@ -140,6 +160,11 @@ class Exchange:
         call.sock.close()
         self.results[call.index] = result
 
+    def _cut(self, sel: selectors.BaseSelector, call: _Call, why: str) -> None:
+        self._total -= call.size
+        call.chunks = []
+        self._finish(sel, call, f"{why} (PROBING_MAX_REPLY_MB raises the limit)")
+
     def _step(self, sel: selectors.BaseSelector, call: _Call) -> None:
         try:
             if call.out is not None:
@@ -161,6 +186,12 @@ class Exchange:
             return
         if chunk:
             call.chunks.append(chunk)
+            call.size += len(chunk)
+            self._total += len(chunk)
+            if call.size > self.max_reply:
+                self._cut(sel, call, f"answer over {self.max_reply >> 20} MiB")
+            elif self._total > self.max_total:
+                self._cut(sel, call, f"answers over {self.max_total >> 20} MiB in all")
             return
         t3 = time.time_ns()
         try:

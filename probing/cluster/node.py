@@ -41,6 +41,8 @@ TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
 # process in a job; several in the benchmark): more at once only adds
 # thread and allocator contention to the same CPU work.
 _RUNNING = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
+MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds them anyway)
+MAX_GATHER_S = 300.0  # the longest a gather request may ask me to wait for its members
 
 
 @dataclass
@@ -518,14 +520,44 @@ class ClusterNode:
             and len({_node_key(p) for p in others}) > 1
         )
 
+    def _known_members(self, refs: list[Any]) -> tuple[list[PeerInfo], list[MissingPeer]]:
+        """The members a gather request names, as my own discovery knows them.
+
+        A request names members by rank only: where to connect (and so whom
+        to send the job's token) comes from my registry (the TCPStore or
+        PROBING_PEERS), never from the request. A rank I do not know, after
+        one look at the store, is answered missing; myself and repeats are
+        dropped, so the fan-out is at most the job's size.
+        """
+        ranks: list[int] = []
+        for ref in refs[:MAX_MEMBERS]:
+            try:
+                rank = int(ref["rank"] if isinstance(ref, dict) else ref)
+            except (KeyError, TypeError, ValueError):
+                continue
+            if rank != self.rank and rank not in ranks:
+                ranks.append(rank)
+        known = {p.rank: p for p in self.registry.peers()}
+        if any(r not in known for r in ranks) and self.directory is not None:
+            self.refresh(budget=1.0)
+            known = {p.rank: p for p in self.registry.peers()}
+        members = [known[r] for r in ranks if r in known]
+        unknown = [
+            MissingPeer(r, "?", "", "not among the peers this probe discovered")
+            for r in ranks
+            if r not in known
+        ]
+        return members, unknown
+
     def answer_gather(self, payload: dict[str, Any], t_recv_ns: int) -> bytes:
         """POST /cluster/gather: my share, plus my members' when I gather for someone."""
         from probing.cluster import plan as planner
 
         work = payload["work"]
-        members = [PeerInfo(**m) for m in payload.get("members") or []]
-        timeout = float(payload.get("timeout", 5.0))
+        members, unknown = self._known_members(payload.get("members") or [])
+        timeout = min(max(float(payload.get("timeout", 5.0)), 0.0), MAX_GATHER_S)
         got = self.gather(work, members, timeout, "flat")
+        got.missing.extend(unknown)
         tables = got.merged()
         if work["mode"] == "agg_node":
             refs = list(work["scans"]) or []
