@@ -11,8 +11,9 @@ Two kinds of tables, as in the seed design:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -28,6 +29,16 @@ Resolver = Callable[[str], TableData | None]
 
 
 _code = threading.local()
+_snapshots = threading.local()  # .stack: this thread's queries, innermost last
+
+Prepared = dict[tuple[str, str], Table]
+
+
+def current_snapshots() -> Prepared:
+    """The prepared tables of the query being planned on this thread (the
+    innermost one when a table's producer runs a query of its own)."""
+    stack = getattr(_snapshots, "stack", None)
+    return stack[-1] if stack else {}
 
 
 def code_allowed() -> bool:
@@ -118,12 +129,10 @@ class ProbeSchema(SchemaProvider):
         self,
         name: str,
         store: Store | None = None,
-        prepared: dict[tuple[str, str], Table] | None = None,
         ctx: Callable[[], SessionContext | None] = lambda: None,
     ) -> None:
         self.name = name
         self._store = store
-        self._prepared = prepared if prepared is not None else {}
         self._ctx = ctx
         self._producers: dict[str, Producer] = {}
         self._views: set[str] = set()
@@ -161,9 +170,9 @@ class ProbeSchema(SchemaProvider):
         if producer is not None:
             return as_table(producer(), self._ctx())
         if name in self._views:
-            return self._prepared.get((self.name, name))
+            return current_snapshots().get((self.name, name))
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:
-            prepared = self._prepared.get((self.name, name))
+            prepared = current_snapshots().get((self.name, name))
             return prepared if prepared is not None else Table(snapshot_dataset(tbl.snapshot()))
         if self._resolver is not None and not code_allowed():
             raise PermissionError(
@@ -183,7 +192,6 @@ class ProbeCatalog(CatalogProvider):
     def __init__(self, store: Store) -> None:
         self._store = store
         self._schemas: dict[str, ProbeSchema] = {}
-        self._prepared: dict[tuple[str, str], Table] = {}
         self._views: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self.ctx: SessionContext | None = None  # set by the Engine that owns it
@@ -193,12 +201,16 @@ class ProbeCatalog(CatalogProvider):
         with self._lock:
             self._views[(schema, name)] = sql
 
-    def prepare(self, ctx: SessionContext, sql: str) -> None:
-        """Snapshot the store tables ``sql`` may read, as native scans.
+    @contextlib.contextmanager
+    def snapshot(self, ctx: SessionContext, sql: str) -> Iterator[Prepared]:
+        """Snapshot the store tables ``sql`` may read, as native scans, for
+        this query alone while it is planned on this thread.
 
-        Called before planning (outside DataFusion's runtime). Tables whose
-        name does not appear in the text are still answered, through the
-        slower pyarrow path. Each snapshot is consistent on its own.
+        Taken before planning (outside DataFusion's runtime). Every query
+        has its own: a concurrent query on another thread, or one that a
+        table's producer runs inside this one, never sees or drops it.
+        Tables whose name does not appear in the text are still answered,
+        through the slower pyarrow path. Each snapshot is consistent on its own.
         """
         text = sql.lower()
         everything = "information_schema" in text or "show" in text
@@ -210,26 +222,27 @@ class ProbeCatalog(CatalogProvider):
             if everything or name.lower() in text:
                 named_views.append(((schema, name), view_sql))
                 text += "\n" + view_sql.lower()
-        fresh = {}
+        mine: Prepared = {}
         for tbl in self._store.tables():
             if everything or tbl.name.lower() in text:
-                fresh[(tbl.schema_name, tbl.name)] = Table(snapshot_frame(ctx, tbl.snapshot()))
-        self._prepared.update(fresh)
-        for key, view_sql in named_views:  # planned over the snapshots just taken
-            fresh[key] = Table(ctx.sql(view_sql))
-        # an older snapshot must never answer a later query: drop what was not renewed
-        for key in set(self._prepared) - set(fresh):
-            self._prepared.pop(key, None)
-        self._prepared.update(fresh)
+                mine[(tbl.schema_name, tbl.name)] = Table(snapshot_frame(ctx, tbl.snapshot()))
+        stack = getattr(_snapshots, "stack", None)
+        if stack is None:
+            stack = _snapshots.stack = []
+        stack.append(mine)
+        try:
+            for key, view_sql in named_views:  # planned over the snapshots just taken
+                mine[key] = Table(ctx.sql(view_sql))
+            yield mine
+        finally:
+            stack.pop()
 
     def schema_for(self, name: str) -> ProbeSchema:
         """The schema ``name``, created (backed by the store) on first use."""
         with self._lock:
             sch = self._schemas.get(name)
             if sch is None:
-                sch = self._schemas[name] = ProbeSchema(
-                    name, self._store, self._prepared, lambda: self.ctx
-                )
+                sch = self._schemas[name] = ProbeSchema(name, self._store, lambda: self.ctx)
             return sch
 
     def schema_names(self) -> set[str]:

@@ -77,11 +77,11 @@ class Engine:
     def _sql(self, query: str, read_only: bool) -> pa.Table:
         for attempt in (1, 2):
             try:
-                self.catalog.prepare(self.ctx, query)
-                if read_only:
-                    df = self.ctx.sql_with_options(query, READ_ONLY)
-                else:
-                    df = self.ctx.sql(query)
+                with self.catalog.snapshot(self.ctx, query):
+                    if read_only:
+                        df = self.ctx.sql_with_options(query, READ_ONLY)
+                    else:
+                        df = self.ctx.sql(query)
                 return df.to_arrow_table()
             except Exception as err:  # datafusion raises plain Exception subclasses
                 msg = _clean(str(err))
