@@ -1,0 +1,122 @@
+"""A host process that measures its own main-loop stalls, for attack tests and
+``benchmarks/attack_bench.py``.
+
+Run as a script (``python tests/stall_host.py``, with ``PROBING=1``), its main
+thread spins in a tight Python loop timestamping every turn. ``SIGUSR1``
+makes it print one JSON line: the longest gap between two turns since the
+last report (``stall_ms``), its RSS, and whether it could still open 16 file
+descriptors (``open_ok``). ``SIGUSR2`` makes it take every free file
+descriptor (``exhaust``), and the next ``SIGUSR2`` gives them back.
+``STALL_NOFILE=N`` sets its ``RLIMIT_NOFILE`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+
+SCRIPT = os.path.abspath(__file__)
+
+
+def _host() -> None:
+    import resource
+
+    nofile = os.environ.get("STALL_NOFILE")
+    if nofile:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (int(nofile), int(nofile)))
+    state = {"max_gap": 0.0, "held": []}
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+    def open_ok() -> bool:
+        fds = []
+        try:
+            for _ in range(16):
+                fds.append(os.open(os.devnull, os.O_RDONLY))
+            return True
+        except OSError:
+            return False
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def report(signum: int, frame: object) -> None:
+        line = {
+            "stall_ms": round(state["max_gap"] * 1e3, 3),
+            "rss_mb": round(rss_mb(), 1),
+            "open_ok": open_ok() if not state["held"] else None,
+            "held": len(state["held"]),
+        }
+        print(json.dumps(line), flush=True)
+        state["max_gap"] = 0.0
+
+    def exhaust(signum: int, frame: object) -> None:
+        held = state["held"]
+        if held:
+            for fd in held:
+                os.close(fd)
+            held.clear()
+        else:
+            try:
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+        print(json.dumps({"held": len(held)}), flush=True)
+
+    signal.signal(signal.SIGUSR1, report)
+    signal.signal(signal.SIGUSR2, exhaust)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    clock = time.perf_counter
+    last = clock()
+    while True:
+        now = clock()
+        if now - last > state["max_gap"]:
+            state["max_gap"] = now - last
+        last = now
+
+
+class StallHost:
+    """Drives a running ``stall_host`` process from the test (or benchmark)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        first = self._line(30)
+        assert "ready" in first, first
+        self.report()  # start-up (imports, the probe's start) is not the attack
+
+    def _line(self, timeout: float) -> dict:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], deadline - time.monotonic())
+            if r:
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise AssertionError(f"host exited: {self.proc.wait()}")
+                return json.loads(line)
+        raise AssertionError("the host did not answer its signal in time")
+
+    def report(self) -> dict:
+        """Longest stall (ms), RSS and fd headroom since the last report."""
+        os.kill(self.pid, signal.SIGUSR1)
+        return self._line(30)
+
+    def toggle_exhaust(self) -> int:
+        """Take every free descriptor in the host, or give them back; how many it holds."""
+        os.kill(self.pid, signal.SIGUSR2)
+        return self._line(30)["held"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+if __name__ == "__main__":
+    _host()
