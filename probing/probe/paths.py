@@ -20,6 +20,9 @@ import stat
 _SOCK = re.compile(r"^(\d+)\.sock$")
 
 
+_FIX = " (remove it if it is not yours, or point PROBING_RUNTIME_DIR elsewhere)"
+
+
 class UnsafePath(PermissionError):
     """A runtime directory or socket that another user could control."""
 
@@ -61,12 +64,12 @@ def ensure_private_dir(directory: str) -> None:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
         if os.path.islink(directory):
-            raise UnsafePath(f"{directory} is a symbolic link: refusing to follow it") from err
-        raise UnsafePath(f"{directory} is not a directory: {err.strerror}") from err
+            raise UnsafePath(f"{directory} is a symbolic link: not followed{_FIX}") from err
+        raise UnsafePath(f"{directory} is not a directory: {err.strerror}{_FIX}") from err
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
-            raise UnsafePath(f"{directory} belongs to uid {st.st_uid}, not to this user")
+            raise UnsafePath(f"{directory} belongs to uid {st.st_uid}, not to this user{_FIX}")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
     finally:
