@@ -13,21 +13,22 @@ Without torchrun, ``PROBING_PEERS`` lists the addresses: rank = position.
 
 from __future__ import annotations
 
-import datetime
 import json
 import secrets
-import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from probing.cluster.identity import Identity
+from probing.cluster.tcpstore import TCPStoreClient
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 STORE_TIMEOUT_S = 2.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -127,67 +128,59 @@ def static_peers(ident: Identity, self_rank: int, self_pid: int) -> list[PeerInf
     ]
 
 
-def reachable(host: str, port: int, timeout: float) -> bool:
-    """Whether something accepts TCP there: checked before torch's client,
-    which retries and prints C++ tracebacks on the host's stderr when not."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 class StoreDirectory:
-    """The job's TCPStore as a phone book, under ``probing/<run id>/``."""
+    """The job's TCPStore as a phone book, under ``probing/<run id>/``.
+
+    Spoken to with the probe's own client (``tcpstore``), never torch's: the
+    probe's threads must not import torch while the host may be importing it.
+    """
 
     def __init__(self, ident: Identity) -> None:
         assert ident.master is not None
         self.host, self.port = ident.master
         self.prefix = f"probing/{ident.run_id}/"
-        self._store: Any = None
+        self._store: TCPStoreClient | None = None
         self._lock = threading.Lock()
 
-    def _client(self, budget: float = STORE_TIMEOUT_S) -> Any:
+    def _client(self, budget: float = STORE_TIMEOUT_S) -> TCPStoreClient:
         if self._store is None:
-            if not reachable(self.host, self.port, budget):
-                raise OSError(f"no rendezvous store answers at {self.host}:{self.port}")
-            from torch.distributed import TCPStore
-
-            self._store = TCPStore(
-                self.host,
-                self.port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
-                wait_for_workers=False,
-            )
+            self._store = TCPStoreClient(self.host, self.port, timeout=budget)
         return self._store
 
-    def token(self) -> bytes:
-        """The job's token: the first rank's random one (compare-and-set)."""
+    def _call(self, budget: float, op: Callable[[TCPStoreClient], T]) -> T:
+        """``op`` on the store; after any failure the next call reconnects."""
         with self._lock:
-            fresh = secrets.token_hex(16)
-            got = self._client().compare_set(self.prefix + "token", "", fresh)
-            return bytes(got)
+            try:
+                return op(self._client(budget))
+            except OSError:
+                if self._store is not None:
+                    self._store.close()
+                self._store = None
+                raise
 
-    def publish(self, info: PeerInfo) -> None:
+    def token(self, budget: float = STORE_TIMEOUT_S) -> bytes:
+        """The job's token: the first rank's random one (compare-and-set)."""
+        fresh = secrets.token_hex(16).encode()
+        return self._call(budget, lambda s: s.compare_set(self.prefix + "token", b"", fresh))
+
+    def publish(self, info: PeerInfo, budget: float = STORE_TIMEOUT_S) -> None:
         entry = json.dumps(
             {"rank": info.rank, "node": info.node, "addr": info.addr, "pid": info.pid}
         )
-        with self._lock:
-            self._client().append(self.prefix + "peers", (entry + "\n").encode())
+        self._call(budget, lambda s: s.append(self.prefix + "peers", (entry + "\n").encode()))
 
     def read(self, budget: float = STORE_TIMEOUT_S) -> list[PeerInfo]:
         """Every published peer (the latest entry per rank); raises OSError
-        (or torch's error) when the store does not answer."""
+        when the store does not answer."""
         key = self.prefix + "peers"
-        with self._lock:
-            try:
-                store = self._client(budget)
-                raw = bytes(store.get(key)) if store.check([key]) else b""
-            except Exception:
-                self._store = None  # reconnect next time
-                raise
+        raw = self._call(budget, lambda s: s.get(key) if s.check(key) else b"")
         return parse_published(raw)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+            self._store = None
 
 
 def parse_published(raw: bytes) -> list[PeerInfo]:

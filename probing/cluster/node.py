@@ -18,7 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from probing.cluster.discovery import PeerInfo, Registry, StoreDirectory, static_peers
+from probing.cluster.discovery import (
+    STORE_TIMEOUT_S,
+    PeerInfo,
+    Registry,
+    StoreDirectory,
+    static_peers,
+)
 from probing.cluster.exchange import Exchange, Reply, request_bytes
 from probing.cluster.identity import Identity, job_address, split_addr, token_from_env
 from probing.cluster.wire import (
@@ -41,6 +47,20 @@ TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
 # process in a job; several in the benchmark): more at once only adds
 # thread and allocator contention to the same CPU work.
 _RUNNING = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
+# waiting for the job's store: first retry after 50 ms, then doubling up to
+# 0.5 s, so a probe joins within half a second of the store appearing
+JOIN_BACKOFF_S = (0.05, 0.5)
+
+
+def _say(msg: str) -> None:
+    """One line on the host's stderr, never an exception."""
+    try:
+        sys.stderr.write(f"probing: {msg}\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
 MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds them anyway)
 MAX_GATHER_S = 300.0  # the longest a gather request may ask me to wait for its members
 
@@ -95,9 +115,11 @@ class ClusterNode:
         self.addr: str | None = None
         self.registry = Registry()
         self.directory = StoreDirectory(ident) if ident.master and not ident.peers else None
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # set once the first attempt to join is over
         self.error: str | None = None
         self.published = False
+        self._server: Any = None
+        self._join_lock = threading.Lock()
         self._columns: dict[str, list[str]] = {}
         self._rewritten: dict[str, str] = {}  # agg SQL -> what I run over my tagged tables
 
@@ -112,70 +134,99 @@ class ClusterNode:
             "error": self.error,
         }
 
-    # -- start-up -------------------------------------------------------------
+    # -- start-up: joining the job, however late its store comes ---------------
     def start(self, server: Any) -> None:
-        """Bind and publish in the background; the host never waits on the network."""
-        threading.Thread(
-            target=self._setup, args=(server,), name="probing-cluster", daemon=True
-        ).start()
+        """Join in the background; the host never waits on the network."""
+        self._server = server
+        threading.Thread(target=self._join_loop, name="probing-cluster", daemon=True).start()
 
-    def _setup(self, server: Any) -> None:
-        try:
-            self.setup(server)
-        except Exception as err:  # never into the host: say it once and stay local-only
-            self.error = str(err)
+    def _join_loop(self) -> None:
+        """Try to join until it works, with backoff (``JOIN_BACKOFF_S``), then end.
+
+        In an srun/mpirun-style job the store appears only when rank 0 calls
+        ``init_process_group``, seconds or minutes after this probe started:
+        cluster mode waits for it instead of turning off. Once joined, nothing
+        of this runs any more (an idle probe uses no CPU); each cluster query
+        then re-reads the store.
+        """
+        delay, said = JOIN_BACKOFF_S[0], False
+        while True:
             try:
-                print(f"probing: cluster mode off: {err}", file=sys.stderr)
-            except Exception:
-                pass
+                if self.try_join(STORE_TIMEOUT_S):
+                    if said:
+                        _say(f"cluster: joined the job as rank {self.rank} at {self.addr}")
+                    return
+            except Exception as err:  # never into the host: say why, stay local-only
+                self.error = str(err)
+                _say(f"cluster mode off: {err}; this probe answers on its local socket only")
+                return
+            finally:
+                self.ready.set()  # the first attempt is over, whatever it gave
+            if not said:
+                said = True
+                _say(
+                    f"cluster: {self.error}; this probe keeps trying in the background "
+                    "and joins when the job's store answers (local queries work meanwhile)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, JOIN_BACKOFF_S[1])
 
     def setup(self, server: Any) -> None:
-        """Token, TCP listener, rank, publication (blocking; tests call it directly)."""
+        """Join now (blocking; tests and the benchmark call it directly)."""
+        self._server = server
         try:
-            self._setup_blocking(server)
+            if not self.try_join(STORE_TIMEOUT_S):
+                raise ProbingError(self.error or "cannot join the job")
         finally:
             self.ready.set()
 
-    def _setup_blocking(self, server: Any) -> None:
+    def try_join(self, budget: float) -> bool:
+        """One attempt at each step not done yet: token, TCP port, publication.
+
+        Returns whether this probe is in the job now; False (and ``error``
+        says why) while the store does not answer. Raises ``ProbingError``
+        when it never will (no token, no listed address to bind).
+        """
+        with self._join_lock:
+            if self.published:
+                return True
+            try:
+                self._join_steps(budget)
+            except OSError as err:  # the store is not there (yet): try again later
+                self.error = f"rendezvous store: {err}"
+                return False
+            self.error = None
+            return True
+
+    def _join_steps(self, budget: float) -> None:
         ident = self.ident
         if self.token is None:
             self.token = token_from_env()
         if self.token is None and self.directory is not None:
-            self.token = self.directory.token()
+            self.token = self.directory.token(budget)
         if not self.token:
             raise ProbingError(
                 "no token for the peer port", hint="set PROBING_TOKEN (the same for every peer)"
             )
         if ident.peers:
-            self._listen_listed(server)
+            self._listen_listed(self._server)
             for info in static_peers(ident, self.rank, self.pid):
                 self.registry.upsert(info)
-            return
-        host = os.environ.get("PROBING_HOST") or job_address(ident.master)
-        bound = server.listen_tcp(host, ident.port, self.token)
-        self.addr = f"{bound[0]}:{bound[1]}"
-        me = PeerInfo(
-            self.rank, ident.node, self.addr, self.pid, "torchrun", time.time_ns(), "self"
-        )
-        self.registry.upsert(me)
-        self._publish()
-        self.refresh()  # whoever published before me
-
-    def _publish(self) -> None:
-        """Append my address to the store; when it does not answer, the next
-        cluster query I ask tries again (the port stays open meanwhile)."""
-        me = next((p for p in self.registry.peers() if p.rank == self.rank), None)
-        if self.directory is None or me is None:
-            return
-        try:
-            self.directory.publish(me)
             self.published = True
-        except Exception as err:
-            self.error = f"not published: rendezvous store: {err}"
-            try:
-                print(f"probing: cluster: {self.error}", file=sys.stderr)
-            except Exception:
-                pass
+            return
+        if self.addr is None:
+            host = os.environ.get("PROBING_HOST") or job_address(ident.master)
+            bound = self._server.listen_tcp(host, ident.port, self.token)
+            self.addr = f"{bound[0]}:{bound[1]}"
+            me = PeerInfo(
+                self.rank, ident.node, self.addr, self.pid, "torchrun", time.time_ns(), "self"
+            )
+            self.registry.upsert(me)
+        if self.directory is not None:
+            me = next(p for p in self.registry.peers() if p.rank == self.rank)
+            self.directory.publish(me, budget)
+        self.published = True
+        self._read_store(budget)  # whoever published before me
 
     def _listen_listed(self, server: Any) -> None:
         """Bind my entry of PROBING_PEERS: ``RANK``'s, else the first I can bind."""
@@ -195,16 +246,26 @@ class ClusterNode:
 
     # -- discovery ------------------------------------------------------------
     def refresh(self, budget: float = 2.0) -> None:
-        """Re-read the store (within ``budget`` s); keep what was known when it is gone."""
+        """Join if not yet, and re-read the store (within ``budget`` s); when it
+        is gone, what was known stays."""
         if self.directory is None:
             return
         if not self.published:
-            self._publish()
+            try:
+                if not self.try_join(budget):
+                    return
+            except ProbingError:
+                return
+        self._read_store(budget)
+
+    def _read_store(self, budget: float) -> None:
+        if self.directory is None:
+            return
         try:
             for info in self.directory.read(budget):
                 if info.rank != self.rank:
                     self.registry.upsert(info)
-        except Exception as err:
+        except OSError as err:
             self.error = f"rendezvous store: {err}"
 
     def others(self) -> list[PeerInfo]:

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from probing.errors import EvalError, PeerUnreachable, ProbingError, QueryError
+from probing.probe.imports import settle
 from probing.probe.runtime import quick_gil_handoff
 from probing.probe.server import Request, Response
 
@@ -243,6 +244,7 @@ def make_app(probe: Probe):  # type: ignore[no-untyped-def]
             return Response.error(
                 403, f"{req.method} {req.path} is served on the local socket only", "AccessDenied"
             )
+        settle()  # what the route imports, the host is not importing now
         try:
             with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
                 return route(probe, req)

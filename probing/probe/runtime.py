@@ -12,6 +12,7 @@ from typing import Any
 
 from probing import __version__
 from probing.probe import paths
+from probing.probe.imports import settle
 from probing.probe.server import UnixHTTPServer
 
 
@@ -90,6 +91,7 @@ class Probe:
 
 def _start_nvml(interval: str) -> None:
     try:
+        settle()  # NVML and pyarrow load only once the host imports nothing
         from probing.tables import nvml
 
         nvml.sampler().start(nvml.parse_interval(interval))
