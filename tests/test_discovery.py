@@ -1,0 +1,198 @@
+"""Discovery without torch, and a probe that comes before the job's store (issue 20)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from probing.cluster.discovery import StoreDirectory
+from probing.cluster.identity import Identity
+from probing.cluster.node import ClusterNode
+from probing.cluster.tcpstore import StoreError, TCPStoreClient
+from probing.probe import imports
+from probing.probe.server import UnixHTTPServer
+
+dist = pytest.importorskip("torch.distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _master(port: int, libuv: bool = True):  # type: ignore[no-untyped-def]
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        1,
+        True,
+        timeout=datetime.timedelta(seconds=10),
+        wait_for_workers=False,
+        use_libuv=libuv,
+    )
+
+
+@pytest.mark.parametrize("libuv", [True, False], ids=["libuv", "legacy"])
+def test_client_speaks_both_torch_servers(libuv: bool) -> None:
+    master = _master(0, libuv)
+    with TCPStoreClient("127.0.0.1", master.port) as c:
+        assert not c.check("probing/r/peers")
+        assert c.compare_set("probing/r/token", b"", b"first") == b"first"
+        assert c.compare_set("probing/r/token", b"", b"second") == b"first"  # first one wins
+        c.append("probing/r/peers", b"a\n")
+        c.append("probing/r/peers", b"b\n")
+        assert c.check("probing/r/peers")
+        assert c.get("probing/r/peers") == b"a\nb\n"
+        c.set("probing/r/x", b"1")
+        # the same keys torch's own client reads and writes
+        assert master.get("probing/r/peers") == b"a\nb\n"
+        master.set("probing/r/y", b"from torch")
+        assert c.get("probing/r/y") == b"from torch"
+
+
+def test_client_errors_are_oserrors() -> None:
+    with pytest.raises(StoreError, match="no rendezvous store answers"):
+        TCPStoreClient("127.0.0.1", _free_port(), timeout=0.5)
+    # something that accepts and closes: not a store
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    threading.Thread(target=lambda: srv.accept()[0].close(), daemon=True).start()
+    with pytest.raises(OSError):
+        with TCPStoreClient("127.0.0.1", port, timeout=2) as c:
+            c.check("k")
+    srv.close()
+
+
+def _ident(rank: int, port: int) -> Identity:
+    return Identity(
+        rank=rank,
+        world_size=2,
+        local_rank=rank,
+        node="n",
+        group_rank=0,
+        master=("127.0.0.1", port),
+        run_id="late",
+        peers=(),
+        port=0,
+    )
+
+
+def test_probes_before_the_store_join_when_it_appears(tmp_path: Path) -> None:
+    """The srun/mpirun way: rank 0's init_process_group hosts the store,
+    seconds after every probe started. Nobody gives up; both join."""
+    port = _free_port()
+    servers = [UnixHTTPServer(str(tmp_path / f"{r}.sock"), lambda req: None) for r in (0, 1)]
+    nodes = [ClusterNode(_ident(r, port), lambda: None) for r in (0, 1)]
+    for srv, node in zip(servers, nodes):
+        srv.start()
+        node.start(srv)
+    try:
+        for node in nodes:
+            assert node.ready.wait(10)
+            assert not node.published and "rendezvous store" in (node.error or "")
+        time.sleep(0.3)  # the probes keep trying meanwhile
+        master = _master(port)
+        t0 = time.monotonic()
+        deadline = t0 + 10
+        while not all(n.published for n in nodes) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        joined_s = time.monotonic() - t0
+        assert all(n.published for n in nodes), [n.error for n in nodes]
+        assert joined_s < 5, joined_s  # the backoff is capped at 0.5 s
+        assert nodes[0].token == nodes[1].token  # one token for the job
+        nodes[0].refresh()
+        assert {p.rank for p in nodes[0].registry.peers()} == {0, 1}
+        got = StoreDirectory(_ident(0, port)).read()
+        assert sorted(p.rank for p in got) == [0, 1]
+        del master
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+def test_a_query_joins_at_once_when_the_store_is_there(tmp_path: Path) -> None:
+    """A cluster query does not wait for the background's next try."""
+    port = _free_port()
+    srv = UnixHTTPServer(str(tmp_path / "q.sock"), lambda req: None)
+    srv.start()
+    node = ClusterNode(_ident(1, port), lambda: None)
+    node._server = srv
+    try:
+        assert not node.try_join(0.5)
+        master = _master(port)
+        node.refresh(budget=2.0)
+        assert node.published and node.addr
+        assert [p.rank for p in StoreDirectory(_ident(0, port)).read()] == [1]
+        del master
+    finally:
+        srv.stop()
+
+
+def test_settle_waits_for_the_host_to_finish_importing(tmp_path: Path) -> None:
+    """A probe thread never imports while the host is half-way through an import."""
+    release, inside = threading.Event(), threading.Event()
+    mod = tmp_path / "slow_host_module.py"
+    mod.write_text(
+        "import builtins\nbuiltins._probing_inside.set()\nbuiltins._probing_release.wait(30)\n"
+    )
+    import builtins
+
+    builtins._probing_inside, builtins._probing_release = inside, release  # type: ignore[attr-defined]
+    sys.path.insert(0, str(tmp_path))
+    host = threading.Thread(target=__import__, args=("slow_host_module",))
+    host.start()
+    try:
+        assert inside.wait(10)
+        assert "slow_host_module" in imports.importing()
+        settled: list[list[str]] = []
+        probe = threading.Thread(target=lambda: settled.append(imports.settle(20)))
+        probe.start()
+        time.sleep(0.2)
+        assert not settled  # still waiting: the host is importing
+        release.set()
+        probe.join(20)
+        assert settled == [[]]  # it returned once the import finished, not at the timeout
+        assert "slow_host_module" not in imports.importing()
+    finally:
+        release.set()
+        host.join(10)
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("slow_host_module", None)
+        del builtins._probing_inside, builtins._probing_release  # type: ignore[attr-defined]
+
+
+def test_settle_gives_up_on_a_host_that_runs_inside_an_import(tmp_path: Path) -> None:
+    release, inside = threading.Event(), threading.Event()
+    (tmp_path / "forever_module.py").write_text(
+        "import builtins\nbuiltins._probing_inside2.set()\nbuiltins._probing_release2.wait(30)\n"
+    )
+    import builtins
+
+    builtins._probing_inside2, builtins._probing_release2 = inside, release  # type: ignore[attr-defined]
+    sys.path.insert(0, str(tmp_path))
+    host = threading.Thread(target=__import__, args=("forever_module",))
+    host.start()
+    out: list[list[str]] = []
+    try:
+        assert inside.wait(10)
+        probe = threading.Thread(target=lambda: out.append(imports.settle(0.3)))
+        probe.start()
+        probe.join(10)
+        assert out == [["forever_module"]]
+        assert "forever_module" not in imports.importing()  # from now on ignored
+    finally:
+        release.set()
+        host.join(10)
+        imports._stuck.discard("forever_module")
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("forever_module", None)
+        del builtins._probing_inside2, builtins._probing_release2  # type: ignore[attr-defined]
