@@ -92,7 +92,7 @@ def test_probes_before_the_store_join_when_it_appears(tmp_path: Path) -> None:
     port = _free_port()
     servers = [UnixHTTPServer(str(tmp_path / f"{r}.sock"), lambda req: None) for r in (0, 1)]
     nodes = [ClusterNode(_ident(r, port), lambda: None) for r in (0, 1)]
-    for srv, node in zip(servers, nodes):
+    for srv, node in zip(servers, nodes, strict=True):
         srv.start()
         node.start(srv)
     try:
