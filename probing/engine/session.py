@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pyarrow as pa
-from datafusion import SessionConfig, SessionContext, SQLOptions
+from collections.abc import Callable
 
+import pyarrow as pa
+from datafusion import RuntimeEnvBuilder, SessionConfig, SessionContext, SQLOptions
+
+from probing.engine import run
+from probing.engine.limits import LimitExceeded, Limits, check_sql
 from probing.engine.providers import (
     ProbeCatalog,
     ProbeSchema,
@@ -28,8 +32,15 @@ class Engine:
     ``information_schema.columns`` work.
     """
 
-    def __init__(self, store: Store | None = None, *, target_partitions: int = 2) -> None:
+    def __init__(
+        self,
+        store: Store | None = None,
+        *,
+        target_partitions: int = 2,
+        limits: Limits | None = None,
+    ) -> None:
         self.store = store or default_store()
+        self.limits = limits or Limits.from_env()
         self.catalog = ProbeCatalog(self.store)
         config = (
             SessionConfig()
@@ -37,7 +48,7 @@ class Engine:
             .with_information_schema(True)
             .with_target_partitions(target_partitions)
         )
-        self.ctx = SessionContext(config)
+        self.ctx = SessionContext(config, runtime_env(self.limits))
         self.ctx.register_catalog_provider(CATALOG, self.catalog)
         self.catalog.ctx = self.ctx
         # Chunk directories change between queries: never reuse a file
@@ -60,19 +71,34 @@ class Engine:
         """Resolve unknown names in ``schema`` on demand (dynamic tables)."""
         self.schema(schema).set_resolver(resolver)
 
-    def sql(self, query: str, *, read_only: bool = True, allow_code: bool = True) -> pa.Table:
+    def sql(
+        self,
+        query: str,
+        *,
+        read_only: bool = True,
+        allow_code: bool = True,
+        gone: Callable[[], bool] | None = None,
+    ) -> pa.Table:
         """Run one query; raise ``QueryError`` with the engine's message.
 
         ``allow_code=False`` refuses tables that evaluate Python
-        (``python.`expr```): what a peer asking over TCP gets.
+        (``python.`expr```): what a peer asking over TCP gets. The query is
+        checked against ``self.limits`` before planning and runs on a query
+        thread (``probing.engine.run``) under a time limit; ``gone()`` true
+        (the client hung up) cancels it too. Over a limit: ``LimitExceeded``.
         """
         if not query or not query.strip():
             raise QueryError("empty query")
-        old = set_code_allowed(allow_code)
-        try:
-            return self._sql(query, read_only)
-        finally:
-            set_code_allowed(old)
+        check_sql(query, self.limits)
+
+        def job() -> pa.Table:
+            old = set_code_allowed(allow_code)
+            try:
+                return self._sql(query, read_only)
+            finally:
+                set_code_allowed(old)
+
+        return run.threads().run(job, timeout_s=self.limits.timeout_s, gone=gone)
 
     def _sql(self, query: str, read_only: bool) -> pa.Table:
         for attempt in (1, 2):
@@ -82,14 +108,33 @@ class Engine:
                         df = self.ctx.sql_with_options(query, READ_ONLY)
                     else:
                         df = self.ctx.sql(query)
-                return df.to_arrow_table()
+                return run.collect(df, self.limits)
+            except QueryError:
+                raise
             except Exception as err:  # datafusion raises plain Exception subclasses
                 msg = _clean(str(err))
+                if "Resources exhausted" in msg:
+                    raise memory_exceeded(msg, self.limits) from err
                 # retention removed a chunk between snapshot and scan: once more
                 if attempt == 1 and "No such file" in msg:
                     continue
                 raise QueryError(msg) from err
         raise AssertionError("unreachable")
+
+
+def runtime_env(limits: Limits) -> RuntimeEnvBuilder:
+    """DataFusion's memory pool of ``limits.memory`` bytes. Nothing spills to
+    disk: a query over the pool fails rather than fill the host's /tmp."""
+    return RuntimeEnvBuilder().with_disk_manager_disabled().with_greedy_memory_pool(limits.memory)
+
+
+def memory_exceeded(msg: str, limits: Limits) -> LimitExceeded:
+    return LimitExceeded(
+        f"the query needs more than the probe's {limits.memory >> 20} MiB of working memory "
+        f"({msg.splitlines()[0][:200]}); aggregate or filter more, or add a LIMIT",
+        setting="PROBING_QUERY_MEMORY_MB",
+        limit=limits.memory >> 20,
+    )
 
 
 def _clean(msg: str) -> str:
