@@ -30,7 +30,9 @@ from datafusion import SessionConfig, SessionContext
 from datafusion.catalog import Catalog, Schema, Table
 from datafusion.unparser import Dialect, Unparser
 
-from probing.engine.session import READ_ONLY
+from probing.engine import run
+from probing.engine.limits import Limits, check_sql
+from probing.engine.session import READ_ONLY, memory_exceeded, runtime_env
 from probing.errors import QueryError
 
 TAGS = (("node", pa.string()), ("rank", pa.int64()))
@@ -159,7 +161,8 @@ def planning_context(
     ctx = SessionContext(
         SessionConfig()
         .with_default_catalog_and_schema("probing", "probing")
-        .with_target_partitions(2)
+        .with_target_partitions(2),
+        runtime_env(Limits.from_env()),
     )
     catalog = Catalog.memory_catalog()
     ctx.register_catalog_provider("probing", catalog)
@@ -187,12 +190,24 @@ def _message(err: Exception) -> str:
 
 
 def run_final(sql: str, tables: dict[str, pa.Table | pa.Schema]) -> pa.Table:
-    """Run read-only ``sql`` in a fresh session over ``tables``."""
-    ctx = planning_context(tables, execute=True)
-    try:
-        return ctx.sql_with_options(sql, READ_ONLY).to_arrow_table()
-    except Exception as err:  # datafusion raises plain Exception subclasses
-        raise QueryError(_message(err)) from err
+    """Run read-only ``sql`` in a fresh session over ``tables``, under the
+    probe's limits (``probing.engine.limits``), on a query thread."""
+    limits = Limits.from_env()
+    check_sql(sql, limits)
+
+    def job() -> pa.Table:
+        ctx = planning_context(tables, execute=True)
+        try:
+            return run.collect(ctx.sql_with_options(sql, READ_ONLY), limits)
+        except QueryError:
+            raise
+        except Exception as err:  # datafusion raises plain Exception subclasses
+            msg = _message(err)
+            if "Resources exhausted" in msg:
+                raise memory_exceeded(msg, limits) from err
+            raise QueryError(msg) from err
+
+    return run.threads().run(job, timeout_s=limits.timeout_s)
 
 
 # shapes the peers cannot finish on their own (OFFSET: each would skip its own first rows)
@@ -292,6 +307,7 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
     """The plan for ``sql``; ``schemas`` maps each table the query names to its
     tagged schema (None when the asker does not know it: every column is
     fetched). ``known_schemas`` are the SQL schema names (``comm``, ...)."""
+    check_sql(sql)  # before any planning: DataFusion recurses per operator
     refs = table_refs(sql, known_schemas)
     if not refs:
         raise QueryError(
@@ -329,6 +345,7 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
 
 def plan_scan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]) -> Plan:
     """The ``scan`` plan whatever the query's shape."""
+    check_sql(sql)
     names = sorted({r.name for r in table_refs(sql, known_schemas)})
     return _scan_plan(sql, names, schemas)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from probing.errors import EvalError, PeerUnreachable, ProbingError, QueryError
@@ -36,17 +37,72 @@ def _sql_request(req: Request) -> tuple[str, str]:
     return sql, fmt
 
 
-def encode(table: object, fmt: str) -> Response:
+# values (rows x columns) encoded per step: the GIL is held for one step at
+# a time (a few ms), so the host's threads never wait long for it
+ENCODE_VALUES = 20_000
+
+
+def _steps(table: object) -> Iterator[object]:
+    import pyarrow as pa
+
+    assert isinstance(table, pa.Table)
+    rows = max(1, ENCODE_VALUES // max(1, table.num_columns))
+    yield from table.to_batches(max_chunksize=rows)
+
+
+def _over(what: str, size: int, limit: int) -> ProbingError:
+    from probing.engine.limits import LimitExceeded  # the engine loads on the first query
+
+    return LimitExceeded(
+        f"the result as {what} is over the limit of {limit >> 20} MiB (at {size >> 20} MiB); "
+        "ask for fewer rows, or for format arrow (compact)",
+        setting="PROBING_QUERY_MAX_RESULT_MB",
+        limit=limit >> 20,
+    )
+
+
+def _result_limit() -> int:
+    from probing.engine.limits import Limits
+
+    return Limits.from_env().result_bytes
+
+
+def json_rows(table: object, limit: int) -> bytes:
+    """``table`` as a JSON array of row objects, encoded a bounded step at a
+    time; over ``limit`` bytes it stops with ``LimitExceeded``."""
+    parts: list[bytes] = []
+    size = 0
+    for batch in _steps(table):
+        rows = batch.to_pylist()  # type: ignore[attr-defined]
+        if not rows:
+            continue
+        text = json.dumps(rows, default=str).encode()[1:-1]
+        size += len(text) + 1
+        if size > limit:
+            raise _over("JSON", size, limit)
+        parts.append(text)
+    return b"[" + b",".join(parts) + b"]"
+
+
+def encode(table: object, fmt: str, limit: int | None = None) -> Response:
+    """``table`` in ``fmt`` (arrow, json, csv), at most ``limit`` bytes
+    (``PROBING_QUERY_MAX_RESULT_MB`` when None)."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.ipc as ipc
 
     assert isinstance(table, pa.Table)
+    if limit is None:
+        limit = _result_limit()
     if fmt == "json":
-        return Response.json(table.to_pylist())
+        return Response(200, "application/json", json_rows(table, limit))
     sink = pa.BufferOutputStream()
     if fmt == "csv":
-        pacsv.write_csv(table, sink)
+        with pacsv.CSVWriter(sink, table.schema) as writer:
+            for batch in _steps(table):
+                writer.write_batch(batch)  # type: ignore[arg-type]
+                if sink.tell() > limit:
+                    raise _over("CSV", sink.tell(), limit)
         return Response(200, "text/csv", sink.getvalue().to_pybytes())
     with ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -59,7 +115,7 @@ def health(probe: Probe, req: Request) -> Response:
 
 def query(probe: Probe, req: Request) -> Response:
     sql, fmt = _sql_request(req)
-    resp = encode(probe.engine.sql(sql, allow_code=_code_allowed(req)), fmt)
+    resp = encode(probe.engine.sql(sql, allow_code=_code_allowed(req), gone=req.gone), fmt)
     probe.note_query()
     return resp
 
@@ -185,7 +241,12 @@ def cluster_query(probe: Probe, req: Request) -> Response:
         "plan": {"mode": plan.mode, "pushed": plan.pushed},
     }
     if fmt == "json":
-        return Response.json({"rows": result.to_pylist(), **meta})
+        rows = json_rows(result, _result_limit())
+        return Response(
+            200,
+            "application/json",
+            b'{"rows": ' + rows + b", " + json.dumps(meta, default=str).encode()[1:],
+        )
     return Response(200, CLUSTER_CONTENT_TYPE, pack(meta, {"result": result}, t_recv))
 
 

@@ -62,6 +62,7 @@ class Request(NamedTuple):
     peer_uid: int | None
     remote: str | None = None  # "host:port" of a TCP caller; None on the unix socket
     headers: dict[str, str] | None = None
+    gone: Callable[[], bool] | None = None  # true once the client hung up (cancels its query)
 
 
 class Response(NamedTuple):
@@ -245,12 +246,40 @@ def _refuse(sock: socket.socket, status: int, msg: str, kind: str = "ProbingErro
         pass
 
 
-def answer(app: App, head: Head, body: bytes, peer_uid: int | None, remote: str | None) -> Response:
+def hung_up(sock: socket.socket, tcp: bool) -> bool:
+    """Whether the client closed its end while its request runs.
+
+    A unix socket says so exactly (HUP once the peer closed it, not on a
+    half-close). TCP cannot tell a close from ``shutdown(SHUT_WR)``: its EOF
+    counts as gone, so a TCP client must keep its end open for the answer.
+    """
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        events = poller.poll(0)
+    except (OSError, ValueError):
+        return True  # the socket is gone already
+    mask = events[0][1] if events else 0
+    if mask & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+        return True
+    return tcp and bool(mask & select.POLLRDHUP)
+
+
+def answer(
+    app: App,
+    head: Head,
+    body: bytes,
+    peer_uid: int | None,
+    remote: str | None,
+    gone: Callable[[], bool] | None = None,
+) -> Response:
     """Run ``app`` on one parsed request; every failure becomes an HTTP error."""
     try:
         url = urlsplit(head.target)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        req = Request(head.method, url.path, query, body, peer_uid, remote, head.headers)
+        req = Request(head.method, url.path, query, body, peer_uid, remote, head.headers, gone)
         return app(req)
     except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
         return Response.error(500, f"{type(err).__name__}: {err}")
@@ -690,7 +719,10 @@ class UnixHTTPServer:
         """On a worker thread: answer one request and close its connection."""
         try:
             assert c.head is not None
-            resp = answer(self.app, c.head, body, c.peer_uid, c.remote)
+            tcp = c.remote is not None
+            resp = answer(
+                self.app, c.head, body, c.peer_uid, c.remote, lambda: hung_up(c.sock, tcp)
+            )
             c.sock.settimeout(WRITE_TIMEOUT_S)
             c.sock.sendall(_response_bytes(resp))
         except BaseException:  # noqa: BLE001 - the client went away, or worse: not the host's
