@@ -30,9 +30,12 @@ def _host() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(nofile), int(nofile)))
     state = {"max_gap": 0.0, "held": []}
 
-    def rss_mb() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+    def rss_mb() -> float | None:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+        except OSError:  # out of descriptors: what the attack did, not a reason to die
+            return None
 
     def open_ok() -> bool:
         fds = []
@@ -47,9 +50,10 @@ def _host() -> None:
                 os.close(fd)
 
     def report(signum: int, frame: object) -> None:
+        rss = rss_mb()
         line = {
             "stall_ms": round(state["max_gap"] * 1e3, 3),
-            "rss_mb": round(rss_mb(), 1),
+            "rss_mb": None if rss is None else round(rss, 1),
             "open_ok": open_ok() if not state["held"] else None,
             "held": len(state["held"]),
         }
