@@ -610,7 +610,8 @@ class UnixHTTPServer:
         self._spare = _open_spare()
 
     def _admit(self, lst: _Listener, conn: socket.socket, addr: object) -> None:
-        if conn.fileno() >= _nofile() - fd_reserve(_nofile()):
+        limit = _nofile()
+        if conn.fileno() >= limit - fd_reserve(limit):
             self.stats["refused"] += 1
             _refuse(conn, 503, "the process is near its file-descriptor limit: try again later")
             return
