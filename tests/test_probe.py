@@ -138,7 +138,7 @@ while True: time.sleep(0.05)
 
 
 def test_probe_survives_fork_and_the_child_gets_its_own(spawn) -> None:
-    t = spawn(FORKING_JOB)
+    t = spawn(FORKING_JOB, env={"PROBING_FORK": "child"})
     child = int(t.proc.stdout.readline())
     try:
         sock = t.socket().parent / f"{child}.sock"
@@ -154,7 +154,8 @@ def test_probe_survives_fork_and_the_child_gets_its_own(spawn) -> None:
 
 
 def test_fork_without_child_probe(spawn) -> None:
-    t = spawn(FORKING_JOB, env={"PROBING_FORK": "none"})
+    """The default: a forked child (a DataLoader worker) gets no second probe."""
+    t = spawn(FORKING_JOB)
     child = int(t.proc.stdout.readline())
     try:
         time.sleep(0.5)

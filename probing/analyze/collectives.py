@@ -10,12 +10,14 @@ MADs and a binomial test, so one noisy step raises nothing.
 Comm identity across processes: NCCL rows carry the unique-id hash when the
 communicator's init was traced, the same number in every rank. A Gloo
 context (and an NCCL comm traced only after its init) is a local pointer;
-those communicators are named by backend, size and their order of first
-use in each process (``gloo/n4#0``: the first 4-rank Gloo group), the same
-in every rank of an SPMD job. Sequence numbers count from when tracing
-started in each process, so per process an offset is found that lines its
-calls up with a reference rank's: for synchronous calls (Gloo, durations
-known) the calls' *ends* coincide across ranks, otherwise their arrivals.
+those communicators are named by their torch process group where the
+rank's ``comm.groups`` knows it (``pg``: ``gloo/pg1``, the same name in every
+rank, so two groups of one size never mix), else by backend, size and their
+order of first use in each process (``gloo/n4#0``: the first 4-rank Gloo
+group). Sequence numbers count from when tracing started in each process,
+so per process an offset is found that lines its calls up with a reference
+rank's: for synchronous calls (Gloo, durations known) the calls' *ends*
+coincide across ranks, otherwise their arrivals.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def iso(ns: int) -> str:
 
 def _rows(table: pa.Table) -> list[dict[str, Any]]:
     want = ["backend", "op", "comm", "seq", "comm_rank", "nranks", "bytes", "ts", "dur_ns"]
-    want += ["pid", "node", "rank"]
+    want += ["pid", "node", "rank", "pg"]
     have = [c for c in want if c in table.column_names]
     return table.select(have).to_pylist()
 
@@ -142,7 +144,9 @@ def comm_keys(rows: list[dict[str, Any]]) -> list[str]:
             ordinal[(node, pid, backend, comm)] = i
     keys = []
     for r in rows:
-        if len(procs_of[(r["backend"], r["comm"])]) > 1 and r["comm"] is not None:
+        if r.get("pg") is not None:
+            keys.append(f"{r['backend']}/pg{r['pg']}")
+        elif len(procs_of[(r["backend"], r["comm"])]) > 1 and r["comm"] is not None:
             keys.append(f"{r['backend']}:{int(r['comm']):x}")
         else:
             k = (r.get("node"), r.get("pid"), r["backend"], r["comm"])

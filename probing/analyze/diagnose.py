@@ -22,6 +22,8 @@ COLLECTIVES_SQL = (
     "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
     "pid{tags} FROM comm.collectives WHERE ts >= {since_ns}"
 )
+# each traced Gloo context's torch process group, named the same in every rank
+GROUPS_SQL = "SELECT backend, comm, pg{tags} FROM comm.groups"
 STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
 # torch's own count of collectives issued per process group (no tracing needed)
 COUNTS_EXPR = (
@@ -50,6 +52,7 @@ def queries(remote: bool) -> dict[str, str]:
     return {
         "collectives": COLLECTIVES_SQL.format(comm_rank=comm_rank, **tags),
         "stacks": STACKS_SQL.format(**tags),
+        "groups": GROUPS_SQL.format(**tags),
         "counts": COUNTS_SQL.format(**tags),
         "callsites": CALLSITES_SQL.format(
             tags=", c.rank AS rank" if remote else "",
@@ -361,6 +364,10 @@ def diagnose(
     now = time.time_ns()
     sql = queries(remote=cluster or addr is not None)
     table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
+    try:
+        table = with_groups(table, ask(sql["groups"]))
+    except ProbingError:  # a probe without comm.groups: communicators matched by size
+        pass
     frames = _frames_by_rank(ask(sql["stacks"]))
     states = _states(ask, frames, sql)
     stalled = round(_stalled_s(table, now, pids), 1)
@@ -395,6 +402,20 @@ def diagnose(
             d.callsites = {}
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, table
+
+
+def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
+    """``table`` plus ``pg``: each row's torch process group, where its rank's
+    ``comm.groups`` names one (the cross-rank name of a Gloo context)."""
+    if not table.num_rows or not groups.num_rows or "pg" in table.column_names:
+        return table
+    key_cols = [c for c in ("node", "rank") if c in groups.column_names]
+    names = {
+        (*(g[c] for c in key_cols), g["backend"], g["comm"]): g["pg"] for g in groups.to_pylist()
+    }
+    cols = [table.column(c).to_pylist() for c in (*key_cols, "backend", "comm")]
+    pg = [names.get(k) for k in zip(*cols, strict=True)]
+    return table.append_column("pg", pa.array(pg, pa.string()))
 
 
 def _counts_differ(states: list[hg.RankState]) -> bool:

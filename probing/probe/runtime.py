@@ -169,13 +169,15 @@ def engine() -> Any:
 
 
 def _after_fork_in_child() -> None:
-    """The child never inherits a half-working probe: it gets its own, or none.
+    """The child never inherits a half-working probe: it gets none, or its own.
 
     The parent's server thread does not exist here; its socket belongs to the
-    parent. Drop both, re-create every lock (a lock held by another thread
-    at fork time would stay held forever), then start a fresh probe on the
-    child's own pid unless ``PROBING_FORK=none``. The store handles its own
-    fork (``probing.store.store``).
+    parent. Drop both and re-create every lock (a lock held by another thread
+    at fork time would stay held forever). A forked child (a DataLoader
+    worker, a subprocess before its exec) gets no probe of its own: the
+    parent is the process users trace. ``PROBING_FORK=child`` starts a fresh
+    probe on the child's pid. The store handles its own fork
+    (``probing.store.store``).
     """
     global _probe, _lock, _engine_lock
     _lock = threading.Lock()
@@ -185,7 +187,7 @@ def _after_fork_in_child() -> None:
         if parent is None:
             return
         parent.server.abandon_after_fork()
-        if os.environ.get("PROBING_FORK", "child").lower() == "none":
+        if os.environ.get("PROBING_FORK", "none").strip().lower() != "child":
             return
         # shares the engine (DataFusion survives fork, tables are copied);
         # no cluster mode: the parent is the job's peer for this rank

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from probing.engine import Engine
-from probing.tables import meta, nvml, process, python, stacks, trace
+from probing.tables import groups, meta, nvml, process, python, stacks, trace
 from probing.tables.external import ExternalTable
 
 
@@ -18,6 +18,9 @@ def install(engine: Engine) -> None:
     engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
     trace.install(engine)
+    engine.register_table(
+        "comm", "groups", lambda: groups.groups(groups.traced_gloo_contexts(engine.store))
+    )
     engine.register_table("probing", "peers", _peers)
     from probing import analyze  # after trace: its tables read comm.collectives
 
