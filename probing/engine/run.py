@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -178,13 +179,17 @@ class QueryThreads:
                 job.thread_id = me
                 self._busy += 1
             self._execute(job, me)
+            job = None  # a lingering thread holds no result  # type: ignore[assignment]
 
     def _execute(self, job: _Job[Any], me: int) -> None:
         _local.job = job
         try:
             job.result = job.fn()
         except BaseException as err:  # noqa: BLE001 - handed to the caller
-            job.error = err
+            # its frames would keep the DataFusion stream (and so the query)
+            # alive as long as the error lives: only the lines are kept
+            traceback.clear_frames(err.__traceback__)
+            job.error = None if isinstance(err, Cancelled) else err
         finally:
             # A Cancelled sent just before the query ended may land anywhere
             # here: repeat until the job is marked done under the lock, after
