@@ -67,21 +67,24 @@ def _result_limit() -> int:
     return Limits.from_env().result_bytes
 
 
-def json_rows(table: object, limit: int) -> bytes:
+def json_rows(table: object, limit: int, prefix: bytes = b"") -> bytearray:
     """``table`` as a JSON array of row objects, encoded a bounded step at a
-    time; over ``limit`` bytes it stops with ``LimitExceeded``."""
-    parts: list[bytes] = []
-    size = 0
+    time into one growing buffer (no copy of the whole answer while the GIL
+    is held), after ``prefix``; over ``limit`` bytes it stops with
+    ``LimitExceeded``."""
+    out = bytearray(prefix + b"[")
+    first = len(out)
     for batch in _steps(table):
         rows = batch.to_pylist()  # type: ignore[attr-defined]
         if not rows:
             continue
-        text = json.dumps(rows, default=str).encode()[1:-1]
-        size += len(text) + 1
-        if size > limit:
-            raise _over("JSON", size, limit)
-        parts.append(text)
-    return b"[" + b",".join(parts) + b"]"
+        if len(out) > first:
+            out += b","
+        out += json.dumps(rows, default=str).encode()[1:-1]
+        if len(out) > limit:
+            raise _over("JSON", len(out), limit)
+    out += b"]"
+    return out
 
 
 def encode(table: object, fmt: str, limit: int | None = None) -> Response:
@@ -95,7 +98,7 @@ def encode(table: object, fmt: str, limit: int | None = None) -> Response:
     if limit is None:
         limit = _result_limit()
     if fmt == "json":
-        return Response(200, "application/json", json_rows(table, limit))
+        return Response(200, "application/json", json_rows(table, limit))  # type: ignore[arg-type]
     sink = pa.BufferOutputStream()
     if fmt == "csv":
         with pacsv.CSVWriter(sink, table.schema) as writer:
@@ -241,12 +244,9 @@ def cluster_query(probe: Probe, req: Request) -> Response:
         "plan": {"mode": plan.mode, "pushed": plan.pushed},
     }
     if fmt == "json":
-        rows = json_rows(result, _result_limit())
-        return Response(
-            200,
-            "application/json",
-            b'{"rows": ' + rows + b", " + json.dumps(meta, default=str).encode()[1:],
-        )
+        body = json_rows(result, _result_limit(), prefix=b'{"rows": ')
+        body += b", " + json.dumps(meta, default=str).encode()[1:]
+        return Response(200, "application/json", body)  # type: ignore[arg-type]
     return Response(200, CLUSTER_CONTENT_TYPE, pack(meta, {"result": result}, t_recv))
 
 
