@@ -3,7 +3,9 @@
 Each attack gets a fresh host: ``tests/stall_host.py`` with ``PROBING=1``, a
 main thread spinning in a tight loop that timestamps every turn. For each
 attack: the host's RSS (now and peak) and its longest main-loop stall
-before the attack (a quiet window of ``BENCH_QUIET_S``) and during it, and
+(``stall_ms``; ``held_ms``: the part the probe's threads can have caused,
+at most their CPU time meanwhile) before the attack (a quiet window of
+``BENCH_QUIET_S``) and during it, and
 the outcome: whether the host lived, whether the probe still answered, and
 what the attack got.
 
@@ -413,6 +415,8 @@ def run(name: str, needs: dict[str, Any], fn: Attack) -> dict[str, Any]:
             "peak_rss_mb": host.peak_mb() if alive else None,
             "stall_ms_before": before.get("stall_ms"),
             "stall_ms_during": during.get("stall_ms"),
+            "held_ms_before": before.get("held_ms"),
+            "held_ms_during": during.get("held_ms"),
             **outcome,
         }
     finally:

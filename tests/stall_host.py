@@ -4,7 +4,11 @@
 Run as a script (``python tests/stall_host.py``, with ``PROBING=1``), its main
 thread spins in a tight Python loop timestamping every turn. ``SIGUSR1``
 makes it print one JSON line: the longest gap between two turns since the
-last report (``stall_ms``), its RSS, and whether it could still open 16 file
+last report (``stall_ms``); the part of it the process's other threads
+(the probe's) can have caused (``held_ms``: at most the CPU time they used
+meanwhile; on a loaded machine the scheduler, not the probe, makes the
+rest); its RSS, and
+whether it could still open 16 file
 descriptors (``open_ok``). ``SIGUSR2`` makes it take every free file
 descriptor (``exhaust``), and the next ``SIGUSR2`` gives them back.
 ``STALL_NOFILE=N`` sets its ``RLIMIT_NOFILE`` first.
@@ -28,7 +32,11 @@ def _host() -> None:
     nofile = os.environ.get("STALL_NOFILE")
     if nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(nofile), int(nofile)))
-    state = {"max_gap": 0.0, "held": []}
+    state = {"max_gap": 0.0, "max_held": 0.0, "held": []}
+
+    def others_cpu_s() -> float:
+        """CPU time of every other thread of the process, exited ones included."""
+        return time.process_time() - time.thread_time()
 
     def rss_mb() -> float | None:
         try:
@@ -53,12 +61,13 @@ def _host() -> None:
         rss = rss_mb()
         line = {
             "stall_ms": round(state["max_gap"] * 1e3, 3),
+            "held_ms": round(state["max_held"] * 1e3, 3),
             "rss_mb": None if rss is None else round(rss, 1),
             "open_ok": open_ok() if not state["held"] else None,
             "held": len(state["held"]),
         }
         print(json.dumps(line), flush=True)
-        state["max_gap"] = 0.0
+        state["max_gap"] = state["max_held"] = 0.0
 
     def exhaust(signum: int, frame: object) -> None:
         held = state["held"]
@@ -78,11 +87,26 @@ def _host() -> None:
     signal.signal(signal.SIGUSR2, exhaust)
     print(json.dumps({"ready": os.getpid()}), flush=True)
     clock = time.perf_counter
-    last = clock()
+    last = read_at = clock()
+    others = others_cpu_s()
+    pending: list[tuple[float, float, float]] = []  # (end, gap, others' CPU then)
     while True:
         now = clock()
-        if now - last > state["max_gap"]:
-            state["max_gap"] = now - last
+        gap = now - last
+        if gap > state["max_gap"]:
+            state["max_gap"] = gap
+        if gap > 0.002 or now - read_at > 0.001:  # about every ms
+            o = others_cpu_s()
+            if gap > 0.002:
+                pending.append((now, gap, others))
+            # another thread's CPU time shows once it is off the CPU: judge a
+            # stall 5 ms after it, by the CPU the others used since it began
+            while pending and now - pending[0][0] > 0.005:
+                _, stalled, before = pending.pop(0)
+                held = min(stalled, o - before)
+                if held > state["max_held"]:
+                    state["max_held"] = held
+            others, read_at = o, now
         last = now
 
 

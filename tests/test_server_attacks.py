@@ -1,7 +1,8 @@
 """Attacks on the probe's server (issue 21): malformed and hostile HTTP, slow
 clients, descriptor floods, planted sockets. Each leaves the host alive, the
-probe answering, and the host's longest main-loop stall under 100 ms (beyond
-what the loaded machine showed just before)."""
+probe answering, and the host's longest main-loop stall under 100 ms (not
+counting the time the machine's CPU run queue kept the host waiting, and
+beyond what it showed just before)."""
 
 from __future__ import annotations
 
@@ -109,7 +110,9 @@ class Host:
 
     def assert_calm(self, before: dict) -> dict:
         during = self.stalls.report()
-        assert during["stall_ms"] < STALL_MS + before["stall_ms"], (before, during)
+        # held_ms: the longest stall less the time the loaded machine kept the
+        # host's thread waiting for a CPU (the probe's share of it)
+        assert during["held_ms"] < STALL_MS + before["held_ms"], (before, during)
         return during
 
 
@@ -387,6 +390,7 @@ def test_hypothesis_http_requests_against_a_live_probe(host) -> None:
 
 def test_token_tricks_over_tcp(host) -> None:
     h = host(with_tcp=True)
+    ProbeClient.for_pid(h.pid, timeout=60).query("SELECT 1")  # the engine's load is not measured
     before = h.stalls.report()
     connect = tcp(h.port)  # type: ignore[arg-type]
     auth = f"Authorization: Bearer {TOKEN}".encode()
@@ -394,7 +398,7 @@ def test_token_tricks_over_tcp(host) -> None:
 
     def post(headers: list[bytes], payload: bytes = body) -> int:
         head = b"POST /query HTTP/1.0\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n"
-        return status_of(exchange(connect, head + payload))
+        return status_of(exchange(connect, head + payload, 60))
 
     length = b"Content-Length: %d" % len(body)
     assert post([auth, length]) == 200

@@ -46,6 +46,7 @@ import re
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -87,6 +88,7 @@ MAX_HEAD = 32768  # request line and headers together
 MAX_HEADERS = 100
 EVICT_AFTER_S = 1.0  # at the connection cap, a connection this old without its request makes room
 WRITE_TIMEOUT_S = 30.0
+BUSY_SWITCH_S = 0.0005  # the GIL switch interval while connections are in flight
 
 
 def _env_number(name: str, default: float) -> float:
@@ -340,12 +342,14 @@ class _Workers:
 
 
 class _Listener:
-    __slots__ = ("sock", "tcp", "open")
+    __slots__ = ("sock", "tcp", "open", "capped", "retry_at")
 
     def __init__(self, sock: socket.socket, tcp: bool) -> None:
         self.sock = sock
         self.tcp = tcp
         self.open = 0  # its connections not yet closed (reading, queued or answered)
+        self.capped = False  # at the cap: not accepting (callers wait in the kernel's backlog)
+        self.retry_at = 0.0  # when its oldest silent connection may make room
 
 
 class _Conn:
@@ -424,6 +428,7 @@ class UnixHTTPServer:
         self._stopping = False
         self._paused_until = 0.0
         self._backoff = 0.0
+        self._host_switch: float | None = None  # the host's interval, while ours is set
         self.stats = {"refused": 0, "dropped": 0, "accept_errors": 0, "evicted": 0}
         self._thread: threading.Thread | None = None
         self._workers = _Workers(self._serve, int(_env_number("PROBING_WORKERS", 8)))
@@ -520,9 +525,10 @@ class UnixHTTPServer:
         timeout = None
         if self._conns:
             timeout = max(0.0, min(c.deadline for c in self._conns.values()) - now)
-        if self._paused_until:
-            left = max(0.0, self._paused_until - now)
-            timeout = left if timeout is None else min(timeout, left)
+        for t in [self._paused_until] + [x.retry_at for x in self._listeners if x.capped]:
+            if t:
+                left = max(0.0, t - now)
+                timeout = left if timeout is None else min(timeout, left)
         try:
             events = sel.select(timeout)
         except InterruptedError:
@@ -539,10 +545,37 @@ class UnixHTTPServer:
         for c in [c for c in self._conns.values() if c.deadline <= now]:
             what = "request head" if c.head is None else "request body"
             self._close(c, 408, f"the {what} did not arrive in time")
+        for lst in self._listeners:
+            if lst.capped and (
+                lst.open < self.max_connections or (lst.retry_at and now >= lst.retry_at)
+            ):
+                lst.capped = False
+                if not self._paused_until:
+                    self._watch(lst)
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             for lst in self._listeners:
-                self._watch(lst)
+                if not lst.capped:
+                    self._watch(lst)
+        self._busy(bool(self._conns) or any(x.capped for x in self._listeners))
+
+    def _busy(self, busy: bool) -> None:
+        """A short GIL switch interval while connections are in flight.
+
+        Every socket call of this loop lets go of the GIL; in a host whose
+        thread spins in Python, taking it back waits a whole switch interval
+        (5 ms), so a burst of connections would crawl. The host's interval
+        comes back when the loop is idle (unless it changed it meanwhile).
+        """
+        if busy and self._host_switch is None:
+            old = sys.getswitchinterval()
+            if old > BUSY_SWITCH_S:
+                self._host_switch = old
+                sys.setswitchinterval(BUSY_SWITCH_S)
+        elif not busy and self._host_switch is not None:
+            if sys.getswitchinterval() == BUSY_SWITCH_S:
+                sys.setswitchinterval(self._host_switch)
+            self._host_switch = None
 
     def _drain_wake(self) -> None:
         try:
@@ -554,6 +587,7 @@ class UnixHTTPServer:
         if not self._paused_until:
             for lst in new:
                 self._watch(lst)
+        # a worker closed a connection: the end of _once lets capped listeners in again
 
     def _watch(self, lst: _Listener) -> None:
         sel = self._sel
@@ -579,7 +613,7 @@ class UnixHTTPServer:
                 pass
 
     def _accept(self, lst: _Listener) -> None:
-        for _ in range(32):  # the rest at the next wake-up: reading goes on meanwhile
+        for _ in range(8):  # the rest at the next wake-up: reading goes on meanwhile
             try:
                 conn, addr = lst.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -625,6 +659,7 @@ class UnixHTTPServer:
                 return
         if lst.open >= self.max_connections and not self._evict(lst):
             self.stats["refused"] += 1
+            self._cap(lst)
             _refuse(
                 conn,
                 503,
@@ -645,6 +680,18 @@ class UnixHTTPServer:
         with self._lock:
             lst.open += 1
         self._conns[conn.fileno()] = c
+
+    def _cap(self, lst: _Listener) -> None:
+        """Stop accepting on ``lst`` until a connection closes or its oldest
+        silent one may make room: the next callers wait in the kernel's
+        backlog, and a flood costs the host no accept-and-refuse churn."""
+        lst.capped = True
+        waiting = [c.opened for c in self._conns.values() if c.listener is lst]
+        lst.retry_at = min(waiting) + EVICT_AFTER_S if waiting else 0.0
+        try:
+            self._sel.unregister(lst.sock)  # type: ignore[union-attr]
+        except (KeyError, ValueError, OSError, AttributeError):
+            pass
 
     def _evict(self, lst: _Listener) -> bool:
         """Close the connection of ``lst`` that has waited longest for its request."""
@@ -715,6 +762,8 @@ class UnixHTTPServer:
     def _closed(self, c: _Conn) -> None:
         with self._lock:
             c.listener.open -= 1
+        if c.listener.capped and threading.current_thread() is not self._thread:
+            self._wake()  # a slot is free: the loop accepts on it again
 
     def _serve(self, c: _Conn, body: bytes) -> None:
         """On a worker thread: answer one request and close its connection."""
@@ -739,6 +788,7 @@ class UnixHTTPServer:
     def stop(self, *, unlink: bool = True) -> None:
         """Stop serving; safe to call twice."""
         self._stopping = True
+        self._busy(False)
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
