@@ -392,6 +392,147 @@ def gather_redirect(host: Host) -> dict[str, Any]:
     }
 
 
+# -- queries (issue 21 part 1): each over the unix socket, the answer kept open --
+
+
+def _post_sql(host: Host, sql: str, fmt: str = "json", timeout: float = 120) -> tuple[Any, int]:
+    """POST /query; (status or what went wrong, bytes of the answer)."""
+    body = json.dumps({"sql": sql, "format": fmt}).encode()
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    try:
+        s.connect(host.sock)
+        s.sendall(b"POST /query HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        out = bytearray()
+        while chunk := s.recv(1 << 20):
+            out += chunk
+        return (status(bytes(out[:64])) if out else "no answer"), len(out)
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"[:80], 0
+    finally:
+        s.close()
+
+
+def _error_of(host: Host, sql: str) -> str:
+    """The probe's error for ``sql`` (its first 100 characters), or its status."""
+    body = json.dumps({"sql": sql, "format": "json"}).encode()
+    try:
+        got = talk_open(
+            host.sock, b"POST /query HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        payload = got.partition(b"\r\n\r\n")[2]
+        return f"{status(got)}: " + json.loads(payload).get("error", "")[:100]
+    except (OSError, ValueError, AttributeError) as err:
+        return f"{type(err).__name__}: {err}"[:100]
+
+
+def talk_open(path: str, request: bytes, timeout: float = 120) -> bytes:
+    """One request on a unix socket without a half-close (a closed end cancels a query)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(1 << 20):
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def _threads_cpu_s(pid: int) -> float:
+    """CPU seconds of the host's threads other than its spinning main thread."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) == pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _warm(host: Host) -> None:
+    """The engine loads on the first query: not part of the attack."""
+    _post_sql(host, "SELECT 1 AS one")
+    host.stalls.report()
+
+
+@attack()
+def crash_query(host: Host) -> dict[str, Any]:
+    """``SELECT 1+1+...`` with 10,000 and then 100,000 terms."""
+    _warm(host)
+    out: dict[str, Any] = {}
+    for terms in (10_000, 100_000):
+        t0 = time.monotonic()
+        out[f"terms_{terms}"] = _error_of(host, "SELECT " + "+".join(["1"] * terms))
+        out[f"terms_{terms}_s"] = round(time.monotonic() - t0, 3)
+        if not host.stalls.alive():
+            break
+    return {**out, "answers_after": host.answers()}
+
+
+@attack()
+def cross_join(host: Host) -> dict[str, Any]:
+    """100,000 x 1,000 rows, as Arrow."""
+    _warm(host)
+    sql = (
+        "SELECT a.value, b.value FROM generate_series(1,100000) a "
+        "CROSS JOIN generate_series(1,1000) b"
+    )
+    t0 = time.monotonic()
+    got, size = _post_sql(host, sql, fmt="arrow")
+    return {
+        "status": got,
+        "answer_mb": round(size / (1 << 20), 1),
+        "answer_s": round(time.monotonic() - t0, 2),
+        "answers_after": host.answers(),
+    }
+
+
+@attack()
+def json_3m_rows(host: Host) -> dict[str, Any]:
+    """``SELECT value FROM generate_series(1,3000000)`` as JSON."""
+    _warm(host)
+    t0 = time.monotonic()
+    got, size = _post_sql(host, "SELECT value FROM generate_series(1,3000000)")
+    return {
+        "status": got,
+        "answer_mb": round(size / (1 << 20), 1),
+        "answer_s": round(time.monotonic() - t0, 2),
+        "answers_after": host.answers(),
+    }
+
+
+@attack()
+def hang_up(host: Host) -> dict[str, Any]:
+    """A client asks for hours of CPU and gives up after 3 s: does the query stop?"""
+    _warm(host)
+    sql = "SELECT count(*) AS n FROM generate_series(1, 1000000000000)"
+    body = json.dumps({"sql": sql, "format": "json"}).encode()
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(host.sock)
+    s.sendall(b"POST /query HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(3)
+    s.close()
+    t0 = time.monotonic()
+    cpu0 = _threads_cpu_s(host.pid)
+    time.sleep(1)  # let a cancellation land
+    cpu1 = _threads_cpu_s(host.pid)
+    time.sleep(4)
+    cpu2 = _threads_cpu_s(host.pid)
+    return {
+        "query_cpu_s_in_1s_after": round(cpu1 - cpu0, 2),
+        "query_cpu_s_in_next_4s": round(cpu2 - cpu1, 2),
+        "watched_s": round(time.monotonic() - t0, 1),
+        "answers_after": host.answers(),
+    }
+
+
 def run(name: str, needs: dict[str, Any], fn: Attack) -> dict[str, Any]:
     factory = needs.get("factory")
     host = factory() if factory else Host(**needs)
@@ -405,7 +546,10 @@ def run(name: str, needs: dict[str, Any], fn: Attack) -> dict[str, Any]:
             outcome = {"error": f"{type(err).__name__}: {err}"}
         seconds = time.monotonic() - t0
         alive = host.stalls.alive()
-        during = host.stalls.report() if alive else {}
+        try:
+            during = host.stalls.report() if alive else {}
+        except AssertionError:  # it died as we asked (a crash lands a moment later)
+            alive, during = False, {}
         return {
             "attack": name,
             "seconds": round(seconds, 2),
