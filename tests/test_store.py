@@ -84,6 +84,18 @@ def test_byte_budget_retires_oldest_chunks_and_counts_them() -> None:
         )
 
 
+def test_budget_holds_for_a_table_nobody_reads() -> None:
+    """A trickle of rows (a traced job's collectives) far below ``chunk_rows``,
+    and no query: aged rows are sealed as they come, and the budget holds."""
+    store = Store(max_bytes=20_000, seal_after_s=0.0)
+    tbl = store.table("t", "trickle")
+    for i in range(200):
+        tbl.append_batch(events(50, start=i * 50, seed=i))
+    st = tbl.stats()
+    assert st.retired_rows > 0 and st.rows + st.retired_rows == 10_000
+    assert store.total_bytes() <= 20_000
+
+
 def test_age_limit_retires_sealed_chunks() -> None:
     store = Store(chunk_rows=100, max_age_s=0.0)
     tbl = store.table("t", "a")

@@ -118,7 +118,8 @@ class EventTable:
         an array-like (numpy array, list, pyarrow array) of equal lengths.
         ``since`` is when the oldest of these rows was produced (monotonic
         clock), for a writer that buffered them: pending rows older than
-        ``seal_after_s`` are sealed (compressed) at the next read.
+        ``seal_after_s`` are sealed (compressed) at the next read or append,
+        so the store's budget holds even when nobody reads this table.
         """
         batches = self._conform(batch)
         rows = sum(b.num_rows for b in batches)
@@ -130,7 +131,8 @@ class EventTable:
                 self._pending_since = since if since is not None else time.monotonic()
             self._pending.extend(batches)
             self._pending_rows += rows
-            if self._pending_rows >= self._store.chunk_rows:
+            aged = time.monotonic() - self._pending_since > self._store.seal_after_s
+            if self._pending_rows >= self._store.chunk_rows or aged:
                 to_seal = self._take_pending_locked()
         if to_seal is not None:
             self._seal(*to_seal)

@@ -48,7 +48,33 @@ def main() -> None:
     p.add_argument("--work-ms", type=float, default=5.0, help="other work per step")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--groups", action="store_true", help="2 x 2 data/tensor-parallel groups")
+    p.add_argument(
+        "--on-error",
+        choices=("exit", "wait"),
+        default="exit",
+        help="wait: after a collective fails (a peer died), stay up like a rank waiting for "
+        "its elastic agent",
+    )
+    p.add_argument(
+        "--linger", action="store_true", help="after the last step, stay up (no process group)"
+    )
     args = p.parse_args()
+    try:
+        train(args)
+        sys.stdout.write(f"rank {os.environ['RANK']} done\n")
+        sys.stdout.flush()
+        while args.linger:
+            time.sleep(1)
+    except Exception as err:  # noqa: BLE001 - the job's own failure, reported
+        sys.stdout.write(f"rank {os.environ['RANK']} failed: {type(err).__name__}\n")
+        sys.stdout.flush()
+        if args.on_error == "exit":
+            raise
+        while True:
+            time.sleep(1)
+
+
+def train(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
