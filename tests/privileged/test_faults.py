@@ -14,7 +14,8 @@ import pytest
 
 from probing.demo import trace_all
 from tests.conftest import cli, require_bpf
-from tests.privileged.test_launch import GROUP_BY_RANK, WORLD, _uprobe_pids, launch  # noqa: F401
+from tests.jobs.launch import GROUP_BY_RANK, WORLD
+from tests.jobs.launch import uprobe_pids as _uprobe_pids
 
 pytestmark = pytest.mark.privileged
 
