@@ -6,7 +6,7 @@
 It reads its place from the environment (``init_process_group("gloo")``:
 env://, so in the env launch rank 0 hosts the store), keeps torch's default
 thread count, and trains a 256-512-16 MLP on seeded data: each rank prints
-``rank <r> step <i> loss <value>`` every step, the same values with or without a
+``rank <r> step <i> loss <value> t <wall s>`` every step, the same values with or without a
 probe. Options add what real jobs have: ``--workers N`` (a DataLoader whose
 workers fork), ``--groups`` (2 x 2 data- and tensor-parallel groups made with
 ``new_group``, one all-reduce in each per step). This file imports nothing
@@ -108,7 +108,8 @@ def train(args: argparse.Namespace) -> None:
             t = torch.full((4,), float(rank))
             dist.all_reduce(t, group=dp)
             dist.all_reduce(t, group=tp)
-        sys.stdout.write(f"rank {rank} step {step} loss {loss.item():.6f}\n")  # one write a line
+        line = f"rank {rank} step {step} loss {loss.item():.6f} t {time.time():.6f}\n"
+        sys.stdout.write(line)  # one write a line: ranks sharing a pipe never mix
         sys.stdout.flush()
     dist.destroy_process_group()
 

@@ -19,7 +19,7 @@ from tests.conftest import REPO
 JOB = REPO / "tests" / "jobs" / "ddp_job.py"
 WORLD = 4
 SLOW_RANK, SLOW_MS = 2, 400  # far beyond this machine's noise: the launch path is under test
-LINE = re.compile(r"^rank (\d+) step (\d+) loss ([0-9.]+)$")
+LINE = re.compile(r"^rank (\d+) step (\d+) loss ([0-9.]+) t ([0-9.]+)$")
 GROUP_BY_RANK = "SELECT rank, count(*) AS n FROM process.threads GROUP BY rank ORDER BY rank"
 REF_STEPS = 4
 
@@ -28,7 +28,12 @@ class Launch:
     """One job started one way; its ranks' stdout lines in ``out``."""
 
     def __init__(
-        self, how: str, tmp: Path, *job_args: str, env: dict[str, str] | None = None
+        self,
+        how: str,
+        tmp: Path,
+        *job_args: str,
+        env: dict[str, str] | None = None,
+        probe: bool = True,
     ) -> None:
         self.how = how
         self.out = tmp / f"{how}.out"
@@ -41,7 +46,9 @@ class Launch:
         with open(self.out, "wb") as out:
             if how == "env":
                 for r in range(WORLD):
-                    env_r = dict(base, PROBING="1", RANK=str(r), LOCAL_RANK=str(r))
+                    env_r = dict(
+                        base, PROBING="1" if probe else "0", RANK=str(r), LOCAL_RANK=str(r)
+                    )
                     env_r.update(WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
                     env_r.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
                     cmd = [sys.executable, str(JOB), *job_args]
@@ -79,6 +86,14 @@ class Launch:
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
         return found
+
+    def step_times(self) -> dict[int, list[float]]:
+        """rank -> the wall time each step ended."""
+        got: dict[int, list[float]] = {}
+        for line in self.out.read_text(errors="replace").splitlines():
+            if m := LINE.match(line.strip()):
+                got.setdefault(int(m[1]), []).append(float(m[4]))
+        return got
 
     def losses(self) -> dict[int, dict[int, str]]:
         got: dict[int, dict[int, str]] = {}
