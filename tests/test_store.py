@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -239,3 +241,17 @@ def test_forked_child_keeps_its_own_copy_of_the_chunks(tmp_path, monkeypatch) ->
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["child 100", "parent 0 100"]
+
+
+def test_chunk_dir_never_follows_a_symlink(tmp_path, monkeypatch) -> None:
+    """``probing-<uid>`` under the chunk base planted as a symlink (by another
+    user, in a shared /dev/shm) is refused, never followed."""
+    from probing.probe.paths import UnsafePath
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / f"probing-{os.getuid()}").symlink_to(elsewhere)
+    monkeypatch.setenv("PROBING_CHUNK_DIR", str(tmp_path))
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        Store().chunk_root()
+    assert list(elsewhere.iterdir()) == []

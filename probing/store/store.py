@@ -102,8 +102,10 @@ class Store:
         """This process's chunk directory, created on first use."""
         with self._lock:
             if self._root is None or self._root_pid != os.getpid():
+                from probing.probe.paths import ensure_private_dir
+
                 user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
-                os.makedirs(user_dir, mode=0o700, exist_ok=True)
+                ensure_private_dir(user_dir)  # never through another user's symlink
                 remove_stale_roots(user_dir)
                 self._root = tempfile.mkdtemp(prefix=f"chunks-{os.getpid()}-", dir=user_dir)
                 self._root_pid = os.getpid()
