@@ -196,3 +196,68 @@ def test_settle_gives_up_on_a_host_that_runs_inside_an_import(tmp_path: Path) ->
         sys.path.remove(str(tmp_path))
         sys.modules.pop("forever_module", None)
         del builtins._probing_inside2, builtins._probing_release2  # type: ignore[attr-defined]
+
+
+def test_a_restarted_rank_is_found_by_the_others(tmp_path: Path) -> None:
+    """torchrun restarts a failed worker: a new process, the same rank and
+    run id, a new address. The next cluster query's refresh finds it."""
+    master = _master(_free_port())
+    port = master.port
+    servers, nodes = [], []
+    try:
+        for name, rank in (("r0", 0), ("r1-old", 1), ("r1-new", 1)):
+            srv = UnixHTTPServer(str(tmp_path / f"{name}.sock"), lambda req: None)
+            srv.start()
+            servers.append(srv)
+            node = ClusterNode(_ident(rank, port), lambda: None)
+            node.setup(srv)
+            nodes.append(node)
+            if name == "r1-old":
+                nodes[0].refresh()
+                assert {p.rank: p.addr for p in nodes[0].registry.peers()}[1] == node.addr
+                srv.stop()  # the worker dies
+        nodes[0].refresh()
+        assert {p.rank: p.addr for p in nodes[0].registry.peers()}[1] == nodes[2].addr
+        assert nodes[1].addr != nodes[2].addr
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+IDLE_RANK = """
+import time
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_idle_probe_uses_no_cpu_once_joined(spawn) -> None:  # type: ignore[no-untyped-def]
+    """After discovery settles nothing of the probe runs; while the store is
+    not there yet, the retries cost little. Both measured and printed."""
+    import psutil
+
+    from probing.client import ProbeClient
+
+    port = _free_port()
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    t = spawn(IDLE_RANK, env=env)
+    assert t.proc.stdout.readline().strip() == "up"
+    proc = psutil.Process(t.pid)
+
+    def cpu_s(seconds: float) -> float:
+        before = sum(proc.cpu_times()[:2])
+        time.sleep(seconds)
+        return sum(proc.cpu_times()[:2]) - before
+
+    waiting = cpu_s(2.0)  # retrying every 0.5 s: no store yet
+    master = _master(port)
+    deadline = time.monotonic() + 10
+    while not (ProbeClient.for_pid(t.pid).health().get("cluster") or {}).get("addr"):
+        assert time.monotonic() < deadline, "never joined"
+        time.sleep(0.05)
+    joined = cpu_s(3.0)
+    wait_ms, joined_ms = waiting / 2 * 1e3, joined / 3 * 1e3
+    print(f"idle probe CPU: {wait_ms:.2f} ms/s waiting, {joined_ms:.2f} ms/s joined")
+    assert waiting < 0.2  # generous: 10 % of a core would be a regression
+    assert joined < 0.05
+    del master
