@@ -467,3 +467,43 @@ def test_hypothesis_sql_against_a_live_probe(host) -> None:  # type: ignore[no-u
     assert seen.get(200, 0) > 100 and seen.get(400, 0) > 100, seen
     assert h.answers()
     h.assert_calm(before)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT repeat('x', 1000000000)",
+        "SELECT length(lpad('a', 2000000000)) AS n",
+        "SELECT rpad('a', value) FROM generate_series(1, 10)",
+        "SELECT array_repeat(1, 1e9)",
+        "SELECT range(1000000000)",
+        "SELECT generate_series(1, 5000000000)",
+    ],
+)
+def test_functions_that_allocate_outside_the_pool_are_bounded(sql: str) -> None:
+    """Output-growing functions allocate outside DataFusion's memory pool
+    (``repeat('x', 1e9)``: 7 GB): refused before planning, naming the setting."""
+    from probing.engine import Engine
+    from probing.engine.limits import LimitExceeded
+    from probing.store import Store
+
+    t0 = time.monotonic()
+    with pytest.raises(LimitExceeded, match="PROBING_SQL_MAX_REPEAT"):
+        Engine(Store()).sql(sql)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT repeat('ab', 3) AS s",
+        "SELECT rpad(CAST(value AS VARCHAR), 8) AS s FROM generate_series(1, 3)",
+        "SELECT count(*) AS n FROM range(1, 2000000)",
+        "SELECT count(*) AS n FROM generate_series(1, 10) a, range(5) b",
+    ],
+)
+def test_bounded_uses_of_those_functions_still_run(sql: str) -> None:
+    from probing.engine import Engine
+    from probing.store import Store
+
+    assert Engine(Store()).sql(sql).num_rows >= 1

@@ -50,6 +50,7 @@ class Limits:
     memory: int = 256 << 20  # PROBING_QUERY_MEMORY_MB: DataFusion's pool, for the probe
     timeout_s: float = 20.0  # PROBING_QUERY_TIMEOUT_S
     result_bytes: int = 128 << 20  # PROBING_QUERY_MAX_RESULT_MB: Arrow bytes of a result
+    repeat: int = 1_000_000  # PROBING_SQL_MAX_REPEAT: what one repeat()/lpad()/range() makes
 
     @classmethod
     def from_env(cls) -> Limits:
@@ -61,6 +62,7 @@ class Limits:
             memory=int(_env("PROBING_QUERY_MEMORY_MB", d.memory >> 20) * (1 << 20)),
             timeout_s=_env("PROBING_QUERY_TIMEOUT_S", d.timeout_s),
             result_bytes=int(_env("PROBING_QUERY_MAX_RESULT_MB", d.result_bytes >> 20) * (1 << 20)),
+            repeat=int(_env("PROBING_SQL_MAX_REPEAT", d.repeat)),
         )
 
 
@@ -164,6 +166,61 @@ def measure(sql: str) -> Shape:
     return Shape(len(sql.encode("utf-8", "surrogatepass")), tokens, deepest, work)
 
 
+# functions whose output grows with an argument, allocated outside DataFusion's
+# memory pool (``repeat('x', 1e9)`` took a session to 7 GB): their arguments
+# must be literals no larger than the limit. ``range``/``generate_series`` as a
+# table (after FROM, JOIN or a FROM list's comma) stream, bounded by the
+# result cap and the time limit, and are not checked.
+_AMPLIFIERS = frozenset("REPEAT LPAD RPAD ARRAY_REPEAT RANGE GENERATE_SERIES".split())
+_TABLE_FUNCTIONS = frozenset(("RANGE", "GENERATE_SERIES"))
+_LITERAL_WORDS = frozenset("TRUE FALSE NULL CAST AS BIGINT INT INTEGER DOUBLE FLOAT".split())
+
+
+def amplifier(sql: str, limit: int) -> str | None:
+    """The first call of an output-growing function whose arguments are not
+    literals within ``limit`` (its text), or None."""
+    toks = [
+        (m.lastgroup, m.group())
+        for m in _TOKEN.finditer(sql)
+        if m.lastgroup not in ("ws", None) or m.group()[:1] in "'\""
+    ]
+    from_list = False
+    for i, (kind, text) in enumerate(toks):
+        word = text.upper() if kind == "word" else ""
+        if word in ("FROM", "JOIN"):
+            from_list = True
+        elif word in _CLAUSES:
+            from_list = False
+        if word not in _AMPLIFIERS or i + 1 >= len(toks) or toks[i + 1][1] != "(":
+            continue
+        prev = toks[i - 1][1].upper() if i else ""
+        if word in _TABLE_FUNCTIONS and (prev in ("FROM", "JOIN") or (prev == "," and from_list)):
+            continue
+        nest, j, arg = 0, i + 1, 0
+        sized = (1,) if word not in _TABLE_FUNCTIONS else None  # the size argument(s)
+        while j < len(toks):
+            k, t = toks[j]
+            if t == "(":
+                nest += 1
+            elif t == ")":
+                nest -= 1
+                if nest == 0:
+                    break
+            elif t == "," and nest == 1:
+                arg += 1
+            elif sized is None or arg in sized:
+                bad = k == "word" and t.upper() not in _LITERAL_WORDS  # a column: per row
+                if k == "num":
+                    try:
+                        bad = abs(float(t.replace("_", ""))) > limit
+                    except ValueError:
+                        bad = True
+                if bad:
+                    return "".join(x for _, x in toks[i : j + 1])
+            j += 1
+    return None
+
+
 def check_sql(sql: str, limits: Limits | None = None) -> Shape:
     """Refuse ``sql`` before planning when it is too big, too deep or too costly
     to plan; returns what it measured. Linear in the text, a few µs per token."""
@@ -197,5 +254,12 @@ def check_sql(sql: str, limits: Limits | None = None) -> Shape:
             f"over the limit of {lim.work}; use fewer or shorter expressions",
             setting="PROBING_SQL_MAX_WORK",
             limit=lim.work,
+        )
+    if (call := amplifier(sql, lim.repeat)) is not None:
+        raise LimitExceeded(
+            f"{call[:80]}...: functions whose output grows with an argument (repeat, lpad, "
+            f"rpad, array_repeat, range) take only literal sizes up to {lim.repeat}",
+            setting="PROBING_SQL_MAX_REPEAT",
+            limit=lim.repeat,
         )
     return shape
