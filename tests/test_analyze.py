@@ -355,3 +355,31 @@ def test_callsites_pick_each_ranks_most_frequent() -> None:
 
     install(engine)
     assert engine.sql(queries(False)["callsites"].format(since_ns=0)).num_rows == 0
+
+
+def test_two_groups_of_one_size_are_matched_per_group_with_comm_groups() -> None:
+    """Data-parallel {0,2},{1,3}: by size and order of use both are ``n2#0``
+    and their calls mix; named by ``comm.groups`` (torch's group names, the
+    same in every rank) each group's calls match across its own two ranks."""
+    from probing.analyze.diagnose import with_groups
+
+    rows, groups = [], []
+    for r in range(4):
+        ptr = 0x5000 + 16 * r  # a local pointer, different in every process
+        pg = "1" if r % 2 == 0 else "2"
+        groups.append({"backend": "gloo", "comm": ptr, "pg": pg, "node": "h", "rank": r})
+        for k in range(5):
+            t = 10**9 * k + 1000 * r
+            rows.append(
+                {
+                    "backend": "gloo", "op": "allreduce", "comm": ptr, "seq": k,
+                    "comm_rank": r // 2, "nranks": 2, "bytes": 16, "ts": t, "dur_ns": 100,
+                    "pid": 100 + r, "node": "h", "rank": r,
+                }
+            )  # fmt: skip
+    table = pa.Table.from_pylist(rows)
+    mixed = {c.comm: set(c.ts) for c in coll.match(table)}
+    assert list(mixed.values()) == [{0, 1, 2, 3}]  # what matching by size did
+    named = with_groups(table, pa.Table.from_pylist(groups))
+    members = {c.comm: set(c.ts) for c in coll.match(named)}
+    assert members == {"gloo/pg1": {0, 2}, "gloo/pg2": {1, 3}}
