@@ -6,7 +6,7 @@ threads each send ``--queries`` queries, drawn in turn from store tables,
 views, ``python.`expr``` and cluster queries, to the ranks' probes (over
 their unix sockets, as the CLI does). Printed: errors (target 0, each kind
 with an example), queries per second, and the job's median step time under
-the soak against the same job untraced. The two runs are interleaved in
+the soak, traced with nobody asking, and the same job untraced. The two runs are interleaved in
 rounds (untraced, traced, untraced, traced, ...), the queries split
 across the traced rounds, so both see the same machine.
 
@@ -128,6 +128,9 @@ def main() -> None:
             assert len(pids) == WORLD, pids
             trace_errors = trace_all(pids, ["gloo"])
             t0 = time.time()
+            time.sleep(args.untraced_s / 2)  # traced, nobody asking
+            quiet = median_step_ms(job, t0, time.time())
+            t0 = time.time()
             result = soak(pids, per_round, args.clients)
             traced = median_step_ms(job, t0, time.time())
             alive = all(p.poll() is None for p in job.procs)
@@ -137,6 +140,7 @@ def main() -> None:
             {
                 "round": r,
                 "untraced_step_ms": round(untraced, 2) if untraced else None,
+                "traced_quiet_step_ms": round(quiet, 2) if quiet else None,
                 "traced_soaked_step_ms": round(traced, 2) if traced else None,
                 "trace_errors": trace_errors,
                 "job_alive": alive,
@@ -151,6 +155,9 @@ def main() -> None:
         "errors": sum(r["errors"] for r in rounds) + sum(len(r["trace_errors"]) for r in rounds),
         "untraced_step_ms_median": statistics.median(
             r["untraced_step_ms"] for r in rounds if r["untraced_step_ms"]
+        ),
+        "traced_quiet_step_ms_median": statistics.median(
+            r["traced_quiet_step_ms"] for r in rounds if r["traced_quiet_step_ms"]
         ),
         "traced_soaked_step_ms_median": statistics.median(
             r["traced_soaked_step_ms"] for r in rounds if r["traced_soaked_step_ms"]

@@ -118,12 +118,22 @@ class Launch:
         return "\n".join(self.out.read_text(errors="replace").splitlines()[-30:])
 
     def stop(self) -> None:
+        """Kill the launchers and every process under them: torchrun's workers
+        run in sessions of their own and outlive a killed agent."""
+        procs = []
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, 9)
-                except ProcessLookupError:
-                    pass
+            try:
+                root = psutil.Process(p.pid)
+                procs += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+        for p in self.procs:
             p.wait(timeout=30)
 
 
