@@ -330,9 +330,12 @@ def test_the_crash_queries_leave_the_host_calm(host) -> None:  # type: ignore[no
 
 
 def test_the_resource_bombs_leave_the_host_calm(host) -> None:  # type: ignore[no-untyped-def]
-    h = host(PROBING_QUERY_TIMEOUT_S="6")  # the cross join's 128 MiB come well before
+    h = host(PROBING_QUERY_TIMEOUT_S="6")
     before = h.stalls.report()
-    assert "PROBING_QUERY_MAX_RESULT_MB" in h.error(CROSS)
+    # the cross join's 128 MiB usually come first; on a loaded machine the
+    # time limit may: either bound stops it (each is tested alone elsewhere)
+    msg = h.error(CROSS)
+    assert "PROBING_QUERY_MAX_RESULT_MB" in msg or "PROBING_QUERY_TIMEOUT_S" in msg, msg
     assert "PROBING_QUERY_TIMEOUT_S" in h.error(SLOW)
     assert "PROBING_QUERY_MEMORY_MB" in h.error(
         "SELECT a.value FROM generate_series(1, 100000) a "
