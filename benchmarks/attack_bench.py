@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from probing.client import ProbeClient  # noqa: E402
-from tests.stall_host import SCRIPT, StallHost  # noqa: E402
+from tests.stall_host import SCRIPT, StallHost, other_threads_cpu_s  # noqa: E402
 
 TOKEN = "attack-bench-token"
 QUIET_S = float(os.environ.get("BENCH_QUIET_S", 2))
@@ -441,21 +441,6 @@ def talk_open(path: str, request: bytes, timeout: float = 120) -> bytes:
         s.close()
 
 
-def _threads_cpu_s(pid: int) -> float:
-    """CPU seconds of the host's threads other than its spinning main thread."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        if int(tid) == pid:
-            continue
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def _warm(host: Host) -> None:
     """The engine loads on the first query: not part of the attack."""
     _post_sql(host, "SELECT 1 AS one")
@@ -476,36 +461,33 @@ def crash_query(host: Host) -> dict[str, Any]:
     return {**out, "answers_after": host.answers()}
 
 
-@attack()
-def cross_join(host: Host) -> dict[str, Any]:
-    """100,000 x 1,000 rows, as Arrow."""
+def _timed_answer(host: Host, sql: str, fmt: str = "json") -> dict[str, Any]:
+    """One query after the engine is warm: its status, size and time."""
     _warm(host)
-    sql = (
-        "SELECT a.value, b.value FROM generate_series(1,100000) a "
-        "CROSS JOIN generate_series(1,1000) b"
-    )
     t0 = time.monotonic()
-    got, size = _post_sql(host, sql, fmt="arrow")
+    got, size = _post_sql(host, sql, fmt=fmt)
     return {
         "status": got,
         "answer_mb": round(size / (1 << 20), 1),
         "answer_s": round(time.monotonic() - t0, 2),
         "answers_after": host.answers(),
     }
+
+
+@attack()
+def cross_join(host: Host) -> dict[str, Any]:
+    """100,000 x 1,000 rows, as Arrow."""
+    sql = (
+        "SELECT a.value, b.value FROM generate_series(1,100000) a "
+        "CROSS JOIN generate_series(1,1000) b"
+    )
+    return _timed_answer(host, sql, fmt="arrow")
 
 
 @attack()
 def json_3m_rows(host: Host) -> dict[str, Any]:
     """``SELECT value FROM generate_series(1,3000000)`` as JSON."""
-    _warm(host)
-    t0 = time.monotonic()
-    got, size = _post_sql(host, "SELECT value FROM generate_series(1,3000000)")
-    return {
-        "status": got,
-        "answer_mb": round(size / (1 << 20), 1),
-        "answer_s": round(time.monotonic() - t0, 2),
-        "answers_after": host.answers(),
-    }
+    return _timed_answer(host, "SELECT value FROM generate_series(1,3000000)")
 
 
 @attack()
@@ -520,11 +502,11 @@ def hang_up(host: Host) -> dict[str, Any]:
     time.sleep(3)
     s.close()
     t0 = time.monotonic()
-    cpu0 = _threads_cpu_s(host.pid)
+    cpu0 = other_threads_cpu_s(host.pid)
     time.sleep(1)  # let a cancellation land
-    cpu1 = _threads_cpu_s(host.pid)
+    cpu1 = other_threads_cpu_s(host.pid)
     time.sleep(4)
-    cpu2 = _threads_cpu_s(host.pid)
+    cpu2 = other_threads_cpu_s(host.pid)
     return {
         "query_cpu_s_in_1s_after": round(cpu1 - cpu0, 2),
         "query_cpu_s_in_next_4s": round(cpu2 - cpu1, 2),

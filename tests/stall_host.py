@@ -26,6 +26,22 @@ import time
 SCRIPT = os.path.abspath(__file__)
 
 
+def other_threads_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``'s live threads but its main one (the probe's,
+    in a host whose main thread spins), read from ``/proc``."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) == pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _host() -> None:
     import resource
 

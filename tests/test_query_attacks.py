@@ -28,7 +28,7 @@ from probing.engine.limits import LimitExceeded, Limits, check_sql
 from probing.probe.api import json_rows
 from probing.store import Store
 from tests.conftest import REPO
-from tests.stall_host import SCRIPT, StallHost
+from tests.stall_host import SCRIPT, StallHost, other_threads_cpu_s
 
 STALL_MS = 100.0
 SLOW = "SELECT count(*) AS n FROM generate_series(1, 1000000000000)"  # hours of CPU
@@ -183,17 +183,7 @@ def small() -> Callable[..., Engine]:
 
 def _threads_cpu_s() -> float:
     """CPU seconds of this process's threads other than the main one."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return other_threads_cpu_s(os.getpid())
 
 
 def _quiet(cpu: Callable[[], float], timeout: float = 15.0) -> bool:
@@ -296,17 +286,7 @@ class Host:
 
     def threads_cpu_s(self) -> float:
         """CPU seconds of the host's threads but its spinning main thread."""
-        total = 0
-        for tid in os.listdir(f"/proc/{self.pid}/task"):
-            if int(tid) == self.pid:
-                continue
-            try:
-                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+        return other_threads_cpu_s(self.pid)
 
 
 @pytest.fixture
