@@ -22,6 +22,7 @@ as_root() { if [ "$SUDO" = skip ]; then return 1; fi; $SUDO "$@"; }
 need=()
 dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
 command -v bpftool >/dev/null || need+=(bpftool)  # tests: `bpftool perf` shows attached uprobes
+command -v chromium >/dev/null || need+=(chromium)  # tests: the web UI and Perfetto UI, headless
 "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 command -v gcc >/dev/null || need+=(gcc)
 command -v make >/dev/null || need+=(make)

@@ -557,6 +557,18 @@ def demo(
     raise typer.Exit(demo_main(seconds, slow_rank=slow_rank, hang=hang))
 
 
+def _register_views() -> None:
+    """``probing export`` and ``probing ui`` (their commands live with them)."""
+    from probing.export.command import register as register_export
+    from probing.ui.command import register as register_ui
+
+    register_export(app)
+    register_ui(app)
+
+
+_register_views()
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,40 @@
+"""``probing export``: a window of every rank's events as a Perfetto trace or Parquet.
+
+report = export(Source(pids=[1234], cluster=True), "job.pftrace", fmt="perfetto")
+print(report.summary())
+"""
+
+from __future__ import annotations
+
+from probing.export.source import Source
+from probing.export.timeline import ExportReport
+from probing.export.window import Window
+
+FORMATS = ("perfetto", "parquet")
+
+
+def export(
+    source: Source,
+    path: str,
+    *,
+    fmt: str = "perfetto",
+    window_s: float = 60.0,
+    max_events: int | None = None,
+) -> ExportReport:
+    """Write the last ``window_s`` seconds of ``source`` to ``path`` (a file for
+    perfetto, a directory for parquet); ``max_events`` keeps the newest events."""
+    from probing.errors import ProbingError
+
+    win = Window(source, window_s=window_s, max_events=max_events)
+    if fmt == "perfetto":
+        from probing.export.timeline import export_perfetto
+
+        return export_perfetto(win, path)
+    if fmt == "parquet":
+        from probing.export.tables import export_parquet
+
+        return export_parquet(win, path)
+    raise ProbingError(f"unknown export format {fmt!r}", hint="use perfetto or parquet")
+
+
+__all__ = ["FORMATS", "ExportReport", "Source", "export"]

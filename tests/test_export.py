@@ -1,0 +1,347 @@
+"""``probing export`` over a scripted 4-rank job: each rank is a real probing
+``Engine`` (DataFusion, the real ``comm.collectives`` and ``python.callsites``
+views) holding known rows, asked through ``Source`` as local probes. The
+Perfetto file is parsed back with Perfetto's protos; Parquet with pyarrow.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from probing.bpf import families
+from probing.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
+from probing.engine import Engine
+from probing.export import Source, export
+from probing.export.perfetto import read_trace
+from probing.store import Store
+from probing.tables.nvml import GPU_SCHEMA
+from probing.tables.trace import COLLECTIVES_SQL
+from tests.conftest import cli
+
+WORLD = 4
+SLOW = 2  # the rank that arrives late
+STEPS = 30
+BASE = time.time_ns() - 30_000_000_000  # wall-clock ns: the job ran 30 s ago
+STEP_NS = 100_000_000
+KERNELS = 3  # launches per step per rank
+SAMPLES = 20  # NVML samples per rank
+METRICS = 6  # counters per NVML sample (every metric set)
+GROUPS_SCHEMA = pa.schema(
+    [("backend", pa.string()), ("comm", pa.uint64()), ("pg", pa.string()),
+     ("ranks", pa.list_(pa.int64())), ("group_rank", pa.int64()), ("nranks", pa.int64())]
+)  # fmt: skip
+INFO_SCHEMA = pa.schema([("pid", pa.int64()), ("hostname", pa.string())])
+THREADS_SCHEMA = pa.schema([("tid", pa.int64()), ("name", pa.string())])
+
+
+def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def rank_tables(rank: int, base: int = BASE) -> dict[str, pa.Table]:
+    """One rank's rows: Gloo all-reduces (rank SLOW 30 ms late), NCCL calls,
+    CUDA launches and a sync, NVML samples, one Python stack."""
+    pid, tid = 1000 + rank, 2000 + rank
+    comm = 0xA000 + rank  # a Gloo context is a local pointer: differs per process
+    gloo, nccl, cuda = [], [], []
+    for i in range(STEPS):
+        arrive = base + i * STEP_NS + (30_000_000 if rank == SLOW else rank * 1_000_000)
+        end = base + i * STEP_NS + 31_000_000
+        gloo.append(
+            dict(
+                event_id=i,
+                ts=arrive,
+                dur_ns=end - arrive,
+                pid=pid,
+                tid=tid,
+                api="gloo::allreduce",
+                stack_id=77,
+                op="allreduce",
+                comm=comm,
+                seq=100 + i,
+                rank=rank,
+                nranks=WORLD,
+                elements=1024,
+                bytes=4096,
+            )
+        )
+        for k in range(KERNELS):
+            cuda.append(
+                dict(
+                    event_id=1000 + i * 10 + k,
+                    ts=end + 1000 * (k + 1),
+                    dur_ns=500,
+                    pid=pid,
+                    tid=tid,
+                    api="cudaLaunchKernel",
+                    stack_id=77,
+                    kernel=f"gemm_kernel_{k}",
+                    bytes=None,
+                )
+            )
+        cuda.append(
+            dict(
+                event_id=5000 + i,
+                ts=end + 10_000,
+                dur_ns=2_000_000,
+                pid=pid,
+                tid=tid,
+                api="cudaStreamSynchronize",
+                stack_id=None,
+            )
+        )
+    for i in range(5):  # NCCL on its own thread, comm_id the same in every rank
+        nccl.append(
+            dict(
+                event_id=9000 + i,
+                ts=base + i * STEP_NS + 50_000_000 + rank * 100,
+                dur_ns=1000,
+                pid=pid,
+                tid=tid + 1,
+                api="ncclAllReduce",
+                op="allreduce",
+                comm=0xB000 + rank,
+                comm_id=0xC0FFEE,
+                seq=i,
+                rank=rank,
+                nranks=WORLD,
+                count=256,
+                dtype="float32",
+                bytes=1024,
+                redop="sum",
+            )
+        )
+    nccl.append(
+        dict(
+            event_id=9999,
+            ts=base,
+            dur_ns=5000,
+            pid=pid,
+            tid=tid + 1,
+            api="ncclCommInitRank",
+            op=None,
+            rank=rank,
+            nranks=WORLD,
+        )
+    )
+    nvml = [dict(ts=base + i * 150_000_000, gpu=0, uuid="GPU-0", util_gpu=10 + i, util_mem=5,
+                 mem_used=(1 << 30) + i, mem_total=80 << 30, power_w=100.0 + i, temp_c=40,
+                 sm_clock_mhz=1400 + i) for i in range(SAMPLES)]  # fmt: skip
+    stacks = [
+        dict(stack_id=77, depth=0, file="/lib/torch/autograd.py", func="backward", line=10,
+             user=False),
+        dict(stack_id=77, depth=1, file="/job/train.py", func="main", line=42, user=True),
+    ]  # fmt: skip
+    fam = families.FAMILIES
+    empty = {f"{n}.inflight": fam[n].schema.empty_table() for n in ("nccl", "gloo", "cuda")}
+    return {
+        "gloo.calls": _table(gloo, fam["gloo"].schema),
+        "nccl.calls": _table(nccl, fam["nccl"].schema),
+        "cuda.calls": _table(cuda, fam["cuda"].schema),
+        **empty,
+        "nvml.gpu": _table(nvml, GPU_SCHEMA),
+        "python.stacks": _table(stacks, STACKS_SCHEMA),
+        "comm.groups": _table(
+            [
+                dict(
+                    backend="gloo",
+                    comm=comm,
+                    pg="0",
+                    ranks=[0, 1, 2, 3],
+                    group_rank=rank,
+                    nranks=WORLD,
+                )
+            ],
+            GROUPS_SCHEMA,
+        ),  # fmt: skip
+        "process.info": _table([dict(pid=pid, hostname=socket.gethostname())], INFO_SCHEMA),
+        "process.threads": _table([dict(tid=tid, name="MainThread")], THREADS_SCHEMA),
+    }
+
+
+class EngineProbe:
+    """A rank's probe without the process: a real Engine over known tables."""
+
+    def __init__(self, tables: dict[str, pa.Table]) -> None:
+        self.engine = Engine(Store())
+        for qualified, t in tables.items():
+            schema, name = qualified.split(".")
+            self.engine.register_table(schema, name, lambda t=t: t)
+        self.engine.register_view("comm", "collectives", COLLECTIVES_SQL)
+        self.engine.register_view("python", "callsites", CALLSITES_SQL)
+
+    def query(self, sql: str) -> pa.Table:
+        return self.engine.sql(sql)
+
+
+class ScriptedJob(Source):
+    """Ranks 0..3 as local probes (pids 1000..1003), answered by ``EngineProbe``s."""
+
+    probes: dict[int, EngineProbe]
+
+    def client(self, pid: int) -> EngineProbe:
+        return self.probes[pid]
+
+
+@pytest.fixture(scope="module")
+def job() -> ScriptedJob:
+    src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
+    src.probes = {1000 + r: EngineProbe(rank_tables(r)) for r in range(WORLD)}
+    return src
+
+
+def parse(path: Path) -> dict[str, Any]:
+    """Per rank (from its process track's name): slices, flows, counters, args."""
+    trace = read_trace(path.read_bytes())
+    rank_of_track: dict[int, int] = {}
+    proc_rank: dict[int, int] = {}  # pid as written -> rank
+    names: dict[int, str] = {}
+    interned: dict[str, dict[int, str]] = defaultdict(dict)
+    out: dict[str, Any] = {"process_names": [], "slices": Counter(), "flows": defaultdict(list),
+                           "counters": Counter(), "args": [], "open": Counter(), "notes": [],
+                           "slice_ts": defaultdict(list)}  # fmt: skip
+    for p in trace.packet:
+        for kind in ("event_names", "debug_annotation_names", "event_categories"):
+            for e in getattr(p.interned_data, kind):
+                interned[kind][e.iid] = e.name
+        for e in p.interned_data.debug_annotation_string_values:
+            interned["strings"][e.iid] = e.str.decode()
+        if p.HasField("track_descriptor"):
+            d = p.track_descriptor
+            if d.HasField("process"):
+                rank = int(d.process.process_name.split()[1])
+                out["process_names"].append(d.process.process_name)
+                rank_of_track[d.uuid] = rank
+                proc_rank[d.process.pid] = rank
+            elif d.HasField("thread"):
+                rank_of_track[d.uuid] = proc_rank[d.thread.pid]
+            elif d.parent_uuid:
+                rank_of_track[d.uuid] = rank_of_track[d.parent_uuid]
+            else:
+                names[d.uuid] = d.name
+        if not p.HasField("track_event"):
+            continue
+        e = p.track_event
+        if e.track_uuid in names:
+            out["notes"].append(names[e.track_uuid])
+            continue
+        rank = rank_of_track[e.track_uuid]
+        if e.type == e.TYPE_SLICE_BEGIN:
+            out["slices"][rank] += 1
+            out["slice_ts"][rank].append(p.timestamp)
+            args = {interned["debug_annotation_names"][a.name_iid]:
+                    interned["strings"][a.string_value_iid] if a.string_value_iid
+                    else a.int_value for a in e.debug_annotations}  # fmt: skip
+            args["name"] = interned["event_names"][e.name_iid]
+            args["category"] = interned["event_categories"][e.category_iids[0]]
+            args["rank"] = rank
+            out["args"].append(args)
+            for f in e.flow_ids:
+                out["flows"][f].append((rank, args.get("seq"), args["name"]))
+        elif e.type == e.TYPE_COUNTER:
+            out["counters"][rank] += 1
+    return out
+
+
+def test_perfetto_export_has_every_rank_slice_flow_and_counter(job, tmp_path: Path) -> None:
+    path = tmp_path / "job.pftrace"
+    report = export(job, str(path), window_s=60)
+    got = parse(path)
+    node = socket.gethostname()
+    assert sorted(got["process_names"]) == [f"rank {r} @ {node}" for r in range(WORLD)]
+    # per rank: 30 Gloo + 6 NCCL calls, 30 * (3 launches + 1 sync) CUDA calls
+    per_rank = STEPS + 6 + STEPS * (KERNELS + 1)
+    assert got["slices"] == dict.fromkeys(range(WORLD), per_rank)
+    assert got["counters"] == dict.fromkeys(range(WORLD), SAMPLES * METRICS)
+    assert report.slices == dict(got["slices"]) and report.events == WORLD * (per_rank + SAMPLES)
+    # one flow per collective (30 Gloo + 5 NCCL), through all four ranks, same seq and op
+    assert len(got["flows"]) == STEPS + 5
+    for chain in got["flows"].values():
+        assert sorted(r for r, _, _ in chain) == list(range(WORLD))
+        assert len({(seq, op) for _, seq, op in chain}) == 1
+    gloo = [a for a in got["args"] if a["category"] == "gloo"]
+    assert {a["comm"] for a in gloo} == {"gloo/pg0"}  # the cross-rank name, via comm.groups
+    assert all(a["bytes"] == 4096 and a["op"] == "allreduce" for a in gloo)
+    assert all(a["callsite"] == "/job/train.py:42 main" for a in gloo)
+    assert all(a["stack"].splitlines() == ["backward (/lib/torch/autograd.py:10)",
+                                           "main (/job/train.py:42)"] for a in gloo)  # fmt: skip
+    kinds = Counter((a["category"], a["name"]) for a in got["args"] if a["rank"] == 0)
+    assert kinds[("cuda.kernel", "gemm_kernel_0")] == STEPS
+    assert kinds[("cuda.sync", "cudaStreamSynchronize")] == STEPS
+    assert kinds[("nccl", "ncclCommInitRank")] == 1
+
+
+def test_clock_offsets_move_a_nodes_rows_and_keep_the_flows(job, tmp_path: Path) -> None:
+    plain, moved = tmp_path / "a.pftrace", tmp_path / "b.pftrace"
+    export(job, str(plain), window_s=60)
+    job.offsets = {socket.gethostname(): 7_000_000}  # that node's clock runs 7 ms ahead
+    try:
+        export(job, str(moved), window_s=60)
+    finally:
+        job.offsets = {}
+    a, b = parse(plain), parse(moved)
+    for r in range(WORLD):
+        assert [t - 7_000_000 for t in a["slice_ts"][r]] == b["slice_ts"][r]
+    assert len(b["flows"]) == len(a["flows"]) == STEPS + 5
+
+
+def test_max_events_keeps_the_newest_and_says_what_it_dropped(job, tmp_path: Path) -> None:
+    path = tmp_path / "cut.pftrace"
+    report = export(job, str(path), window_s=60, max_events=100)
+    got = parse(path)
+    written = sum(got["slices"].values()) + sum(got["counters"].values()) // METRICS
+    assert written == report.events == 100
+    total = WORLD * (STEPS + 6 + STEPS * (KERNELS + 1) + SAMPLES)
+    assert sum(report.cap.dropped.values()) == total - 100
+    assert got["notes"] == [f"probing export: {total - 100} events dropped"]  # in the file
+    said = f"--max-events 100 cut the export: dropped {total - 100}"
+    assert report.cap.message().startswith(said)
+    # the newest were kept: nothing kept is older than anything of its table dropped
+    newest = max(t for ts in got["slice_ts"].values() for t in ts)
+    assert newest >= BASE + (STEPS - 1) * STEP_NS
+
+
+def test_parquet_export_writes_one_tagged_file_per_table(job, tmp_path: Path) -> None:
+    out = tmp_path / "pq"
+    report = export(job, str(out), fmt="parquet", window_s=60, max_events=500)
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(f"{t}.parquet" for t in (
+        "nccl.calls", "gloo.calls", "cuda.calls", "nvml.gpu", "python.stacks", "comm.groups",
+        "process.info"))  # fmt: skip
+    rows = {t: pq.read_table(out / f"{t}.parquet") for t in ("gloo.calls", "cuda.calls",
+                                                            "nvml.gpu", "nccl.calls")}  # fmt: skip
+    assert sum(t.num_rows for t in rows.values()) == report.events == 500
+    for t in rows.values():
+        assert set(t.column("rank").to_pylist()) <= set(range(WORLD))
+        assert set(t.column("node").to_pylist()) <= {socket.gethostname()}
+    gloo = rows["gloo.calls"]
+    assert "table_rank" in gloo.column_names  # the call's own rank in its communicator
+    meta = json.loads(pq.read_metadata(out / "gloo.calls.parquet").metadata[b"probing.export"])
+    assert sum(meta["dropped"].values()) == sum(report.cap.dropped.values()) > 0
+    stacks = pq.read_table(out / "python.stacks.parquet")
+    assert stacks.num_rows == 2 * WORLD and sorted(set(stacks.column("rank").to_pylist())) == [
+        0, 1, 2, 3]  # fmt: skip
+
+
+def test_export_refuses_bad_input_with_the_next_step(tmp_path: Path) -> None:
+    r = cli("export", "-o", str(tmp_path / "x.pftrace"))
+    assert r.returncode == 1
+    assert r.stderr.startswith("probing: error: give exactly one of --pid or --addr")
+    assert r.stderr.endswith("\n")
+    r = cli("export", "-p", "1", "-p", "2", "--cluster", "-o", str(tmp_path / "x"))
+    assert r.returncode == 1 and "give a single --pid" in r.stderr
+    r = cli("export", "-p", "1", "--window", "soon", "-o", str(tmp_path / "x"))
+    assert r.returncode == 2 and "not a duration" in r.stderr
+    r = cli("export", "-p", "1", "--max-events", "0", "-o", str(tmp_path / "x"))
+    assert r.returncode == 1 and "--max-events must be at least 1" in r.stderr
+    r = cli("export", "-p", "1", "-f", "json", "-o", str(tmp_path / "x"))
+    assert r.returncode == 2 and "json" in r.stderr
