@@ -13,6 +13,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check probing tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 bench: setup

@@ -127,7 +127,7 @@ def cpu_s(pids: list[int]) -> list[float]:
 def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
     """Median wall time of ``runs`` queries, and CPU per query: all processes,
     the asker's process (rank 0 and the peers it hosts), the others' mean."""
-    from probing.cluster import cluster_query
+    from probing.client import cluster_query
 
     times, rows, missing = [], 0, 0
     cpu0 = cpu_s(pids)
@@ -204,8 +204,8 @@ THREADS_BY_RANK = "SELECT rank, count(*) FROM process.threads GROUP BY rank"
 def real_probes(runs: int) -> dict:
     """4 real probes (PROBING=1 processes, PROBING_PEERS): the CLI end to end
     (a fresh `probing` process each time) and the API call from a warm client."""
-    from probing.cluster import cluster_query
-    from probing.probe import paths
+    from probing import paths
+    from probing.client import cluster_query
 
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(4))
     env = dict(os.environ, PROBING="1", PROBING_TOKEN=TOKEN, PROBING_PEERS=peers)
@@ -261,7 +261,7 @@ def idle_cost(seconds: float = 5.0) -> dict:
     """CPU and threads of an idle probe, without and with cluster mode (4 peers listed)."""
     import psutil
 
-    from probing.probe import paths
+    from probing import paths
 
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(4))
     out = {}

@@ -149,12 +149,13 @@ def loop(n):
 for _ in range(50):
     dist.all_reduce(t)
 base = loop(2000)
-from probing.bpf import tracer
-tr = tracer.start(["gloo"])
+from probing.probe.context import ProbeContext
+ctx = ProbeContext()
+tr = ctx.start_trace(["gloo"])
 dist.barrier()
 traced = loop(2000)
 events = tr.drain() + tr.status()["families"]["gloo"]["events"]
-tracer.stop()
+ctx.stop_trace()
 print(json.dumps({"rank": rank, "untraced_us": base, "traced_us": traced, "events": events}))
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from probing.config import VERSION as __version__
 from probing.errors import (
     AccessDenied,
     AttachError,
@@ -23,18 +24,52 @@ from probing.errors import (
     QueryError,
 )
 
-__version__ = "0.1.0"
-
 if TYPE_CHECKING:
-    from probing.probe.runtime import Probe
-    from probing.tables.external import ExternalTable
+    from probing.engine import Engine
+    from probing.probe.context import ProbeContext
+    from probing.tables.external import ExternalTable  # noqa: F401
 
 
-def enable() -> Probe:
-    """Start the probe in this process (idempotent); returns it."""
+# -- what the layers above the probe add to it: probing.enable() is where the
+# probe (probing.probe) meets the analyze tables and the cluster node, which
+# it never imports itself
+
+
+def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
+    """Every table of a probe: the base tables, then ``analyze.*`` (which read
+    ``comm.collectives``)."""
+    from probing import analyze
+    from probing.tables import install
+
+    install(engine, ctx)
+    analyze.install(engine)
+
+
+def cluster_node(ctx: ProbeContext) -> Any:
+    """The cluster node of a rank of a multi-process job, or of a process
+    given ``PROBING_PEERS``; None otherwise. Its TCP port and publication
+    start in the background."""
+    from probing.cluster import identity
+
+    if not identity.cluster_wanted():
+        return None
+    from probing.cluster.node import ClusterNode
+
+    return ClusterNode(identity.from_env(), lambda: ctx.engine, pid=ctx.pid)
+
+
+def context() -> ProbeContext:
+    """This process's probe context (created on first use, not serving)."""
     from probing.probe import runtime
 
-    return runtime.enable()
+    return runtime.context(installers=(install_tables,), cluster=cluster_node)
+
+
+def enable() -> ProbeContext:
+    """Start the probe in this process (idempotent); returns its context."""
+    from probing.probe import runtime
+
+    return runtime.enable(installers=(install_tables,), cluster=cluster_node)
 
 
 def disable() -> None:
@@ -46,15 +81,20 @@ def disable() -> None:
 
 def query(sql: str) -> Any:
     """Run read-only SQL in this process's engine; returns a ``pyarrow.Table``."""
-    from probing.probe import runtime
-
-    return runtime.engine().sql(sql)
+    return context().engine.sql(sql)
 
 
 def __getattr__(name: str) -> Any:
     if name == "ExternalTable":
-        from probing.tables.external import ExternalTable
+        from probing.tables import external
 
+        class ExternalTable(external.ExternalTable):
+            __doc__ = external.ExternalTable.__doc__
+
+            def __init__(self, name: str, columns: Any, *, store: Any = None) -> None:
+                super().__init__(name, columns, store=store or context().store)
+
+        globals()["ExternalTable"] = ExternalTable
         return ExternalTable
     raise AttributeError(f"module 'probing' has no attribute {name!r}")
 
@@ -70,6 +110,7 @@ __all__ = [
     "ProbingError",
     "QueryError",
     "__version__",
+    "context",
     "disable",
     "enable",
     "query",

@@ -8,19 +8,19 @@ from __future__ import annotations
 import os
 import sys
 
-TRUTHY = {"1", "true", "yes", "on"}
-
 
 def wanted(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    return environ.get("PROBING", "").strip().lower() in TRUTHY
+    from probing.config import from_env
+
+    return from_env(environ).probing
 
 
 def boot() -> None:
     if not wanted():
         return
     try:
-        from probing.probe import runtime
+        import probing
 
-        runtime.enable()
+        probing.enable()
     except Exception as err:  # never break the host's start-up
         print(f"probing: probe not started: {err}", file=sys.stderr)

@@ -143,7 +143,7 @@ def _addr_client(addr: str):  # type: ignore[no-untyped-def]
 
 
 def _cluster_query(sql: str, pid: int | None, addr: str | None, **kw: object):  # type: ignore[no-untyped-def]
-    from probing.cluster import cluster_query
+    from probing.client import cluster_query
 
     return cluster_query(sql, pid=pid, addr=addr, **kw)  # type: ignore[arg-type]
 
@@ -452,14 +452,39 @@ def doctor(
         raise typer.Exit(1)
 
 
+def run_script(argv: list[str]) -> int:
+    """``python -m probing run`` / ``probing run``: the script with the probe on."""
+    import os
+
+    if not argv:
+        print("usage: python -m probing run SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    if not os.path.exists(script):
+        print(f"probing: error: no such script: {script}", file=sys.stderr)
+        return 2
+    import runpy
+
+    import probing
+
+    probing.enable()
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
+
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     epilog="Examples:\n\n  probing run train.py --epochs 3",
 )
 def run(ctx: typer.Context, script: Annotated[str, typer.Argument(help="script to run")]) -> None:
     """Run a Python script with the probe enabled (like PROBING=1)."""
-    from probing.__main__ import run_script
-
     raise typer.Exit(run_script([script, *ctx.args]))
 
 

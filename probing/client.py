@@ -13,6 +13,7 @@ import socket
 import struct
 from typing import Any
 
+from probing import config, paths
 from probing.errors import (
     AccessDenied,
     BPFUnavailable,
@@ -23,7 +24,6 @@ from probing.errors import (
     ProbingError,
     QueryError,
 )
-from probing.probe import paths
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -158,7 +158,7 @@ class ProbeClient:
     def for_addr(cls, addr: str, *, token: str | None = None, timeout: float = 30.0) -> ProbeClient:
         """The client of a peer probe's TCP port (``host:port``), with the job's
         token (``token``, else ``$PROBING_TOKEN``)."""
-        token = token or os.environ.get("PROBING_TOKEN")
+        token = token or config.load().token
         if not token:
             raise ProbingError(
                 f"asking {addr} needs the job's token", hint="pass token= or set PROBING_TOKEN"
@@ -300,3 +300,29 @@ class ProbeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def cluster_query(
+    sql: str,
+    *,
+    pid: int | None = None,
+    addr: str | None = None,
+    timeout: float = 5.0,
+    strict: bool = False,
+    token: str | None = None,
+    fanout: str = "auto",
+) -> Any:
+    """Ask a probe to run ``sql`` across the job: the local probe of ``pid``
+    (unix socket, no token) or a remote one at ``addr`` ("host:port", with
+    ``token`` or ``$PROBING_TOKEN``). Peers that do not answer within
+    ``timeout`` are listed in ``missing``; ``strict`` raises PeerUnreachable.
+    Returns a ``probing.cluster.ClusterResult``.
+    """
+    if (pid is None) == (addr is None):
+        raise ProbingError("cluster_query needs exactly one of pid= or addr=")
+    if pid is not None:
+        client = ProbeClient.for_pid(pid, timeout=timeout + 30)
+    else:
+        client = ProbeClient.for_addr(addr or "", token=token, timeout=timeout + 30)
+    with client:
+        return client.cluster_query(sql, timeout=timeout, strict=strict, fanout=fanout)

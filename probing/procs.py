@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import psutil
 
-from probing.probe import paths
+from probing import paths
 
 _PY_EXE = re.compile(r"^python(\d+(\.\d+)*)?$")
 

@@ -271,11 +271,11 @@ def test_stack_paths_are_short_and_collective_frames_are_seen() -> None:
 def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
     import time
 
+    from probing import install_tables
     from probing.bpf.families import GLOO_SCHEMA
-    from probing.tables import install
 
     engine = Engine(Store())
-    install(engine)
+    install_tables(engine)
     now = time.time_ns()
     rows = [
         {"event_id": k, "ts": now - (50 - k) * 10**8, "dur_ns": 10**6, "pid": 7, "tid": 7,

@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from probing.client import ProbeClient
-from probing.cluster import cluster_query
+from probing.client import ProbeClient, cluster_query
 from probing.errors import AccessDenied, PeerUnreachable
 from tests.conftest import IDLE_LOOP, cli
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from probing import paths
 from probing.client import ProbeClient
 from probing.errors import AccessDenied
-from probing.probe import paths
 from probing.probe import server as srv
 from tests.stall_host import SCRIPT, StallHost
 

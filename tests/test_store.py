@@ -221,8 +221,8 @@ def test_forked_child_keeps_its_own_copy_of_the_chunks(tmp_path, monkeypatch) ->
 
     code = (
         "import os, numpy as np\n"
-        "from probing.store import default_store\n"
-        "s = default_store(); s.chunk_rows = 10\n"
+        "import probing\n"
+        "s = probing.context().store; s.chunk_rows = 10\n"
         "t = s.table('t', 'x'); t.append_batch({'a': np.arange(100)})\n"
         "r, w = os.pipe(); r2, w2 = os.pipe()\n"
         "pid = os.fork()\n"
@@ -246,7 +246,7 @@ def test_forked_child_keeps_its_own_copy_of_the_chunks(tmp_path, monkeypatch) ->
 def test_chunk_dir_never_follows_a_symlink(tmp_path, monkeypatch) -> None:
     """``probing-<uid>`` under the chunk base planted as a symlink (by another
     user, in a shared /dev/shm) is refused, never followed."""
-    from probing.probe.paths import UnsafePath
+    from probing.paths import UnsafePath
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -91,7 +91,7 @@ def gather(
 
 def _cluster(sql: str, *, pids: Sequence[int] | None, addr: str | None, timeout: float) -> pa.Table:
     try:
-        from probing.cluster import cluster_query  # type: ignore[import-not-found]
+        from probing.client import cluster_query
     except ImportError as err:
         raise ProbingError(
             "cross-node queries are not available in this build (no probing.cluster)",

@@ -1,5 +1,6 @@
 """The BCC loader: BPF programs from ``bpf/``, uprobes, ring-buffer drain.
 
-``probing.bpf.tracer.start(["nccl", "gloo"])`` traces this process into
+``ProbeContext.start_trace(["nccl", "gloo"])`` (a ``tracer.Tracer`` on the
+probe's store) traces this process into
 the store tables ``nccl.calls``, ``cuda.calls`` and ``gloo.calls``.
 """

@@ -31,6 +31,7 @@ import pyarrow as pa
 from probing.bpf import families as fam
 from probing.bpf.pystacks import PyStacks
 from probing.bpf.ringbuf import RingReader
+from probing.bpf.state import TracerState
 from probing.bpf.symbols import (
     Mapping,
     RuntimeNames,
@@ -128,7 +129,7 @@ class Tracer:
         self,
         families: Sequence[str] = ("nccl", "cuda", "gloo"),
         *,
-        store: Any = None,
+        store: Any,
         output: str | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
         stacks: bool = True,
@@ -139,11 +140,7 @@ class Tracer:
             raise ProbingError(
                 f"unknown probe families {unknown} (known: {', '.join(fam.FAMILIES)})"
             )
-        if store is None:
-            from probing.store import default_store
-
-            store = default_store()
-        self.store = store
+        self.store = store  # a probe's store (ProbeContext.start_trace)
         self.families = [fam.FAMILIES[f] for f in families]
         self.interval_s = interval_s
         self.stacks = stacks
@@ -151,7 +148,7 @@ class Tracer:
         self._py: PyStacks | None = None
         self.pid = os.getpid()
         self.probes: list[Probe] = []
-        self.state = "stopped"
+        self.state = TracerState.STOPPED
         self.started_ns = 0
         self.stopped_ns = 0
         self.last_error: str | None = None
@@ -223,7 +220,7 @@ class Tracer:
             if self._writer is not None:
                 self._writer.close()
             raise
-        self.state = "tracing"
+        self.state = TracerState.TRACING
         self.started_ns = time.time_ns()
         for f in self.families:  # a query sees every event committed before it
             self.store.table(f.table, "calls").add_before_read(self.drain)
@@ -235,9 +232,9 @@ class Tracer:
     def stop(self) -> None:
         """Drain what is left, detach every uprobe, close the output. Safe twice."""
         with self._lock:
-            if self.state != "tracing":
+            if self.state is not TracerState.TRACING:
                 return
-            self.state = "stopping"
+            self.state = TracerState.STOPPING
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
@@ -253,7 +250,7 @@ class Tracer:
                 self.store.table(f.table, "calls").flush()
             if self._writer is not None:
                 self._writer.close()
-            self.state = "stopped"
+            self.state = TracerState.STOPPED
             self.stopped_ns = time.time_ns()
 
     def _detach(self) -> None:
@@ -416,7 +413,7 @@ class Tracer:
         of ``<family>.calls`` with a NULL ``dur_ns``."""
         f = fam.FAMILIES[family]
         live = next((x for x in self._live if x.family is f), None)
-        if live is None or self.state != "tracing":
+        if live is None or self.state is not TracerState.TRACING:
             return f.schema.empty_table()
         raw = [bytes(v) for _, v in live.bpf["inflight"].items()]
         if not raw:
@@ -468,7 +465,7 @@ class Tracer:
                 ),
             }
         return {
-            "state": self.state,
+            "state": self.state.value,
             "pid": self.pid,
             "started_ns": self.started_ns,
             "stopped_ns": self.stopped_ns or None,
@@ -563,66 +560,3 @@ class OutputWriter:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
-
-
-# -- the process's tracer ---------------------------------------------------------------
-
-_current: Tracer | None = None
-_current_lock = threading.Lock()
-
-
-def current() -> Tracer | None:
-    return _current
-
-
-def start(
-    families: Sequence[str],
-    *,
-    output: str | None = None,
-    store: Any = None,
-    stacks: bool = True,
-    launch_stacks: bool = False,
-) -> Tracer:
-    """Start tracing this process (one tracer at a time)."""
-    global _current
-    with _current_lock:
-        if _current is not None and _current.state == "tracing":
-            raise ProbingError(
-                f"pid {os.getpid()} is already tracing "
-                f"({', '.join(f.name for f in _current.families)}); stop it first",
-                hint=f"probing trace --pid {os.getpid()} --stop",
-            )
-        tracer = Tracer(
-            families, output=output, store=store, stacks=stacks, launch_stacks=launch_stacks
-        )
-        tracer.start()
-        _current = tracer
-        return tracer
-
-
-def stop() -> Tracer | None:
-    tracer = _current
-    if tracer is not None:
-        tracer.stop()
-    return tracer
-
-
-def _stop_at_exit() -> None:
-    try:
-        stop()
-    except Exception:
-        pass
-
-
-def _after_fork_in_child() -> None:
-    # the uprobes filter on the parent's pid and the drain thread is gone:
-    # the child starts untraced (closing the inherited fds is harmless)
-    # (nor does it register its threads in the parent's maps)
-    global _current, _current_lock
-    _current = None
-    _current_lock = threading.Lock()
-    PyStacks.unhook_threads()
-
-
-atexit.register(_stop_at_exit)
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -51,22 +51,10 @@ class PeerInfo:
 
 
 def peers_schema() -> pa.Schema:
-    import pyarrow as pa
+    """``probing.peers``'s columns (the table exists, empty, outside cluster mode)."""
+    from probing.tables.meta import PEERS_SCHEMA
 
-    return pa.schema(
-        [
-            ("rank", pa.int64()),
-            ("node", pa.string()),
-            ("addr", pa.string()),
-            ("pid", pa.int64()),
-            ("source", pa.string()),
-            ("last_seen", pa.int64()),
-            ("status", pa.string()),
-            ("reason", pa.string()),
-            ("response_ms", pa.float64()),
-            ("clock_offset_ns", pa.int64()),
-        ]
-    )
+    return PEERS_SCHEMA
 
 
 class Registry:

@@ -22,14 +22,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from probing import config
+
 
 def reply_limit() -> int:
     """Bytes one peer's answer may take: ``PROBING_MAX_REPLY_MB`` (default 256)."""
-    try:
-        mb = float(os.environ.get("PROBING_MAX_REPLY_MB", "") or 256)
-    except ValueError:
-        mb = 256.0
-    return int(max(mb, 0.001) * (1 << 20))
+    return int(config.load().max_reply_mb * (1 << 20))
 
 
 @dataclass

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from probing import config
 from probing.errors import ProbingError
 
 DEFAULT_PORT = 0  # any free port: the address is published, not guessed
@@ -76,16 +77,18 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
 
 def cluster_wanted(environ: Mapping[str, str] = os.environ) -> bool:
     """Cluster mode: a rank of a multi-process job, or an explicit peer list."""
-    if environ.get("PROBING_CLUSTER", "").strip().lower() in ("0", "off", "no", "false"):
+    env = config.from_env(environ)
+    if env.cluster_off:
         return False
-    return (_int(environ, "WORLD_SIZE") or 1) > 1 or bool(environ.get("PROBING_PEERS", "").strip())
+    return (_int(environ, "WORLD_SIZE") or 1) > 1 or bool(env.peers.strip())
 
 
 def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
     """This process's identity. With ``PROBING_PEERS``, a process that sets no
     ``RANK`` takes the index of the first listed address it can bind."""
-    peers = parse_peers(environ["PROBING_PEERS"]) if environ.get("PROBING_PEERS") else ()
-    rank = _int(environ, "PROBING_RANK")
+    env = config.from_env(environ, strict=True)
+    peers = parse_peers(env.peers) if env.peers else ()
+    rank = env.rank
     if rank is None:
         rank = _int(environ, "RANK")
     world = _int(environ, "WORLD_SIZE") or (len(peers) or 1)
@@ -94,12 +97,12 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
     master = None
     if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT") and not peers:
         master = (environ["MASTER_ADDR"], _int(environ, "MASTER_PORT") or 0)
-    port = _int(environ, "PROBING_PORT")
+    port = env.port
     return Identity(
         rank=-1 if rank is None else rank,
         world_size=world,
         local_rank=_int(environ, "LOCAL_RANK") or 0,
-        node=environ.get("PROBING_NODE") or socket.gethostname(),
+        node=env.node or socket.gethostname(),
         group_rank=_int(environ, "GROUP_RANK"),
         master=master,
         run_id=environ.get("TORCHELASTIC_RUN_ID") or "none",
@@ -129,9 +132,10 @@ def job_address(master: tuple[str, int] | None) -> str:
 
 def token_from_env(environ: Mapping[str, str] = os.environ) -> bytes | None:
     """``PROBING_TOKEN``, or the first line of ``PROBING_TOKEN_FILE``."""
-    if environ.get("PROBING_TOKEN"):
-        return environ["PROBING_TOKEN"].strip().encode()
-    path = environ.get("PROBING_TOKEN_FILE")
+    env = config.from_env(environ)
+    if env.token.strip():
+        return env.token.strip().encode()
+    path = env.token_file
     if path:
         try:
             with open(path) as f:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from probing import config
 from probing.cluster.discovery import (
     STORE_TIMEOUT_S,
     PeerInfo,
@@ -28,6 +29,7 @@ from probing.cluster.discovery import (
 from probing.cluster.exchange import Exchange, Reply, request_bytes
 from probing.cluster.identity import Identity, job_address, split_addr, token_from_env
 from probing.cluster.wire import (
+    CLUSTER_CONTENT_TYPE,
     MissingPeer,
     PeerTiming,
     clock_offset,
@@ -35,6 +37,7 @@ from probing.cluster.wire import (
     unpack,
 )
 from probing.errors import PeerUnreachable, ProbingError, QueryError
+from probing.probe.server import Request, Response
 
 if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
     import pyarrow as pa
@@ -215,7 +218,7 @@ class ClusterNode:
             self.published = True
             return
         if self.addr is None:
-            host = os.environ.get("PROBING_HOST") or job_address(ident.master)
+            host = config.load().host or job_address(ident.master)
             bound = self._server.listen_tcp(host, ident.port, self.token)
             self.addr = f"{bound[0]}:{bound[1]}"
             me = PeerInfo(
@@ -557,18 +560,20 @@ class ClusterNode:
                 if data is None and sch is None:
                     raise QueryError(f"table '{name}' not found here nor on any peer that answered")
                 tables[name] = data if data is not None else (sch or pa.schema(list(planner.TAGS)))
-            result = planner.run_final(the_plan.final_sql, tables)
+            result = planner.run_final(the_plan.final_sql, tables, eng.threads)
         else:
             partial = merged.get(planner.PARTIAL)
             rows = {n: t for n, t in merged.items() if n != planner.PARTIAL}
             if the_plan.mode == "agg_node" and rows:  # my node's rows (and any re-asked)
-                mine = planner.run_final(sql, rows)  # type: ignore[arg-type]
+                mine = planner.run_final(sql, rows, eng.threads)  # type: ignore[arg-type]
                 partial = mine if partial is None else _concat([partial, mine])
             if partial is None:
                 ref = planner.table_refs(sql, known)[0].name
                 empty = schemas[ref] or pa.schema(list(planner.TAGS))
-                partial = planner.run_final(the_plan.sql, {ref: empty})
-            result = planner.run_final(the_plan.final_sql, {f"probing.{planner.PARTIAL}": partial})
+                partial = planner.run_final(the_plan.sql, {ref: empty}, eng.threads)
+            result = planner.run_final(
+                the_plan.final_sql, {f"probing.{planner.PARTIAL}": partial}, eng.threads
+            )
         got.peers.sort(key=lambda t: t.rank)
         got.missing.sort(key=lambda m: m.rank)
         return result, got, the_plan
@@ -624,7 +629,8 @@ class ClusterNode:
             refs = list(work["scans"]) or []
             inputs: dict[str, pa.Table | pa.Schema] = {n: tables[n] for n in refs if n in tables}
             if inputs:
-                tables = {planner.PARTIAL: planner.run_final(work["sql"], inputs)}
+                threads = self.engine().threads
+                tables = {planner.PARTIAL: planner.run_final(work["sql"], inputs, threads)}
             else:
                 tables = {}
         meta = {
@@ -634,6 +640,48 @@ class ClusterNode:
             "peers": [vars(t) for t in got.peers if t.rank != self.rank],
         }
         return pack(meta, tables, t_recv_ns)
+
+
+    # -- HTTP: the probe's /cluster/* endpoints call these ------------------------------
+    def serve_query(self, req: Request) -> Response:
+        """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}."""
+        import json
+
+        from probing.probe.api import json_rows, result_limit
+
+        t_recv = time.time_ns()
+        try:
+            payload = json.loads(req.body or b"{}")
+            sql = payload["sql"]
+            timeout = float(payload.get("timeout", 5.0))
+            strict = bool(payload.get("strict", False))
+            fanout = str(payload.get("fanout", "auto"))
+            fmt = payload.get("format", "arrow")
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            return Response.error(400, f'bad /cluster/query request (want {{"sql": ...}}): {err}')
+        result, got, plan = self.coordinate(sql, timeout=timeout, strict=strict, fanout=fanout)
+        meta = {
+            "missing": [vars(m) for m in got.missing],
+            "peers": [vars(t) for t in got.peers],
+            "plan": {"mode": plan.mode, "pushed": plan.pushed},
+        }
+        if fmt == "json":
+            body = json_rows(result, result_limit(), prefix=b'{"rows": ')
+            body += b", " + json.dumps(meta, default=str).encode()[1:]
+            return Response(200, "application/json", bytes(body))
+        return Response(200, CLUSTER_CONTENT_TYPE, pack(meta, {"result": result}, t_recv))
+
+    def serve_gather(self, req: Request) -> Response:
+        """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
+        import json
+
+        t_recv = time.time_ns()
+        try:
+            payload = json.loads(req.body)
+            payload["work"]["mode"]
+        except (ValueError, KeyError, TypeError) as err:
+            return Response.error(400, f"bad /cluster/gather request: {err}")
+        return Response(200, CLUSTER_CONTENT_TYPE, self.answer_gather(payload, t_recv))
 
 
 def _node_key(p: PeerInfo) -> str:

@@ -189,9 +189,12 @@ def _message(err: Exception) -> str:
     return " ".join(str(err).split()).removeprefix("DataFusion error: ")
 
 
-def run_final(sql: str, tables: dict[str, pa.Table | pa.Schema]) -> pa.Table:
+def run_final(
+    sql: str, tables: dict[str, pa.Table | pa.Schema], threads: run.QueryThreads | None = None
+) -> pa.Table:
     """Run read-only ``sql`` in a fresh session over ``tables``, under the
-    probe's limits (``probing.engine.limits``), on a query thread."""
+    probe's limits (``probing.engine.limits``), on a query thread of
+    ``threads`` (the probe engine's; a pool of its own when None)."""
     limits = Limits.from_env()
     check_sql(sql, limits)
 
@@ -207,7 +210,7 @@ def run_final(sql: str, tables: dict[str, pa.Table | pa.Schema]) -> pa.Table:
                 raise memory_exceeded(msg, limits) from err
             raise QueryError(msg) from err
 
-    return run.threads().run(job, timeout_s=limits.timeout_s)
+    return (threads or run.QueryThreads()).run(job, timeout_s=limits.timeout_s)
 
 
 # shapes the peers cannot finish on their own (OFFSET: each would skip its own first rows)

@@ -1,4 +1,4 @@
-"""``cluster_query``: one SQL query over every peer of the job.
+"""``ClusterResult``: what ``probing.client.cluster_query`` answers.
 
 result = cluster_query("SELECT rank, count(*) FROM process.threads GROUP BY rank", pid=1234)
 result.table      # pyarrow.Table, rows tagged node and rank
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from probing.cluster.wire import MissingPeer, PeerTiming
-from probing.errors import ProbingError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -26,30 +25,3 @@ class ClusterResult:
     missing: list[MissingPeer] = field(default_factory=list)
     peers: list[PeerTiming] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)  # mode, and what the peers ran
-
-
-def cluster_query(
-    sql: str,
-    *,
-    pid: int | None = None,
-    addr: str | None = None,
-    timeout: float = 5.0,
-    strict: bool = False,
-    token: str | None = None,
-    fanout: str = "auto",
-) -> ClusterResult:
-    """Ask a probe to run ``sql`` across the job: the local probe of ``pid``
-    (unix socket, no token) or a remote one at ``addr`` ("host:port", with
-    ``token`` or ``$PROBING_TOKEN``). Peers that do not answer within
-    ``timeout`` are listed in ``missing``; ``strict`` raises PeerUnreachable.
-    """
-    from probing.client import ProbeClient
-
-    if (pid is None) == (addr is None):
-        raise ProbingError("cluster_query needs exactly one of pid= or addr=")
-    if pid is not None:
-        client = ProbeClient.for_pid(pid, timeout=timeout + 30)
-    else:
-        client = ProbeClient.for_addr(addr or "", token=token, timeout=timeout + 30)
-    with client:
-        return client.cluster_query(sql, timeout=timeout, strict=strict, fanout=fanout)

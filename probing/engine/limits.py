@@ -14,10 +14,10 @@ names the limit and the setting that raises it.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
+from probing import config
 from probing.errors import QueryError
 
 
@@ -28,16 +28,6 @@ class LimitExceeded(QueryError):
         super().__init__(msg, hint=f"raise {setting} in the target's environment to allow more")
         self.setting = setting
         self.limit = limit
-
-
-def _env(name: str, default: float) -> float:
-    """A positive number from the environment, else ``default`` (a bad value
-    must never stop the probe: it is read inside someone else's process)."""
-    try:
-        value = float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
-    return value if value > 0 else default
 
 
 @dataclass(frozen=True)
@@ -54,15 +44,15 @@ class Limits:
 
     @classmethod
     def from_env(cls) -> Limits:
-        d = cls()
+        env = config.load()
         return cls(
-            sql_bytes=int(_env("PROBING_SQL_MAX_KB", d.sql_bytes >> 10)) << 10,
-            depth=int(_env("PROBING_SQL_MAX_DEPTH", d.depth)),
-            work=int(_env("PROBING_SQL_MAX_WORK", d.work)),
-            memory=int(_env("PROBING_QUERY_MEMORY_MB", d.memory >> 20) * (1 << 20)),
-            timeout_s=_env("PROBING_QUERY_TIMEOUT_S", d.timeout_s),
-            result_bytes=int(_env("PROBING_QUERY_MAX_RESULT_MB", d.result_bytes >> 20) * (1 << 20)),
-            repeat=int(_env("PROBING_SQL_MAX_REPEAT", d.repeat)),
+            sql_bytes=env.sql_max_kb << 10,
+            depth=env.sql_max_depth,
+            work=env.sql_max_work,
+            memory=int(env.query_memory_mb * (1 << 20)),
+            timeout_s=env.query_timeout_s,
+            result_bytes=int(env.query_max_result_mb * (1 << 20)),
+            repeat=env.sql_max_repeat,
         )
 
 

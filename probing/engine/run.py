@@ -20,12 +20,10 @@ tasks. A thread is idle-free: it exits ``LINGER_S`` after its last query.
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -83,7 +81,6 @@ class QueryThreads:
         self._jobs: queue.SimpleQueue[_Job[Any]] = queue.SimpleQueue()
         self._threads = 0
         self._busy = 0
-        _all.add(self)
 
     @property
     def threads(self) -> int:
@@ -237,26 +234,6 @@ def _start_thread(target: Callable[[], None], stack_bytes: int) -> None:
             threading.Thread(target=target, name="probing-query", daemon=True).start()
         finally:
             threading.stack_size(old)
-
-
-_all: weakref.WeakSet[QueryThreads] = weakref.WeakSet()
-_threads: QueryThreads | None = None
-
-
-def threads() -> QueryThreads:
-    """The process's query threads."""
-    global _threads
-    if _threads is None:
-        _threads = QueryThreads()
-    return _threads
-
-
-def _after_fork_in_child() -> None:
-    for pool in list(_all):
-        pool.after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def collect(df: Any, limits: Limits, schema: pa.Schema | None = None) -> pa.Table:

@@ -17,7 +17,7 @@ from probing.engine.providers import (
     set_code_allowed,
 )
 from probing.errors import QueryError
-from probing.store import Store, default_store
+from probing.store import Store
 
 CATALOG = "probing"
 
@@ -39,8 +39,9 @@ class Engine:
         target_partitions: int = 2,
         limits: Limits | None = None,
     ) -> None:
-        self.store = store or default_store()
+        self.store = store if store is not None else Store()
         self.limits = limits or Limits.from_env()
+        self.threads = run.QueryThreads()  # the threads this engine's queries run on
         self.catalog = ProbeCatalog(self.store)
         config = (
             SessionConfig()
@@ -98,7 +99,7 @@ class Engine:
             finally:
                 set_code_allowed(old)
 
-        return run.threads().run(job, timeout_s=self.limits.timeout_s, gone=gone)
+        return self.threads.run(job, timeout_s=self.limits.timeout_s, gone=gone)
 
     def _sql(self, query: str, read_only: bool) -> pa.Table:
         for attempt in (1, 2):

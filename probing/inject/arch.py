@@ -211,3 +211,10 @@ def native() -> type[Arch]:
             f"injection supports x86_64 and aarch64, not {machine}",
             hint="use PROBING=1 at start-up instead",
         ) from None
+
+
+def syscall_name(nr: int) -> str:
+    """The name of syscall ``nr`` on this machine's architecture."""
+    arch = ARCHES.get(platform.machine().lower())
+    names = arch.syscall_names if arch is not None else {}
+    return names.get(nr, f"syscall {nr}")

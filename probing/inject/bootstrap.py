@@ -73,15 +73,16 @@ def _main_thread_fixed(had_threading: bool) -> None:
 
 def start(args: dict[str, Any]) -> dict[str, Any]:
     had_threading = "threading" in sys.modules
-    # what probing.probe.runtime.quick_gil_handoff does, before probing is importable
+    # what probing.probe.imports.quick_gil_handoff does, before probing is importable
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, 0.0005))
     try:
         source = _import_probing(args)
+        import probing
         from probing.probe import runtime
 
         already = runtime.current() is not None
-        probe = runtime.enable()
+        probe = probing.enable()
     finally:
         sys.setswitchinterval(interval)
         _main_thread_fixed(had_threading)

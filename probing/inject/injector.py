@@ -39,7 +39,7 @@ from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingErro
 from probing.inject import build, elf
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
-from probing.probe import paths
+from probing import paths
 from probing.procs import task_stat, task_syscall
 
 SUPPORTED = ((3, 9), (3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
@@ -419,9 +419,8 @@ def _symbol_in(pid: int, lib: str, name: str) -> int:
 
 def probing_paths() -> list[str]:
     """Where this probing and its dependencies are installed, to append in the target."""
-    import probing
-
-    out = [os.path.dirname(os.path.dirname(os.path.abspath(probing.__file__)))]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../probing
+    out = [os.path.dirname(package)]
     sc = sysconfig.get_paths()
     for key in ("purelib", "platlib"):
         if sc[key] not in out:

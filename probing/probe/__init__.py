@@ -1,5 +1,6 @@
-"""The in-process runtime: lifecycle, HTTP server, endpoints."""
+"""The in-process runtime: the probe's context, HTTP server, endpoints."""
 
-from probing.probe.runtime import Probe, current, disable, enable
+from probing.probe.context import ProbeContext
+from probing.probe.runtime import context, current, disable, enable
 
-__all__ = ["Probe", "current", "disable", "enable"]
+__all__ = ["ProbeContext", "context", "current", "disable", "enable"]

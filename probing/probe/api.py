@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
-import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
+from probing import config
 from probing.errors import EvalError, PeerUnreachable, ProbingError, QueryError
-from probing.probe.imports import settle
-from probing.probe.runtime import quick_gil_handoff
+from probing.probe.imports import quick_gil_handoff, settle
 from probing.probe.server import Request, Response
 
-if TYPE_CHECKING:
-    from probing.probe.runtime import Probe
+
+class Probe(Protocol):
+    """What the endpoints use of a probe (``probing.probe.context.ProbeContext``)."""
+
+    tracer: Any
+    cluster: Any
+    engine: Any
+    nvml: Any
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def note_query(self) -> None: ...
+
+    def start_trace(self, families: Sequence[str], **options: Any) -> Any: ...
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 FORMATS = ("arrow", "json", "csv")
@@ -61,7 +71,7 @@ def _over(what: str, size: int, limit: int) -> ProbingError:
     )
 
 
-def _result_limit() -> int:
+def result_limit() -> int:
     from probing.engine.limits import Limits
 
     return Limits.from_env().result_bytes
@@ -96,7 +106,7 @@ def encode(table: object, fmt: str, limit: int | None = None) -> Response:
 
     assert isinstance(table, pa.Table)
     if limit is None:
-        limit = _result_limit()
+        limit = result_limit()
     if fmt == "json":
         return Response(200, "application/json", json_rows(table, limit))  # type: ignore[arg-type]
     sink = pa.BufferOutputStream()
@@ -154,7 +164,7 @@ def nvml(probe: Probe, req: Request) -> Response:
 
     try:
         payload = json.loads(req.body or b"{}")
-        sampler = gpu.sampler(probe.engine.store)
+        sampler = probe.nvml
         if payload.get("stop"):
             sampler.stop()
         else:
@@ -167,8 +177,6 @@ def nvml(probe: Probe, req: Request) -> Response:
 def trace_start(probe: Probe, req: Request) -> Response:
     """POST /trace/start {"families": ["nccl", "cuda", "gloo"], "output": path,
     "stacks": true, "launch_stacks": false}."""
-    from probing.bpf import tracer
-
     try:
         payload = json.loads(req.body or b"{}")
         families = list(payload.get("families") or ("nccl", "cuda", "gloo"))
@@ -177,26 +185,25 @@ def trace_start(probe: Probe, req: Request) -> Response:
         launch_stacks = bool(payload.get("launch_stacks", False))
     except (ValueError, AttributeError, TypeError) as err:
         return Response.error(400, f"bad /trace/start request: {err}")
-    _ = probe.engine  # the tables exist before the first event arrives
-    started = tracer.start(families, output=output, stacks=stacks, launch_stacks=launch_stacks)
+    started = probe.start_trace(
+        families, output=output, stacks=stacks, launch_stacks=launch_stacks
+    )
     return Response.json(started.status())
 
 
 def trace_stop(probe: Probe, req: Request) -> Response:
     """POST /trace/stop: drain, detach every uprobe; the tables stay."""
-    from probing.bpf import tracer
+    from probing.bpf.state import TracerState
 
-    current = tracer.current()
-    if current is None or current.state != "tracing":
+    current = probe.tracer
+    if current is None or current.state is not TracerState.TRACING:
         return Response.error(409, "this process is not tracing", "NotTracing")
     current.stop()
     return Response.json(current.status())
 
 
 def trace_status(probe: Probe, req: Request) -> Response:
-    from probing.bpf import tracer
-
-    current = tracer.current()
+    current = probe.tracer
     return Response.json(current.status() if current else {"state": "stopped", "families": {}})
 
 
@@ -221,53 +228,25 @@ def peers(probe: Probe, req: Request) -> Response:
 def cluster_query(probe: Probe, req: Request) -> Response:
     """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}: this
     probe asks every peer and answers with the merged result, the missing
-    peers and each peer's response time and clock offset."""
-    from probing.cluster.wire import CLUSTER_CONTENT_TYPE, pack
-
-    t_recv = time.time_ns()
-    try:
-        payload = json.loads(req.body or b"{}")
-        sql = payload["sql"]
-        timeout = float(payload.get("timeout", 5.0))
-        strict = bool(payload.get("strict", False))
-        fanout = str(payload.get("fanout", "auto"))
-        fmt = payload.get("format", "arrow")
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        return Response.error(400, f'bad /cluster/query request (want {{"sql": ...}}): {err}')
-    result, got, plan = _cluster(probe).coordinate(
-        sql, timeout=timeout, strict=strict, fanout=fanout
-    )
-    probe.note_query()
-    meta = {
-        "missing": [vars(m) for m in got.missing],
-        "peers": [vars(t) for t in got.peers],
-        "plan": {"mode": plan.mode, "pushed": plan.pushed},
-    }
-    if fmt == "json":
-        body = json_rows(result, _result_limit(), prefix=b'{"rows": ')
-        body += b", " + json.dumps(meta, default=str).encode()[1:]
-        return Response(200, "application/json", body)  # type: ignore[arg-type]
-    return Response(200, CLUSTER_CONTENT_TYPE, pack(meta, {"result": result}, t_recv))
+    peers and each peer's response time and clock offset (the cluster node's
+    ``serve_query``)."""
+    resp: Response = _cluster(probe).serve_query(req)
+    if resp.status == 200:
+        probe.note_query()
+    return resp
 
 
 def cluster_gather(probe: Probe, req: Request) -> Response:
     """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
-    from probing.cluster.wire import CLUSTER_CONTENT_TYPE
-
-    t_recv = time.time_ns()
-    try:
-        payload = json.loads(req.body)
-        payload["work"]["mode"]
-    except (ValueError, KeyError, TypeError) as err:
-        return Response.error(400, f"bad /cluster/gather request: {err}")
-    body = _cluster(probe).answer_gather(payload, t_recv)
-    probe.note_query()
-    return Response(200, CLUSTER_CONTENT_TYPE, body)
+    resp: Response = _cluster(probe).serve_gather(req)
+    if resp.status == 200:
+        probe.note_query()
+    return resp
 
 
 def _code_allowed(req: Request) -> bool:
     """Code runs for local callers; over TCP only with PROBING_REMOTE_CODE=1."""
-    return req.remote is None or os.environ.get("PROBING_REMOTE_CODE") == "1"
+    return req.remote is None or config.load().remote_code
 
 
 # what a TCP caller may reach without PROBING_REMOTE_CODE=1: reading only

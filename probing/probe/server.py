@@ -54,6 +54,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
+from probing import config
+
 
 class Request(NamedTuple):
     method: str
@@ -89,14 +91,6 @@ MAX_HEADERS = 100
 EVICT_AFTER_S = 1.0  # at the connection cap, a connection this old without its request makes room
 WRITE_TIMEOUT_S = 30.0
 BUSY_SWITCH_S = 0.0005  # the GIL switch interval while connections are in flight
-
-
-def _env_number(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
-    return value if value > 0 else default
 
 
 def _peer_cred(conn: socket.socket) -> tuple[int, int] | None:
@@ -414,9 +408,10 @@ class UnixHTTPServer:
     def __init__(self, path: str | None, app: App) -> None:
         self.path = path
         self.app = app
-        self.max_connections = int(_env_number("PROBING_MAX_CONNECTIONS", 64))
-        self.header_timeout = _env_number("PROBING_HEADER_TIMEOUT_S", 10.0)
-        self.idle_timeout = _env_number("PROBING_IDLE_TIMEOUT_S", 10.0)
+        env = config.load()
+        self.max_connections = env.max_connections
+        self.header_timeout = env.header_timeout_s
+        self.idle_timeout = env.idle_timeout_s
         self._token: bytes | None = None
         self._listeners: list[_Listener] = []
         self._new: list[_Listener] = []  # bound by listen_tcp, registered by the loop
@@ -431,7 +426,7 @@ class UnixHTTPServer:
         self._host_switch: float | None = None  # the host's interval, while ours is set
         self.stats = {"refused": 0, "dropped": 0, "accept_errors": 0, "evicted": 0}
         self._thread: threading.Thread | None = None
-        self._workers = _Workers(self._serve, int(_env_number("PROBING_WORKERS", 8)))
+        self._workers = _Workers(self._serve, env.workers)
 
     def start(self) -> None:
         if self.path is not None:
@@ -447,7 +442,7 @@ class UnixHTTPServer:
 
     @staticmethod
     def _bind_unix(path: str) -> socket.socket:
-        from probing.probe.paths import ensure_private_dir
+        from probing.paths import ensure_private_dir
 
         ensure_private_dir(os.path.dirname(path))
         try:

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from probing.errors import NoSuchProcess
+from probing.inject.arch import syscall_name
 from probing.procs import task_stat, task_syscall
 from probing.pyframes import remote
 
@@ -24,8 +25,6 @@ def _state(pid: int, tid: int) -> tuple[str, str | None]:
         return "exited", None
     if stat[0] == "R":
         return "active", None
-    from probing.tables.stacks import syscall_name
-
     nr = task_syscall(tid, pid)
     if nr < 0:
         return "idle", None

@@ -1,7 +1,7 @@
 """Append-only, compressed column tables (see ``Store``)."""
 
 from probing.store.codec import CODECS, DEFAULT_CODEC, Codec, get_codec
-from probing.store.store import Store, default_store
+from probing.store.store import Store
 from probing.store.table import EventTable, TableStats
 
 __all__ = [
@@ -11,6 +11,5 @@ __all__ = [
     "EventTable",
     "Store",
     "TableStats",
-    "default_store",
     "get_codec",
 ]

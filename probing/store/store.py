@@ -1,4 +1,4 @@
-"""The process-wide store: every table, one byte budget, one age limit."""
+"""A probe's store: every table, one byte budget, one age limit."""
 
 from __future__ import annotations
 
@@ -6,23 +6,19 @@ import atexit
 import os
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
 
 import pyarrow as pa
 
+from probing import config
+from probing.paths import ensure_private_dir
 from probing.store.codec import DEFAULT_CODEC, get_codec
 from probing.store.table import EventTable, TableStats
 
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_CHUNK_ROWS = 1 << 16
-
-
-def _env_float(name: str, default: float | None) -> float | None:
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
 
 
 _ROOT_NAME = re.compile(r"^chunks-(\d+)-")
@@ -42,7 +38,7 @@ def chunk_base(need_bytes: int) -> str:
     """Where chunk files go: ``$PROBING_CHUNK_DIR``, else /dev/shm (memory,
     like the rest of the process's data) when it has room for the whole
     budget, else the temp directory."""
-    explicit = os.environ.get("PROBING_CHUNK_DIR")
+    explicit = config.load().chunk_dir
     if explicit:
         return explicit
     try:
@@ -86,12 +82,11 @@ class Store:
         codec: str | None = None,
         seal_after_s: float = 2.0,
     ) -> None:
-        self.max_bytes = int(max_bytes or _env_float("PROBING_STORE_BYTES", DEFAULT_MAX_BYTES))
-        self.max_age_s = (
-            max_age_s if max_age_s is not None else _env_float("PROBING_STORE_AGE_S", None)
-        )
+        env = config.load()
+        self.max_bytes = int(max_bytes or env.store_bytes)
+        self.max_age_s = max_age_s if max_age_s is not None else (env.store_age_s or None)
         self.chunk_rows = int(chunk_rows or DEFAULT_CHUNK_ROWS)
-        self.codec = get_codec(codec or os.environ.get("PROBING_STORE_CODEC", DEFAULT_CODEC))
+        self.codec = get_codec(codec or env.store_codec or DEFAULT_CODEC)
         self.seal_after_s = seal_after_s
         self._root: str | None = None
         self._root_pid = 0
@@ -102,8 +97,6 @@ class Store:
         """This process's chunk directory, created on first use."""
         with self._lock:
             if self._root is None or self._root_pid != os.getpid():
-                from probing.probe.paths import ensure_private_dir
-
                 user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
                 ensure_private_dir(user_dir)  # never through another user's symlink
                 remove_stale_roots(user_dir)
@@ -172,29 +165,3 @@ class Store:
             new_root = self.chunk_root()
             for t in self._tables.values():
                 t.relink_chunks(old_root, new_root)
-
-
-_default: Store | None = None
-_default_lock = threading.Lock()
-
-
-def default_store() -> Store:
-    """The store of this process (one per process, shared by every table)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Store()
-        return _default
-
-
-def _after_fork_in_child() -> None:
-    global _default_lock
-    _default_lock = threading.Lock()
-    if _default is not None:
-        try:
-            _default.reinit_after_fork()
-        except Exception as err:  # never break the child
-            print(f"probing: store not carried into child {os.getpid()}: {err}", file=sys.stderr)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -9,12 +9,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from probing.store.store import Store
+from probing.store.codec import Codec
+
+
+class Host(Protocol):
+    """What a table needs of the store that holds it (``probing.store.Store``)."""
+
+    codec: Codec
+    chunk_rows: int
+    seal_after_s: float
+
+    def chunk_root(self) -> str: ...
+
+    def enforce_retention(self) -> None: ...
 
 _chunk_ids = itertools.count()
 
@@ -75,7 +86,7 @@ class EventTable:
     sealed and pending batches alike, so no row is ever invisible.
     """
 
-    def __init__(self, store: Store, schema_name: str, name: str, schema: pa.Schema | None) -> None:
+    def __init__(self, store: Host, schema_name: str, name: str, schema: pa.Schema | None) -> None:
         self._store = store
         self.schema_name = schema_name
         self.name = name

@@ -1,40 +1,63 @@
-"""Table providers: process, python, probing (store statistics), external."""
+"""Table providers: process, python, probing (store statistics), external.
+
+``install(engine, ctx)`` registers them; ``ctx`` (a ``ProbeContext``) gives
+the parts of the probe they show: its tracer, NVML sampler and cluster
+node. Without one (an engine built alone, as in tests) those tables answer
+as an idle probe's would.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from probing.engine import Engine
-from probing.tables import groups, meta, nvml, process, python, stacks, trace
+from probing.tables import groups, meta, nvml, process, python, samples, stacks, trace
 from probing.tables.external import ExternalTable
 
 
-def install(engine: Engine) -> None:
+class Context(Protocol):
+    """What the tables read of a probe (``probing.probe.context.ProbeContext``)."""
+
+    tracer: Any  # a probing.bpf.tracer.Tracer, or None
+    cluster: Any  # a ClusterNode in cluster mode, or None
+
+    @property
+    def nvml(self) -> nvml.Sampler: ...
+
+
+class Alone:
+    """The ``Context`` of an engine outside a probe: no tracer, no peers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.tracer = None
+        self.cluster = None
+        self.nvml = nvml.Sampler(engine.store)
+
+
+def install(engine: Engine, ctx: Context | None = None) -> None:
     """Register every built-in table with ``engine``."""
+    probe: Context = ctx if ctx is not None else Alone(engine)
     engine.register_table("process", "info", process.info)
     engine.register_table("process", "threads", process.threads)
     engine.register_table("process", "stacks", stacks.stacks)
     engine.register_table("probing", "tables", lambda: meta.tables(engine.store))
-    gpu = nvml.sampler(engine.store)  # creates the (typed, maybe empty) nvml.gpu table
+    gpu = probe.nvml  # creates the (typed, maybe empty) nvml.gpu table
     engine.register_table("nvml", "status", gpu.status_table)
     engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
-    trace.install(engine)
+    trace.install(engine, lambda: probe.tracer)
+    samples.install(engine)
     engine.register_table(
         "comm", "groups", lambda: groups.groups(groups.traced_gloo_contexts(engine.store))
     )
-    engine.register_table("probing", "peers", _peers)
-    from probing import analyze  # after trace: its tables read comm.collectives
-
-    analyze.install(engine)
+    engine.register_table("probing", "peers", lambda: _peers(probe.cluster))
 
 
-def _peers():  # type: ignore[no-untyped-def]
-    """``probing.peers`` of this process's probe (no rows outside cluster mode)."""
-    from probing.cluster.discovery import Registry
-    from probing.probe import runtime
-
-    probe = runtime.current()
-    node = probe.cluster if probe is not None else None
-    return (node.registry if node is not None else Registry()).table()
+def _peers(node: Any) -> Any:
+    """``probing.peers`` of a probe (no rows outside cluster mode)."""
+    if node is not None:
+        return node.registry.table()
+    return meta.PEERS_SCHEMA.empty_table()
 
 
-__all__ = ["ExternalTable", "install"]
+__all__ = ["Alone", "Context", "ExternalTable", "install"]

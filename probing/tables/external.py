@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from probing.store import EventTable, Store, default_store
+from probing.store import EventTable, Store
 
 SCHEMA = "python"
 FLUSH_ROWS = 4096
@@ -49,14 +49,16 @@ class ExternalTable:
     Rows are buffered and handed to the store in batches, where they are
     sealed and compressed like every other table. Column types are taken
     from the first rows unless given as ``(name, pyarrow type)`` pairs.
+    ``probing.ExternalTable`` writes to this process's probe; this class
+    writes to the ``store`` it is given.
     """
 
-    def __init__(self, name: str, columns: ColumnSpec, *, store: Store | None = None) -> None:
+    def __init__(self, name: str, columns: ColumnSpec, *, store: Store) -> None:
         if not name or not isinstance(name, str):
             raise ValueError("an ExternalTable needs a name")
         self.name = name
         self.columns, schema = _parse_columns(columns)
-        self._table: EventTable = (store or default_store()).table(SCHEMA, name, schema)
+        self._table: EventTable = store.table(SCHEMA, name, schema)
         if self._table.column_names is None:
             self._table.column_names = list(self.columns)
         existing = self._table.schema

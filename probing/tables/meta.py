@@ -23,6 +23,21 @@ SCHEMA = pa.schema(
         ("dropped_events", pa.int64()),
     ]
 )
+# probing.peers (filled by the cluster node: probing.cluster.discovery)
+PEERS_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int64()),
+        ("node", pa.string()),
+        ("addr", pa.string()),
+        ("pid", pa.int64()),
+        ("source", pa.string()),
+        ("last_seen", pa.int64()),
+        ("status", pa.string()),
+        ("reason", pa.string()),
+        ("response_ms", pa.float64()),
+        ("clock_offset_ns", pa.int64()),
+    ]
+)
 assert SCHEMA.names == [f.name for f in dataclasses.fields(TableStats)]
 
 

@@ -130,7 +130,8 @@ def unavailable_reason(err: Exception) -> str:
 
 
 class Sampler:
-    """One per process; ``start(interval)`` / ``stop()``; safe to call repeatedly."""
+    """One per probe (``ProbeContext.nvml``); ``start(interval)`` / ``stop()``;
+    safe to call repeatedly."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -164,6 +165,12 @@ class Sampler:
             self.state, self.reason = "sampling", None
             self._thread = threading.Thread(target=self._loop, name="probing-nvml", daemon=True)
             self._thread.start()
+
+    def after_fork(self) -> None:
+        """A forked child has no sampler thread: say so instead of claiming to sample."""
+        self._lock, self._stop, self._thread = threading.Lock(), threading.Event(), None
+        if self.state == "sampling":
+            self.state, self.reason = "stopped", "not inherited by a forked child: start it again"
 
     def stop(self) -> None:
         with self._lock:
@@ -380,33 +387,3 @@ def _addr(handle: Any) -> int | None:
         return ctypes.cast(handle, ctypes.c_void_p).value
     except (TypeError, ctypes.ArgumentError):
         return None
-
-
-_sampler: Sampler | None = None
-_sampler_lock = threading.Lock()
-
-
-def sampler(store: Store | None = None) -> Sampler:
-    """This process's sampler (on the default store unless given one first)."""
-    global _sampler
-    with _sampler_lock:
-        if _sampler is None:
-            from probing.store import default_store
-
-            _sampler = Sampler(store or default_store())
-        return _sampler
-
-
-def _after_fork_in_child() -> None:
-    """A forked child has no sampler thread: say so instead of claiming to sample."""
-    global _sampler_lock
-    _sampler_lock = threading.Lock()
-    s = _sampler
-    if s is None:
-        return
-    s._lock, s._stop, s._thread = threading.Lock(), threading.Event(), None
-    if s.state == "sampling":
-        s.state, s.reason = "stopped", "not inherited by a forked child: start it again"
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

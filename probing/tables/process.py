@@ -10,7 +10,7 @@ import time
 import psutil
 import pyarrow as pa
 
-from probing import __version__
+from probing.config import VERSION
 from probing.procs import task_stat
 
 _STARTED_NS = time.time_ns()
@@ -37,7 +37,7 @@ def info() -> pa.Table:
             "num_threads": proc.num_threads(),
             "cpu_user_s": cpu.user,
             "cpu_system_s": cpu.system,
-            "probing_version": __version__,
+            "probing_version": VERSION,
             "probe_started_ns": _STARTED_NS,
         }
     return pa.Table.from_pylist([row])

@@ -12,7 +12,6 @@ from one that sleeps. The probe's own threads are left out.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from probing.inject.arch import ARCHES
+from probing.inject.arch import syscall_name
 from probing.procs import task_stat, task_syscall
 
 WINDOW_S = 0.02
@@ -42,13 +41,6 @@ SCHEMA = pa.schema(
 )
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-_ARCH = ARCHES.get(platform.machine().lower())
-
-
-def syscall_name(nr: int) -> str:
-    """The name of syscall ``nr`` on this machine's architecture."""
-    names = _ARCH.syscall_names if _ARCH is not None else {}
-    return names.get(nr, f"syscall {nr}")
 
 
 def _states(tids: list[int]) -> dict[int, tuple[str, str | None, float]]:

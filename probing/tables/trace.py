@@ -8,6 +8,9 @@ views over them work whether or not a trace ever ran.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pyarrow as pa
 
 from probing.bpf import families
@@ -27,30 +30,35 @@ COLLECTIVES_SQL = "\nUNION ALL\n".join(
 )
 
 
-def _inflight(family: str):  # type: ignore[no-untyped-def]
+# the probe's tracer now (None before the first trace): ProbeContext.tracer
+CurrentTracer = Callable[[], Any]
+
+
+def _inflight(family: str, current: CurrentTracer):  # type: ignore[no-untyped-def]
     schema = families.FAMILIES[family].schema
 
     def produce() -> pa.Table:
-        from probing.bpf import tracer
-
-        current = tracer.current()
-        return current.inflight(family) if current is not None else schema.empty_table()
+        tracer = current()
+        return tracer.inflight(family) if tracer is not None else schema.empty_table()
 
     return produce
 
 
-def _uprobes() -> pa.Table:
-    from probing.bpf import tracer
+def _uprobes(current: CurrentTracer):  # type: ignore[no-untyped-def]
+    def produce() -> pa.Table:
+        from probing.bpf.tracer import PROBES_SCHEMA
 
-    current = tracer.current()
-    return current.probes_table() if current is not None else tracer.PROBES_SCHEMA.empty_table()
+        tracer = current()
+        return tracer.probes_table() if tracer is not None else PROBES_SCHEMA.empty_table()
+
+    return produce
 
 
-def install(engine: Engine) -> None:
+def install(engine: Engine, current: CurrentTracer = lambda: None) -> None:
     for name, family in families.FAMILIES.items():
         engine.store.table(family.table, "calls", family.schema)
-        engine.register_table(family.table, "inflight", _inflight(name))
-    engine.register_table("probing", "uprobes", _uprobes)
+        engine.register_table(family.table, "inflight", _inflight(name, current))
+    engine.register_table("probing", "uprobes", _uprobes(current))
     engine.register_view("comm", "collectives", COLLECTIVES_SQL)
     engine.store.table("python", "stacks", STACKS_SCHEMA)
     engine.register_view("python", "callsites", CALLSITES_SQL)

@@ -17,6 +17,8 @@ import os
 import re
 import stat
 
+from probing import config
+
 _SOCK = re.compile(r"^(\d+)\.sock$")
 
 
@@ -28,7 +30,7 @@ class UnsafePath(PermissionError):
 
 
 def runtime_root() -> str:
-    return os.environ.get("PROBING_RUNTIME_DIR") or "/tmp"
+    return config.load().runtime_dir
 
 
 def user_dir(uid: int | None = None) -> str:

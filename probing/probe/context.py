@@ -1,0 +1,262 @@
+"""``ProbeContext``: everything one probe owns, in one object.
+
+The store, the SQL engine, the tracer, the NVML sampler, the cluster node
+and the HTTP server of a probe live here, not in module globals: the HTTP
+app, the table installers and the tracer are handed the context. Two
+contexts in one process are two isolated probes (tests build them).
+
+Parts are built on first use: an idle probe imports neither pyarrow nor
+datafusion. The layers above the probe (``analyze``, ``cluster``) plug in
+through ``installers`` and ``cluster`` (given by ``probing.enable()``), so
+this module never imports them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from probing import config, paths
+from probing.probe.imports import quick_gil_handoff, settle
+
+if TYPE_CHECKING:
+    from probing.bpf.tracer import Tracer
+    from probing.engine import Engine
+    from probing.probe.server import UnixHTTPServer
+    from probing.store import Store
+    from probing.tables.nvml import Sampler
+
+# registers tables on a new engine: (engine, context)
+Installer = Callable[["Engine", "ProbeContext"], None]
+# the cluster node of a context in cluster mode, or None (probing.cluster)
+ClusterFactory = Callable[["ProbeContext"], Any]
+
+
+def base_tables(engine: Engine, ctx: ProbeContext) -> None:
+    """The tables of the layers under the probe (``probing.tables``)."""
+    from probing.tables import install
+
+    install(engine, ctx)
+
+
+class ProbeContext:
+    """One probe: its parts, its lifecycle, its fork.
+
+    ``serve()`` opens the unix socket (and the cluster node's TCP port);
+    ``stop()`` closes them and keeps the data. ``after_fork()`` carries the
+    context into a forked child, in one order.
+    """
+
+    def __init__(
+        self,
+        *,
+        installers: Sequence[Installer] = (base_tables,),
+        cluster: ClusterFactory | None = None,
+        store: Store | None = None,
+        socket_path: str | None = None,
+    ) -> None:
+        self.pid = os.getpid()
+        self.started_ns = time.time_ns()
+        self.installers = tuple(installers)
+        self.cluster_factory = cluster
+        self.socket_path = socket_path or paths.socket_path(self.pid)
+        self.queries = 0
+        self.tracer: Tracer | None = None  # the last tracer started here
+        self.cluster: Any = None  # a ClusterNode in cluster mode (probing.cluster)
+        self.server: UnixHTTPServer | None = None
+        self._store = store
+        self._engine: Engine | None = None
+        self._sampler: Sampler | None = None
+        self._lock = threading.RLock()
+        self._trace_lock = threading.Lock()
+        self._stop_at_exit = False
+
+    # -- parts, built on first use ----------------------------------------------------
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    from probing.store import Store
+
+                    self._store = Store()
+        return self._store
+
+    @property
+    def engine(self) -> Engine:
+        """The SQL engine over every table, built on the first query."""
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    with quick_gil_handoff():
+                        from probing.engine import Engine
+
+                        eng = Engine(self.store)
+                        for install in self.installers:
+                            install(eng, self)
+                    self._engine = eng
+        return self._engine
+
+    @property
+    def engine_loaded(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def nvml(self) -> Sampler:
+        """The NVML sampler writing ``nvml.gpu`` into this context's store."""
+        if self._sampler is None:
+            with self._lock:
+                if self._sampler is None:
+                    from probing.tables.nvml import Sampler
+
+                    self._sampler = Sampler(self.store)
+        return self._sampler
+
+    # -- tracing ----------------------------------------------------------------------
+
+    def start_trace(self, families: Sequence[str], **options: Any) -> Tracer:
+        """Trace this process into this context's store (one tracer at a time)."""
+        from probing.bpf.state import TracerState
+        from probing.bpf.tracer import Tracer
+        from probing.errors import ProbingError
+
+        with self._trace_lock:
+            current = self.tracer
+            if current is not None and current.state is TracerState.TRACING:
+                raise ProbingError(
+                    f"pid {os.getpid()} is already tracing "
+                    f"({', '.join(f.name for f in current.families)}); stop it first",
+                    hint=f"probing trace --pid {os.getpid()} --stop",
+                )
+            _ = self.engine  # the tables exist before the first event arrives
+            tracer = Tracer(families, store=self.store, **options)
+            tracer.start()
+            self.tracer = tracer
+            if not self._stop_at_exit:  # detach before the interpreter goes
+                atexit.register(self.stop_trace)
+                self._stop_at_exit = True
+            return tracer
+
+    def stop_trace(self) -> Tracer | None:
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.stop()
+        return tracer
+
+    # -- serving ----------------------------------------------------------------------
+
+    def note_query(self) -> None:
+        self.queries += 1
+
+    def describe(self) -> dict[str, Any]:
+        from probing.config import VERSION
+
+        return {
+            "pid": self.pid,
+            "version": VERSION,
+            "python": sys.version.split()[0],
+            "executable": sys.executable,
+            "argv": list(sys.argv),
+            "started_ns": self.started_ns,
+            "socket": self.socket_path,
+            "engine_loaded": self.engine_loaded,
+            "queries": self.queries,
+            "cluster": self.cluster.describe() if self.cluster is not None else None,
+        }
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None
+
+    def serve(self) -> None:
+        """Open the unix socket; the cluster node and NVML start in the background."""
+        from probing.probe.api import make_app
+        from probing.probe.server import UnixHTTPServer
+
+        server = UnixHTTPServer(self.socket_path, make_app(self))
+        node = self._cluster_node()
+        self.cluster = node  # before the socket exists: a caller never sees it unset
+        server.start()
+        self.server = server
+        if node is not None:
+            node.start(server)
+        interval = config.load().nvml_interval
+        if interval:  # off the caller's thread: NVML and pyarrow load in the background
+            threading.Thread(
+                target=self._start_nvml, args=(interval,), name="probing-nvml-start", daemon=True
+            ).start()
+
+    def stop(self) -> None:
+        """Close the socket; the data stays (``serve()`` opens it again)."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+    def _cluster_node(self) -> Any:
+        if self.cluster_factory is None:
+            return None
+        try:
+            return self.cluster_factory(self)
+        except Exception as err:  # noqa: BLE001 - a bad PROBING_PEERS never reaches the host
+            _say(f"cluster mode off: {err}")
+            return None
+
+    def _start_nvml(self, interval: str) -> None:
+        try:
+            settle()  # NVML and pyarrow load only once the host imports nothing
+            from probing.tables.nvml import parse_interval
+
+            self.nvml.start(parse_interval(interval))
+        except Exception as err:  # noqa: BLE001 - a bad value or NVML never reaches the host
+            _say(f"NVML sampling not started: {err}")
+
+    # -- fork ---------------------------------------------------------------------------
+
+    def after_fork(self) -> bool:
+        """In a forked child, in this order: fresh locks; the store's chunks
+        linked into a directory of the child's own; the query threads, the
+        tracer (its uprobes filter on the parent's pid) and the NVML thread
+        dropped; the parent's socket abandoned and its cluster node left to
+        the parent (the job's peer for this rank). With ``PROBING_FORK=child``
+        the child serves this context, with the data carried over, on its own
+        pid (a DataLoader worker gets no probe by default). True if it does."""
+        self._lock = threading.RLock()
+        self._trace_lock = threading.Lock()
+        self.pid = os.getpid()
+        if self._store is not None:
+            self._store.reinit_after_fork()
+        if self._engine is not None:
+            self._engine.threads.after_fork()
+        if self.tracer is not None:
+            self.tracer = None
+            from probing.bpf.pystacks import PyStacks
+
+            PyStacks.unhook_threads()
+        if self._sampler is not None:
+            self._sampler.after_fork()
+        was_serving = self.server is not None
+        if self.server is not None:
+            self.server.abandon_after_fork()
+            self.server = None
+        self.cluster = None
+        self.cluster_factory = None
+        if not was_serving or config.load().fork != "child":
+            return False
+        self.started_ns = time.time_ns()
+        self.queries = 0
+        self.socket_path = paths.socket_path(self.pid)
+        self.serve()
+        return True
+
+
+def _say(msg: str) -> None:
+    try:
+        print(f"probing: {msg}", file=sys.stderr)
+    except Exception:  # noqa: BLE001 - stderr closed: nothing to tell
+        pass

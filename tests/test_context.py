@@ -1,0 +1,94 @@
+"""``ProbeContext``: one probe's parts in one object, isolated from another's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+
+from probing.client import ProbeClient, UnixTransport
+from probing.probe.context import ProbeContext
+from probing.tables.external import ExternalTable
+
+
+def test_two_probes_in_one_process_are_isolated(runtime_dir) -> None:
+    user_dir = runtime_dir / f"probing-{os.getuid()}"
+    a = ProbeContext(socket_path=str(user_dir / "a.sock"))
+    b = ProbeContext(socket_path=str(user_dir / "b.sock"))
+    a.serve()
+    b.serve()
+    try:
+        steps = ExternalTable("steps", ["step"], store=a.store)
+        steps.append_many([[1], [2], [3]])
+        ExternalTable("steps", ["step"], store=b.store).append([7])
+        assert a.store is not b.store and a.engine is not b.engine
+        assert a.engine.threads is not b.engine.threads
+
+        def ask(ctx: ProbeContext, sql: str) -> list[dict]:
+            client = ProbeClient(UnixTransport(ctx.socket_path, pid=os.getpid()))
+            return client.query(sql).to_pylist()
+
+        assert ask(a, "SELECT sum(step) AS s FROM python.steps") == [{"s": 6}]
+        assert ask(b, "SELECT sum(step) AS s FROM python.steps") == [{"s": 7}]
+        # each probe counts its own queries, and only its own NVML sampler exists
+        assert (a.queries, b.queries) == (1, 1)
+        assert a.nvml is not b.nvml and a.nvml.store is a.store
+        # stopping one leaves the other serving, with its data
+        a.stop()
+        assert not os.path.exists(a.socket_path) and not a.serving
+        assert ask(b, "SELECT count(*) AS n FROM python.steps") == [{"n": 1}]
+        assert a.engine.sql("SELECT count(*) AS n FROM python.steps").to_pylist() == [{"n": 3}]
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_tables_see_their_own_probes_tracer_and_peers() -> None:
+    class FakeTracer:
+        def probes_table(self) -> pa.Table:
+            return pa.table({"family": ["gloo"]})
+
+    a, b = ProbeContext(), ProbeContext()
+    a.tracer = FakeTracer()  # type: ignore[assignment]
+    assert a.engine.sql("SELECT family FROM probing.uprobes").to_pylist() == [{"family": "gloo"}]
+    assert b.engine.sql("SELECT count(*) AS n FROM probing.uprobes").to_pylist() == [{"n": 0}]
+    assert b.engine.sql("SELECT count(*) AS n FROM probing.peers").to_pylist() == [{"n": 0}]
+
+
+def test_disable_keeps_the_data_and_enable_serves_it_again(runtime_dir) -> None:
+    code = (
+        "import probing\n"
+        "ctx = probing.enable()\n"
+        "probing.ExternalTable('kept', ['k']).append([5])\n"
+        "probing.disable()\n"
+        "import os; assert not os.path.exists(ctx.socket_path)\n"
+        "assert probing.enable() is ctx and ctx.serving\n"
+        "print(probing.query('SELECT k FROM python.kept').to_pylist(), flush=True)\n"
+        "probing.disable()\n"
+    )
+    env = {**os.environ, "PROBING_RUNTIME_DIR": str(runtime_dir), "PROBING": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[{'k': 5}]"
+
+
+def test_the_probe_module_state_is_one_slot() -> None:
+    """No module of the probe's core keeps its parts in globals: the one
+    ``ProbeContext`` slot of ``probing.probe.runtime`` is all there is."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "probing"
+    core = ["probe", "store", "engine", "tables", "cluster", "bpf/tracer.py", "bpf/pystacks.py"]
+    found = []
+    paths = [root / p for p in core if p.endswith(".py")]
+    paths += [f for p in core if not p.endswith(".py") for f in (root / p).glob("**/*.py")]
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                found += [f"{path.relative_to(root)}:{name}" for name in node.names]
+    assert sorted(found) == ["probe/runtime.py:_context", "probe/runtime.py:_lock"]
