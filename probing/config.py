@@ -3,8 +3,8 @@
 ``load()`` reads them all from the environment into one frozen ``Config``;
 each part of the probe calls it when it starts (the store when it is built,
 the server when it opens, the engine's limits when it is built). The table
-in ``docs/config.md`` is generated from ``SETTINGS`` (``python -m
-probing.config``) and a test keeps the two, and the code, in step.
+in ``docs/config.md`` is generated from ``SETTINGS`` (``python -c 'from
+probing import config; print(config.table())'``) and a test keeps the two, and the code, in step.
 
 A bad value never stops a probe: it is read inside someone else's process.
 Numbers that are not positive numbers fall back to their default; only the
@@ -59,6 +59,12 @@ class Config:
         -1,
         "Python stack sampling rate while tracing (0: off; -1: the built-in rate)",
         least=0,
+    )
+    bpf_cache: str = _setting(
+        "PROBING_BPF_CACHE", "", "where compiled BPF programs are kept (default: the loader's)"
+    )
+    uprobe_multi: str = _setting(
+        "PROBING_UPROBE_MULTI", "", "`0`: single uprobes even where multi-uprobe links exist"
     )
     # the server
     remote_code: bool = _setting(
