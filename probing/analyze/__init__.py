@@ -11,7 +11,7 @@ from typing import Any
 from probing.analyze.diagnose import Diagnosis, analyze, diagnose, local_tables, render
 from probing.analyze.gather import gather
 
-SQL_TABLES = ("stragglers", "slow_links", "hangs", "ranks", "collectives")
+SQL_TABLES = ("stragglers", "slow_links", "hangs", "ranks", "collectives", "why")
 
 
 def install(engine: Any) -> None:

@@ -32,10 +32,14 @@ import pyarrow as pa
 
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
 MIN_COLLECTIVES = 5  # fewer complete collectives than this: no verdict
-MIN_LAG_MS = 2.0  # a straggler arrives at least this late (median excess)
-NOISE_FACTOR = 3.0  # ... and this many robust sigmas above the others' jitter
-LAST_SHARE = 0.5  # ... and is the last to arrive at least this often
-P_VALUE = 1e-3  # ... which chance (1/nranks per collective) explains with p < this
+P_VALUE = 1e-3  # a straggler is last more often than chance (1/nranks per collective)
+# and later than the others by rank sum, each with p < this (divided by the ranks tested)
+P_LAST = 0.01  # ... (the arrival-order test, coarser, at this level)
+SHARE_ALWAYS = 0.10  # ... and either costs the job this share of its step time
+MIN_LAG_MS = 2.0  # ... or is this much later than the others' median (median excess)
+MIN_EXCESS = 0.03  # ... and this share of a step later
+SHARE_MIN = 0.01  # ... and costs at least this share
+NOISY_SKEW = 0.20  # arrival skew above this share of a step with no straggler: noisy
 SLOW_LINK_MIN_MS = 5.0  # a collective's transfer time above this and ...
 SLOW_LINK_FACTOR = 4.0  # ... this many times the modelled time, and ...
 SLOW_LINK_SHARE = 0.15  # ... taking this share of the wall time is a slow link
@@ -87,6 +91,7 @@ class Straggler:
     op: str
     collectives: int
     p_value: float
+    groups: list[str] = dataclasses.field(default_factory=list)  # the communicators it slows
 
 
 @dataclasses.dataclass
@@ -179,7 +184,9 @@ def match(table: pa.Table) -> list[Collective]:
         per[key][_global_rank(r)].append(r)
     out: list[Collective] = []
     for key, by_rank in per.items():
-        ref = max(by_rank, key=lambda rk: len(by_rank[rk]))
+        # the lowest rank numbers the collectives: the same numbers in every
+        # diagnosis of one job (a hang is named alike each time it is asked)
+        ref = min(by_rank)
 
         def series(rs: list[dict[str, Any]], ends: bool) -> tuple[np.ndarray, np.ndarray]:
             done = [r for r in rs if r.get("seq") is not None and (r["dur_ns"] is not None)]
@@ -256,74 +263,165 @@ def change_point(x: np.ndarray, min_size: int = 3) -> tuple[int, float]:
 # -- stragglers -------------------------------------------------------------------------
 
 
+def order_p(positions: np.ndarray, nranks: np.ndarray) -> float:
+    """One-sided p-value that a rank arrives later than chance: ``positions``
+    is its place in each collective's arrival order (0 first, n-1 last), which
+    is uniform where every rank is alike. A rank-sum test stratified by
+    collective (paired, so the machine's noise in one step cancels; one
+    outlier step moves the sum by at most n-1), by the normal approximation."""
+    if not len(positions):
+        return 1.0
+    mean = float(((nranks - 1) / 2.0).sum())
+    var = float(((nranks.astype(np.float64) ** 2 - 1) / 12.0).sum())
+    if var <= 0:
+        return 1.0
+    z = (float(positions.sum()) - mean - 0.5) / math.sqrt(var)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@dataclasses.dataclass
+class Evidence:
+    """One rank's lateness over a run of collectives of one communicator."""
+
+    rank: int
+    collectives: int
+    last: int  # collectives it arrived last at
+    p_last: float  # chance (1/nranks each) explaining ``last``
+    p_excess: float  # its place in the arrival order is no later than chance
+    excess_ms_median: float  # its arrival after the median of the others
+    noise_ms: float  # the others' typical |excess| (median of their robust spreads)
+    share_of_step: float  # of the wall time, what the job spent waiting for it alone
+    step_ms: float  # the median interval between these collectives
+
+    def named(self, nranks: int) -> bool:
+        """Whether this is a straggler: last more often than chance *and* later
+        than the others by rank sum, and either costing the job
+        ``SHARE_ALWAYS`` of its step time or late well above the others' noise."""
+        p = P_VALUE / max(nranks, 1)  # one test per rank
+        if self.p_last >= P_LAST / nranks or self.p_excess >= p:
+            return False
+        if self.share_of_step >= SHARE_ALWAYS:
+            return True
+        late = max(MIN_LAG_MS, MIN_EXCESS * self.step_ms)
+        return self.excess_ms_median >= late and self.share_of_step >= SHARE_MIN
+
+
+def evidence(cs: list[Collective], rank: int) -> Evidence:
+    """The tests of ``Evidence.named`` for ``rank`` over ``cs`` (complete collectives)."""
+    ranks = sorted({r for c in cs for r in c.ts})
+    n = len(cs)
+    excess = {r: np.zeros(n) for r in ranks}
+    lost = 0.0
+    last = 0
+    place = np.zeros(n)
+    size = np.zeros(n)
+    for k, c in enumerate(cs):
+        ts = c.ts
+        place[k] = sum(1 for t in ts.values() if t < ts[rank])
+        size[k] = len(ts)
+        for r in ranks:
+            others = [t for o, t in ts.items() if o != r]
+            excess[r][k] = (ts[r] - float(np.median(others))) / 1e6 if others else 0.0
+        others = [t for o, t in ts.items() if o != rank]
+        if others and ts[rank] > max(others):
+            last += 1
+            lost += (ts[rank] - max(others)) / 1e6
+    starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
+    span_ms = (starts[-1] - starts[0]) / 1e6 if n > 1 else 0.0
+    # the last collective's wait belongs to a step after the span: n-1 steps, n waits
+    share = lost * (n - 1) / n / span_ms if span_ms > 0 else 0.0
+    others = [o for o in ranks if o != rank]
+    noise = float(np.median([MAD_SCALE * mad(excess[o]) for o in others])) if others else 0.0
+    return Evidence(
+        rank=rank,
+        collectives=n,
+        last=last,
+        p_last=binom_tail(last, n, 1.0 / max(len(ranks), 1)),
+        p_excess=order_p(place, size),
+        excess_ms_median=float(np.median(excess[rank])) if n else 0.0,
+        noise_ms=noise,
+        share_of_step=min(1.0, share),
+        step_ms=float(np.median(np.diff(starts))) / 1e6 if n > 1 else 0.0,
+    )
+
+
 def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Straggler]:
-    """Ranks that keep arriving last, by a margin above the others' jitter."""
+    """Ranks that keep arriving last, more often than chance and later than the
+    others' own lateness (see ``Evidence``); tested over the whole window and,
+    where a rank's excess has a change point, over the time since."""
     by_comm: dict[str, list[Collective]] = defaultdict(list)
     for c in collectives:
         if c.complete and c.nranks > 1:
             by_comm[c.comm].append(c)
     found: dict[int, Straggler] = {}
-    for comm, cs in by_comm.items():
+    groups: dict[int, list[str]] = defaultdict(list)
+    for comm, cs in sorted(by_comm.items()):
         if len(cs) < MIN_COLLECTIVES:
             continue
         ranks = sorted({r for c in cs for r in c.ts})
-        n = len(cs)
-        # excess[r][k]: arrival after the median of the other ranks
-        excess = {r: np.zeros(n) for r in ranks}
-        lags = {r: np.zeros(n) for r in ranks}
-        last = Counter()
-        for k, c in enumerate(cs):
-            ts = c.ts
-            last[max(ts, key=ts.__getitem__)] += 1
-            first = min(ts.values())
-            for r in ranks:
-                others = [t for o, t in ts.items() if o != r]
-                excess[r][k] = (ts[r] - float(np.median(others))) / 1e6
-                lags[r][k] = (ts[r] - first) / 1e6
         starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
-        span_ms = max((starts[-1] - starts[0]) / 1e6, 1e-9)
         for r in ranks:
-            med = float(np.median(excess[r]))
-            noise = max(
-                MAD_SCALE * mad(excess[o]) + abs(float(np.median(excess[o])))
-                for o in ranks
-                if o != r
+            excess = np.array(
+                [(c.ts[r] - float(np.median([t for o, t in c.ts.items() if o != r]))) / 1e6
+                 for c in cs]
+            )  # fmt: skip
+            k, score = change_point(excess)
+            began = (
+                k > 0
+                and score > 3.0
+                and float(np.median(excess[k:])) > float(np.median(excess[:k]))
             )
-            p = binom_tail(last[r], n, 1.0 / len(ranks))
-            if med < max(MIN_LAG_MS, NOISE_FACTOR * noise) or last[r] / n < LAST_SHARE:
+            seg_from = [0, k] if began and len(cs) - k >= MIN_COLLECTIVES else [0]
+            ev = None
+            for k0 in reversed(seg_from):  # the slow period alone first
+                e = evidence(cs[k0:], r)
+                if e.named(len(ranks)):
+                    ev = e
+                    break
+            if ev is None:
                 continue
-            if p >= P_VALUE or released_late(cs, r, med):
+            k0 = k0 if k0 and began else 0
+            if released_late(cs[k0:], r, ev.excess_ms_median):
                 continue
-            k, score = change_point(excess[r])
-            thr = max(MIN_LAG_MS, NOISE_FACTOR * noise)
-            began = k > 0 and score > 3.0 and float(np.median(excess[r][:k])) < thr
-            k0 = k if began else 0  # the figures describe the slow period only
-            seg = cs[k0:]
-            # the job waits, per collective, from the next-latest arrival to this one
-            lost = sum(
-                max(0.0, (c.ts[r] - max(t for o, t in c.ts.items() if o != r)) / 1e6) for c in seg
-            )
-            seg_ms = max((starts[-1] - starts[k0]) / 1e6, 1e-9) if len(seg) > 1 else span_ms
-            last_seg = sum(1 for c in seg if max(c.ts, key=c.ts.__getitem__) == r)
+            lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
+            groups[r].append(comm)
             s = Straggler(
                 rank=r,
                 node=nodes.get(r, ""),
-                lag_ms_mean=round(float(lags[r][k0:].mean()), 3),
-                lag_ms_p99=round(float(np.percentile(lags[r][k0:], 99)), 3),
-                excess_ms_median=round(float(np.median(excess[r][k0:])), 3),
-                last_share=round(last_seg / len(seg), 4),
-                share_of_step=round(min(1.0, lost / seg_ms), 4),
+                lag_ms_mean=round(float(lags.mean()), 3),
+                lag_ms_p99=round(float(np.percentile(lags, 99)), 3),
+                excess_ms_median=round(ev.excess_ms_median, 3),
+                last_share=round(ev.last / ev.collectives, 4),
+                share_of_step=round(ev.share_of_step, 4),
                 since=iso(int(starts[k0])),
                 since_ns=int(starts[k0]),
-                since_start=not began,
+                since_start=k0 == 0,
                 comm=comm,
                 op=Counter(c.op for c in cs).most_common(1)[0][0],
-                collectives=len(seg),
-                p_value=p,
+                collectives=ev.collectives,
+                p_value=max(ev.p_last, ev.p_excess),
             )
             if r not in found or s.share_of_step > found[r].share_of_step:
                 found[r] = s
+    for r, s in found.items():
+        s.groups = sorted(groups[r])
     return sorted(found.values(), key=lambda s: -s.share_of_step)
+
+
+def rank_evidence(collectives: list[Collective]) -> dict[int, Evidence]:
+    """Every rank's evidence over its busiest communicator (for the rank table)."""
+    by_comm: dict[str, list[Collective]] = defaultdict(list)
+    for c in collectives:
+        if c.complete and c.nranks > 1:
+            by_comm[c.comm].append(c)
+    out: dict[int, Evidence] = {}
+    for _, cs in sorted(by_comm.items(), key=lambda kv: -len(kv[1])):
+        if len(cs) < 2:
+            continue
+        for r in sorted({r for c in cs for r in c.ts}):
+            if r not in out and all(r in c.ts for c in cs):
+                out[r] = evidence(cs, r)
+    return out
 
 
 def released_late(cs: list[Collective], rank: int, excess_ms: float) -> bool:
@@ -407,14 +505,23 @@ class Summary:
     skew_ms_p99: float | None
     transfer_ms_median: float | None
     last_share_max: float | None  # the most any one rank was last
+    last_share_min: float | None = None  # the least (over ranks in every collective)
+    step_ms: float | None = None  # median interval between the busiest comm's collectives
+    noisy: bool = False  # skew above NOISY_SKEW of a step (and nobody to blame)
 
 
 def summarize(collectives: list[Collective]) -> Summary:
     done = [c for c in collectives if c.complete and c.nranks > 1]
+    by_comm = Counter(c.comm for c in done)
+    busiest = [c for c in done if by_comm and c.comm == by_comm.most_common(1)[0][0]]
+    starts = np.array(sorted(min(c.ts.values()) for c in busiest), dtype=np.float64)
+    step = float(np.median(np.diff(starts))) / 1e6 if len(starts) > 2 else None
     skew = np.array([max(c.lags_ns().values()) / 1e6 for c in done])
     transfer = [c.transfer_ns() for c in done]
     tr = np.array([t / 1e6 for t in transfer if t is not None])
     last = Counter(max(c.ts, key=c.ts.__getitem__) for c in done)
+    every = set.intersection(*(set(c.ts) for c in busiest)) if busiest else set()
+    skew_med = float(np.median(skew)) if len(skew) else 0.0
     return Summary(
         collectives=len(done),
         ranks=len({r for c in collectives for r in c.ts}),
@@ -423,4 +530,7 @@ def summarize(collectives: list[Collective]) -> Summary:
         skew_ms_p99=round(float(np.percentile(skew, 99)), 3) if len(skew) else None,
         transfer_ms_median=round(float(np.median(tr)), 3) if len(tr) else None,
         last_share_max=round(max(last.values()) / len(done), 4) if done else None,
+        last_share_min=round(min(last[r] for r in every) / len(done), 4) if every else None,
+        step_ms=round(step, 3) if step else None,
+        noisy=bool(step and len(done) >= MIN_COLLECTIVES and skew_med > NOISY_SKEW * step),
     )

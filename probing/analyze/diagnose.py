@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from probing.analyze import collectives as coll
 from probing.analyze import hangs as hg
+from probing.analyze import why as wy
 from probing.analyze.gather import gather, missing_ranks
 from probing.errors import ProbingError
 
@@ -45,6 +46,20 @@ CALLSITES_SQL = (
 )
 
 
+# where each rank spent its time (python.samples, by the innermost user frame)
+# and in CUDA calls: asked only when there is a straggler to explain
+SAMPLES_SQL = (
+    "SELECT s.kind AS kind, c.file AS file, c.func AS func, c.line AS line, "
+    "sum(s.dur_ns) AS dur_ns, sum(s.count) AS n{tags} FROM python.samples s "
+    "LEFT JOIN python.callsites c ON s.stack_id = c.stack_id{same_rank} "
+    "WHERE s.ts >= {since_ns} GROUP BY s.kind, c.file, c.func, c.line{group}"
+)
+CUDA_SQL = (
+    "SELECT api, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
+    "WHERE ts >= {since_ns} GROUP BY api{group}"
+)
+
+
 def queries(remote: bool) -> dict[str, str]:
     """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
     tags = {"tags": ", node, rank" if remote else "", "since_ns": "{since_ns}"}
@@ -60,6 +75,17 @@ def queries(remote: bool) -> dict[str, str]:
             group=", c.rank" if remote else "",
             since_ns="{since_ns}",
         ),  # fmt: skip
+        "samples": SAMPLES_SQL.format(
+            tags=", s.node AS node, s.rank AS rank" if remote else "",
+            same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
+            group=", s.node, s.rank" if remote else "",
+            since_ns="{since_ns}",
+        ),  # fmt: skip
+        "cuda": CUDA_SQL.format(
+            tags=", node, rank" if remote else "",
+            group=", node, rank" if remote else "",
+            since_ns="{since_ns}",
+        ),
     }
 
 
@@ -90,6 +116,7 @@ class Diagnosis:
     elapsed_s: float = 0.0
     missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
     callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
+    why: list[wy.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -108,6 +135,8 @@ class Diagnosis:
                     "comm": s.comm,
                     "op": s.op,
                     "collectives": s.collectives,
+                    "groups": s.groups,
+                    "p_value": s.p_value,
                 }
                 for s in self.stragglers
             ],
@@ -129,6 +158,7 @@ class Diagnosis:
             "ranks": self.ranks,
             "missing": self.missing,
             "callsites": {str(r): c for r, c in self.callsites.items()},
+            "why": [dataclasses.asdict(w) for w in self.why],
         }
 
 
@@ -166,9 +196,10 @@ def verdict(
         s = stragglers[0]
         since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
         node = f" on node {s.node}" if s.node else ""
+        groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
         return (
             f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
-            f"{100 * s.last_share:.0f} % of {s.op}s {since}; the job loses "
+            f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
             f"~{100 * s.share_of_step:.0f} % of its step time"
         )
     if slow_links:
@@ -184,11 +215,23 @@ def verdict(
             f"no verdict: no complete collective traced in the last {window_s:g} s "
             "(is every rank traced? probing trace --pid P --background)"
         )
+    chance = 100 / max(summary.ranks, 1)
+    spread = (
+        f"each rank last {100 * (summary.last_share_min or 0):.0f}-"
+        f"{100 * (summary.last_share_max or 0):.0f} % of the time (chance {chance:.0f} %)"
+    )
+    if summary.noisy:
+        return (
+            f"noisy, no single straggler: {summary.ranks} ranks, {summary.collectives} "
+            f"collectives in the last {window_s:g} s; arrival skew median "
+            f"{summary.skew_ms_median:.1f} ms (p99 {summary.skew_ms_p99:.1f} ms), "
+            f"{100 * (summary.skew_ms_median or 0) / (summary.step_ms or 1):.0f} % of a "
+            f"{summary.step_ms:.0f} ms step; {spread}"
+        )
     return (
         f"healthy: {summary.ranks} ranks, {summary.collectives} collectives in the last "
         f"{window_s:g} s; arrival skew median {summary.skew_ms_median:.1f} ms "
-        f"(p99 {summary.skew_ms_p99:.1f} ms); no rank last more than "
-        f"{100 * (summary.last_share_max or 0):.0f} % of the time"
+        f"(p99 {summary.skew_ms_p99:.1f} ms); {spread}"
     )
 
 
@@ -201,8 +244,11 @@ def analyze(
     now_ns: int | None = None,
     window_s: float = 60.0,
     hang_after_s: float = hg.HANG_AFTER_S,
+    samples: pa.Table | None = None,
+    cuda: pa.Table | None = None,
 ) -> Diagnosis:
-    """The whole diagnosis from gathered rows (pure: no probe is asked)."""
+    """The whole diagnosis from gathered rows (pure: no probe is asked);
+    ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table)
@@ -223,6 +269,16 @@ def analyze(
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
         stacks.update(h.stacks)
+    why = [
+        w
+        for s in strag
+        for w in wy.explain(
+            s,
+            samples.to_pylist() if samples is not None else [],
+            matched,
+            cuda.to_pylist() if cuda is not None else [],
+        )
+    ]
     return Diagnosis(
         healthy=not (hangs or strag or slow),
         verdict=verdict(strag, slow, hangs, summary, window_s),
@@ -233,6 +289,7 @@ def analyze(
         ranks=_rank_rows(matched, ranks, nodes, frames, states or []),
         stacks=stacks,
         window_s=window_s,
+        why=why,
     )
 
 
@@ -294,6 +351,9 @@ def render(d: Diagnosis) -> str:
     named |= {r for h in d.hangs for r in (*h.missing_ranks, *h.waiting_ranks)}
     for rank in sorted(named & set(d.callsites)):
         out.append(f"rank {rank} issues its collectives at {d.callsites[rank]}"[:80])
+    if d.why:
+        out.append("\nwhy (time per step, this rank vs the median of the others):")
+        out.extend(textwrap.fill(w.text, 80, subsequent_indent="    ") for w in d.why)
     return "\n".join(out)
 
 
@@ -394,6 +454,18 @@ def diagnose(
                 window_s=window_s, hang_after_s=hang_after_s,
             )  # fmt: skip
     d.missing = missing_ranks(table)
+    if d.stragglers:
+        since = now - int(window_s * 1e9)
+        extra: dict[str, pa.Table | None] = {}
+        for name in ("samples", "cuda"):
+            try:
+                extra[name] = ask(sql[name].format(since_ns=since))
+            except ProbingError:  # a probe without the table: that part is left out
+                extra[name] = None
+        d.why = analyze(
+            table, frames=frames, now_ns=now, window_s=window_s, hang_after_s=hang_after_s,
+            samples=extra["samples"], cuda=extra["cuda"],
+        ).why  # fmt: skip
     if d.stragglers or d.hangs:
         try:
             since = now - int(window_s * 1e9)
@@ -478,6 +550,7 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
         "hangs": _table(hangs, HANGS_SCHEMA),
         "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
         "collectives": table,
+        "why": _table([dataclasses.asdict(w) for w in d.why], WHY_SCHEMA),
     }
 
 
@@ -492,6 +565,16 @@ STRAGGLERS_SCHEMA = pa.schema(
         ("last_share", pa.float64()), ("share_of_step", pa.float64()), ("since", pa.string()),
         ("since_start", pa.bool_()), ("comm", pa.string()), ("op", pa.string()),
         ("collectives", pa.int64()), ("p_value", pa.float64()),
+        ("groups", pa.list_(pa.string())),
+    ]
+)  # fmt: skip
+WHY_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int64()), ("kind", pa.string()), ("what", pa.string()),
+        ("file", pa.string()), ("line", pa.int64()), ("ms_per_step", pa.float64()),
+        ("others_ms_per_step", pa.float64()), ("on_cpu_ms", pa.float64()),
+        ("off_cpu_ms", pa.float64()), ("runq_ms", pa.float64()), ("slower", pa.float64()),
+        ("text", pa.string()),
     ]
 )  # fmt: skip
 SLOW_LINKS_SCHEMA = pa.schema(

@@ -94,17 +94,25 @@ def traced_hangs(
     """Collectives in flight in some ranks and not entered by others for long enough;
     or entered by every rank and left by none (the collective itself is stuck)."""
     out = []
+    # a communicator's members: the ranks seen in it (a subgroup is not the world),
+    # or every rank where it spans the world and one was never seen
+    seen: dict[str, set[int]] = defaultdict(set)
+    for c in collectives:
+        seen[c.comm] |= set(c.ts)
     for c in collectives:
         inside = [r for r, e in c.end.items() if e is None]
         if not inside:
             continue
-        members = set(ranks) if len(ranks) >= c.nranks else set(ranks) | set(c.ts)
+        members = seen[c.comm]
+        if len(members) < c.nranks and len(ranks) == c.nranks:
+            members = set(ranks)
         missing = sorted(members - set(c.ts))
         age = (now_ns - min(c.ts[r] for r in inside)) / 1e9
         stuck = not missing and len(inside) == len(c.ts) >= c.nranks
         if (not missing and not stuck) or age < hang_after_s:
             continue
         out.append(Hang(c.comm, c.seq, c.op, missing, sorted(inside), round(age, 1), "traced", {}))
+    out.sort(key=lambda h: (-h.age_s, h.comm, h.seq))  # the first stall first, every time
     return _with_stacks(out, frames or {})
 
 

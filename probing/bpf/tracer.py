@@ -228,6 +228,9 @@ class Tracer:
             self._py.table.add_before_read(self._resolve_stacks)
         self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
         self._thread.start()
+        from probing.bpf import sampler  # Python stacks sampled on and off CPU meanwhile
+
+        self.sampler = sampler.start_for(self)
 
     def stop(self) -> None:
         """Drain what is left, detach every uprobe, close the output. Safe twice."""
@@ -242,6 +245,8 @@ class Tracer:
             self.store.table(f.table, "calls").remove_before_read(self.drain)
         if self._py is not None:
             self._py.table.remove_before_read(self._resolve_stacks)
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.stop()
         try:
             self.drain()
         finally:

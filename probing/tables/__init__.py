@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from probing.engine import Engine
-from probing.tables import groups, meta, nvml, process, python, stacks, trace
+from probing.tables import groups, meta, nvml, process, python, samples, stacks, trace
 from probing.tables.external import ExternalTable
 
 
@@ -46,6 +46,7 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     engine.register_table("nvml", "devices", gpu.devices_table)
     engine.register_resolver("python", python.evaluate)
     trace.install(engine, lambda: probe.tracer)
+    samples.install(engine)
     engine.register_table(
         "comm", "groups", lambda: groups.groups(groups.traced_gloo_contexts(engine.store))
     )

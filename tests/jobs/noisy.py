@@ -1,0 +1,115 @@
+"""Start and steer ``noisy_job.py`` (4 ranks, the srun/mpirun way), for the
+diagnose tests and ``benchmarks/diagnose_bench.py``: the slowdown is changed
+while the job runs (``slow()``), and a rank can be starved of CPU (``starve()``:
+pinned to one CPU with busy processes beside it, the others on the rest)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from probing.demo import free_port
+
+JOB = Path(__file__).resolve().parent / "noisy_job.py"
+WORLD = 4
+
+
+class NoisyJob:
+    def __init__(self, tmp: Path, *job_args: str, world: int = WORLD) -> None:
+        self.world = world
+        self.control = tmp / f"control-{os.getpid()}-{time.monotonic_ns()}"
+        self.control.write_text("-1 none 0")
+        port = free_port()
+        base = {k: v for k, v in os.environ.items() if k != "PROBING"}
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+        base.update(LOCAL_WORLD_SIZE=str(world))
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(JOB), "--control", str(self.control), *job_args],
+                env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            for r in range(world)
+        ]
+        self.hogs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            while True:
+                line = p.stdout.readline() if p.stdout else ""
+                if line.strip() == "ready":
+                    break
+                if not line and p.poll() is not None:
+                    err = p.stderr.read() if p.stderr else ""
+                    raise RuntimeError(f"rank pid {p.pid} exited: {err.strip()[-800:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank pid {p.pid} did not start in {timeout:g} s")
+
+    def slow(self, rank: int, kind: str, ms: float) -> None:
+        """From the ranks' next step on: ``rank`` slowed by ``ms`` in ``kind``."""
+        tmp = self.control.with_suffix(".new")
+        tmp.write_text(f"{rank} {kind} {ms:.1f}")
+        tmp.replace(self.control)
+
+    def starve(self, rank: int | None, hogs: int = 6) -> None:
+        """``rank`` alone on one CPU with ``hogs`` spinning processes (each in its
+        own session: autogroup shares a CPU per session); None: undo."""
+        for h in self.hogs:
+            h.kill()
+            h.wait()
+        self.hogs = []
+        cpus = sorted(os.sched_getaffinity(0))
+        if rank is None or len(cpus) < 2:
+            for pid in self.pids:
+                _set_affinity(pid, set(cpus))
+            return
+        busy, rest = cpus[0], set(cpus[1:])
+        for r, pid in enumerate(self.pids):
+            _set_affinity(pid, {busy} if r == rank else rest)
+        self.hogs = [
+            subprocess.Popen(
+                ["taskset", "-c", str(busy), sys.executable, "-c", "while 1: pass"],
+                start_new_session=True,
+            )
+            for _ in range(hogs)
+        ]
+
+    def stop(self) -> None:
+        self.starve(None)
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+            p.wait(timeout=120)
+        self.control.unlink(missing_ok=True)
+
+
+def _set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (torch's pools included) onto ``cpus``."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass

@@ -1,0 +1,130 @@
+"""Diagnosis under noise, and why a straggler is slow, on canned rows: a
+uniformly noisy machine raises nothing (and says it is noisy), a straggler
+costing >= 10 % of the step is named through noise, the per-function
+comparison names the slow function with file:line, CPU starvation is told
+apart, a hang in a subgroup names only that group's missing rank, and
+repeated diagnoses of one hang name the same collective."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from probing.analyze import analyze, render
+from probing.analyze import collectives as coll
+from tests.test_analyze import T0, job
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_uniformly_noisy_machine_raises_nothing_and_says_noisy(seed: int) -> None:
+    d = analyze(job(jitter_ms=30.0, step_ms=150.0, steps=80, seed=seed), now_ns=T0)
+    assert d.healthy and not d.stragglers, d.verdict
+    assert d.verdict.startswith("noisy, no single straggler: 4 ranks"), d.verdict
+    assert "chance 25 %" in d.verdict
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_straggler_costing_a_tenth_of_the_step_is_named_through_noise(seed: int) -> None:
+    rank = seed % 4
+    d = analyze(
+        job(jitter_ms=10.0, step_ms=150.0, steps=80, straggler=rank, lag_ms=30.0, seed=seed),
+        now_ns=T0,
+    )
+    assert [s.rank for s in d.stragglers] == [rank], d.verdict
+    [s] = d.stragglers
+    assert s.share_of_step >= 0.05 and s.p_value < 1e-3 and s.groups == ["gloo/n4#0"]
+
+
+def test_the_order_test_is_uniform_for_alike_ranks() -> None:
+    rng = np.random.default_rng(1)
+    ps = [
+        coll.order_p(rng.integers(0, 4, 200).astype(float), np.full(200, 4.0)) for _ in range(400)
+    ]
+    assert 0.02 < np.mean(np.array(ps) < 0.05) < 0.09  # ~5 % below 0.05 by chance
+    assert coll.order_p(np.full(100, 3.0), np.full(100, 4.0)) < 1e-12  # always last
+
+
+def _samples(
+    rank_rows: dict[int, list[tuple[str, str, str, int, float]]], span_s: float
+) -> pa.Table:
+    rows = []
+    for rank, entries in rank_rows.items():
+        rows.append({"kind": "tick", "file": None, "func": None, "line": None,
+                     "dur_ns": int(span_s * 1e9), "n": 1, "rank": rank})  # fmt: skip
+        for kind, file, func, line, ms in entries:
+            rows.append({"kind": kind, "file": file, "func": func, "line": line,
+                         "dur_ns": int(ms * 1e6), "n": 1, "rank": rank})  # fmt: skip
+    return pa.Table.from_pylist(rows)
+
+
+STEPS_PER_S = 1000 / (80 + 5 + 30)  # job(): step_ms + compute + the straggler's lag
+
+
+def test_why_names_the_slow_function_with_file_and_line() -> None:
+    # 60 steps: the slow loader sleeps 80 ms a step on rank 2 only
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {
+        r: [("off", "/job/train.py", "load_batch", 41, (80.0 if r == 2 else 0.3) * steps),
+            ("cpu", "/job/train.py", "step", 12, 5.0 * steps)]
+        for r in range(4)
+    }  # fmt: skip
+    d = analyze(job(straggler=2, lag_ms=30, seed=2), now_ns=T0, samples=_samples(per, span))
+    [s] = d.stragglers
+    fn = [w for w in d.why if w.kind == "function"]
+    assert fn and fn[0].what == "load_batch" and fn[0].line == 41, d.why
+    assert 60 < fn[0].ms_per_step < 100 and fn[0].others_ms_per_step < 1
+    assert fn[0].text.startswith("rank 2: load_batch (/job/train.py:41) ")
+    assert "ms/step vs 0.3 ms on the others (mostly off CPU)" in fn[0].text
+    assert not [w for w in d.why if w.kind == "cpu_starvation"]
+    coll_why = [w for w in d.why if w.kind == "collectives"]
+    assert coll_why and coll_why[0].ms_per_step < coll_why[0].others_ms_per_step
+    assert "why (time per step" in render(d) and "load_batch" in render(d)
+
+
+def test_why_tells_cpu_starvation_from_a_slow_function() -> None:
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {}
+    for r in range(4):
+        k = 2.0 if r == 1 else 1.0  # every function twice as slow on rank 1 ...
+        per[r] = [
+            ("cpu", "/job/train.py", "forward", 30, 10.0 * steps),
+            ("runq", "/job/train.py", "forward", 30, (10.0 * k - 10.0 + 0.5) * steps),
+            ("cpu", "/job/train.py", "augment", 50, 6.0 * steps),
+            ("runq", "/job/train.py", "augment", 50, (6.0 * k - 6.0 + 0.3) * steps),
+        ]  # ... because it waits for a CPU as long as it runs
+    d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=_samples(per, span))
+    first = d.why[0]
+    assert first.kind == "cpu_starvation", d.why
+    assert first.text.startswith("rank 1: CPU starvation: waits ")
+    assert "every function ~2.0x slower" in first.text
+    assert 1.7 < (first.slower or 0) < 2.3
+
+
+def test_a_hang_in_a_subgroup_names_only_that_groups_missing_rank() -> None:
+    rows = []
+    for r in (2, 3):  # a 2-rank tensor-parallel group; rank 3 never enters #10
+        for k in range(11 if r == 2 else 10):
+            ts = T0 + k * 10**8
+            rows.append({"backend": "gloo", "op": "allreduce", "comm": 0x10 + r, "seq": k,
+                         "comm_rank": r - 2, "nranks": 2, "bytes": 16, "ts": ts,
+                         "dur_ns": None if k == 10 else 10**6, "pid": 100 + r,
+                         "node": "n", "rank": r, "pg": "3"})  # fmt: skip
+    for r in (0, 1):  # the world group carries on meanwhile for ranks 0 and 1's view
+        rows.append({"backend": "gloo", "op": "barrier", "comm": 0x20 + r, "seq": 0,
+                     "comm_rank": r, "nranks": 4, "bytes": 0, "ts": T0, "dur_ns": 10**6,
+                     "pid": 100 + r, "node": "n", "rank": r, "pg": "0"})  # fmt: skip
+    d = analyze(pa.Table.from_pylist(rows), now_ns=T0 + 30 * 10**9, hang_after_s=5)
+    [h] = d.hangs
+    assert h.comm == "gloo/pg3" and h.missing_ranks == [3] and h.waiting_ranks == [2]
+
+
+def test_repeated_diagnoses_of_one_hang_name_the_same_collective() -> None:
+    t = job(hang_rank=1, hang_step=40, steps=60, seed=9)
+    first = analyze(t, now_ns=T0 + 600 * 10**9)
+    # later, the window has lost the oldest rows, unevenly across ranks
+    rows = [r for r in t.to_pylist() if not (r["rank"] in (0, 3) and r["seq"] < 12)]
+    again = analyze(pa.Table.from_pylist(rows), now_ns=T0 + 610 * 10**9)
+    assert first.hangs and again.hangs
+    assert (first.hangs[0].comm, first.hangs[0].seq) == (again.hangs[0].comm, again.hangs[0].seq)
+    assert first.verdict.split(" for ")[0] == again.verdict.split(" for ")[0]
