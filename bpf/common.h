@@ -1,9 +1,9 @@
 /* Shared by every probe family: the event header, argument access, the ring
  * buffer with its drop counter, and entry/return pairing through a map.
  *
- * A family's .bpf.c defines EVENT (its event struct, which starts with
- * `struct probing_hdr hdr`) before including this file; RINGBUF_PAGES comes
- * from the loader (-D).
+ * The family's header defines EVENT (its event struct, which starts with
+ * `struct probing_hdr hdr`) before bpf/preamble.c includes this file;
+ * RINGBUF_PAGES comes from the loader (-D).
  * Events are submitted with BPF_RB_NO_WAKEUP: the probe drains the ring on a
  * timer, so a traced call never pays for waking a reader.
  */
@@ -26,8 +26,8 @@ struct inflight_key {
 };
 
 /* The maps and the helpers that touch them (count_drop, emit, park, unpark,
- * py_stack_id) live in each family's .bpf.c: BCC only rewrites map calls
- * written in the main source file, not in headers or inside macros. */
+ * py_stack_id) live in bpf/preamble.c, compiled as part of the main source:
+ * BCC only rewrites map calls written there, not in headers or macros. */
 
 static __always_inline u64 read_u64(u64 addr) {
     u64 v = 0;

@@ -31,4 +31,7 @@ struct cuda_event {
     u8 pad[7];
 };
 
+/* the event struct bpf/preamble.c builds its maps and helpers on */
+#define EVENT struct cuda_event
+
 #endif

@@ -39,4 +39,7 @@ struct gloo_event {
                         probe (with or without a vtable pointer in front) */
 };
 
+/* the event struct bpf/preamble.c builds its maps and helpers on */
+#define EVENT struct gloo_event
+
 #endif

@@ -37,4 +37,7 @@ struct nccl_event {
     u16 pad;
 };
 
+/* the event struct bpf/preamble.c builds its maps and helpers on */
+#define EVENT struct nccl_event
+
 #endif

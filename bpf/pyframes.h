@@ -10,8 +10,8 @@
  *
  * Offsets come from probing/pyframes (Offsets.cflags) as -D PY_*; -1 marks a
  * field the running CPython lacks. Without -DPY_STACKS every stack id is 0
- * and nothing here runs. The maps and py_stack_id() live in each family's
- * .bpf.c ("Python stacks" block there), as count_drop and emit do: BCC did not
+ * and nothing here runs. The maps and py_stack_id() live in bpf/preamble.c
+ * ("Python stacks" block there), as count_drop and emit do: BCC did not
  * rewrite map calls made from this header.
  */
 #ifndef PROBING_PYFRAMES_H

@@ -53,6 +53,7 @@ def test_doctor_command_prints_every_check() -> None:
         "headers",
         "cap_bpf",
         "ptrace",
+        "uprobe_multi",
         "nvml",
     }
     failed_required = [c for c in checks.values() if c["required"] and not c["ok"]]

@@ -214,10 +214,10 @@ def test_bootstrap_gives_main_thread_back() -> None:
     ],
 )
 def test_permission_error_names_the_fix(monkeypatch, euid, caps, uid, needle) -> None:
-    import probing.doctor
+    import probing.checks
 
     monkeypatch.setattr(os, "geteuid", lambda: euid)
-    monkeypatch.setattr(probing.doctor, "effective_caps", lambda *a: caps)
+    monkeypatch.setattr(probing.checks, "effective_caps", lambda *a: caps)
     err = injector.permission_error(42, uid, "ptrace")
     assert isinstance(err, AccessDenied)
     assert needle in str(err) and "pid 42" in str(err)

@@ -146,6 +146,23 @@ def mapped_files(pid: int | str = "self") -> list[Mapping]:
     return out
 
 
+def file_offsets(path: str, vaddrs: Iterable[int]) -> dict[int, int]:
+    """ELF virtual address -> offset in the file (what a uprobe attaches at),
+    through the PT_LOAD segment that holds it; addresses in none are left out."""
+    with open(path, "rb") as f:
+        segs = [
+            (s["p_offset"], s["p_vaddr"], s["p_filesz"])
+            for s in ELFFile(f).iter_segments("PT_LOAD")
+        ]
+    out = {}
+    for v in vaddrs:
+        for off, vaddr, size in segs:
+            if vaddr <= v < vaddr + size:
+                out[v] = v - vaddr + off
+                break
+    return out
+
+
 class _FileSymbols:
     """Function symbols of one ELF file, sorted by address (.symtab, else .dynsym)."""
 

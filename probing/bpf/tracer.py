@@ -11,24 +11,24 @@ every uprobe. The traced threads never wait for any of this.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import ctypes
 import dataclasses
 import glob
-import importlib.resources
 import mmap
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from probing import checks
 from probing.bpf import families as fam
+from probing.bpf import loader
+from probing.bpf.loader import program_dir  # noqa: F401  (the sampler's programs too)
 from probing.bpf.pystacks import PyStacks
 from probing.bpf.ringbuf import RingReader
 from probing.bpf.state import TracerState
@@ -38,6 +38,7 @@ from probing.bpf.symbols import (
     Symbolizer,
     exported,
     exported_matching,
+    file_offsets,
     mapped_files,
 )
 from probing.errors import BPFUnavailable, ProbingError
@@ -59,28 +60,17 @@ class Probe:
     error: str | None = None
 
 
-@contextlib.contextmanager
-def program_dir() -> Iterator[str]:
-    """The directory of the installed bpf/*.bpf.c and headers."""
-    ref = importlib.resources.files("probing.bpf") / "programs"
-    with importlib.resources.as_file(ref) as path:
-        yield str(path)
-
-
 def require_bpf() -> None:
-    """Raise ``BPFUnavailable`` naming what is missing and how to get it."""
-    from probing import doctor
-
-    caps = doctor.check_bpf_caps()
+    """Raise ``BPFUnavailable`` naming what is missing and how to get it
+    (BCC and the kernel headers only matter when a program is compiled:
+    ``loader.obtain`` checks those)."""
+    caps = checks.check_bpf_caps()
     if not caps.ok:
         raise BPFUnavailable(
             f"this process (pid {os.getpid()}) cannot load BPF programs: {caps.detail}",
             pid=os.getpid(),
             hint=caps.fix or "run the job as root, or grant CAP_BPF and CAP_PERFMON",
         )
-    for check in (doctor.check_bcc(), doctor.check_headers()):
-        if not check.ok:
-            raise BPFUnavailable(f"{check.name}: {check.detail}", hint=check.fix or None)
 
 
 def clock_offset_ns() -> int:
@@ -165,14 +155,15 @@ class Tracer:
         self._lock = threading.Lock()
         self._drain_lock = threading.Lock()  # the timer thread, stop() and callers
         self._writer = OutputWriter(output) if output else None
+        # how start() went: compiled or from the cache, seconds to load and to be ready
+        self.load_info: dict[str, Any] = {"cached": {}}
         for f in self.families:
             self.store.table(f.table, "calls", f.schema)
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         require_bpf()
-        from bcc import BPF  # type: ignore[import-not-found]
-
+        t0 = time.perf_counter()
         py_flags: list[str] = []
         if self.stacks:
             try:
@@ -181,40 +172,36 @@ class Tracer:
             except ProbingError as err:  # an unsupported CPython: trace without stacks
                 self.last_error = f"no Python stacks: {err}"
         try:
-            with program_dir() as src:
-                for f in self.families:
-                    cflags = [
-                        f"-I{src}",
-                        f"-DRINGBUF_PAGES={f.ringbuf_pages}",
-                        "-Wno-unused-function",
-                        *f.cflags,
-                        *py_flags,
-                    ]
-                    try:
-                        bpf = BPF(src_file=os.path.join(src, f.source).encode(), cflags=cflags)
-                    except Exception as err:  # BCC raises plain Exception
-                        raise BPFUnavailable(
-                            f"BCC could not compile {f.source}: {err}",
-                            pid=self.pid,
-                            hint="run `probing doctor` to see what is missing",
-                        ) from err
-                    # we detach ourselves (stop(), or at exit in the right order)
-                    atexit.unregister(bpf.cleanup)
-                    leaf = ctypes.sizeof(bpf["inflight"].Leaf)
-                    if leaf != f.dtype.itemsize:
-                        bpf.cleanup()
-                        raise ProbingError(
-                            f"{f.name}: event struct is {leaf} bytes in C but "
-                            f"{f.dtype.itemsize} in probing/bpf/families.py"
-                        )
+            multi = loader.has_uprobe_multi()
+            for f in self.families:
+                cflags = [
+                    f"-DRINGBUF_PAGES={f.ringbuf_pages}",
+                    "-Wno-unused-function",
+                    *f.cflags,
+                    *py_flags,
+                ]
+                compiled, cached = loader.obtain(f.source, f"{f.name}.h", cflags)
+                self.load_info["cached"][f.name] = cached
+                # the numpy mirror of the C event, field by field, before any event
+                loader.check_dtype(
+                    f"{f.name} event", f.dtype, loader.ctype_of(compiled.map("inflight").leaf)
+                )
+                bpf = loader.Program(compiled, multi=multi)
+                try:
                     size = f.ringbuf_pages * mmap.PAGESIZE
                     reader = RingReader(bpf["events"].map_fd, size, f.dtype)
-                    self._live.append(_Live(f, bpf, reader))
-                    self._all.append(self._live[-1])
+                except BaseException:
+                    bpf.close()
+                    raise
+                self._live.append(_Live(f, bpf, reader))
+                self._all.append(self._live[-1])
+            self.load_info["uprobe_multi"] = multi
+            self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
             if self._py is not None:
                 self._py.hook_threads(lambda: [live.bpf for live in self._live])
             self.attach_new_libraries()
+            self.load_info["ready_s"] = time.perf_counter() - t0
         except BaseException:
             self._detach()
             if self._writer is not None:
@@ -263,14 +250,18 @@ class Tracer:
             self._py.unhook_threads()
         with self._drain_lock:
             live_families, self._live = self._live, []
+        # every family's uprobes released at once: each release waits for an
+        # RCU grace period, and releases in flight together share one
+        loader.close_all([fd for live in live_families for a in live.bpf.attached for fd in a.fds])
         for live in live_families:
+            live.bpf.attached = []
             try:
                 live.reader.close()
             except Exception:
                 pass
             try:
-                live.bpf.cleanup()
-            except Exception as err:
+                live.bpf.close()
+            except OSError as err:
                 self.last_error = f"{live.family.name}: detach: {err}"
         for p in self.probes:
             p.attached = False
@@ -296,7 +287,8 @@ class Tracer:
         """Attach to every matching library not attached yet (by inode)."""
         maps = mapped_files()
         self._mark_runtime_text(maps)
-        paths = [m.path for m in maps] + installed_libraries()
+        paths = [m.path for m in maps]  # what the process has: a library it maps later
+        # is found by the next scan (RESCAN_EVERY_S)
         for path in dict.fromkeys(paths):
             base = os.path.basename(path)
             wanted = [live for live in self._live if live.family.libraries.match(base)]
@@ -333,18 +325,19 @@ class Tracer:
                 table[ctypes.c_int(i)] = table.Leaf(start, end)
         self._runtime_ranges = ranges
 
-    def _symbols(self, f: fam.Family, path: str) -> dict[str, str]:
-        """Func.enum -> the symbol to attach to in ``path``."""
+    def _symbols(self, f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
+        """Func.enum -> (the symbol to attach to in ``path``, its file offset)."""
         if f.demangled is not None:
             found = exported_matching(path, f.mangled_prefix, f.demangled)
-            return {enum: mangled for enum, (mangled, _) in found.items()}
-        names = exported(path, [s for fn in f.funcs for s in fn.symbols])
-        out = {}
-        for fn in f.funcs:
-            sym = next((s for s in fn.symbols if s in names), None)
-            if sym is not None:
-                out[fn.enum] = sym
-        return out
+        else:
+            names = exported(path, [s for fn in f.funcs for s in fn.symbols])
+            found = {}
+            for fn in f.funcs:
+                sym = next((s for s in fn.symbols if s in names), None)
+                if sym is not None:
+                    found[fn.enum] = (sym, names[sym])
+        offsets = file_offsets(path, [addr for _, addr in found.values()])
+        return {e: (sym, offsets[a]) for e, (sym, a) in found.items() if a in offsets}
 
     def _attach_library(self, live: _Live, path: str) -> None:
         f = live.family
@@ -355,22 +348,17 @@ class Tracer:
             return
         if not symbols:
             return
-        live.libraries.add(path)
+        wanted = []  # (handler, symbol, file offset, is a return probe)
         for fn in f.funcs:
-            sym = symbols.get(fn.enum)
-            if sym is None:
+            if fn.enum not in symbols:
                 continue
-            for kind, handler in (("entry", fn.entry), ("return", fn.ret)):
-                if handler is None:
-                    continue
-                attach = live.bpf.attach_uprobe if kind == "entry" else live.bpf.attach_uretprobe
-                try:
-                    attach(
-                        name=path.encode(), sym=sym.encode(), fn_name=handler.encode(), pid=self.pid
-                    )
-                    self.probes.append(Probe(f.name, path, sym, kind, True))
-                except Exception as err:
-                    self.probes.append(Probe(f.name, path, sym, kind, False, str(err)))
+            sym, offset = symbols[fn.enum]
+            wanted.append((fn.entry, sym, offset, False))
+            if fn.ret is not None:
+                wanted.append((fn.ret, sym, offset, True))
+        for sym, kind, ok, err in live.bpf.attach(path, wanted, self.pid):
+            self.probes.append(Probe(f.name, path, sym, kind, ok, err))
+        live.libraries.add(path)  # listed once its uprobes are in
 
     # -- draining ---------------------------------------------------------------
     def drain(self) -> int:

@@ -101,7 +101,7 @@ def _user(uid: int) -> str:
 
 def permission_error(pid: int, uid: int, what: str) -> AccessDenied:
     """The one-line reason ptrace is refused here, with the fix that applies."""
-    from probing.doctor import CAP_SYS_PTRACE, effective_caps, has_cap
+    from probing.checks import CAP_SYS_PTRACE, effective_caps, has_cap
 
     me = os.geteuid()
     cap = has_cap(effective_caps(), CAP_SYS_PTRACE)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from probing import doctor
+from probing import checks, doctor
 from probing.bpf import families as fam
+from probing.bpf.kernel import uprobe_links
 from probing.bpf.tracer import Tracer, installed_libraries
 from probing.client import ProbeClient
 from probing.engine import Engine
@@ -44,9 +45,19 @@ def _lib(prefix: str) -> str:
 
 
 def perf_uprobes(pid: int) -> list[dict]:  # type: ignore[type-arg]
-    """The uprobe perf events with a BPF program that ``pid`` holds open."""
+    """The uprobes with a BPF program that ``pid`` holds: uprobe perf events
+    (``bpftool perf``) and multi-uprobe links (read from the kernel)."""
     out = subprocess.run(["bpftool", "-j", "perf"], capture_output=True, text=True, check=True)
-    return [e for e in json.loads(out.stdout or "[]") if e.get("pid") == pid]
+    found = [
+        e
+        for e in json.loads(out.stdout or "[]")
+        if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")
+    ]
+    for link in uprobe_links():
+        if link.pid == pid:
+            kind = "uretprobe" if link.ret else "uprobe"
+            found.append({"pid": pid, "fd_type": kind, "filename": link.path, "link": link.id})
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -347,6 +358,8 @@ while not os.path.exists(go):
     time.sleep(0.01)
 cudart = ctypes.CDLL(sys.argv[1])
 time.sleep(float(os.environ.get("WAIT_AFTER_LOAD", "0")))
+while os.environ.get("GO_CALLS") and not os.path.exists(os.environ["GO_CALLS"]):
+    time.sleep(0.01)
 p = ctypes.c_void_p()
 for i in range(n):
     cudart.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(5000 + i))
@@ -367,7 +380,8 @@ def _cuda_target(spawn, tmp_path: Path, n: int, lib: str | None = None, **env: s
 
 def test_cli_output_is_complete_when_the_target_exits(spawn, tmp_path: Path) -> None:
     _privileged()
-    t, go = _cuda_target(spawn, tmp_path, 200)
+    calls = tmp_path / "calls"  # made once the library loaded later is attached
+    t, go = _cuda_target(spawn, tmp_path, 200, GO_CALLS=str(calls))
     out = tmp_path / "trace.parquet"
     proc = subprocess.Popen(
         [sys.executable, "-m", "probing", "trace", "--pid", str(t.pid), "--no-nccl",
@@ -382,10 +396,15 @@ def test_cli_output_is_complete_when_the_target_exits(spawn, tmp_path: Path) -> 
         except Exception:
             pass
         time.sleep(0.05)
-    go.touch()  # the library is loaded only now: attached in advance (it is on sys.path)
+    go.touch()  # the library is loaded only now: found by the tracer's next look at the maps
+    client = ProbeClient.for_pid(t.pid)
+    while not client.trace_status()["families"]["cuda"]["libraries"]:
+        assert time.monotonic() < deadline, "the library loaded later was never attached"
+        time.sleep(0.05)
+    calls.touch()
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
-    assert "cuda.calls" in stdout and "uprobes on libcudart" in stdout
+    assert "cuda.calls" in stdout and "no library mapped yet" in stdout
     assert f"pid {t.pid} exited" in stderr and "complete (200 events)" in stderr
     table = pq.read_table(out)
     assert table.column("table").to_pylist() == ["cuda.calls"] * 200
@@ -423,10 +442,14 @@ def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> No
 def test_a_target_killed_mid_trace_leaves_no_uprobes(spawn, tmp_path: Path) -> None:
     _privileged()
     t, go = _cuda_target(spawn, tmp_path, 10**6)
-    ProbeClient.for_pid(t.pid).trace_start(["cuda", "nccl"])
-    attached = perf_uprobes(t.pid)
-    assert attached and {e.get("fd_type") for e in attached} <= {"uprobe", "uretprobe"}
-    go.touch()
+    client = ProbeClient.for_pid(t.pid)
+    client.trace_start(["cuda", "nccl"])
+    go.touch()  # the library loads, and is attached at the tracer's next look
+    deadline = time.monotonic() + 60
+    while not client.trace_status()["families"]["cuda"]["libraries"]:
+        assert time.monotonic() < deadline, "libcudart was never attached"
+        time.sleep(0.05)
+    assert perf_uprobes(t.pid)
     time.sleep(0.3)
     os.kill(t.pid, signal.SIGKILL)
     t.proc.wait(timeout=10)
@@ -439,6 +462,6 @@ def test_no_bpf_permission_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
     from probing.errors import BPFUnavailable
 
     failing = doctor.Check("caps", False, "CAP_BPF missing", "run as root")
-    monkeypatch.setattr(doctor, "check_bpf_caps", lambda: failing)
+    monkeypatch.setattr(checks, "check_bpf_caps", lambda: failing)
     with pytest.raises(BPFUnavailable, match=r"cannot load BPF programs.*CAP_BPF missing"):
         Tracer(["cuda"], store=Store()).start()

@@ -1,0 +1,82 @@
+/* The part every probe family's program shares: the loader
+ * (probing/bpf/loader.py) puts this file in front of bpf/<family>.bpf.c and
+ * compiles the two as one source, with -DPROBING_FAMILY_H="<family>.h"
+ * naming the family's header, which defines EVENT (its event struct).
+ * Map calls are written here, in the main source, because BCC rewrites only
+ * those (not the ones in headers or inside macros).
+ *
+ * probing_dispatch is the one program a multi-uprobe link runs (Linux >= 6.6,
+ * BPF_TRACE_UPROBE_MULTI): one link per library and direction attaches it
+ * at every probed function, and the attach cookie names the handler it
+ * tail-calls, the same handler a single uprobe runs on older kernels. */
+#include "event.h"
+#include PROBING_FAMILY_H
+#include "common.h"
+#include "pyframes.h"
+
+#ifndef PROBING_HANDLERS
+#define PROBING_HANDLERS 64
+#endif
+
+/* -- the ring buffer, drop counter and pairing map (see common.h) -- */
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_ARRAY(dropped, u64, 1);
+BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
+
+/* -- Python stacks (see pyframes.h): the maps and the one helper that uses them -- */
+#ifdef PY_STACKS
+BPF_HASH(py_threads, u32, u64, 65536);
+BPF_PERCPU_ARRAY(py_scratch, struct py_stack, 1);
+BPF_HASH(py_stacks, u32, struct py_stack, PY_STACKS_MAX);
+static __always_inline u32 py_stack_id(void) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *tstate = py_threads.lookup(&tid);
+    int zero = 0;
+    struct py_stack *st = tstate ? py_scratch.lookup(&zero) : 0;
+    u32 id = st ? py_walk(*tstate, st) : 0;
+    if (id)
+        py_stacks.insert(&id, st); /* no-op when this stack is known already */
+    return id;
+}
+#else
+static __always_inline u32 py_stack_id(void) { return 0; }
+#endif
+/* every event carries the calling thread's Python stack (0 without one) */
+static __always_inline void hdr_init(struct probing_hdr *h, u16 fn) {
+    hdr_init_stack(h, fn, py_stack_id());
+}
+
+static __always_inline void count_drop(void) {
+    int zero = 0;
+    u64 *n = dropped.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+/* submit with no wake-up: the probe drains on a timer; a full ring counts a drop */
+static __always_inline void emit(EVENT *ev) {
+    if (events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) != 0)
+        count_drop();
+}
+/* entry of a call whose return is probed too */
+static __always_inline void park(EVENT *ev) {
+    struct inflight_key key = {.tid = ev->hdr.tid, .fn = ev->hdr.fn};
+    if (inflight.update(&key, ev) != 0)
+        count_drop();
+}
+/* its return: the parked event, completed (NULL if the entry was not seen).
+ * It stays in the map, marked returned (hdr.flags), until the thread's next
+ * call overwrites it: a delete would cost a second hash operation. */
+static __always_inline EVENT *unpark(struct pt_regs *ctx, u16 fn, struct inflight_key *key) {
+    inflight_key_of(key, fn);
+    EVENT *ev = inflight.lookup(key);
+    if (ev)
+        complete(ctx, &ev->hdr);
+    return ev;
+}
+
+/* -- the multi-uprobe entry point: cookie = the handler's slot -- */
+BPF_PROG_ARRAY(handlers, PROBING_HANDLERS);
+int probing_dispatch(struct pt_regs *ctx) {
+    handlers.call(ctx, (u32)bpf_get_attach_cookie(ctx));
+    return 0;
+}

@@ -1,0 +1,570 @@
+"""Build a family's BPF program once per node, then load and attach it fast.
+
+BCC compiles (clang, seconds of CPU); the kernel only needs the bytecode.
+``obtain()`` compiles ``bpf/preamble.c`` + ``bpf/<family>.bpf.c`` with BCC
+once per (sources, -D flags, kernel, BCC) and keeps what came out in a
+cache file: each program's instructions with its map references turned
+back into map numbers, and each map's spec and C types (as BCC describes
+them). Eight ranks that start tracing together take a file lock: one
+compiles, the others read its result. ``Program`` then creates the maps and
+loads the programs with plain bpf() calls (``kernel``), in milliseconds.
+
+Attaching: where the kernel has multi-uprobe links (Linux >= 6.6), one link
+per library and direction runs ``probing_dispatch`` at every probed function
+and the attach cookie names the handler it tail-calls: a few links, each
+paying one RCU grace period when it goes (at stop, or when the process
+exits), instead of one per uprobe. Elsewhere each handler gets a perf-event
+uprobe, and ``close()`` releases them from several threads at once.
+
+Every event dtype in ``families`` is checked, field by field (name, offset,
+size), against BCC's description of the C struct when the program loads.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from probing.bpf import kernel
+from probing.errors import BPFUnavailable, ProbingError
+
+FORMAT = 1  # of the cache files: bump when what they hold changes
+DISPATCH = "probing_dispatch"
+HANDLERS = 64  # slots of the dispatch program array (bpf/preamble.c)
+CLOSE_THREADS = 16
+ENV_CACHE = "PROBING_BPF_CACHE"  # where compiled programs are kept
+ENV_MULTI = "PROBING_UPROBE_MULTI"  # "0": single uprobes even where links exist
+
+
+@contextlib.contextmanager
+def program_dir() -> Iterator[str]:
+    """The directory of the installed bpf/*.bpf.c and headers."""
+    ref = importlib.resources.files("probing.bpf") / "programs"
+    with importlib.resources.as_file(ref) as path:
+        yield str(path)
+
+
+def cache_dir() -> str:
+    explicit = os.environ.get(ENV_CACHE, "").strip()
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "probing", "bpf")
+
+
+# -- C types as BCC describes them (JSON), to ctypes --------------------------------
+
+_CTYPES = {
+    "_Bool": ctypes.c_bool, "char": ctypes.c_char, "signed char": ctypes.c_byte,
+    "unsigned char": ctypes.c_ubyte, "short": ctypes.c_short,
+    "unsigned short": ctypes.c_ushort, "int": ctypes.c_int, "unsigned int": ctypes.c_uint,
+    "long": ctypes.c_long, "unsigned long": ctypes.c_ulong, "long long": ctypes.c_longlong,
+    "unsigned long long": ctypes.c_ulonglong, "float": ctypes.c_float,
+    "double": ctypes.c_double, "__int128": ctypes.c_int64 * 2,
+    "unsigned __int128": ctypes.c_uint64 * 2,
+}  # fmt: skip
+
+
+def ctype_of(desc: Any) -> Any:
+    """A ctypes type from BCC's JSON type description (``bpf_table_leaf_desc``):
+    a type name, or ``[name, [[field, type, ([n] | bits | kind)]...], kind]``."""
+    if isinstance(desc, str):
+        try:
+            return _CTYPES[desc]
+        except KeyError:
+            raise ProbingError(f"unknown C type {desc!r} in a BPF map description") from None
+    fields = []
+    for i, member in enumerate(desc[1]):
+        name, sub = member[0] or f"_anon{i}", member[1]
+        if len(member) == 3 and isinstance(member[2], list):
+            fields.append((name, ctype_of(sub) * member[2][0]))
+        elif len(member) == 3 and isinstance(member[2], int):
+            fields.append((name, ctype_of(sub), member[2]))
+        elif len(member) == 3:  # a nested struct or union, described in place
+            fields.append((name, ctype_of(member)))
+        else:
+            fields.append((name, ctype_of(sub)))
+    kind = desc[2] if len(desc) > 2 else "struct"
+    base = ctypes.Union if kind == "union" else ctypes.Structure
+    attrs: dict[str, Any] = {"_fields_": fields}
+    if kind == "struct_packed":
+        attrs["_pack_"] = 1
+    return type(str(desc[0]) or "anon", (base,), attrs)
+
+
+def c_fields(ctype: Any, base: int = 0, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(name, offset, size) of every leaf field, nested structs flattened
+    (a nested struct's fields keep their own names)."""
+    out = []
+    for f in ctype._fields_:
+        name, sub = f[0], f[1]
+        off = getattr(ctype, name).offset + base
+        if isinstance(sub, type) and issubclass(sub, ctypes.Structure | ctypes.Union):
+            out += c_fields(sub, off)
+        else:
+            out.append((prefix + name, off, ctypes.sizeof(sub)))
+    return out
+
+
+def dtype_fields(dtype: np.dtype) -> list[tuple[str, int, int]]:
+    assert dtype.fields is not None
+    return sorted(
+        ((name, off, dt.itemsize) for name, (dt, off, *_) in dtype.fields.items()),
+        key=lambda f: f[1],
+    )
+
+
+def check_dtype(what: str, dtype: np.dtype, ctype: Any) -> None:
+    """``dtype`` must mirror ``ctype`` field by field: name, offset, size."""
+    c, py = c_fields(ctype), dtype_fields(dtype)
+    if c != py or ctypes.sizeof(ctype) != dtype.itemsize:
+        diff = [f"C {a} / numpy {b}" for a, b in zip(c, py, strict=False) if a != b]
+        if len(c) != len(py):
+            diff.append(f"{len(c)} fields in C, {len(py)} in numpy")
+        raise ProbingError(
+            f"{what}: the numpy dtype in probing/bpf/families.py does not mirror the C "
+            f"struct ({ctypes.sizeof(ctype)} bytes in C, {dtype.itemsize} in numpy): "
+            + "; ".join(diff[:4])
+            + "\nfix the dtype (name, offset and size of each field) to match the header\n"
+        )
+
+
+# -- what the compiler made ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MapDef:
+    spec: kernel.MapSpec
+    key: Any  # BCC's JSON description of the key type, or None
+    leaf: Any
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One family's program as compiled, ready to load anywhere on this node."""
+
+    key: str
+    license: str
+    kern_version: int
+    maps: list[MapDef]
+    # name -> (instructions, [(insn index, map number)]) with each map fd zeroed
+    programs: dict[str, tuple[bytes, list[tuple[int, int]]]]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "key": self.key,
+                "license": self.license,
+                "kern_version": self.kern_version,
+                "maps": [
+                    {"spec": dataclasses.asdict(m.spec), "key": m.key, "leaf": m.leaf}
+                    for m in self.maps
+                ],
+                "programs": {
+                    n: [base64.b64encode(insns).decode(), relocs]
+                    for n, (insns, relocs) in self.programs.items()
+                },
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Compiled:
+        d = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"cache format {d.get('format')}, not {FORMAT}")
+        return cls(
+            d["key"],
+            d["license"],
+            d["kern_version"],
+            [MapDef(kernel.MapSpec(**m["spec"]), m["key"], m["leaf"]) for m in d["maps"]],
+            {
+                n: (base64.b64decode(b), [(int(i), int(m)) for i, m in r])
+                for n, (b, r) in d["programs"].items()
+            },
+        )
+
+    def map(self, name: str) -> MapDef:
+        return next(m for m in self.maps if m.spec.name == name)
+
+
+def _bcc_identity() -> str:
+    spec = importlib.util.find_spec("bcc")
+    if spec is None or spec.origin is None:
+        raise BPFUnavailable(
+            "BCC's Python module (bcc) is not installed",
+            hint="install python3-bpfcc (Debian/Ubuntu) or run `probing doctor`",
+        )
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            return f.read()
+    except OSError:
+        return spec.origin
+
+
+def cache_key(source: str, family_h: str, cflags: Iterable[str]) -> str:
+    """Everything the bytecode depends on: the sources (every header too),
+    the flags, the kernel, BCC."""
+    h = hashlib.sha256(f"probing-bpf {FORMAT}\0".encode())
+    with program_dir() as src:
+        for name in sorted(os.listdir(src)):
+            if name.endswith((".h", ".c")):
+                with open(os.path.join(src, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read() + b"\0")
+    for part in (source, family_h, *cflags, os.uname().release, os.uname().machine):
+        h.update(part.encode() + b"\0")
+    h.update(_bcc_identity().encode())
+    return h.hexdigest()[:32]
+
+
+def _compile(source: str, family_h: str, cflags: list[str], key: str) -> Compiled:
+    """BCC compiles; we keep the bytecode with map numbers for map fds."""
+    from bcc import BPF  # type: ignore[import-not-found]
+    from bcc.libbcc import lib  # type: ignore[import-not-found]
+
+    with program_dir() as src:
+        with open(os.path.join(src, "preamble.c")) as f:
+            text = f.read()
+        with open(os.path.join(src, source)) as f:
+            text += f'\n#line 1 "{source}"\n' + f.read()
+        flags = [f"-I{src}", f'-DPROBING_FAMILY_H="{family_h}"', f"-DPROBING_HANDLERS={HANDLERS}"]
+        try:
+            bpf = BPF(text=text.encode(), cflags=[*flags, *cflags])
+        except Exception as err:  # BCC raises plain Exception
+            raise BPFUnavailable(
+                f"BCC could not compile {source}: {err}",
+                hint="run `probing doctor` to see what is missing",
+            ) from err
+    try:
+        lib.bpf_num_tables.restype = ctypes.c_size_t
+        lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+        lib.bpf_table_name.restype = ctypes.c_char_p
+        lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        maps, by_fd = [], {}
+        for i in range(lib.bpf_num_tables(bpf.module)):
+            name = lib.bpf_table_name(bpf.module, i)
+            fd = lib.bpf_table_fd(bpf.module, name)
+            spec = dataclasses.replace(kernel.map_info(fd), name=name.decode())
+            key_desc = lib.bpf_table_key_desc(bpf.module, name).decode() or "null"
+            leaf_desc = lib.bpf_table_leaf_desc(bpf.module, name).decode() or "null"
+            by_fd[fd] = len(maps)
+            maps.append(MapDef(spec, json.loads(key_desc), json.loads(leaf_desc)))
+        programs = {}
+        for i in range(lib.bpf_num_functions(bpf.module)):
+            name = lib.bpf_function_name(bpf.module, i).decode()
+            insns = bytearray(bpf.dump_func(name.encode()))
+            relocs = []
+            for idx, op, src_reg, imm in kernel.iter_insns(bytes(insns)):
+                if op != 0x18 or src_reg == 0:  # not a ld_imm64 of a map
+                    continue
+                if src_reg != kernel.PSEUDO_MAP_FD or imm not in by_fd:
+                    raise ProbingError(
+                        f"{source}: {name}: a map reference BCC made that the loader "
+                        f"does not know (src_reg {src_reg})"
+                    )
+                relocs.append((idx, by_fd[imm]))
+                insns[8 * idx + 4 : 8 * idx + 8] = bytes(4)
+            programs[name] = (bytes(insns), relocs)
+        license = (lib.bpf_module_license(bpf.module) or b"GPL").decode()
+        return Compiled(key, license, lib.bpf_module_kern_version(bpf.module), maps, programs)
+    finally:
+        bpf.cleanup()
+
+
+def obtain(source: str, family_h: str, cflags: list[str]) -> tuple[Compiled, bool]:
+    """The compiled program, from the node's cache or compiled now (once:
+    concurrent callers wait on a lock, then read). Also: whether it was cached."""
+    key = cache_key(source, family_h, cflags)
+    directory = cache_dir()
+    path = os.path.join(directory, f"{source.removesuffix('.bpf.c')}-{key}.json")
+    try:
+        from probing.paths import ensure_private_dir
+
+        ensure_private_dir(directory)
+    except (OSError, ProbingError):
+        return _compile(source, family_h, cflags, key), False  # no cache: compile each time
+    cached = _read(path, key)
+    if cached is not None:
+        return cached, True
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cached = _read(path, key)  # another process compiled it while we waited
+            if cached is not None:
+                return cached, True
+            compiled = _compile(source, family_h, cflags, key)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(compiled.to_json())
+            os.replace(tmp, path)
+            return compiled, False
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read(path: str, key: str) -> Compiled | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:  # bytecode we load as root
+            return None
+        with os.fdopen(fd) as f:
+            fd = -1
+            compiled = Compiled.from_json(f.read())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return compiled if compiled.key == key else None
+
+
+# -- maps and programs in the kernel ----------------------------------------------------
+
+
+class Map:
+    """A BPF map by fd, with its C key and value types (BCC's ``Table`` subset
+    the tracer uses: ``m[k]``, ``m[k] = v``, ``del m[k]``, ``items()``, ``clear()``)."""
+
+    def __init__(self, fd: int, d: MapDef) -> None:
+        self.map_fd = fd
+        self.name = d.spec.name
+        self.spec = d.spec
+        self.Key = ctype_of(d.key) if d.key is not None else None
+        self.Leaf = ctype_of(d.leaf) if d.leaf is not None else None
+
+    def __getitem__(self, key: Any) -> Any:
+        leaf = self.Leaf()
+        if not kernel.map_lookup(self.map_fd, key, leaf):
+            raise KeyError(key)
+        return leaf
+
+    def __setitem__(self, key: Any, leaf: Any) -> None:
+        kernel.map_update(self.map_fd, key, leaf)
+
+    def __delitem__(self, key: Any) -> None:
+        if not kernel.map_delete(self.map_fd, key):
+            raise KeyError(key)
+
+    def keys(self) -> list[Any]:
+        out: list[Any] = []
+        key = None
+        while True:
+            nxt = self.Key()
+            if not kernel.map_next_key(self.map_fd, key, nxt):
+                return out
+            out.append(nxt)
+            key = nxt
+
+    def items(self) -> list[tuple[Any, Any]]:
+        out = []
+        for k in self.keys():
+            try:
+                out.append((k, self[k]))
+            except KeyError:  # deleted meanwhile
+                continue
+        return out
+
+    def clear(self) -> None:
+        for k in self.keys():
+            with contextlib.suppress(KeyError):
+                del self[k]
+
+
+_multi: bool | None = None
+
+
+def has_uprobe_multi() -> bool:
+    """Whether this kernel has multi-uprobe links (libbpf's probe: a link on
+    "/" fails with EBADF where the attach type exists)."""
+    global _multi
+    if os.environ.get(ENV_MULTI, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if _multi is None:
+        exit_now = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+        try:
+            fd = kernel.prog_load(
+                "probing_probe", exit_now, expected_attach_type=kernel.TRACE_UPROBE_MULTI
+            )
+        except kernel.BPFError:
+            _multi = False
+            return False
+        try:
+            kernel.uprobe_multi_link(fd, "/", [0], [0], 0, False)
+        except kernel.BPFError as err:
+            _multi = err.errno == 9  # EBADF
+        else:
+            _multi = True
+        finally:
+            os.close(fd)
+    return _multi
+
+
+@dataclasses.dataclass
+class Attached:
+    """One library's probes: the handler, symbol and kind of each, and the
+    fds that hold them (links or perf events)."""
+
+    path: str
+    fds: list[int]
+    probes: list[tuple[str, str, str]]  # (handler, symbol, "entry" | "return")
+
+
+class Program:
+    """A compiled family in the kernel: its maps, its programs (loaded when
+    first attached) and what is attached."""
+
+    def __init__(self, compiled: Compiled, *, multi: bool) -> None:
+        self.compiled = compiled
+        self.multi = multi
+        self.maps: dict[str, Map] = {}
+        self._progs: dict[str, int] = {}
+        self._slots: dict[str, int] = {}
+        self.attached: list[Attached] = []
+        self._lock = threading.Lock()
+        try:
+            for d in compiled.maps:
+                self.maps[d.spec.name] = Map(kernel.map_create(d.spec), d)
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str) -> Map:
+        return self.maps[name]
+
+    def prog_fd(self, name: str) -> int:
+        fd = self._progs.get(name)
+        if fd is None:
+            try:
+                insns, relocs = self.compiled.programs[name]
+            except KeyError:
+                raise ProbingError(f"no BPF program {name} in the compiled family") from None
+            code = bytearray(insns)
+            for idx, m in relocs:
+                fd_m = self.maps[self.compiled.maps[m].spec.name].map_fd
+                code[8 * idx + 1] = (code[8 * idx + 1] & 0x0F) | (kernel.PSEUDO_MAP_FD << 4)
+                code[8 * idx + 4 : 8 * idx + 8] = fd_m.to_bytes(4, "little")
+            fd = kernel.prog_load(
+                name,
+                bytes(code),
+                license=self.compiled.license.encode(),
+                kern_version=self.compiled.kern_version,
+                expected_attach_type=kernel.TRACE_UPROBE_MULTI if self.multi else 0,
+            )
+            self._progs[name] = fd
+        return fd
+
+    def _slot(self, handler: str) -> int:
+        """The handler's slot in the dispatch program array (its cookie)."""
+        slot = self._slots.get(handler)
+        if slot is None:
+            slot = len(self._slots)
+            if slot >= HANDLERS:
+                raise ProbingError(f"more than {HANDLERS} handlers in one family")
+            key, value = ctypes.c_uint32(slot), ctypes.c_uint32(self.prog_fd(handler))
+            kernel.map_update(self.maps["handlers"].map_fd, key, value)
+            self._slots[handler] = slot
+        return slot
+
+    def attach(
+        self, path: str, probes: list[tuple[str, str, int, bool]], pid: int
+    ) -> list[tuple[str, str, bool, str | None]]:
+        """Attach ``(handler, symbol, file offset, is_return)`` probes in
+        ``path`` for ``pid``; returns ``(symbol, kind, attached, error)`` each."""
+        results: list[tuple[str, str, bool, str | None]] = []
+        done = Attached(path, [], [])
+        with self._lock:
+            if self.multi:
+                for ret in (False, True):
+                    group = [p for p in probes if p[3] == ret]
+                    if not group:
+                        continue
+                    kind = "return" if ret else "entry"
+                    try:
+                        cookies = [self._slot(h) for h, _, _, _ in group]
+                        fd = kernel.uprobe_multi_link(
+                            self.prog_fd(DISPATCH), path, [o for _, _, o, _ in group], cookies,
+                            pid, ret,
+                        )  # fmt: skip
+                    except (kernel.BPFError, ProbingError) as err:
+                        results += [(s, kind, False, str(err)) for _, s, _, _ in group]
+                        continue
+                    done.fds.append(fd)
+                    done.probes += [(h, s, kind) for h, s, _, _ in group]
+                    results += [(s, kind, True, None) for _, s, _, _ in group]
+            else:
+                for handler, sym, off, ret in probes:
+                    kind = "return" if ret else "entry"
+                    try:
+                        fd = kernel.perf_uprobe(self.prog_fd(handler), path, off, pid, ret)
+                    except (kernel.BPFError, ProbingError) as err:
+                        results.append((sym, kind, False, str(err)))
+                        continue
+                    done.fds.append(fd)
+                    done.probes.append((handler, sym, kind))
+                    results.append((sym, kind, True, None))
+            if done.fds:
+                self.attached.append(done)
+        return results
+
+    def detach(self) -> None:
+        """Every uprobe off, released from several threads at once: each
+        release waits for an RCU grace period, and concurrent ones share it."""
+        with self._lock:
+            fds = [fd for a in self.attached for fd in a.fds]
+            self.attached = []
+        close_all(fds)
+
+    def close(self) -> None:
+        """Detach, then free the programs and maps. Safe twice."""
+        self.detach()
+        progs, self._progs, self._slots = list(self._progs.values()), {}, {}
+        maps, self.maps = [m.map_fd for m in self.maps.values()], {}
+        for fd in progs + maps:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def close_all(fds: list[int]) -> None:
+    """Close ``fds`` from up to CLOSE_THREADS threads at once."""
+    if len(fds) <= 1:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        return
+    pending = list(fds)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                fd = pending.pop()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    threads = [
+        threading.Thread(target=worker, name="probing-detach", daemon=True)
+        for _ in range(min(CLOSE_THREADS, len(fds)))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
