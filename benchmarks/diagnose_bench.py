@@ -1,6 +1,6 @@
 """How well ``probing diagnose`` finds a straggler, and how fast (root; one JSON object).
 
-A real 4-rank DDP job (Gloo, CPU; ``probing/analyze/demo_job.py``) started
+A real 4-rank DDP job (Gloo, CPU; ``probing/demo/job.py``) started
 without probing and traced with ``probing trace`` on every rank. Its slow
 rank is read from a file every step, so one job serves every run: each run
 draws a rank (or none, for a healthy run) and a delay, waits for the job to

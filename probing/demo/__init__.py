@@ -1,6 +1,6 @@
 """``make demo`` / ``probing demo``: name the slow rank of a live 4-rank job.
 
-Starts a 4-rank ``torch.distributed`` DDP job (``analyze/demo_job.py``: Gloo
+Starts a 4-rank ``torch.distributed`` DDP job (``probing/demo/job.py``: Gloo
 on CPU, NCCL when a GPU is there) *without* probing, one rank's data loader
 slowed (at random unless ``--slow-rank``), attaches to every rank with
 ``probing trace`` (dynamic injection), lets it run a few seconds, then runs
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-JOB_SCRIPT = Path(__file__).resolve().parent / "analyze" / "demo_job.py"
+JOB_SCRIPT = Path(__file__).resolve().parent / "job.py"
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """A small DDP training job, one process per rank, started *without* probing.
 
-    python demo_job.py --rank R --world 4 --port 29500 [--slow-rank 2 --slow-ms 40]
+    python job.py --rank R --world 4 --port 29500 [--slow-rank 2 --slow-ms 40]
                        [--hang-rank 1 --hang-step 30] [--work 10] [--steps 0]
 
 Each step loads a batch (``load_batch``: a data loader that sleeps like one
