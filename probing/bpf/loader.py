@@ -299,7 +299,8 @@ def obtain(source: str, family_h: str, cflags: list[str]) -> tuple[Compiled, boo
     cached = _read(path, key)
     if cached is not None:
         return cached, True
-    with open(path + ".lock", "a") as lock:
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(lock_fd) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             cached = _read(path, key)  # another process compiled it while we waited
@@ -307,7 +308,8 @@ def obtain(source: str, family_h: str, cflags: list[str]) -> tuple[Compiled, boo
                 return cached, True
             compiled = _compile(source, family_h, cflags, key)
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
                 f.write(compiled.to_json())
             os.replace(tmp, path)
             return compiled, False

@@ -1,0 +1,87 @@
+"""Tracing off, every way it ends: ``probing trace --stop``, SIGTERM and
+SIGKILL of the traced process. Each leaves no uprobe behind (multi-uprobe
+links read from the kernel, perf events from ``bpftool perf``, and
+``uprobe_events``), and a killed traced process is gone promptly: with one
+RCU grace period per uprobe paid in series, as before multi-uprobe links,
+it lingered for tens of seconds. Stop is tested in both attach modes:
+multi-uprobe links, and one perf-event uprobe per function
+(``PROBING_UPROBE_MULTI=0``, what kernels before 6.6 get). Root-only;
+PROBING_REQUIRE_PRIVILEGED=1 (CI) fails on a skip."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from probing import checks
+from probing.bpf import loader
+from probing.client import ProbeClient
+from tests.conftest import REPO, cli, require
+from tests.privileged.test_trace import _privileged, _wait_line, perf_uprobes
+
+pytestmark = pytest.mark.privileged
+
+JOB = REPO / "tests" / "jobs" / "lib_loop.py"
+EXIT_BOUND_S = 5.0  # generous: the serial grace periods this guards against took 10-30 s
+MODES = ["multi", "single"]
+
+
+def _mode_env(mode: str) -> dict[str, str]:
+    if mode == "multi":
+        require(loader.has_uprobe_multi(), "multi-uprobe links need Linux >= 6.6")
+        return {}
+    return {loader.ENV_MULTI: "0"}
+
+
+def _traced(spawn, mode: str):  # type: ignore[no-untyped-def]
+    """A lib_loop.py process with its libraries traced (cuda and nccl)."""
+    _privileged()
+    env = _mode_env(mode)
+    t = spawn("", argv=[sys.executable, str(JOB)], env=env)
+    _wait_line(t, "ready")
+    status = ProbeClient.for_pid(t.pid).trace_start(["cuda", "nccl"])
+    fams = status["families"]
+    assert fams["cuda"]["uprobes"] > 0 and fams["nccl"]["uprobes"] > 0, status
+    held = perf_uprobes(t.pid)
+    links = [e for e in held if "link" in e]
+    if mode == "multi":  # one link per library and direction, not one per function
+        assert held == links and 2 <= len(links) <= 4, held
+        assert sum(fams[f]["uprobes"] for f in fams) > len(links)
+    else:
+        assert not links and len(held) == sum(fams[f]["uprobes"] for f in fams)
+    return t
+
+
+def _no_uprobes_left(pid: int) -> None:
+    assert perf_uprobes(pid) == []
+    with open(os.path.join(checks.tracefs_dir() or "/sys/kernel/tracing", "uprobe_events")) as f:
+        assert f"_{pid}" not in f.read()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_detaches_every_uprobe(spawn, mode: str) -> None:
+    t = _traced(spawn, mode)
+    stopped = cli("trace", "--pid", str(t.pid), "--stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert "every uprobe detached" in stopped.stdout
+    _no_uprobes_left(t.pid)
+    assert t.proc.poll() is None  # the process goes on, untraced
+    status = ProbeClient.for_pid(t.pid).trace_status()
+    assert status["state"] == "stopped"
+    assert status["families"]["cuda"]["events"] > 0  # it was tracing for real
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_killed_traced_process_is_gone_promptly(spawn, sig: signal.Signals) -> None:
+    t = _traced(spawn, "multi")
+    t0 = time.monotonic()
+    os.kill(t.pid, sig)
+    t.proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    assert t.proc.returncode == -sig
+    assert took < EXIT_BOUND_S, f"the traced process took {took:.1f} s to go after {sig.name}"
+    _no_uprobes_left(t.pid)
