@@ -1,5 +1,67 @@
 #!/usr/bin/env bash
-# Inside the Vagrant VM, as root: the same command CI runs.
+# Inside the VM, as root, after vagrant/provision.sh: installs this checkout
+# into the provisioned Python 3.13 venv and runs probing's privileged tests.
+# The `make vm-test` guest runs it from its PID 1 (vagrant/vm-init.sh); with
+# Vagrant: vagrant ssh -c 'sudo bash /probing/vagrant/run-tests.sh'.
+#
+#   PROBING_VM_TESTS=full|smoke|ARG,ARG,...  bash vagrant/run-tests.sh
+#
+# smoke: Python 3.13's _Py_DebugOffsets, BCC, injection, out-of-process
+#        stacks, BPF frame walking on traced calls and a traced Gloo job.
+# full:  tests/privileged/ and tests/test_pyframes.py, less the tests that
+#        need NVIDIA's CUDA runtime and NCCL wheels (host-only: see docs/vm.md).
+# Prints "kernel <release>", the Python version and pytest's summary line; the
+# exit status is pytest's.
 set -euo pipefail
-cd /probing
-bash .ci/run
+
+src=$(cd "$(dirname "$0")/.." && pwd)
+venv=${PROBING_VENV:-/opt/probing-venv}
+work=${PROBING_VM_WORK:-/root/probing}
+tests=${PROBING_VM_TESTS:-full}
+say() { printf 'run-tests: %s\n' "$*"; }
+
+[ -x "$venv/bin/python" ] || { echo "run-tests: no venv at $venv: run vagrant/provision.sh first" >&2; exit 2; }
+[ "$(id -u)" = 0 ] || { echo "run-tests: run as root (sudo bash $0)" >&2; exit 2; }
+
+# a copy, so nothing the install or the tests write lands in the host's checkout
+rm -rf "$work"
+mkdir -p "$work"
+tar -C "$src" --exclude=./.venv --exclude=./.git --exclude='*/__pycache__' \
+  --exclude=./.pytest_cache --exclude=./.hypothesis --exclude=./.ruff_cache \
+  --exclude=./probing/inject/_lib -cf - . | tar -C "$work" -xf -
+cd "$work"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+  --no-index -e . >/dev/null
+"$venv/bin/python" -m probing.inject.build >/dev/null
+[ -e /sys/kernel/tracing/uprobe_events ] || mount -t tracefs nodev /sys/kernel/tracing
+
+smoke=(
+  tests/test_pyframes.py
+  tests/privileged/test_bcc_setup.py
+  tests/privileged/test_inject.py::test_inject_busy_loop_answers_sql_and_computes_right
+  tests/privileged/test_inject.py::test_stack_shows_three_named_threads
+  tests/privileged/test_pystacks.py::test_traced_calls_carry_the_stack_traceback_sees
+  tests/privileged/test_pystacks.py::test_stack_of_a_thread_holding_the_gil
+  tests/privileged/test_trace.py::test_gloo_job_every_rank_matches
+)
+# NVIDIA's CUDA runtime and NCCL wheels are ~300 MB more per image: host-only
+host_only=(
+  tests/privileged/test_trace.py::test_a_runtime_launch_is_one_launch_named_by_the_runtime
+  tests/privileged/test_trace.py::test_cuda_runtime_and_driver_calls_decode_exactly
+  tests/privileged/test_trace.py::test_nccl_calls_decode_exactly
+)
+case "$tests" in
+  smoke) args=("${smoke[@]}") ;;
+  full)
+    args=(tests/test_pyframes.py tests/privileged)
+    for t in "${host_only[@]}"; do args+=(--deselect "$t"); done ;;
+  *) IFS=, read -r -a args <<<"$tests" ;;
+esac
+
+echo "kernel $(uname -r)"
+"$venv/bin/python" --version
+say "bcc $("$venv/bin/python" -c 'import bcc; print(bcc.__version__)'), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'), tests: $tests"
+rc=0
+PROBING_REQUIRE_PRIVILEGED=1 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
+  --durations=15 "${args[@]}" || rc=$?
+exit "$rc"

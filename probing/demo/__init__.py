@@ -95,6 +95,18 @@ class DemoJob:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rank pid {p.pid} did not start in {timeout:g} s")
 
+    def exits(self) -> str:
+        """The ranks that have exited, with their status and last words (for errors)."""
+        gone = []
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None:
+                err = ""
+                if p.stderr is not None:  # without blocking: a child may still hold the pipe
+                    os.set_blocking(p.stderr.fileno(), False)
+                    err = p.stderr.read() or ""
+                gone.append(f"rank {r} (pid {p.pid}) exited {p.returncode}: {err.strip()[-400:]}")
+        return "; ".join(gone) or "every rank is still running"
+
     def target_pids(self) -> list[int]:
         """The Python processes (a ``taskset``/``ip netns exec`` prefix execs into them)."""
         return self.pids

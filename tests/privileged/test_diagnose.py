@@ -31,7 +31,7 @@ def _diagnose(job: DemoJob, *extra: str, seconds: float = 4.0, trace: bool = Tru
 
     if trace:
         errors = trace_all(job.pids, ["gloo"])
-        assert not errors, errors
+        assert not errors, "\n".join([*errors, job.exits()])
     time.sleep(seconds)
     args = [a for p in job.pids for a in ("--pid", str(p))]
     r = cli("diagnose", *args, "--format", "json", *extra, timeout=120)
