@@ -16,13 +16,11 @@ from typing import Any
 from probing import config, paths
 from probing.errors import (
     AccessDenied,
-    BPFUnavailable,
-    EvalError,
     NoProbe,
     NoSuchProcess,
     PeerUnreachable,
     ProbingError,
-    QueryError,
+    from_wire,
 )
 
 
@@ -204,20 +202,8 @@ class ProbeClient:
             msg, kind = err.get("error", ""), err.get("type", "")
         except ValueError:
             err, msg, kind = {}, data.decode("utf-8", "replace"), ""
-        pid = self.transport.pid
-        if kind == "QueryError":
-            raise QueryError(msg, pid=pid)
-        if kind == "BPFUnavailable":
-            raise BPFUnavailable(msg, pid=pid)
-        if kind == "EvalError":
-            raise EvalError(msg, pid=pid, detail=err.get("detail", ""))
-        if status == 403:
-            raise AccessDenied(msg, pid=pid)
-        if status == 401:
-            raise AccessDenied(f"the probe refused the token: {msg}", hint="check PROBING_TOKEN")
-        if kind == "PeerUnreachable":
-            raise PeerUnreachable(msg, pid=pid)
-        raise ProbingError(f"probe answered {status}: {msg}", pid=pid)
+        detail = err.get("detail", "") if isinstance(err, dict) else ""
+        raise from_wire(status, msg, kind, pid=self.transport.pid, detail=detail)
 
     def health(self) -> dict[str, Any]:
         return json.loads(self._call("GET", "/health")[1])

@@ -58,3 +58,62 @@ class PeerUnreachable(ProbingError):
 
 class UnsupportedPython(ProbingError):
     """The target runs a CPython version whose frame layout probing lacks."""
+
+
+class ProviderError(ProbingError):
+    """A table's provider failed: a bug in probing, not in the SQL. The probe
+    answers 500 and writes the traceback to its log (the host's stderr)."""
+
+
+# -- over HTTP: every error answer is {"error": message, "type": name}; the
+# name is the nearest class of this table, and maps back to it in the client
+
+ERRORS: dict[str, type[ProbingError]] = {
+    cls.__name__: cls
+    for cls in (
+        ProbingError,
+        NoSuchProcess,
+        NoProbe,
+        AccessDenied,
+        QueryError,
+        EvalError,
+        AttachError,
+        BPFUnavailable,
+        PeerUnreachable,
+        UnsupportedPython,
+        ProviderError,
+    )
+}
+
+# the HTTP status of an error type (its nearest listed class); others: 500
+STATUS: dict[type[ProbingError], int] = {
+    QueryError: 400,
+    EvalError: 400,
+    AccessDenied: 403,
+    PeerUnreachable: 503,
+}
+
+
+def wire_type(err: ProbingError) -> str:
+    """The ``type`` an error crosses HTTP as: its nearest class in ``ERRORS``."""
+    return next(c.__name__ for c in type(err).__mro__ if ERRORS.get(c.__name__) is c)
+
+
+def http_status(err: ProbingError) -> int:
+    return next((STATUS[c] for c in type(err).__mro__ if c in STATUS), 500)
+
+
+def from_wire(
+    status: int, msg: str, kind: str, *, pid: int | None = None, detail: str = ""
+) -> ProbingError:
+    """The error an HTTP error answer stands for (the client raises it)."""
+    if status == 401:
+        return AccessDenied(f"the probe refused the token: {msg}", hint="check PROBING_TOKEN")
+    cls = ERRORS.get(kind)
+    if cls is EvalError:
+        return EvalError(msg, pid=pid, detail=detail)
+    if cls is None or cls is ProbingError:
+        if status == 403:
+            return AccessDenied(msg, pid=pid)
+        return ProbingError(f"probe answered {status}: {msg}", pid=pid)
+    return cls(msg, pid=pid)

@@ -12,7 +12,9 @@ Two kinds of tables, as in the seed design:
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
@@ -20,6 +22,7 @@ import pyarrow.dataset as ds
 from datafusion import DataFrame, SessionContext, col, lit
 from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 
+from probing.errors import ProbingError, ProviderError
 from probing.store import Store
 from probing.store.table import CHUNK_COL, Snapshot
 
@@ -30,6 +33,34 @@ Resolver = Callable[[str], TableData | None]
 
 _code = threading.local()
 _snapshots = threading.local()  # .stack: this thread's queries, innermost last
+_failed = threading.local()  # .error: a provider that failed in this thread's query
+
+
+def produce(schema: str, name: str, producer: Producer) -> TableData:
+    """``producer()``, a provider's bug turned into ``ProviderError``: its
+    traceback goes to the probe's log (the host's stderr) and the query
+    answers it (500), never as bad SQL (DataFusion wraps what a provider
+    raises; ``provider_failure()`` finds it again)."""
+    try:
+        return producer()
+    except (ProbingError, PermissionError):
+        raise
+    except Exception as err:  # noqa: BLE001 - any bug: logged, answered as a bug
+        failure = ProviderError(f"the table {schema}.{name} failed: {type(err).__name__}: {err}")
+        try:
+            print(f"probing: {failure}", file=sys.stderr)
+            traceback.print_exception(err, file=sys.stderr)
+        except OSError:  # no stderr to write to: the answer still says it
+            pass
+        _failed.error = failure
+        raise failure from err
+
+
+def provider_failure() -> ProviderError | None:
+    """The provider failure of this thread's last query, once."""
+    failure = getattr(_failed, "error", None)
+    _failed.error = None
+    return failure
 
 Prepared = dict[tuple[str, str], Table]
 
@@ -168,7 +199,7 @@ class ProbeSchema(SchemaProvider):
         with self._lock:
             producer = self._producers.get(name)
         if producer is not None:
-            return as_table(producer(), self._ctx())
+            return as_table(produce(self.name, name, producer), self._ctx())
         if name in self._views:
             return current_snapshots().get((self.name, name))
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:

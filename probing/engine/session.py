@@ -14,6 +14,7 @@ from probing.engine.providers import (
     ProbeSchema,
     Producer,
     Resolver,
+    provider_failure,
     set_code_allowed,
 )
 from probing.errors import QueryError
@@ -93,6 +94,7 @@ class Engine:
         check_sql(query, self.limits)
 
         def job() -> pa.Table:
+            provider_failure()  # none left over from this thread's last query
             old = set_code_allowed(allow_code)
             try:
                 return self._sql(query, read_only)
@@ -113,6 +115,9 @@ class Engine:
             except QueryError:
                 raise
             except Exception as err:  # datafusion raises plain Exception subclasses
+                failure = provider_failure()
+                if failure is not None:  # a provider's bug, not the SQL's
+                    raise failure from err
                 msg = _clean(str(err))
                 if "Resources exhausted" in msg:
                     raise memory_exceeded(msg, self.limits) from err

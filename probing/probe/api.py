@@ -7,7 +7,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from probing import config
-from probing.errors import EvalError, PeerUnreachable, ProbingError, QueryError
+from probing.errors import (
+    AccessDenied,
+    EvalError,
+    ProbingError,
+    QueryError,
+    http_status,
+    wire_type,
+)
 from probing.probe.imports import quick_gil_handoff, settle
 from probing.probe.server import Request, Response
 
@@ -147,7 +154,7 @@ def evaluate(probe: Probe, req: Request) -> Response:
     from probing.probe.evaluate import run
 
     if not _code_allowed(req):
-        return Response.error(403, "eval is served on the local socket only", "AccessDenied")
+        return Response.error(403, "eval is served on the local socket only", AccessDenied.__name__)
     try:
         code = json.loads(req.body)["code"]
     except (ValueError, KeyError, TypeError):
@@ -155,7 +162,8 @@ def evaluate(probe: Probe, req: Request) -> Response:
     try:
         return Response.json(run(code))
     except EvalError as err:
-        return Response.json({"error": str(err), "type": "EvalError", "detail": err.detail}, 400)
+        body = {"error": str(err), "type": wire_type(err), "detail": err.detail}
+        return Response.json(body, http_status(err))
 
 
 def nvml(probe: Probe, req: Request) -> Response:
@@ -288,11 +296,7 @@ def make_app(probe: Probe):  # type: ignore[no-untyped-def]
         try:
             with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
                 return route(probe, req)
-        except QueryError as err:
-            return Response.error(400, str(err), "QueryError")
-        except PeerUnreachable as err:
-            return Response.error(503, str(err), "PeerUnreachable")
         except ProbingError as err:
-            return Response.error(500, str(err), type(err).__name__)
+            return Response.error(http_status(err), str(err), wire_type(err))
 
     return app

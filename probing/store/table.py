@@ -75,6 +75,7 @@ class TableStats:
     retired_rows: int
     retired_bytes: int
     dropped_events: int
+    read_errors: int  # a writer's flush before a read failed (its rows may lag)
 
 
 class EventTable:
@@ -102,6 +103,8 @@ class EventTable:
         self.retired_rows = 0
         self.retired_bytes = 0
         self.dropped_events = 0
+        self.read_errors = 0
+        self.last_read_error: str | None = None
         self.last_error: str | None = None
         self._lock = threading.Lock()
         # Called before every read: writers that buffer rows of their own
@@ -314,8 +317,10 @@ class EventTable:
         for hook in list(self._before_read):
             try:
                 hook()
-            except Exception:  # the writer counted what it dropped; reads go on
-                pass
+            except Exception as err:  # noqa: BLE001 - counted, shown in probing.tables; reads go on
+                with self._lock:
+                    self.read_errors += 1
+                    self.last_read_error = f"{type(err).__name__}: {err}"
 
     def stats(self) -> TableStats:
         self._run_before_read()
@@ -338,4 +343,5 @@ class EventTable:
                 retired_rows=self.retired_rows,
                 retired_bytes=self.retired_bytes,
                 dropped_events=self.dropped_events,
+                read_errors=self.read_errors,
             )

@@ -21,6 +21,7 @@ SCHEMA = pa.schema(
         ("retired_rows", pa.int64()),
         ("retired_bytes", pa.int64()),
         ("dropped_events", pa.int64()),
+        ("read_errors", pa.int64()),
     ]
 )
 # probing.peers (filled by the cluster node: probing.cluster.discovery)

@@ -1,0 +1,88 @@
+"""Types instead of strings: errors over HTTP, provider bugs, read failures, states."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+
+from probing import errors
+from probing.bpf.state import TracerState
+from probing.client import ProbeClient, UnixTransport
+from probing.engine import Engine
+from probing.engine.limits import LimitExceeded
+from probing.probe.context import ProbeContext, base_tables
+from probing.store import Store
+
+
+@pytest.mark.parametrize("cls", sorted(errors.ERRORS.values(), key=lambda c: c.__name__))
+def test_every_error_type_crosses_http_and_comes_back(cls: type[errors.ProbingError]) -> None:
+    err = cls("it went wrong")
+    back = errors.from_wire(errors.http_status(err), "it went wrong", errors.wire_type(err))
+    assert type(back) is cls
+    assert "it went wrong" in str(back)
+
+
+def test_a_subclass_crosses_as_its_nearest_listed_class() -> None:
+    err = LimitExceeded("too big", setting="PROBING_QUERY_MAX_RESULT_MB", limit=1)
+    assert errors.wire_type(err) == "QueryError" and errors.http_status(err) == 400
+    back = errors.from_wire(400, "too big", "NotAType")
+    assert type(back) is errors.ProbingError and "probe answered 400" in str(back)
+    assert isinstance(errors.from_wire(401, "no", ""), errors.AccessDenied)
+
+
+def test_a_providers_bug_answers_500_with_its_traceback_in_the_log(runtime_dir, capfd) -> None:
+    def broken() -> pa.Table:
+        return {}["no such key"]  # type: ignore[return-value]
+
+    def tables(engine: Engine, ctx: ProbeContext) -> None:
+        base_tables(engine, ctx)
+        engine.register_table("test", "broken", broken)
+
+    path = runtime_dir / f"probing-{os.getuid()}" / "bug.sock"
+    ctx = ProbeContext(installers=(tables,), socket_path=str(path))
+    ctx.serve()
+    try:
+        client = ProbeClient(UnixTransport(ctx.socket_path, pid=os.getpid()))
+        status, _, body = client.transport.request(
+            "POST", "/query", json.dumps({"sql": "SELECT * FROM test.broken"}).encode()
+        )
+        assert status == 500 and json.loads(body)["type"] == "ProviderError"
+        with pytest.raises(errors.ProviderError, match="test.broken failed: KeyError"):
+            client.query("SELECT * FROM test.broken")
+        with pytest.raises(errors.QueryError):  # bad SQL stays a 400
+            client.query("SELEC 1")
+        assert client.query("SELECT 1 AS one").to_pylist() == [{"one": 1}]
+    finally:
+        ctx.stop()
+    log = capfd.readouterr().err
+    assert "Traceback (most recent call last)" in log and "KeyError: 'no such key'" in log
+
+
+def test_a_failed_flush_before_a_read_is_counted_in_probing_tables() -> None:
+    engine = Engine(Store())
+    from probing.tables import install
+
+    install(engine)
+    table = engine.store.table("test", "rows")
+    table.append_batch(pa.RecordBatch.from_pydict({"a": [1, 2]}))
+    calls = []
+
+    def drain() -> None:
+        calls.append(1)
+        raise ValueError("undecodable event")
+
+    table.add_before_read(drain)
+    assert engine.sql("SELECT count(*) AS n FROM test.rows").to_pylist() == [{"n": 2}]
+    row = engine.sql(
+        "SELECT read_errors FROM probing.tables WHERE schema = 'test' AND \"table\" = 'rows'"
+    ).to_pylist()
+    assert row == [{"read_errors": len(calls)}] and len(calls) >= 2
+    assert table.last_read_error == "ValueError: undecodable event"
+
+
+def test_tracer_state_is_an_enum_that_reads_as_its_value() -> None:
+    assert TracerState.TRACING == "tracing" and str(TracerState.STOPPED) == "stopped"
+    assert json.dumps({"state": TracerState.TRACING}) == '{"state": "tracing"}'
