@@ -1,0 +1,67 @@
+"""The documentation against the code: every command, table and endpoint has
+its row in docs/, and the README stays short. A command, table or endpoint
+added without its row fails here: add the row to the page named."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+README = DOCS.parent / "README.md"
+
+
+def test_every_cli_command_is_in_the_cli_reference() -> None:
+    import typer.main
+
+    from probing.cli import app
+
+    commands = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert len(commands) >= 10
+    text = (DOCS / "cli.md").read_text()
+    missing = [c for c in commands if not re.search(rf"\| `probing {c}\b", text)]
+    assert not missing, f"add a row for each to the table in docs/cli.md: {missing}"
+
+
+def test_every_table_a_probe_answers_is_in_the_sql_reference() -> None:
+    import probing
+    from probing.engine import Engine
+    from probing.store import Store
+
+    engine = Engine(Store())
+    probing.install_tables(engine)
+    names = [  # static tables, views and store tables: what the catalog knows
+        f"{schema}.{table}"
+        for schema in engine.catalog.schema_names()
+        for table in engine.schema(schema).table_names
+    ]
+    assert {"comm.collectives", "process.threads", "probing.tables"} <= set(names)
+    text = (DOCS / "sql.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in text)
+    assert not missing, f"add a section or a row for each to docs/sql.md: {missing}"
+
+
+def test_every_http_endpoint_is_in_the_http_reference() -> None:
+    from probing.probe.api import ROUTES
+
+    text = (DOCS / "http.md").read_text()
+    missing = [f"{m} {p}" for m, p in ROUTES if f"`{m} {p}`" not in text]
+    assert not missing, f"add a row for each to docs/http.md: {missing}"
+
+
+def test_the_readme_is_short_and_its_links_resolve() -> None:
+    text = README.read_text()
+    assert len(text.encode()) < 12 * 1024
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert {"docs/cli.md", "docs/sql.md", "docs/http.md", "docs/design.md"} <= set(links)
+    assert "docs/measurements.md" in links
+    for link in links:
+        assert (README.parent / link).exists(), link
+
+
+def test_the_benchmarks_the_measurements_cite_exist() -> None:
+    text = (DOCS / "measurements.md").read_text()
+    cited = set(re.findall(r"benchmarks/(\w+\.py)", text))
+    assert cited, "docs/measurements.md cites no benchmark"
+    bench = DOCS.parent / "benchmarks"
+    assert not [c for c in cited if not (bench / c).exists()]
