@@ -521,9 +521,10 @@ def diagnose(
 ) -> None:
     """Name the straggler, slow link or hang of a distributed job, and show why."""
     from probing.analyze import diagnose as run_diagnosis
-    from probing.analyze import render
     from probing.analyze.diagnose import sql_tables
-    from probing.tables.nvml import parse_interval
+    from probing.client import Job
+    from probing.config import parse_interval
+    from probing.render import diagnosis
 
     try:
         window_s, hang_s = parse_interval(window), parse_interval(hang_after)
@@ -536,10 +537,8 @@ def diagnose(
     try:
         for p in pid or []:  # a hung job never traced: stacks and counts still tell
             _probe_client(p, inject)
-        d, table = run_diagnosis(
-            pids=pid, addr=addr, cluster=cluster, window_s=window_s, hang_after_s=hang_s,
-            on_wait=waiting,
-        )  # fmt: skip
+        job = Job(pids=pid, addr=addr, cluster=cluster)
+        d, table = run_diagnosis(job, window_s=window_s, hang_after_s=hang_s, on_wait=waiting)
         if sql is not None:
             from probing.engine import Engine
             from probing.render import format_arrow
@@ -559,7 +558,7 @@ def diagnose(
     if fmt is Format.json:
         typer.echo(json.dumps(d.to_json(), default=str))
     else:
-        typer.echo(render(d))
+        typer.echo(diagnosis(d))
 
 
 @app.command(

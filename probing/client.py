@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from probing import config, paths
@@ -312,3 +313,77 @@ def cluster_query(
         client = ProbeClient.for_addr(addr or "", token=token, timeout=timeout + 30)
     with client:
         return client.cluster_query(sql, timeout=timeout, strict=strict, fanout=fanout)
+
+
+class Job:
+    """The ranks of a job, asked together: local ``pids`` over their unix
+    sockets (in parallel; each row tagged with the process's own rank), or
+    with ``cluster`` (one local pid) or ``addr`` the cross-node query, where
+    one probe asks every peer. What ``probing diagnose`` asks through."""
+
+    def __init__(
+        self,
+        *,
+        pids: Sequence[int] | None = None,
+        addr: str | None = None,
+        cluster: bool = False,
+        timeout: float = 5.0,
+    ) -> None:
+        self.pids = list(pids or [])
+        self.addr = addr
+        self.cluster = cluster
+        self.timeout = timeout
+
+    @property
+    def remote(self) -> bool:
+        return self.cluster or self.addr is not None
+
+    def ask(self, sql: str) -> Any:
+        """``sql`` run in every rank; one table, each row tagged ``node`` and ``rank``."""
+        import socket
+        from concurrent.futures import ThreadPoolExecutor
+
+        import pyarrow as pa
+
+        from probing.analyze.gather import process_rank, tag
+
+        if self.remote:
+            return self._cluster(sql)
+        if not self.pids:
+            raise ProbingError("nothing to ask: give --pid (repeatable), --addr or --cluster")
+        node = socket.gethostname()
+        pids = self.pids
+        clients = [ProbeClient.for_pid(pid, timeout=max(self.timeout, 1.0)) for pid in pids]
+
+        def one(i: int) -> pa.Table:  # the ranks answer in parallel
+            rank = process_rank(clients[i], pids[i])
+            return tag(clients[i].query(sql), node, rank if rank >= 0 else i)
+
+        with ThreadPoolExecutor(max_workers=min(16, len(clients))) as pool:
+            parts = list(pool.map(one, range(len(clients))))
+        return pa.concat_tables(parts, promote_options="default")
+
+    def _cluster(self, sql: str) -> Any:
+        from probing.analyze.gather import with_missing
+
+        if self.addr:
+            res = cluster_query(sql, addr=self.addr, timeout=self.timeout)
+        elif self.pids:
+            res = cluster_query(sql, pid=self.pids[0], timeout=self.timeout)
+        else:
+            raise ProbingError("--cluster needs one local rank (--pid P) or a peer (--addr H:PORT)")
+        # ranks that did not answer: the diagnosis says it works without them
+        gone = [f"rank {m.rank} ({m.node or m.addr}): {m.reason}" for m in res.missing]
+        return with_missing(res.table, gone)
+
+    def trace_starts_ns(self) -> list[int]:
+        """When each local probe that traces started tracing."""
+        starts = []
+        for pid in self.pids:
+            try:
+                st = ProbeClient.for_pid(pid).trace_status()
+            except ProbingError:
+                continue
+            if st.get("state") == "tracing" and st.get("started_ns"):
+                starts.append(int(st["started_ns"]))
+        return starts

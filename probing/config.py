@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,24 @@ def from_env(environ: Mapping[str, str], *, strict: bool = False) -> Config:
 def load() -> Config:
     """The settings of this process's environment, now."""
     return from_env(os.environ)
+
+
+_DURATION = re.compile(r"^\s*([\d.]+)\s*(ms|s|us)?\s*$")
+
+
+def parse_interval(text: str | float) -> float:
+    """A duration a user gives (an option, ``PROBING_NVML_INTERVAL``):
+    ``"100ms"``, ``"0.5s"``, ``"0.1"`` or a number of seconds → seconds."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        m = _DURATION.match(text)
+        if not m:
+            raise ValueError(f"not a duration: {text!r} (use e.g. 100ms or 0.5s)")
+        value = float(m.group(1)) * {"ms": 1e-3, "us": 1e-6}.get(m.group(2) or "s", 1.0)
+    if not 0.001 <= value <= 3600:
+        raise ValueError(f"interval {value:g} s is outside 1 ms .. 1 h")
+    return value
 
 
 def table() -> str:

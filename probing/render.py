@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from probing.analyze.diagnose import Diagnosis
 
 MIN_COL = 6
 
@@ -179,3 +182,49 @@ class TraceMonitor:
             except Exception as err:  # killed before the file was closed
                 msg += f"; {output} is not readable: {err}"
         return msg
+
+
+# -- a diagnosis (probing diagnose) ------------------------------------------------------
+
+
+def diagnosis(d: Diagnosis) -> str:
+    """Verdict first, then the evidence table, then the stacks (80 columns)."""
+    import textwrap
+
+    out = [textwrap.fill(d.verdict, 80), ""]
+    if d.missing:
+        out[1:1] = [textwrap.fill("not heard from: " + "; ".join(d.missing), 80), ""]
+    cols = ["rank", "node", "collectives", "last_pct", "lag_ms_mean", "lag_ms_p99", "count"]
+    head = ["RANK", "NODE", "COLL", "LAST %", "LAG MS", "P99 MS", "COUNT", "IN COLL"]
+    rows = [[r[c] for c in cols] + [_yes(r["in_collective"])] for r in d.ranks]
+    out.append(format_rows(head, rows))
+    for s in d.slow_links:
+        out.append(
+            f"\n{s.comm}: transfer median {s.transfer_ms_median} ms (model "
+            f"{s.baseline_ms} ms), skew median {s.skew_ms_median} ms, "
+            f"{s.collectives} collectives"
+        )
+    for rank, lines in d.stacks.items():
+        role = _role(d, rank)
+        out.append(f"\nrank {rank} ({role}): {lines[0] if lines else ''}")
+        out.extend(f"    {line}"[:80] for line in lines[1:])
+    named = {s.rank for s in d.stragglers}
+    named |= {r for h in d.hangs for r in (*h.missing_ranks, *h.waiting_ranks)}
+    for rank in sorted(named & set(d.callsites)):
+        out.append(f"rank {rank} issues its collectives at {d.callsites[rank]}"[:80])
+    if d.why:
+        out.append("\nwhy (time per step, this rank vs the median of the others):")
+        out.extend(textwrap.fill(w.text, 80, subsequent_indent="    ") for w in d.why)
+    return "\n".join(out)
+
+
+def _yes(v: bool | None) -> str:
+    return "" if v is None else ("yes" if v else "no")
+
+
+def _role(d: Diagnosis, rank: int) -> str:
+    if any(rank in h.missing_ranks for h in d.hangs):
+        return "missing"
+    if any(rank in h.waiting_ranks for h in d.hangs):
+        return "waiting"
+    return "straggler"

@@ -13,8 +13,9 @@ import pytest
 from probing.analyze import analyze
 from probing.analyze import collectives as coll
 from probing.analyze import hangs as hg
-from probing.analyze.diagnose import render, sql_tables
+from probing.analyze.diagnose import sql_tables
 from probing.engine import Engine
+from probing.render import diagnosis as render
 from probing.store import Store
 
 T0 = 1_763_880_000 * 10**9  # a wall-clock ns

@@ -86,3 +86,17 @@ def test_a_failed_flush_before_a_read_is_counted_in_probing_tables() -> None:
 def test_tracer_state_is_an_enum_that_reads_as_its_value() -> None:
     assert TracerState.TRACING == "tracing" and str(TracerState.STOPPED) == "stopped"
     assert json.dumps({"state": TracerState.TRACING}) == '{"state": "tracing"}'
+
+
+def test_cluster_work_is_a_dataclass_with_a_mode_enum_on_the_wire() -> None:
+    from probing.cluster.plan import Mode, ScanSpec, Work
+
+    work = Work(Mode.AGG_NODE, "SELECT node, count(*) FROM t.x GROUP BY node",
+                {"t.x": ScanSpec(["node"], "ts > 0")})  # fmt: skip
+    back = Work.from_json(json.loads(json.dumps(work.to_json())))
+    assert back == work and back.mode is Mode.AGG_NODE
+    assert work.for_member().mode is Mode.SCAN and work.for_member().scans == work.scans
+    assert Work(Mode.AGG, "q").for_member().mode is Mode.AGG
+    for bad in ({"mode": "everything"}, {"scans": {}}, {"mode": "scan", "scans": [1]}, "scan"):
+        with pytest.raises(ValueError, match="bad work"):
+            Work.from_json(bad)

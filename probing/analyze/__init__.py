@@ -1,15 +1,14 @@
 """Stragglers, slow links and hangs, from every rank's collectives and stacks.
 
-``gather`` asks every rank (local pids, or the cluster); ``analyze`` is pure
-and works on the gathered table; ``diagnose`` does both for the CLI.
+``analyze`` is pure and works on the gathered table; ``diagnose`` asks a
+``Job`` (``probing.client.Job``: local pids, or the cluster) and analyzes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from probing.analyze.diagnose import Diagnosis, analyze, diagnose, local_tables, render
-from probing.analyze.gather import gather
+from probing.analyze.diagnose import Diagnosis, Job, analyze, diagnose, local_tables
 
 SQL_TABLES = ("stragglers", "slow_links", "hangs", "ranks", "collectives", "why")
 
@@ -24,4 +23,4 @@ def install(engine: Any) -> None:
         engine.register_table("analyze", name, producer(name))
 
 
-__all__ = ["Diagnosis", "analyze", "diagnose", "gather", "install", "render"]
+__all__ = ["Diagnosis", "Job", "analyze", "diagnose", "install"]

@@ -7,14 +7,14 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
 from probing.analyze import collectives as coll
 from probing.analyze import hangs as hg
 from probing.analyze import why as wy
-from probing.analyze.gather import gather, missing_ranks
+from probing.analyze.gather import missing_ranks
 from probing.errors import ProbingError
 
 # what every rank is asked; ``{tags}`` is ", node, rank" in a cluster query,
@@ -324,51 +324,6 @@ def _rank_rows(
     return rows
 
 
-def render(d: Diagnosis) -> str:
-    """Verdict first, then the evidence table, then the stacks (80 columns)."""
-    import textwrap
-
-    from probing.render import format_rows
-
-    out = [textwrap.fill(d.verdict, 80), ""]
-    if d.missing:
-        out[1:1] = [textwrap.fill("not heard from: " + "; ".join(d.missing), 80), ""]
-    cols = ["rank", "node", "collectives", "last_pct", "lag_ms_mean", "lag_ms_p99", "count"]
-    head = ["RANK", "NODE", "COLL", "LAST %", "LAG MS", "P99 MS", "COUNT", "IN COLL"]
-    rows = [[r[c] for c in cols] + [_yes(r["in_collective"])] for r in d.ranks]
-    out.append(format_rows(head, rows))
-    for s in d.slow_links:
-        out.append(
-            f"\n{s.comm}: transfer median {s.transfer_ms_median} ms (model "
-            f"{s.baseline_ms} ms), skew median {s.skew_ms_median} ms, "
-            f"{s.collectives} collectives"
-        )
-    for rank, lines in d.stacks.items():
-        role = _role(d, rank)
-        out.append(f"\nrank {rank} ({role}): {lines[0] if lines else ''}")
-        out.extend(f"    {line}"[:80] for line in lines[1:])
-    named = {s.rank for s in d.stragglers}
-    named |= {r for h in d.hangs for r in (*h.missing_ranks, *h.waiting_ranks)}
-    for rank in sorted(named & set(d.callsites)):
-        out.append(f"rank {rank} issues its collectives at {d.callsites[rank]}"[:80])
-    if d.why:
-        out.append("\nwhy (time per step, this rank vs the median of the others):")
-        out.extend(textwrap.fill(w.text, 80, subsequent_indent="    ") for w in d.why)
-    return "\n".join(out)
-
-
-def _yes(v: bool | None) -> str:
-    return "" if v is None else ("yes" if v else "no")
-
-
-def _role(d: Diagnosis, rank: int) -> str:
-    if any(rank in h.missing_ranks for h in d.hangs):
-        return "missing"
-    if any(rank in h.waiting_ranks for h in d.hangs):
-        return "waiting"
-    return "straggler"
-
-
 # -- talking to the probes --------------------------------------------------------------
 
 
@@ -400,29 +355,39 @@ def _states(
     ]
 
 
+class Job(Protocol):
+    """The ranks a diagnosis asks (``probing.client.Job``: local pids over
+    their sockets, or the cluster through one probe)."""
+
+    remote: bool  # through a cluster query: no python.`expr` tables
+
+    def ask(self, sql: str) -> pa.Table:
+        """``sql`` in every rank: one table, rows tagged ``node`` and ``rank``."""
+        ...
+
+    def trace_starts_ns(self) -> list[int]:
+        """When each local probe that traces started tracing (none remotely)."""
+        ...
+
+
 def diagnose(
+    job: Job,
     *,
-    pids: Sequence[int] | None = None,
-    addr: str | None = None,
-    cluster: bool = False,
     window_s: float = 60.0,
     hang_after_s: float = hg.HANG_AFTER_S,
-    timeout: float = 5.0,
     on_wait: Callable[[float], None] | None = None,
 ) -> tuple[Diagnosis, pa.Table]:
-    """Ask every rank, analyze, and return the diagnosis and the gathered collectives.
+    """Ask every rank of ``job``, analyze, and return the diagnosis and the
+    gathered collectives.
 
     When the counts say some ranks are ahead but nothing has been traced to
     date the stall, the counts are watched until they have stood still for
     ``hang_after_s`` (``on_wait`` is told how long that will take) or move.
     """
     t0 = time.perf_counter()
-
-    def ask(sql: str) -> pa.Table:
-        return gather(sql, pids=pids, addr=addr, cluster=cluster, timeout=timeout)
-
+    ask = job.ask
     now = time.time_ns()
-    sql = queries(remote=cluster or addr is not None)
+    sql = queries(remote=job.remote)
     table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
     try:
         table = with_groups(table, ask(sql["groups"]))
@@ -430,7 +395,7 @@ def diagnose(
         pass
     frames = _frames_by_rank(ask(sql["stacks"]))
     states = _states(ask, frames, sql)
-    stalled = round(_stalled_s(table, now, pids), 1)
+    stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s,
@@ -498,7 +463,7 @@ def _counts_differ(states: list[hg.RankState]) -> bool:
     return any(len(v) > 1 for v in groups.values())
 
 
-def _stalled_s(table: pa.Table, now_ns: int, pids: Sequence[int] | None) -> float:
+def _stalled_s(table: pa.Table, now_ns: int, trace_starts: Callable[[], list[int]]) -> float:
     """How long no collective has started or ended (a lower bound, from the trace)."""
     last = 0
     if table.num_rows:
@@ -506,17 +471,8 @@ def _stalled_s(table: pa.Table, now_ns: int, pids: Sequence[int] | None) -> floa
             table.column("ts").to_pylist(), table.column("dur_ns").to_pylist(), strict=True
         ):
             last = max(last, ts + (dur or 0))
-    if not last and pids:  # nothing traced: since when have the probes traced?
-        from probing.client import ProbeClient
-
-        starts = []
-        for pid in pids:
-            try:
-                st = ProbeClient.for_pid(pid).trace_status()
-            except ProbingError:
-                continue
-            if st.get("state") == "tracing" and st.get("started_ns"):
-                starts.append(int(st["started_ns"]))
+    if not last:  # nothing traced: since when have the probes traced?
+        starts = trace_starts()
         last = max(starts) if starts else now_ns
     return max(0.0, (now_ns - (last or now_ns)) / 1e9)
 
@@ -607,7 +563,7 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     import socket
     from concurrent.futures import ThreadPoolExecutor
 
-    from probing.analyze.gather import RANK_EXPR, _tag
+    from probing.analyze.gather import RANK_EXPR, tag
     from probing.tables.python import eval_with_imports
 
     now = time.time_ns()
@@ -620,6 +576,6 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
         rank = int(eval_with_imports(RANK_EXPR))
     except Exception:
         rank = -1
-    rows = _tag(rows, socket.gethostname(), rank if rank >= 0 else os.getpid())
+    rows = tag(rows, socket.gethostname(), rank if rank >= 0 else os.getpid())
     d = analyze(rows, now_ns=now, window_s=window_s)
     return sql_tables(d, rows)

@@ -1,19 +1,13 @@
-"""Gather rows from every rank of a job into one table tagged ``node`` and ``rank``.
+"""Rows gathered from every rank of a job, tagged ``node`` and ``rank``.
 
-Two paths behind one function:
-
-* local pids (``pids=[...]``): one query per process's probe over its unix
-  socket; the rank is the process's ``torch.distributed`` rank (or ``RANK``);
-* the cluster (``cluster=True``, or ``addr``): the cross-node query of
-  ``probing.cluster`` (any probe fans the query out to its peers).
+The asking is the client's (``probing.client.Job``: local pids over their
+sockets, or the cluster through one probe); here are the pieces both sides
+share: the tags, the rank expression, and the ranks a gather missed.
 """
 
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
@@ -26,7 +20,8 @@ RANK_EXPR = (
 )
 
 
-def _tag(table: pa.Table, node: str, rank: int) -> pa.Table:
+def tag(table: pa.Table, node: str, rank: int) -> pa.Table:
+    """``table`` with its ``node`` and ``rank`` columns set to this rank's."""
     for name in ("node", "rank"):
         if name in table.column_names:
             table = table.drop_columns([name])
@@ -62,54 +57,13 @@ def _start_time(pid: int) -> float:
         return 0.0
 
 
-def gather(
-    sql: str,
-    *,
-    pids: Sequence[int] | None = None,
-    addr: str | None = None,
-    cluster: bool = False,
-    timeout: float = 5.0,
-) -> pa.Table:
-    """``sql`` run in every rank; one table, each row tagged ``node`` and ``rank``."""
-    if cluster or addr:
-        return _cluster(sql, pids=pids, addr=addr, timeout=timeout)
-    if not pids:
-        raise ProbingError("nothing to ask: give --pid (repeatable), --addr or --cluster")
-    from probing.client import ProbeClient
-
-    node = socket.gethostname()
-    clients = [ProbeClient.for_pid(pid, timeout=max(timeout, 1.0)) for pid in pids]
-
-    def one(i: int) -> pa.Table:  # the ranks answer in parallel
-        rank = process_rank(clients[i], pids[i])
-        return _tag(clients[i].query(sql), node, rank if rank >= 0 else i)
-
-    with ThreadPoolExecutor(max_workers=min(16, len(clients))) as pool:
-        parts = list(pool.map(one, range(len(clients))))
-    return pa.concat_tables(parts, promote_options="default")
-
-
-def _cluster(sql: str, *, pids: Sequence[int] | None, addr: str | None, timeout: float) -> pa.Table:
-    try:
-        from probing.client import cluster_query
-    except ImportError as err:
-        raise ProbingError(
-            "cross-node queries are not available in this build (no probing.cluster)",
-            hint="give the local ranks with --pid P --pid Q ...",
-        ) from err
-    if addr:
-        res = cluster_query(sql, addr=addr, timeout=timeout)
-    elif pids:
-        res = cluster_query(sql, pid=pids[0], timeout=timeout)
-    else:
-        raise ProbingError("--cluster needs one local rank (--pid P) or a peer (--addr H:PORT)")
-    table = res.table
-    if res.missing:  # ranks that did not answer: the diagnosis says it works without them
-        gone = [f"rank {m.rank} ({m.node or m.addr}): {m.reason}" for m in res.missing]
-        meta = dict(table.schema.metadata or {})
-        meta[MISSING_KEY] = json.dumps(gone).encode()
-        table = table.replace_schema_metadata(meta)
-    return table
+def with_missing(table: pa.Table, gone: list[str]) -> pa.Table:
+    """``table`` noting, in its metadata, the ranks a gather did not reach."""
+    if not gone:
+        return table
+    meta = dict(table.schema.metadata or {})
+    meta[MISSING_KEY] = json.dumps(gone).encode()
+    return table.replace_schema_metadata(meta)
 
 
 def missing_ranks(table: pa.Table) -> list[str]:

@@ -298,7 +298,7 @@ class ClusterNode:
             f'FROM "{sch}"."{name}"'
         )
 
-    def run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
+    def run_local(self, work: planner.Work) -> dict[str, pa.Table]:
         """This peer's rows for ``work``: per-table scans, or the whole query."""
         with _RUNNING:
             try:
@@ -310,25 +310,25 @@ class ClusterNode:
                 self._rewritten.clear()
                 return self._run_local(work)
 
-    def _run_local(self, work: dict[str, Any]) -> dict[str, pa.Table]:
+    def _run_local(self, work: planner.Work) -> dict[str, pa.Table]:
+        from probing.cluster import plan as planner
+
         eng = self.engine()
         out: dict[str, pa.Table] = {}
-        if work["mode"] == "agg":
-            sql = self._agg_sql(work["sql"], eng)
+        if work.mode is planner.Mode.AGG:
+            sql = self._agg_sql(work.sql, eng)
             if sql is not None:  # else this peer has no such table: it adds no rows
-                from probing.cluster import plan as planner
-
                 out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
             return out
-        for table, spec in work["scans"].items():
+        for table, spec in work.scans.items():
             if not self._exists(table, eng):
                 continue
-            cols = spec.get("columns")
+            cols = spec.columns
             select = ", ".join(f'"{c}"' for c in cols) if cols else "*"
             bare = table.split(".", 1)[1]
             sql = f'SELECT {select} FROM ({self._tagged(table, eng)}) AS "{bare}"'
-            if spec.get("where"):
-                sql += f" WHERE {spec['where']}"
+            if spec.where:
+                sql += f" WHERE {spec.where}"
             out[table] = eng.sql(sql, allow_code=False)
         return out
 
@@ -361,7 +361,7 @@ class ClusterNode:
     # -- gathering: me and the peers I am asked to ask ---------------------------
     def gather(
         self,
-        work: dict[str, Any],
+        work: planner.Work,
         members: list[PeerInfo],
         timeout: float,
         fanout: str = "flat",
@@ -376,7 +376,7 @@ class ClusterNode:
         for p in leaders:
             sub = groups.get(p.rank, [])
             # a peer of my own node sends me its rows: I aggregate my node
-            w = self._member_work(work) if _node_key(p) == self.ident.node else work
+            w = work.for_member() if _node_key(p) == self.ident.node else work
             asked.append((p, sub, self._send(exchange, p, w, sub, deadline)))
         local: list[Any] = []
         runner = None
@@ -409,7 +409,7 @@ class ClusterNode:
             result.extend(answer)
         if retry and deadline - time.monotonic() > 0.05:
             again = self.gather(
-                self._member_work(work),
+                work.for_member(),
                 retry,
                 deadline - time.monotonic(),
                 "flat",
@@ -423,11 +423,6 @@ class ClusterNode:
         for t in result.peers:
             self.registry.mark_up(t.rank, t.response_ms, t.clock_offset_ns)
         return result
-
-    @staticmethod
-    def _member_work(work: dict[str, Any]) -> dict[str, Any]:
-        """What a member runs: in agg_node mode its rows; the gatherer aggregates."""
-        return {**work, "mode": "scan"} if work["mode"] == "agg_node" else work
 
     def _route(
         self, members: list[PeerInfo], fanout: str
@@ -454,12 +449,12 @@ class ClusterNode:
             groups[group[0].rank] = group[1:]
         return leaders, groups
 
-    def _run_self(self, work: dict[str, Any], out: list[Any]) -> None:
+    def _run_self(self, work: planner.Work, out: list[Any]) -> None:
         """My own share into ``out`` (a Gathered, or the exception it raised)."""
         try:
             t0 = time.perf_counter()
             mine = Gathered()
-            mine.add_tables(self.run_local(self._member_work(work)))
+            mine.add_tables(self.run_local(work.for_member()))
             ms = (time.perf_counter() - t0) * 1e3
             mine.peers.append(PeerTiming(self.rank, self.ident.node, self.addr or "local", ms, 0))
             out.append(mine)
@@ -470,7 +465,7 @@ class ClusterNode:
         self,
         exchange: Exchange,
         peer: PeerInfo,
-        work: dict[str, Any],
+        work: planner.Work,
         members: list[PeerInfo],
         deadline: float,
     ) -> int | str:
@@ -481,7 +476,7 @@ class ClusterNode:
             return "timeout"
         body = json.dumps(
             {
-                "work": work,
+                "work": work.to_json(),
                 "members": [vars(m) for m in members],
                 "timeout": left * 0.8,  # its members must be answered before I give up on it
             }
@@ -538,8 +533,7 @@ class ClusterNode:
             except QueryError:
                 schemas[ref.name] = None
         the_plan = planner.plan(sql, schemas, known)
-        mode = the_plan.mode
-        if mode == "agg_node" and not self._is_tree(fanout):
+        if the_plan.mode is planner.Mode.AGG_NODE and not self._is_tree(fanout):
             the_plan = planner.plan_scan(sql, schemas, known)  # flat: the asker aggregates
         got = self.gather(
             the_plan.work(), self.others(), max(0.0, deadline - time.monotonic()), fanout
@@ -552,7 +546,7 @@ class ClusterNode:
             names = ", ".join(f"rank {m.rank} ({m.addr}: {m.reason})" for m in got.missing)
             raise PeerUnreachable(f"{len(got.missing)} peer(s) did not answer: {names}")
         merged = got.merged()
-        if the_plan.mode == "scan":
+        if the_plan.mode is planner.Mode.SCAN:
             tables: dict[str, pa.Table | pa.Schema] = {}
             for name in the_plan.scans:
                 data = merged.get(name)
@@ -564,7 +558,7 @@ class ClusterNode:
         else:
             partial = merged.get(planner.PARTIAL)
             rows = {n: t for n, t in merged.items() if n != planner.PARTIAL}
-            if the_plan.mode == "agg_node" and rows:  # my node's rows (and any re-asked)
+            if the_plan.mode is planner.Mode.AGG_NODE and rows:  # my node's rows (and any re-asked)
                 mine = planner.run_final(sql, rows, eng.threads)  # type: ignore[arg-type]
                 partial = mine if partial is None else _concat([partial, mine])
             if partial is None:
@@ -619,18 +613,18 @@ class ClusterNode:
         """POST /cluster/gather: my share, plus my members' when I gather for someone."""
         from probing.cluster import plan as planner
 
-        work = payload["work"]
+        work = planner.Work.from_json(payload["work"])
         members, unknown = self._known_members(payload.get("members") or [])
         timeout = min(max(float(payload.get("timeout", 5.0)), 0.0), MAX_GATHER_S)
         got = self.gather(work, members, timeout, "flat")
         got.missing.extend(unknown)
         tables = got.merged()
-        if work["mode"] == "agg_node":
-            refs = list(work["scans"]) or []
+        if work.mode is planner.Mode.AGG_NODE:
+            refs = list(work.scans)
             inputs: dict[str, pa.Table | pa.Schema] = {n: tables[n] for n in refs if n in tables}
             if inputs:
                 threads = self.engine().threads
-                tables = {planner.PARTIAL: planner.run_final(work["sql"], inputs, threads)}
+                tables = {planner.PARTIAL: planner.run_final(work.sql, inputs, threads)}
             else:
                 tables = {}
         meta = {
@@ -663,7 +657,7 @@ class ClusterNode:
         meta = {
             "missing": [vars(m) for m in got.missing],
             "peers": [vars(t) for t in got.peers],
-            "plan": {"mode": plan.mode, "pushed": plan.pushed},
+            "plan": {"mode": plan.mode.value, "pushed": plan.pushed},
         }
         if fmt == "json":
             body = json_rows(result, result_limit(), prefix=b'{"rows": ')
@@ -676,9 +670,11 @@ class ClusterNode:
         import json
 
         t_recv = time.time_ns()
+        from probing.cluster import plan as planner
+
         try:
             payload = json.loads(req.body)
-            payload["work"]["mode"]
+            planner.Work.from_json(payload["work"])
         except (ValueError, KeyError, TypeError) as err:
             return Response.error(400, f"bad /cluster/gather request: {err}")
         return Response(200, CLUSTER_CONTENT_TYPE, self.answer_gather(payload, t_recv))

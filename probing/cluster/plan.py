@@ -21,7 +21,8 @@ has such a column keeps it as ``table_node`` / ``table_rank``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 import pyarrow as pa
@@ -123,21 +124,61 @@ class ScanSpec:
         return {"columns": self.columns, "where": self.where}
 
 
+class Mode(str, Enum):
+    """What the peers compute (a ``str`` enum: it reads, and crosses the wire, as its value)."""
+
+    SCAN = "scan"  # each peer sends the rows (columns, filters) of each table; the asker runs SQL
+    AGG = "agg"  # GROUP BY rank: each peer runs the whole query on its own rows
+    AGG_NODE = "agg_node"  # GROUP BY node: each node's gatherer aggregates its node
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Work:
+    """A peer's share of a cluster query: ``mode``, the user's ``sql``, and
+    per table what to read (``scans``)."""
+
+    mode: Mode
+    sql: str = ""
+    scans: dict[str, ScanSpec] = field(default_factory=dict)
+
+    def for_member(self) -> Work:
+        """What a member of a node runs: in ``AGG_NODE`` its rows (its gatherer aggregates)."""
+        return replace(self, mode=Mode.SCAN) if self.mode is Mode.AGG_NODE else self
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "sql": self.sql,
+            "scans": {name: s.to_json() for name, s in self.scans.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Work:
+        """The work of a ``/cluster/gather`` request; ``ValueError`` when malformed."""
+        try:
+            scans = {
+                str(name): ScanSpec(spec.get("columns"), spec.get("where"))
+                for name, spec in dict(data.get("scans") or {}).items()
+            }
+            return cls(Mode(data["mode"]), str(data.get("sql", "")), scans)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise ValueError(f"bad work {data!r:.200}: {err}") from None
+
+
 @dataclass
 class Plan:
-    mode: str  # "scan", "agg" (GROUP BY rank) or "agg_node" (GROUP BY node)
+    mode: Mode
     sql: str  # the user's query
     scans: dict[str, ScanSpec] = field(default_factory=dict)
     final_sql: str = ""  # what the asker runs over the merged tables
     pushed: str = ""  # one line for humans: what the peers run
 
-    def work(self) -> dict[str, Any]:
-        """The request body part every peer gets."""
-        return {
-            "mode": self.mode,
-            "sql": self.sql,
-            "scans": {name: s.to_json() for name, s in self.scans.items()},
-        }
+    def work(self) -> Work:
+        """The share every peer gets."""
+        return Work(self.mode, self.sql, dict(self.scans))
 
 
 def tagged_schema(schema: pa.Schema) -> pa.Schema:
@@ -330,8 +371,8 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
     )
     if simple and keys is not None:
         key_names = {item[0].name for item in keys if len(item) == 1}
-        mode = "agg" if "rank" in key_names else "agg_node" if "node" in key_names else ""
-        if mode:
+        mode = Mode.AGG if "rank" in key_names else Mode.AGG_NODE if "node" in key_names else None
+        if mode is not None:
             ctx = planning_context({refs[0].name: schemas[refs[0].name]})  # type: ignore[dict-item]
             try:
                 out = ctx.sql(sql).schema().names
@@ -339,8 +380,8 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
                 raise QueryError(_message(err)) from err
             final = _agg_final(sql, toks, out)
             if final is not None:
-                by = "rank" if mode == "agg" else "node"
-                scans = _scan_plan(sql, names, schemas).scans if mode == "agg_node" else {}
+                by = "rank" if mode is Mode.AGG else "node"
+                scans = _scan_plan(sql, names, schemas).scans if mode is Mode.AGG_NODE else {}
                 pushed = f"the whole query, per {by} (GROUP BY {by})"
                 return Plan(mode, sql, scans=scans, final_sql=final, pushed=pushed)
     return _scan_plan(sql, names, schemas)
@@ -372,7 +413,7 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
         + (f" WHERE {s.where}" if s.where else "")
         for n, s in scans.items()
     )
-    return Plan("scan", sql, scans=scans, final_sql=sql, pushed=pushed)
+    return Plan(Mode.SCAN, sql, scans=scans, final_sql=sql, pushed=pushed)
 
 
 def _collect_scans(node: Any, parent: Any, found: dict[str, list[ScanSpec]]) -> None:

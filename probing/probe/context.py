@@ -210,7 +210,7 @@ class ProbeContext:
     def _start_nvml(self, interval: str) -> None:
         try:
             settle()  # NVML and pyarrow load only once the host imports nothing
-            from probing.tables.nvml import parse_interval
+            from probing.config import parse_interval
 
             self.nvml.start(parse_interval(interval))
         except Exception as err:  # noqa: BLE001 - a bad value or NVML never reaches the host

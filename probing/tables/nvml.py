@@ -16,7 +16,6 @@ on an Event between samples, so it stops at once.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from probing.config import parse_interval  # noqa: F401 - POST /nvml's interval
 from probing.store import Store
 
 SCHEMA = "nvml"
@@ -80,21 +80,6 @@ STATUS_SCHEMA = pa.schema(
     ]
 )
 
-_DURATION = re.compile(r"^\s*([\d.]+)\s*(ms|s|us)?\s*$")
-
-
-def parse_interval(text: str | float) -> float:
-    """``"100ms"``, ``"0.5s"``, ``"0.1"`` or a number of seconds → seconds."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        m = _DURATION.match(text)
-        if not m:
-            raise ValueError(f"not a duration: {text!r} (use e.g. 100ms or 0.5s)")
-        value = float(m.group(1)) * {"ms": 1e-3, "us": 1e-6}.get(m.group(2) or "s", 1.0)
-    if not 0.001 <= value <= 3600:
-        raise ValueError(f"interval {value:g} s is outside 1 ms .. 1 h")
-    return value
 
 
 def visible_indices(count: int, uuids: list[str], env: str | None) -> list[int]:

@@ -180,12 +180,11 @@ class JobView:
 
     def _diagnose(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import diagnose
+        from probing.client import Job
 
         src = self.source
-        d, _ = diagnose(
-            pids=src.pids or None, addr=src.addr, cluster=src.cluster, window_s=window_s,
-            hang_after_s=HANG_AFTER_S, timeout=src.timeout,
-        )  # fmt: skip
+        job = Job(pids=src.pids or None, addr=src.addr, cluster=src.cluster, timeout=src.timeout)
+        d, _ = diagnose(job, window_s=window_s, hang_after_s=HANG_AFTER_S)
         out = d.to_json()
         out["stacks_by_rank"] = {str(r): lines for r, lines in d.stacks.items()}
         out["elapsed_s"] = d.elapsed_s

@@ -140,8 +140,9 @@ def test_two_kinds_of_process_group(launch) -> None:  # type: ignore[no-untyped-
     job.wait_steps(max(len(v) for v in job.losses().values()) + 6)
     from probing.analyze import collectives as coll
     from probing.analyze.diagnose import diagnose
+    from probing.client import Job
 
-    _, table = diagnose(pids=[ranks[0]], cluster=True, timeout=10)
+    _, table = diagnose(Job(pids=[ranks[0]], cluster=True, timeout=10))
     assert "pg" in table.column_names, table.schema
     members: dict[str, set[int]] = {}
     for c in coll.match(table):
