@@ -35,11 +35,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from probing import paths
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
 from probing.inject import build, elf
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
-from probing import paths
 from probing.procs import task_stat, task_syscall
 
 SUPPORTED = ((3, 9), (3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
