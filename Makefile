@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench lint clean vm-test
 
 setup:
 	@bash .ci/setup.sh
@@ -23,6 +23,11 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check probing tests benchmarks
 	$(VENV)/bin/ruff format --check probing tests benchmarks
+
+# the privileged suite in a Debian trixie VM (kernel 6.12, Python 3.13): docs/vm.md
+VM_TESTS ?= full
+vm-test:
+	@bash vagrant/vm-test.sh $(VM_TESTS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# `make vm-test`: probing's privileged suite in a Debian trixie VM (kernel 6.12,
+# Python 3.13), booted with qemu on this machine. As root.
+#
+#   vagrant/vm-test.sh [smoke|full|PYTEST-ARGS...]     (default: full)
+#   vagrant/vm-test.sh --image-path      (where the image for this recipe is cached)
+#
+# 1. The image: built once from Debian's packages with mmdebstrap, running
+#    vagrant/provision.sh (the recipe the Vagrantfile runs too) in its root
+#    filesystem, then kept in $PROBING_VM_CACHE (default /var/cache/probing-vm)
+#    under a key of the recipe; later runs boot it from there.
+# 2. The boot: a throw-away qcow2 overlay on the cached image, the checkout
+#    shared read-only over 9p, KVM when a guest boots under it, else TCG
+#    ($PROBING_VM_ACCEL=kvm|tcg forces one).
+# 3. In the guest vagrant/vm-init.sh runs vagrant/run-tests.sh: it installs this
+#    checkout into the image's Python 3.13 venv and runs the tests as root,
+#    printing "kernel <release>", "Python 3.13.x" and pytest's summary line.
+# The exit status is the guest's pytest status (non-zero on any failure).
+#
+# Environment: PROBING_VM_CACHE, PROBING_VM_ACCEL (auto|kvm|tcg),
+# PROBING_VM_MEM (MiB, default 4096), PROBING_VM_SMP (default 2),
+# PROBING_VM_TIMEOUT (s, for the tests' boot; default 3600),
+# PROBING_VM_MIRROR (Debian mirror), PROBING_VM_REBUILD=1 (build anew).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cache=${PROBING_VM_CACHE:-/var/cache/probing-vm}
+accel=${PROBING_VM_ACCEL:-auto}
+mem=${PROBING_VM_MEM:-4096}
+smp=${PROBING_VM_SMP:-2}
+limit=${PROBING_VM_TIMEOUT:-3600}
+mirror=${PROBING_VM_MIRROR:-http://deb.debian.org/debian}
+say() { printf 'vm-test: %s\n' "$*"; }
+die() { printf 'vm-test: %s\n' "$*" >&2; exit "${2:-1}"; }
+
+tests=full
+if [ $# -gt 0 ]; then
+  case "$1" in
+    smoke|full) tests=$1 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --image-path) tests=image-path ;;
+    *) tests=$(IFS=,; echo "$*") ;;
+  esac
+fi
+case "$tests" in *" "*) die "test arguments may not contain spaces: $tests (give them as separate words)" 2 ;; esac
+
+# --- the image ---------------------------------------------------------------------
+# The key: the recipe, PID 1 and the dependency lists (not the rest of
+# pyproject.toml, so editing probing's own code never rebuilds the image).
+key=$( {
+  cat "$repo/vagrant/provision.sh" "$repo/vagrant/vm-init.sh"
+  python3 - "$repo/pyproject.toml" <<'EOF'
+import sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(p["dependencies"], p["optional-dependencies"]["test"])
+EOF
+} | sha256sum | cut -c1-12)
+image="$cache/trixie-$key"
+[ "$tests" = image-path ] && { echo "$image"; exit 0; }
+
+# --- the host ------------------------------------------------------------------------
+[ "$(id -u)" = 0 ] || die "run as root: building the image and sharing the checkout need it (sudo make vm-test)" 2
+[ "$(uname -m)" = x86_64 ] || die "only x86_64 hosts are supported (this is $(uname -m))" 2
+
+# --- the host's tools ------------------------------------------------------------
+need=()
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v qemu-img >/dev/null || need+=(qemu-utils)
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+if [ ${#need[@]} -gt 0 ]; then
+  command -v apt-get >/dev/null || die "install ${need[*]} (a Debian/Ubuntu host has them as packages), then retry" 2
+  say "installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; } \
+    || die "could not install ${need[*]}: install them, then retry" 2
+fi
+
+
+# --- the image ---------------------------------------------------------------------
+build_image() {
+  tmp="$cache/.build-$key.$$"
+  rm -rf "$cache"/.build-*  # an earlier build that was stopped
+  mkdir -p "$tmp"
+  trap 'rm -rf "$tmp" "$tmp.log"' EXIT
+  # pip in the image's root filesystem trusts what this host trusts (a proxy's CA)
+  local ca=${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}
+  say "building the Debian trixie image in $image (once; about 10 minutes, log: $tmp.log)"
+  local t0=$SECONDS
+  if ! timeout 2400 mmdebstrap --variant=apt --mode=root --components=main \
+      --include=ca-certificates \
+      --customize-hook="upload '$repo/vagrant/provision.sh' /root/provision.sh" \
+      --customize-hook="upload '$repo/pyproject.toml' /root/pyproject.toml" \
+      --customize-hook="upload '$ca' /root/host-ca.crt" \
+      --customize-hook='chroot "$1" env -u PIP_FIND_LINKS -u PIP_CONFIG_FILE -u SSL_CERT_DIR PIP_CERT=/root/host-ca.crt SSL_CERT_FILE=/root/host-ca.crt REQUESTS_CA_BUNDLE=/root/host-ca.crt bash /root/provision.sh --pyproject /root/pyproject.toml' \
+      --customize-hook='rm -f "$1/root/host-ca.crt"' \
+      --customize-hook="upload '$repo/vagrant/vm-init.sh' /usr/local/sbin/probing-vm-init" \
+      --customize-hook='chmod 755 "$1/usr/local/sbin/probing-vm-init"' \
+      --customize-hook='rm -rf "$1/root/.cache" "$1/var/cache/apt/archives/"*.deb' \
+      trixie "$tmp/root" "$mirror" >"$tmp.log" 2>&1; then
+    tail -20 "$tmp.log" >&2
+    mv -f "$tmp.log" "$cache/build-failed.log"
+    die "building the image failed (above; whole log: $cache/build-failed.log). Check that $mirror and pypi.org are reachable, then run make vm-test again"
+  fi
+  local kernel initrd
+  kernel=$(ls "$tmp"/root/boot/vmlinuz-* | sort -V | tail -1)
+  initrd=$(ls "$tmp"/root/boot/initrd.img-* | sort -V | tail -1)
+  [ -f "$kernel" ] && [ -f "$initrd" ] || die "the image has no kernel or initrd under /boot: see $tmp.log"
+  cp "$kernel" "$tmp/vmlinuz"
+  cp "$initrd" "$tmp/initrd.img"
+  local used
+  used=$(du -sm "$tmp/root" | cut -f1)
+  mkfs.ext4 -q -F -L probing-root -d "$tmp/root" "$tmp/rootfs.img" "$(( used * 3 / 2 + 2048 ))M"
+  rm -rf "$tmp/root"
+  mv "$tmp.log" "$tmp/build.log"
+  echo "$(( SECONDS - t0 ))" > "$tmp/build-seconds"
+  rm -rf "$image"
+  mv "$tmp" "$image"
+  trap - EXIT
+  say "image built in $(( SECONDS - t0 )) s"
+}
+
+mkdir -p "$cache"
+if [ "${PROBING_VM_REBUILD:-0}" = 1 ] || [ ! -f "$image/rootfs.img" ]; then
+  build_image
+else
+  say "image from the cache: $image"
+fi
+for old in "$cache"/trixie-*; do  # earlier recipes' images
+  [ "$old" = "$image" ] || [ ! -d "$old" ] || rm -rf "$old"
+done
+[ "${PROBING_VM_BUILD_ONLY:-0}" = 1 ] && exit 0
+
+# --- the boot ------------------------------------------------------------------------
+run=$(mktemp -d "${TMPDIR:-/tmp}/probing-vm.XXXXXX")
+qpid=""
+cleanup() { [ -z "$qpid" ] || kill "$qpid" 2>/dev/null || true; rm -f "$run/overlay.qcow2"; }
+trap cleanup EXIT
+log="$run/console.log"
+
+# boot ACCEL SECONDS: start the guest in the background; $qpid, $log
+boot() {
+  rm -f "$run/overlay.qcow2" "$log"
+  qemu-img create -q -f qcow2 -F raw -b "$image/rootfs.img" "$run/overlay.qcow2"
+  local cpu=max
+  [ "$1" = kvm ] && cpu=host
+  timeout --kill-after=10 "$2" qemu-system-x86_64 \
+    -accel "$1" -cpu "$cpu" -smp "$smp" -m "$mem" \
+    -nodefaults -nographic -no-reboot -display none \
+    -serial "file:$log" -monitor none \
+    -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0 panic=-1 init=/usr/local/sbin/probing-vm-init probing.tests=$tests" \
+    -drive "file=$run/overlay.qcow2,if=virtio,format=qcow2,cache=unsafe" \
+    -virtfs "local,path=$repo,mount_tag=probing,security_model=none,readonly=on" \
+    -device virtio-rng-pci \
+    >"$run/qemu.out" 2>&1 &
+  qpid=$!
+}
+
+# wait_for PATTERN SECONDS: 0 once the console log has the pattern, 1 when the
+# guest stopped or the time ran out first
+wait_for() {
+  local deadline=$(( SECONDS + $2 ))
+  while [ $SECONDS -lt $deadline ]; do
+    grep -q "$1" "$log" 2>/dev/null && return 0
+    kill -0 "$qpid" 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+
+# KVM, when it works: a nested KVM guest (this repository's own CI machine,
+# itself a VM) hangs right after the firmware, before the kernel prints its
+# banner, so a guest whose kernel has not spoken in time falls back to TCG.
+chosen=""
+kvm_wait=${PROBING_VM_KVM_WAIT:-30}
+if [ "$accel" != tcg ] && [ -w /dev/kvm ]; then
+  boot kvm "$limit"
+  if wait_for "Linux version" "$kvm_wait"; then
+    chosen=kvm
+  else
+    kill "$qpid" 2>/dev/null || true; wait "$qpid" 2>/dev/null || true; qpid=""
+    cp "$log" "$cache/kvm-console.log" 2>/dev/null || true
+    [ "$accel" = kvm ] && die "the KVM guest's kernel did not start in $kvm_wait s (console: $cache/kvm-console.log); run with PROBING_VM_ACCEL=tcg"
+    say "KVM: the guest's kernel did not start in $kvm_wait s (console: $cache/kvm-console.log); using TCG"
+  fi
+elif [ "$accel" = kvm ]; then
+  die "PROBING_VM_ACCEL=kvm but /dev/kvm is not usable here; unset it to fall back to TCG" 2
+fi
+if [ -z "$chosen" ]; then
+  boot tcg "$limit"
+  chosen=tcg
+fi
+say "booting $(basename "$image") with $chosen (-smp $smp, -m ${mem}M), tests: $tests"
+
+# the guest's own output, from PID 1 on, while it runs
+t0=$SECONDS
+( tail -n +1 -F "$log" 2>/dev/null | sed -u -n '/probing-vm: init/,$p' ) &
+tailer=$!
+wait "$qpid" || true
+qpid=""
+sleep 1
+kill "$tailer" 2>/dev/null || true
+wait "$tailer" 2>/dev/null || true
+say "guest ran $(( SECONDS - t0 )) s with $chosen"
+
+status=$(sed -n 's/^probing-vm: exit \([0-9]*\).*/\1/p' "$log" | tail -1)
+if [ -z "$status" ]; then
+  keep="$cache/last-console.log"
+  cp "$log" "$keep" 2>/dev/null || true
+  tail -5 "$run/qemu.out" >&2 || true
+  die "the guest stopped without a result (hung, killed after $limit s, or crashed): its console is in $keep; raise PROBING_VM_TIMEOUT or look there"
+fi
+[ "$status" = 0 ] || say "the tests failed in the guest (exit $status); its console: $cache/last-console.log"
+cp "$log" "$cache/last-console.log"
+rm -rf "$run"
+exit "$status"
