@@ -72,12 +72,14 @@ project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
 EOF
 )
-# hatchling and editables: the guest installs the checkout with no network
-want=$(printf '%s\nhatchling\neditables\n' "$deps" | sha256sum | cut -c1-16)
+# hatchling and editables: the guest installs the checkout with no network;
+# NVIDIA's CUDA runtime wheel (4 MB): the traced-stack tests launch through it
+extra='hatchling\neditables\nnvidia-cuda-runtime-cu12\n'
+want=$(printf "%s\n$extra" "$deps" | sha256sum | cut -c1-16)
 stamp="$venv/.probing-provision"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing probing's dependencies into $venv"
-  mapfile -t reqs < <(printf '%s\nhatchling\neditables\n' "$deps" | sed 's/ *#.*//' | grep -v '^ruff')
+  mapfile -t reqs < <(printf "%s\n$extra" "$deps" | sed 's/ *#.*//' | grep -v '^ruff')
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "${reqs[@]}"
   echo "$want" > "$stamp"
 fi

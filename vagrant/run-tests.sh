@@ -60,8 +60,12 @@ esac
 
 echo "kernel $(uname -r)"
 "$venv/bin/python" --version
-say "bcc $("$venv/bin/python" -c 'import bcc; print(bcc.__version__)'), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'), tests: $tests"
+versions=$(dpkg-query -W -f='${Package} ${Version}, ' python3-bpfcc python3-torch 2>/dev/null || true)
+slowdown=${PROBING_TEST_SLOWDOWN:-1}
+say "${versions}tests: $tests, waits stretched x$slowdown"
+# pytest-timeout's 300 s a test, stretched like the tests' own waits
+per_test=$(awk -v s="$slowdown" 'BEGIN { printf "%d", 300 * (s > 1 ? s : 1) }')
 rc=0
-PROBING_REQUIRE_PRIVILEGED=1 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
-  --durations=15 "${args[@]}" || rc=$?
+PROBING_REQUIRE_PRIVILEGED=1 PROBING_TEST_SLOWDOWN=$slowdown "$venv/bin/python" -m pytest -q -rs \
+  -p no:cacheprovider --color=no --timeout "$per_test" --durations=15 "${args[@]}" || rc=$?
 exit "$rc"

@@ -36,10 +36,15 @@ if ! mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=1048576 probing /mnt/
   echo "probing-vm: could not mount the checkout (9p tag probing)"
   finish 3
 fi
-# the command line's probing.tests= (smoke|full|a pytest argument list, comma-separated)
-tests=smoke
+# the command line's probing.tests= (smoke|full|a pytest argument list,
+# comma-separated) and probing.slowdown= (how much slower than the host the
+# guest runs: the tests' waits are stretched by it)
+tests=smoke slowdown=1
 for arg in $(cat /proc/cmdline); do
-  case "$arg" in probing.tests=*) tests=${arg#probing.tests=} ;; esac
+  case "$arg" in
+    probing.tests=*) tests=${arg#probing.tests=} ;;
+    probing.slowdown=*) slowdown=${arg#probing.slowdown=} ;;
+  esac
 done
-PROBING_VM_TESTS=$tests bash /mnt/probing/vagrant/run-tests.sh
+PROBING_VM_TESTS=$tests PROBING_TEST_SLOWDOWN=$slowdown bash /mnt/probing/vagrant/run-tests.sh
 finish $?

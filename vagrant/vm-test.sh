@@ -20,7 +20,8 @@
 # Environment: PROBING_VM_CACHE, PROBING_VM_ACCEL (auto|kvm|tcg),
 # PROBING_VM_MEM (MiB, default 4096), PROBING_VM_SMP (default 2),
 # PROBING_VM_TIMEOUT (s, for the tests' boot; default 3600),
-# PROBING_VM_MIRROR (Debian mirror), PROBING_VM_REBUILD=1 (build anew).
+# PROBING_VM_MIRROR (Debian mirror), PROBING_VM_REBUILD=1 (build anew),
+# PROBING_VM_SLOWDOWN (how much the tests' waits stretch: 10 under TCG, 2 KVM).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -142,14 +143,14 @@ log="$run/console.log"
 boot() {
   rm -f "$run/overlay.qcow2" "$log"
   qemu-img create -q -f qcow2 -F raw -b "$image/rootfs.img" "$run/overlay.qcow2"
-  local cpu=max
-  [ "$1" = kvm ] && cpu=host
+  local cpu=max slowdown=${PROBING_VM_SLOWDOWN:-10}
+  [ "$1" = kvm ] && cpu=host slowdown=${PROBING_VM_SLOWDOWN:-2}
   timeout --kill-after=10 "$2" qemu-system-x86_64 \
     -accel "$1" -cpu "$cpu" -smp "$smp" -m "$mem" \
     -nodefaults -nographic -no-reboot -display none \
     -serial "file:$log" -monitor none \
     -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
-    -append "root=/dev/vda rw console=ttyS0 panic=-1 init=/usr/local/sbin/probing-vm-init probing.tests=$tests" \
+    -append "root=/dev/vda rw console=ttyS0 panic=-1 init=/usr/local/sbin/probing-vm-init probing.tests=$tests probing.slowdown=$slowdown" \
     -drive "file=$run/overlay.qcow2,if=virtio,format=qcow2,cache=unsafe" \
     -virtfs "local,path=$repo,mount_tag=probing,security_model=none,readonly=on" \
     -device virtio-rng-pci \

@@ -24,7 +24,7 @@ import pytest
 from probing import doctor
 from probing.client import ProbeClient
 from probing.inject import inject
-from tests.conftest import cli, require
+from tests.conftest import SLOWDOWN, cli, require
 
 pytestmark = pytest.mark.privileged
 
@@ -103,7 +103,7 @@ def _available(path: str) -> None:
 def test_inject_busy_loop_answers_sql_and_computes_right(spawn) -> None:
     t = spawn(CHECKSUM, probing=False)
     _first_line(t)  # running
-    res = inject(t.pid)
+    res = inject(t.pid, timeout=10 * SLOWDOWN)
     assert not res.already and res.tid == t.pid and res.imported == "target"
     client = ProbeClient.for_pid(t.pid)
     assert client.query("SELECT pid FROM process.info").to_pylist() == [{"pid": t.pid}]
