@@ -237,8 +237,17 @@ class Page:
             f"{self.browser.console(self.session)[-5:]}"
         )
 
-    def screenshot(self, path: str | Path) -> Path:
-        data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
+    def screenshot(self, path: str | Path, settle: float = 30.0) -> Path:
+        """A PNG of the page once it stops changing (two captures 0.5 s apart
+        alike, or ``settle`` seconds passed): canvases draw after the DOM."""
+        data, deadline = None, time.monotonic() + settle
+        while True:
+            shot = self.send("Page.captureScreenshot", {"format": "png"})["data"]
+            if shot == data or time.monotonic() > deadline:
+                break
+            data = shot
+            time.sleep(0.5)
+        data = shot
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))

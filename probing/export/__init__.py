@@ -6,11 +6,24 @@ print(report.summary())
 
 from __future__ import annotations
 
-from probing.export.source import Source
-from probing.export.timeline import ExportReport
-from probing.export.window import Window
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from probing.export.source import Source
+    from probing.export.timeline import ExportReport
 
 FORMATS = ("perfetto", "parquet")
+_LAZY = {"Source": "probing.export.source", "ExportReport": "probing.export.timeline"}
+
+
+def __getattr__(name: str) -> Any:
+    """Source and ExportReport load on first use: the CLI imports this package
+    to register its command, and pyarrow/perfetto cost every command 1/3 s."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)
 
 
 def export(
@@ -24,6 +37,7 @@ def export(
     """Write the last ``window_s`` seconds of ``source`` to ``path`` (a file for
     perfetto, a directory for parquet); ``max_events`` keeps the newest events."""
     from probing.errors import ProbingError
+    from probing.export.window import Window
 
     win = Window(source, window_s=window_s, max_events=max_events)
     if fmt == "perfetto":

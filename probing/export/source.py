@@ -1,17 +1,21 @@
-"""Where an export (or the web UI) reads its rows: one probe, local ranks, or the job.
+"""Where an export (or the web UI) reads its rows: ``probing.client.Job``, plus
+the clock offsets the cluster query measures.
 
-``Source`` asks every rank the same SQL and returns one Arrow table whose
-rows are tagged ``node`` and ``rank`` (a table's own ``node``/``rank``
-columns become ``table_node``/``table_rank``, as the cluster query names
-them). Three ways, as the CLI takes them:
+``Source.ask(sql)`` runs ``sql`` in every rank and returns one Arrow table
+whose rows are tagged ``node`` and ``rank``, as ``Job`` does, the three ways
+the CLI takes them:
 
-* ``pids=[P]``: that one probe (its rank from torch.distributed or RANK);
-* ``pids=[P, Q, ...]``: each local probe over its unix socket;
-* ``cluster=True`` with one pid, or ``addr``: the cluster query of
-  ``probing.cluster`` (any probe fans out to its peers), which also measures
-  each peer's clock offset: ``offsets`` then holds, per node, the median
-  offset of its ranks (the peer clock minus the asker's), which
-  ``align`` subtracts so rows from different nodes line up.
+* ``pids=[P]``: that one probe; ``pids=[P, Q, ...]``: each local probe;
+* ``cluster=True`` with one pid, or ``addr``: the cluster query (any probe
+  fans out to its peers), which also measures each peer's clock offset:
+  ``offsets`` holds, per node, the median offset of its ranks (the peer's
+  clock minus the asker's), which ``align`` subtracts so rows from different
+  nodes line up; ``missing`` the ranks that did not answer.
+
+Differences from ``Job``, on purpose: a local rank's rows keep their own
+``node``/``rank`` columns as ``table_node``/``table_rank`` (what a cluster
+query calls them, so a Parquet file reads the same however it was asked),
+and ``client(pid)`` is the one place a local probe is reached.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ from __future__ import annotations
 import socket
 import statistics
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from probing.client import Job, ProbeClient, cluster_query
 from probing.errors import ProbingError
 
 RANKS_SQL = "SELECT pid, hostname{tags} FROM process.info"
@@ -39,18 +43,16 @@ class RankInfo:
     pid: int
 
 
-@dataclass
-class Source:
-    pids: Sequence[int] = ()
-    addr: str | None = None
-    cluster: bool = False
-    timeout: float = 10.0
-    offsets: dict[str, int] = field(default_factory=dict)  # node -> ns to subtract
-    missing: list[str] = field(default_factory=list)  # ranks a cluster query did not reach
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self) -> None:
-        self.pids = list(self.pids)
+class Source(Job):
+    def __init__(
+        self,
+        *,
+        pids: list[int] | tuple[int, ...] = (),
+        addr: str | None = None,
+        cluster: bool = False,
+        timeout: float = 10.0,
+    ) -> None:
+        super().__init__(pids=list(pids), addr=addr, cluster=cluster, timeout=timeout)
         if bool(self.pids) == bool(self.addr):
             raise ProbingError(
                 "give exactly one of --pid or --addr",
@@ -61,11 +63,9 @@ class Source:
                 "--cluster asks the job through one probe: give a single --pid",
                 hint="or leave out --cluster to ask each --pid's probe",
             )
-
-    @property
-    def remote(self) -> bool:
-        """True when rows come through the cluster query (one pid + --cluster, or --addr)."""
-        return self.cluster or self.addr is not None
+        self.offsets: dict[str, int] = {}  # node -> ns to subtract
+        self.missing: list[str] = []  # ranks the last cluster query did not reach
+        self._lock = threading.Lock()
 
     def describe(self) -> str:
         if self.addr:
@@ -81,12 +81,10 @@ class Source:
         are tagged here; ``SELECT *`` has them either way)."""
         sql = sql.replace("{tags}", ", node, rank" if self.remote else "")
         if self.remote:
-            return self._ask_cluster(sql)
-        return self._ask_local(sql)
+            return self._cluster(sql)
+        return self._local(sql)
 
-    def _ask_cluster(self, sql: str) -> pa.Table:
-        from probing.client import cluster_query
-
+    def _cluster(self, sql: str) -> pa.Table:
         if self.addr:
             res = cluster_query(sql, addr=self.addr, timeout=self.timeout)
         else:
@@ -102,23 +100,20 @@ class Source:
 
     def client(self, pid: int) -> Any:
         """The client of a local probe (anything with ``query(sql) -> pa.Table``)."""
-        from probing.client import ProbeClient
-
         return ProbeClient.for_pid(pid, timeout=max(self.timeout, 1.0))
 
-    def _ask_local(self, sql: str) -> pa.Table:
+    def _local(self, sql: str) -> pa.Table:
         from probing.analyze.gather import process_rank
 
         node = socket.gethostname()
 
-        def one(i_pid: tuple[int, int]) -> pa.Table:
-            i, pid = i_pid
-            client = self.client(pid)
-            rank = process_rank(client, pid)
+        def one(i: int) -> pa.Table:  # the ranks answer in parallel
+            client = self.client(self.pids[i])
+            rank = process_rank(client, self.pids[i])
             return tag(client.query(sql), node, rank if rank >= 0 else i)
 
         with ThreadPoolExecutor(max_workers=min(16, len(self.pids))) as pool:
-            parts = list(pool.map(one, enumerate(self.pids)))
+            parts = list(pool.map(one, range(len(self.pids))))
         return pa.concat_tables(parts, promote_options="default")
 
     def ranks(self) -> list[RankInfo]:
@@ -129,9 +124,9 @@ class Source:
 
     def align(self, table: pa.Table, column: str = "ts") -> pa.Table:
         """``table`` with ``column`` moved onto the asker's clock (per-node offsets)."""
-        if not self.offsets or column not in table.column_names or not table.num_rows:
+        if not any(self.offsets.values()) or column not in table.column_names:
             return table
-        if not any(self.offsets.values()):
+        if not table.num_rows:
             return table
         shift = [self.offsets.get(n, 0) for n in table.column("node").to_pylist()]
         moved = pc.subtract(table.column(column), pa.array(shift, pa.int64()))

@@ -41,17 +41,28 @@ def _cell(v: Any) -> Any:
 
 
 def heatmap(
-    collectives: list[Any], ranks: list[int], lo: int, hi: int, columns: int = COLUMNS
+    collectives: list[Any],
+    ranks: list[int],
+    lo: int,
+    hi: int,
+    hangs: list[Hang] | None = None,
+    columns: int = COLUMNS,
 ) -> dict[str, Any]:
     """Per rank and time bucket: mean arrival lag (ms), step time (ms: the
     interval between successive collectives of the busiest communicator), and
-    cells where the others entered collectives that this rank never did."""
+    ``absent``: from when the others entered a hung collective this rank never
+    entered (``Hang``s with their start, ``since_ns``)."""
     width = max(1, (hi - lo) // columns)
     n = len(ranks)
     idx = {r: i for i, r in enumerate(ranks)}
     lag_sum, lag_n = np.zeros((n, columns)), np.zeros((n, columns))
     step_sum, step_n = np.zeros((n, columns)), np.zeros((n, columns))
     absent = np.zeros((n, columns))
+    for h in hangs or []:  # a rank that never entered a hung collective: absent since then
+        col = min(columns - 1, max(0, (h.since_ns - lo) // width))
+        for r in h.missing_ranks:
+            if r in idx:
+                absent[idx[r], col:] += 1
     if collectives:
         counts: dict[str, int] = {}
         for c in collectives:
@@ -64,9 +75,6 @@ def heatmap(
                 if r in idx and len(c.ts) > 1:
                     lag_sum[idx[r], col] += lag / 1e6
                     lag_n[idx[r], col] += 1
-            for r in idx:
-                if r not in c.ts and len(c.ts) >= 1 and c.nranks > len(c.ts):
-                    absent[idx[r], col] += 1
             if c.comm == busiest:
                 for r, ts in c.ts.items():
                     if r in idx and r in last:
@@ -87,6 +95,18 @@ def heatmap(
         "step_ms": cells(step_sum, step_n),
         "absent": absent.astype(int).tolist(),
     }
+
+
+@dataclasses.dataclass
+class Hang:
+    missing_ranks: list[int]
+    since_ns: int
+
+
+def hang_at(h: Any, matched: list[Any]) -> Hang:
+    """A traced hang with the time its collective was first entered."""
+    c = next((c for c in matched if c.comm == h.comm and c.seq == h.seq), None)
+    return Hang(list(h.missing_ranks), min(c.ts.values()) if c else 0)
 
 
 class JobView:
@@ -139,7 +159,7 @@ class JobView:
         lo = since
         if table.num_rows:
             lo = max(since, min(table.column("ts").to_pylist()))
-        grid = heatmap(matched, ranks, lo, now)
+        grid = heatmap(matched, ranks, lo, now, [hang_at(h, matched) for h in hangs])
         done = [c for c in matched if c.complete and c.nranks > 1]
         rows = []
         for i, r in enumerate(ranks):

