@@ -1,4 +1,5 @@
-"""Talk to a probe: a transport (HTTP over a unix socket) under a facade.
+"""Talk to a probe: a transport (HTTP over a unix socket, or TCP to a peer;
+the codec is ``probing.probe.http``) under a facade.
 
 with ProbeClient.for_pid(1234) as probe:
     table = probe.query("SELECT count(*) FROM process.threads")
@@ -6,7 +7,6 @@ with ProbeClient.for_pid(1234) as probe:
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import socket
@@ -23,27 +23,7 @@ from probing.errors import (
     ProbingError,
     from_wire,
 )
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(
-        self, path: str, timeout: float, pid: int | None = None, uid: int | None = None
-    ) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-        self._pid = pid
-        self._uid = uid
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-            check_peer(sock, self._path, self._pid, self._uid)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+from probing.probe import http
 
 
 def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None) -> None:
@@ -83,12 +63,13 @@ class UnixTransport:
         self.timeout = timeout
 
     def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
-        conn = _UnixConnection(self.path, self.timeout, self.pid, self.uid)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
         try:
-            headers = {"Content-Type": "application/json"} if body else {}
-            conn.request(method, url, body=body, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, resp.getheader("Content-Type", ""), resp.read()
+            sock.connect(self.path)
+            check_peer(sock, self.path, self.pid, self.uid)  # before a byte is sent
+            answer = http.exchange(sock, http.request_bytes(url, body or b"", None, method))
+            return answer.status, answer.content_type, answer.body
         except PermissionError as err:
             raise AccessDenied(
                 f"not allowed to open {self.path}",
@@ -108,7 +89,7 @@ class UnixTransport:
         except OSError as err:
             raise NoProbe(f"cannot talk to the probe at {self.path}: {err}", pid=self.pid) from err
         finally:
-            conn.close()
+            sock.close()
 
     def close(self) -> None:
         pass
@@ -128,20 +109,15 @@ class TcpTransport:
         self.timeout = timeout
 
     def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        request = http.request_bytes(url, body or b"", self.token, method)
         try:
-            headers = {"Authorization": f"Bearer {self.token}"}
-            if body:
-                headers["Content-Type"] = "application/json"
-            conn.request(method, url, body=body, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, resp.getheader("Content-Type", ""), resp.read()
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+                answer = http.exchange(sock, request)
+            return answer.status, answer.content_type, answer.body
         except TimeoutError as err:
             raise PeerUnreachable(f"{self.addr} did not answer in {self.timeout:g} s") from err
-        except (OSError, http.client.HTTPException) as err:
+        except OSError as err:
             raise PeerUnreachable(f"cannot reach the probe at {self.addr}: {err}") from err
-        finally:
-            conn.close()
 
     def close(self) -> None:
         pass

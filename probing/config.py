@@ -34,8 +34,8 @@ class ConfigError(ProbingError):
 
 
 def _setting(env: str, default: Any, doc: str, *, strict: bool = False, least: float = 1) -> Any:
-    """One variable: ``strict`` refuses a bad value; a number under ``least``
-    takes the default."""
+    """One variable: ``strict`` refuses a bad value; an integer under
+    ``least`` (a number not above 0) takes the default."""
     meta = {"env": env, "doc": doc, "strict": strict, "least": least}
     return field(default=default, metadata=meta)
 
@@ -159,7 +159,7 @@ def _parse(f: dataclasses.Field[Any], raw: str, strict: bool) -> Any:
         value = float(raw)
     except ValueError:
         return f.default
-    return value if value > 0 and value >= f.metadata["least"] else f.default
+    return value if value > 0 else f.default
 
 
 def from_env(environ: Mapping[str, str], *, strict: bool = False) -> Config:

@@ -32,6 +32,8 @@ def test_values_are_typed_and_bad_ones_fall_back() -> None:
     )  # fmt: skip
     assert env.workers == 3 and env.remote_code is True and env.fork == "child"
     assert env.query_timeout_s == 20.0 and env.max_connections == 64 and env.sample_hz == 0
+    assert config.from_env({"PROBING_HEADER_TIMEOUT_S": "0.3"}).header_timeout_s == 0.3
+    assert config.from_env({"PROBING_WORKERS": "0"}).workers == 8
     assert config.from_env({"PROBING_RANK": "x"}).rank is None
     with pytest.raises(config.ConfigError, match="PROBING_RANK='x' is not an integer"):
         config.from_env({"PROBING_RANK": "x"}, strict=True)

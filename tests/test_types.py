@@ -100,3 +100,20 @@ def test_cluster_work_is_a_dataclass_with_a_mode_enum_on_the_wire() -> None:
     for bad in ({"mode": "everything"}, {"scans": {}}, {"mode": "scan", "scans": [1]}, "scan"):
         with pytest.raises(ValueError, match="bad work"):
             Work.from_json(bad)
+
+
+def test_one_http_codec_for_the_server_the_client_and_the_peers() -> None:
+    from probing.probe import http
+    from probing.probe.server import parse_head
+
+    raw = http.request_bytes("/query", b'{"sql": "SELECT 1"}', b"tok")
+    head = parse_head(raw[: raw.index(b"\r\n\r\n") + 4])  # the server's strict parser takes it
+    assert (head.method, head.target) == ("POST", "/query")
+    assert head.headers["authorization"] == "Bearer tok" and head.length == 19
+    get = http.request_bytes("/health", b"", None, "GET")
+    assert parse_head(get[: get.index(b"\r\n\r\n") + 4]).length == 0
+    answer = http.parse_answer(http.response_bytes(http.Response.error(409, "not tracing")))
+    assert (answer.status, answer.content_type) == (409, "application/json")
+    assert json.loads(answer.body) == {"error": "not tracing", "type": "ProbingError"}
+    with pytest.raises(ConnectionResetError):
+        http.parse_answer(b"garbage")

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from probing import config
+from probing.probe.http import parse_answer, request_bytes  # noqa: F401 - the peers' requests
 
 
 def reply_limit() -> int:
@@ -60,29 +61,6 @@ def reason(err: OSError) -> str:
     if isinstance(err, (ConnectionResetError, BrokenPipeError)):
         return "connection closed"
     return f"unreachable: {err}"
-
-
-def request_bytes(path: str, body: bytes, token: bytes | None) -> bytes:
-    auth = b"Authorization: Bearer " + token + b"\r\n" if token else b""
-    return (
-        b"POST "
-        + path.encode()
-        + b" HTTP/1.0\r\nContent-Type: application/json\r\n"
-        + auth
-        + b"Content-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body
-    )
-
-
-def parse_answer(data: bytes) -> tuple[int, bytes]:
-    """(status, body) of an HTTP answer; ConnectionResetError when it is none."""
-    header, sep, payload = data.partition(b"\r\n\r\n")
-    parts = header.split(b" ", 2)
-    if not sep or len(parts) < 2 or not parts[1].isdigit():
-        raise ConnectionResetError("not an HTTP answer")
-    return int(parts[1]), payload
 
 
 class Exchange:
@@ -193,7 +171,7 @@ class Exchange:
             return
         t3 = time.time_ns()
         try:
-            status, body = parse_answer(b"".join(call.chunks))
+            status, _, body = parse_answer(b"".join(call.chunks))
         except ConnectionResetError as err:
             self._finish(sel, call, reason(err))
             return

@@ -26,7 +26,7 @@ from probing.cluster.discovery import (
     StoreDirectory,
     static_peers,
 )
-from probing.cluster.exchange import Exchange, Reply, request_bytes
+from probing.cluster.exchange import Exchange, Reply
 from probing.cluster.identity import Identity, job_address, split_addr, token_from_env
 from probing.cluster.wire import (
     CLUSTER_CONTENT_TYPE,
@@ -37,7 +37,7 @@ from probing.cluster.wire import (
     unpack,
 )
 from probing.errors import PeerUnreachable, ProbingError, QueryError
-from probing.probe.server import Request, Response
+from probing.probe.http import Request, Response, request_bytes
 
 if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
     import pyarrow as pa
@@ -60,7 +60,7 @@ def _say(msg: str) -> None:
     try:
         sys.stderr.write(f"probing: {msg}\n")
         sys.stderr.flush()
-    except Exception:
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
         pass
 
 

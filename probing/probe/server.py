@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import errno
 import hmac
-import json
 import os
 import re
 import selectors
@@ -55,34 +54,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 from probing import config
-
-
-class Request(NamedTuple):
-    method: str
-    path: str
-    query: dict[str, str]
-    body: bytes
-    peer_uid: int | None
-    remote: str | None = None  # "host:port" of a TCP caller; None on the unix socket
-    headers: dict[str, str] | None = None
-    gone: Callable[[], bool] | None = None  # true once the client hung up (cancels its query)
-
-
-class Response(NamedTuple):
-    status: int
-    content_type: str
-    body: bytes
-
-    @classmethod
-    def json(cls, obj: object, status: int = 200) -> Response:
-        return cls(status, "application/json", json.dumps(obj, default=str).encode())
-
-    @classmethod
-    def error(cls, status: int, msg: str, kind: str = "ProbingError") -> Response:
-        return cls.json({"error": msg, "type": kind}, status)
-
-
-App = Callable[[Request], Response]
+from probing.probe.http import App, Request, Response, response_bytes
 
 MAX_BODY = 16 << 20
 MAX_LINE = 8192  # request line or one header line, without its line end
@@ -108,19 +80,6 @@ def _peer_uid(conn: socket.socket) -> int | None:
     return None if cred is None else cred[1]
 
 
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "Not Found",
-    408: "Request Timeout",
-    413: "Payload Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    501: "Not Implemented",
-    503: "Service Unavailable",
-}
 
 
 class HttpError(Exception):
@@ -221,19 +180,10 @@ def authorized(headers: dict[str, str], token: bytes) -> bool:
     return hmac.compare_digest(given.strip().encode("latin-1", "replace"), token)
 
 
-def _response_bytes(resp: Response) -> bytes:
-    head = (
-        f"HTTP/1.0 {resp.status} {_REASONS.get(resp.status, 'Error')}\r\n"
-        f"Server: probing\r\nContent-Type: {resp.content_type}\r\n"
-        f"Content-Length: {len(resp.body)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode("latin-1") + resp.body
-
-
 def _refuse(sock: socket.socket, status: int, msg: str, kind: str = "ProbingError") -> None:
     """Answer a short error without blocking (what does not fit is lost), then close."""
     try:
-        sock.send(_response_bytes(Response.error(status, msg, kind)), socket.MSG_DONTWAIT)
+        sock.send(response_bytes(Response.error(status, msg, kind)), socket.MSG_DONTWAIT)
     except OSError:
         pass
     try:
@@ -769,7 +719,7 @@ class UnixHTTPServer:
                 self.app, c.head, body, c.peer_uid, c.remote, lambda: hung_up(c.sock, tcp)
             )
             c.sock.settimeout(WRITE_TIMEOUT_S)
-            c.sock.sendall(_response_bytes(resp))
+            c.sock.sendall(response_bytes(resp))
         except BaseException:  # noqa: BLE001 - the client went away, or worse: not the host's
             pass
         finally:

@@ -172,7 +172,10 @@ class Sampler:
             import pynvml
 
             pynvml.nvmlInit()
-        except Exception as err:  # NVMLError subclasses, or pynvml missing
+        except (ImportError, OSError) as err:  # pynvml or libnvidia-ml missing
+            self.state, self.reason = "unavailable", unavailable_reason(err)
+            return False
+        except pynvml.NVMLError as err:  # no driver, no GPU
             self.state, self.reason = "unavailable", unavailable_reason(err)
             return False
         nv = self._nvml = pynvml
@@ -194,7 +197,7 @@ class Sampler:
             self._events = nv.nvmlEventSetCreate()
             for _, _, h in self._handles:
                 nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, self._events)
-        except Exception as err:
+        except nv.NVMLError as err:
             self._note(err, "xid")
             self._events = None
         return True
@@ -221,7 +224,7 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 self.sample()
-            except Exception as err:  # never let the thread die silently
+            except Exception as err:  # noqa: BLE001 - counted in nvml.status; the thread never dies
                 self._note(err, "sample")
             interval = self.interval_s or 0.1
             next_at += interval
@@ -300,7 +303,7 @@ class Sampler:
                 data = nv.nvmlEventSetWait(self._events, 0)
             except nv.NVMLError_Timeout:
                 break
-            except Exception as err:
+            except nv.NVMLError as err:
                 self._note(err, "xid")
                 break
             idx = index_of.get(_addr(data.device), -1)
@@ -313,7 +316,7 @@ class Sampler:
             return None
         try:
             return fn(*args)
-        except Exception as err:
+        except (self._nvml.NVMLError, OSError) as err:  # what NVML (through ctypes) raises
             name = type(err).__name__
             if "NotSupported" in name or "FunctionNotFound" in name:
                 self.unsupported.add(what)
