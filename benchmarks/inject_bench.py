@@ -5,8 +5,9 @@ that notes every pause longer than 2 ms between two ~0.1 ms iterations.
 For each: inject, then query; the borrowed thread's stop time comes from
 the injector. The target's pauses are read back through the probe itself
 and split into the second before injection (baseline) and the injection
-window. Then `probing stack` side by side with `py-spy dump` (when
-installed: pip install py-spy) on a target that already has a probe.
+window. Then `probing query`, `stack` and `ps` side by side with `py-spy
+dump` (the bench extra installs it) and a bare `python -c pass`, wall and
+CPU time, on a target whose probe has answered once.
 
 Prints one JSON object. Needs root (ptrace).
 """
@@ -94,25 +95,49 @@ def attach_runs(cwd: str) -> dict[str, object]:
     }
 
 
-def _timed(cmd: list[str]) -> float:
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds of one command, and the CPU seconds it used (its children too)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, capture_output=True)
-    return time.monotonic() - t0
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def stack_vs_pyspy(cwd: str) -> dict[str, object]:
+def cli_vs_pyspy(cwd: str) -> dict[str, object]:
+    """`probing query`, `stack` and `ps` against a target whose probe has
+    answered once, side by side with `py-spy dump` and a bare interpreter
+    start (`python -c pass`), interleaved RUNS times."""
     proc = _spawn(cwd)
     try:
         time.sleep(0.5)
         inject(proc.pid)
         pid = str(proc.pid)
-        probing = [_timed([sys.executable, "-m", "probing", "stack", "-p", pid]) for _ in range(5)]
-        out: dict[str, object] = {"probing_stack_ms": _ms(probing)}
+        ProbeClient.for_pid(proc.pid).query("SELECT 1")
         pyspy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        commands = {
+            "python_c_pass": [sys.executable, "-c", "pass"],
+            "probing_query": [sys.executable, "-m", "probing", "query", "-p", pid, "SELECT 1"],
+            "probing_stack": [sys.executable, "-m", "probing", "stack", "-p", pid],
+            "probing_ps": [sys.executable, "-m", "probing", "ps"],
+        }
         if os.access(pyspy, os.X_OK):
-            out["py_spy_dump_ms"] = _ms([_timed([pyspy, "dump", "--pid", pid]) for _ in range(5)])
-        else:
-            out["py_spy_dump_ms"] = None  # pip install py-spy for the baseline
+            commands["py_spy_dump"] = [pyspy, "dump", "--pid", pid]
+        walls: dict[str, list[float]] = {k: [] for k in commands}
+        cpus: dict[str, list[float]] = {k: [] for k in commands}
+        for _ in range(RUNS):
+            for name, cmd in commands.items():
+                wall, cpu = _timed(cmd)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+        out: dict[str, object] = {"runs": RUNS, "target_ms": 100}
+        for name in commands:
+            out[name] = {"wall_ms": _ms(walls[name]), "cpu_ms": _ms(cpus[name])}
+        if "py_spy_dump" not in commands:
+            out["py_spy_dump"] = None  # pip install py-spy (the bench extra) for the baseline
         return out
     finally:
         proc.kill()
@@ -121,7 +146,7 @@ def stack_vs_pyspy(cwd: str) -> dict[str, object]:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as cwd:  # targets do not find probing in their cwd
-        report = {"benchmark": "inject", "attach": attach_runs(cwd), "stack": stack_vs_pyspy(cwd)}
+        report = {"benchmark": "inject", "attach": attach_runs(cwd), "cli": cli_vs_pyspy(cwd)}
     print(json.dumps(report, indent=1))
 
 

@@ -1,15 +1,25 @@
 """What tracing costs, side by side in one run (root; prints one JSON object).
 
-1. ns per call of libcudart's cudaLaunchKernel (entry probe) and
-   cudaStreamSynchronize (entry + return), called from a C loop: no probe,
-   a bare BCC uprobe (empty program), and probing's probe: without Python
-   stacks (--no-stacks), with them (the default: the synchronising call
-   walks, launches do not), and with --launch-stacks, the loop called from a
-   Python stack of ~8 frames (as here) and of 40 (the walk stops at 32).
-   ``*_stack_cost_ns``: the difference to --no-stacks.
-2. Events/s drained from the ring buffer into the store (bulk numpy decode,
-   Arrow batches, appends), the drain timer stopped so each round is timed.
-3. A 2-rank torch Gloo all-reduce loop, untraced then traced, per rank.
+Sections (all by default; name some to run only those):
+
+- calls: ns per call of libcudart's cudaLaunchKernel (entry probe) and
+  cudaStreamSynchronize (entry + return), called from a C loop: no probe,
+  a bare uprobe (an empty program on one perf-event uprobe, as BCC
+  attaches), a bare multi-uprobe link, and probing's probe: without Python
+  stacks (--no-stacks), with them (the default: the synchronising call
+  walks, launches do not), and with --launch-stacks, the loop called from a
+  Python stack of ~8 frames (as here) and of 40 (the walk stops at 32).
+  ``*_stack_cost_ns``: the difference to --no-stacks; ``*_probe_vs_bare``:
+  what the probe adds per call over what the bare uprobe adds.
+- drain: events/s drained from the ring buffer into the store (bulk numpy
+  decode, Arrow batches, appends), the drain timer stopped so each round is
+  timed.
+- gloo: a 2-rank torch Gloo all-reduce loop, untraced then traced, per rank.
+- lifecycle: `probing trace --background` (empty cache, then again),
+  `--stop`, and the exit after SIGTERM and SIGKILL, traced against untraced,
+  with multi-uprobe links and with one perf-event uprobe per function.
+- ranks: `probing trace --background` on 8 processes at once, empty cache
+  and warm.
 """
 
 from __future__ import annotations
@@ -93,17 +103,37 @@ def traced_per_call(  # type: ignore[no-untyped-def]
     return out
 
 
-def bare_uprobes(path: str):  # type: ignore[no-untyped-def]
-    from bcc import BPF
+class BareUprobes:
+    """An empty BPF program on cudaLaunchKernel and on cudaStreamSynchronize
+    (entry and return): one perf-event uprobe each (what BCC attaches), or
+    one multi-uprobe link per direction (what probing attaches, Linux >= 6.6)."""
 
-    bpf = BPF(text="int empty(struct pt_regs *ctx) { return 0; }")
-    pid = os.getpid()
-    bpf.attach_uprobe(name=path.encode(), sym=b"cudaLaunchKernel", fn_name=b"empty", pid=pid)
-    bpf.attach_uprobe(name=path.encode(), sym=b"cudaStreamSynchronize", fn_name=b"empty", pid=pid)
-    bpf.attach_uretprobe(
-        name=path.encode(), sym=b"cudaStreamSynchronize", fn_name=b"empty", pid=pid
-    )
-    return bpf
+    EMPTY = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])  # r0 = 0; exit
+
+    def __init__(self, path: str, multi: bool) -> None:
+        from probing.bpf import kernel
+        from probing.bpf.symbols import exported, file_offsets
+
+        names = exported(path, ["cudaLaunchKernel", "cudaStreamSynchronize"])
+        offs = file_offsets(path, names.values())
+        launch, sync = (offs[names[n]] for n in ("cudaLaunchKernel", "cudaStreamSynchronize"))
+        attach = kernel.TRACE_UPROBE_MULTI if multi else 0
+        self.prog = kernel.prog_load("bare", self.EMPTY, expected_attach_type=attach)
+        pid = os.getpid()
+        if multi:
+            self.fds = [
+                kernel.uprobe_multi_link(self.prog, path, [launch, sync], [0, 0], pid, False),
+                kernel.uprobe_multi_link(self.prog, path, [sync], [0], pid, True),
+            ]
+        else:
+            self.fds = [
+                kernel.perf_uprobe(self.prog, path, off, pid, ret)
+                for off, ret in ((launch, False), (sync, False), (sync, True))
+            ]
+
+    def close(self) -> None:
+        for fd in [*self.fds, self.prog]:
+            os.close(fd)
 
 
 def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict[str, float]:
@@ -181,44 +211,220 @@ def gloo_slowdown() -> list[dict]:  # type: ignore[type-arg]
     return out
 
 
+# -- on and off: attach, stop, exit -----------------------------------------------------
+
+LIB_LOOP = REPO / "tests" / "jobs" / "lib_loop.py"
+EXIT_REPEATS = 3
+
+
+class Targets:
+    """lib_loop.py processes (libcudart and libnccl mapped) with a probe each."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.rt = tempfile.mkdtemp(prefix="probing-bench-rt-")
+        self.env = dict(env, PROBING_RUNTIME_DIR=self.rt, PYTHONPATH=str(REPO))
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def spawn(self, n: int = 1, probe: bool = True) -> list[subprocess.Popen[str]]:
+        env = dict(self.env, PROBING="1" if probe else "0")
+        new = [
+            subprocess.Popen(
+                [sys.executable, str(LIB_LOOP)], env=env, stdout=subprocess.PIPE, text=True
+            )  # fmt: skip
+            for _ in range(n)
+        ]
+        for p in new:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            sock = os.path.join(self.rt, f"probing-{os.getuid()}", f"{p.pid}.sock")
+            while probe and not os.path.exists(sock):
+                time.sleep(0.01)
+        self.procs += new
+        return new
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        shutil.rmtree(self.rt, ignore_errors=True)
+
+
+def cli_s(env: dict[str, str], *args: str) -> float:
+    """Wall seconds of one ``probing`` command (it must succeed)."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "probing", *args], env=env, capture_output=True,
+                         text=True)  # fmt: skip
+    took = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"probing {' '.join(args)} failed: {out.stderr}")
+    return took
+
+
+def exit_s(p: subprocess.Popen[str], sig: int) -> float:
+    """Seconds from ``sig`` to the process reaped."""
+    t0 = time.perf_counter()
+    p.send_signal(sig)
+    p.wait()
+    return time.perf_counter() - t0
+
+
+def _med(xs: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
+
+
+def lifecycle(multi: bool) -> dict:  # type: ignore[type-arg]
+    """One attach mode: `probing trace --background` with an empty cache and
+    again, `--stop`, and the exit after SIGTERM/SIGKILL, traced and not."""
+    import signal
+
+    from probing.bpf import loader
+
+    cache = tempfile.mkdtemp(prefix="probing-bench-cache-")
+    env = dict(os.environ, **{loader.ENV_CACHE: cache})
+    if not multi:
+        env[loader.ENV_MULTI] = "0"
+    ts = Targets(env)
+    fams = ("--no-gloo",)  # cuda + nccl: the libraries lib_loop.py maps
+    out: dict = {}  # type: ignore[type-arg]
+    try:
+        (t,) = ts.spawn()
+        pid = str(t.pid)
+        out["trace_first_s"] = cli_s(ts.env, "trace", "--pid", pid, "--background", *fams)
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "probing", "query", "--pid", pid, "-f", "json",
+             "SELECT count(*) AS n FROM probing.uprobes WHERE attached"],
+            env=ts.env, capture_output=True, text=True).stdout or "[{}]")  # fmt: skip
+        out["uprobes"] = status[0].get("n")
+        out["stop_s"] = cli_s(ts.env, "trace", "--pid", pid, "--stop")
+        again, stops = [], []
+        for _ in range(EXIT_REPEATS):
+            again.append(cli_s(ts.env, "trace", "--pid", pid, "--background", *fams))
+            stops.append(cli_s(ts.env, "trace", "--pid", pid, "--stop"))
+        out["trace_again"] = _med(again)
+        out["stop"] = _med(stops)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            untraced, traced = [], []
+            for _ in range(EXIT_REPEATS):
+                (u,) = ts.spawn()
+                untraced.append(exit_s(u, sig))
+                (p,) = ts.spawn()
+                cli_s(ts.env, "trace", "--pid", str(p.pid), "--background", *fams)
+                traced.append(exit_s(p, sig))
+            out[f"exit_{sig.name}"] = {
+                "untraced": _med(untraced),
+                "traced": _med(traced),
+                "traced_minus_untraced_s": statistics.median(traced) - statistics.median(untraced),
+            }
+    finally:
+        ts.close()
+        shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+def ranks_together(n: int = 8) -> dict:  # type: ignore[type-arg]
+    """`probing trace --background` on ``n`` processes at once: with an empty
+    cache (one compiles, the others wait for it) and with a warm one."""
+    from probing.bpf import loader
+
+    cache = tempfile.mkdtemp(prefix="probing-bench-cache-")
+    ts = Targets(dict(os.environ, **{loader.ENV_CACHE: cache}))
+    out: dict = {"ranks": n}  # type: ignore[type-arg]
+    try:
+        procs = ts.spawn(n)
+
+        def all_at_once(*args: str) -> float:
+            t0 = time.perf_counter()
+            running = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "probing", "trace", "--pid", str(p.pid), *args],
+                    env=ts.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+                for p in procs
+            ]
+            for r in running:
+                _, err = r.communicate()
+                if r.returncode != 0:
+                    raise SystemExit(f"probing trace failed: {err}")
+            return time.perf_counter() - t0
+
+        out["cold_cache_ready_s"] = all_at_once("--background", "--no-gloo")
+        out["stop_all_s"] = all_at_once("--stop")
+        out["warm_cache_ready_s"] = all_at_once("--background", "--no-gloo")
+        all_at_once("--stop")
+    finally:
+        ts.close()
+        shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+SECTIONS = ("calls", "drain", "gloo", "lifecycle", "ranks")
+
+
 def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("trace_bench needs root (BPF)")
+    only = sys.argv[1:] or SECTIONS  # e.g. `trace_bench.py lifecycle ranks`
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
+    from probing.bpf import loader
 
+    result: dict = {"uprobe_multi_available": loader.has_uprobe_multi()}  # type: ignore[type-arg]
     path = cudart_path()
     cudart = ctypes.CDLL(path)
     with tempfile.TemporaryDirectory() as d:
         loop = build_loop(d)
-        result: dict = {"calls": CALLS, "rounds": ROUNDS}  # type: ignore[type-arg]
-        result["no_probe"] = per_call(loop, cudart)
-        bare = bare_uprobes(path)
-        result["bare_uprobe"] = per_call(loop, cudart)
-        bare.cleanup()
-        # the three traced set-ups take turns (REPEATS times), so a noisy
-        # neighbour on the machine does not land on one of them only
-        configs = {  # (stacks, launch stacks, extra Python frames)
-            "probing_no_stacks": (False, False, 0),
-            "probing": (True, False, 0),  # the default: no walk at launches
-            "probing_launch_stacks": (True, True, 0),
-            "probing_launch_stacks_40_frames": (True, True, 32),
-        }
-        runs: dict[str, list[dict]] = {m: [] for m in configs}  # type: ignore[type-arg]
-        for _ in range(REPEATS):
-            for m, (stacks, launches, depth) in configs.items():
-                runs[m].append(traced_per_call(loop, cudart, stacks, launches, depth))
-        for m, rs in runs.items():
-            result[m] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        for k in ("launch_ns", "sync_ns"):
-            base, bare_ns, ours = (result[m][k] for m in ("no_probe", "bare_uprobe", "probing"))
-            result[f"{k.removesuffix('_ns')}_probe_vs_bare"] = (ours - base) / max(
-                bare_ns - base, 1e-9
-            )
-            plain = result["probing_no_stacks"][k]
-            for m in configs:
-                result[m][f"{k.removesuffix('_ns')}_stack_cost_ns"] = result[m][k] - plain
-        result["drain"] = drain_rate(loop, cudart)
-    result["gloo_allreduce"] = gloo_slowdown()
+        if "calls" in only:
+            result.update(calls_section(loop, cudart, path))
+        if "drain" in only:
+            result["drain"] = drain_rate(loop, cudart)
+    if "gloo" in only:
+        result["gloo_allreduce"] = gloo_slowdown()
+    if "lifecycle" in only:
+        result["lifecycle_multi_uprobe_links"] = lifecycle(True)
+        result["lifecycle_single_uprobes"] = lifecycle(False)
+    if "ranks" in only:
+        result["eight_ranks_together"] = ranks_together(8)
     print(json.dumps(result, indent=1))
+
+
+def calls_section(loop: ctypes.CDLL, cudart: ctypes.CDLL, path: str) -> dict:  # type: ignore[type-arg]
+    from probing.bpf import loader
+
+    result: dict = {"calls": CALLS, "rounds": ROUNDS}  # type: ignore[type-arg]
+    result["no_probe"] = per_call(loop, cudart)
+    bare = BareUprobes(path, multi=False)
+    result["bare_uprobe"] = per_call(loop, cudart)
+    bare.close()
+    if loader.has_uprobe_multi():
+        bare = BareUprobes(path, multi=True)
+        result["bare_multi_uprobe_link"] = per_call(loop, cudart)
+        bare.close()
+    # the traced set-ups take turns (REPEATS times), so a noisy
+    # neighbour on the machine does not land on one of them only
+    configs = {  # (stacks, launch stacks, extra Python frames)
+        "probing_no_stacks": (False, False, 0),
+        "probing": (True, False, 0),  # the default: no walk at launches
+        "probing_launch_stacks": (True, True, 0),
+        "probing_launch_stacks_40_frames": (True, True, 32),
+    }
+    runs: dict[str, list[dict]] = {m: [] for m in configs}  # type: ignore[type-arg]
+    for _ in range(REPEATS):
+        for m, (stacks, launches, depth) in configs.items():
+            runs[m].append(traced_per_call(loop, cudart, stacks, launches, depth))
+    for m, rs in runs.items():
+        result[m] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    for k in ("launch_ns", "sync_ns"):
+        base, bare_ns, ours = (result[m][k] for m in ("no_probe", "bare_uprobe", "probing"))
+        # per call, what the probe adds over no probe, against what an empty uprobe adds
+        result[f"{k.removesuffix('_ns')}_probe_vs_bare"] = (ours - base) / max(bare_ns - base, 1e-9)
+        plain = result["probing_no_stacks"][k]
+        for m in configs:
+            result[m][f"{k.removesuffix('_ns')}_stack_cost_ns"] = result[m][k] - plain
+    return result
 
 
 if __name__ == "__main__":

@@ -215,9 +215,21 @@ class Tracer:
             self._py.table.add_before_read(self._resolve_stacks)
         self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
         self._thread.start()
-        from probing.bpf import sampler  # Python stacks sampled on and off CPU meanwhile
+        # Python stacks sampled on and off CPU meanwhile: started beside the
+        # uprobes, not before start() returns (its program may compile first)
+        self.sampler = None
+        threading.Thread(target=self._start_sampler, name="probing-sampler", daemon=True).start()
 
-        self.sampler = sampler.start_for(self)
+    def _start_sampler(self) -> None:
+        from probing.bpf import sampler
+
+        started = sampler.start_for(self)
+        with self._lock:
+            if self.state is TracerState.TRACING:
+                self.sampler = started
+                return
+        if started is not None:  # the trace stopped meanwhile
+            started.stop()
 
     def stop(self) -> None:
         """Drain what is left, detach every uprobe, close the output. Safe twice."""
@@ -468,6 +480,7 @@ class Tracer:
             "launch_stacks": self._py is not None and self.launch_stacks,
             "stacks_resolved": self._py.resolved if self._py is not None else 0,
             "last_error": self.last_error,
+            "load": self.load_info,
         }
 
     def probes_table(self) -> pa.Table:
