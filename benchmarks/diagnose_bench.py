@@ -83,7 +83,11 @@ def main() -> None:
     p.add_argument("--fresh-jobs", type=int, default=0)
     p.add_argument("--window", type=float, default=2.5, help="seconds diagnosed per run")
     p.add_argument("--settle", type=float, default=0.7, help="seconds after a change")
+    noise_args(p)
     args = p.parse_args()
+    if args.noise:
+        print(json.dumps(noise_bench(args), indent=1))
+        return
     rng = random.Random()
     plan = [rng.randrange(WORLD) for _ in range(args.straggler_runs)]
     plan += [None] * args.healthy_runs
@@ -153,6 +157,139 @@ def summarize(runs: list[dict], cli: list[float], cli_cluster: list[float]) -> d
             if r["named"] != [r["truth"]]
         ]
         + [{k: r[k] for k in ("truth", "named", "verdict")} for r in healthy if r["named"]],
+    }
+
+
+# -- under noise: a busy and a quiet machine ----------------------------------------------
+
+MACHINES = {
+    # torch's default threads on every rank, a bigger model, 20 ms of other work a
+    # step, and background processes spinning on the CPUs
+    "busy": {"job": ["--hidden", "1024", "--work-ms", "20"], "spinners": 2},
+    "quiet": {"job": ["--threads", "1", "--hidden", "256", "--work-ms", "5"], "spinners": 0},
+}
+CAUSE = {"loader": "load_batch", "compute": "augment"}  # injected kind -> the function
+
+
+def noise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--noise", action="store_true", help="the noise benchmark (below)")
+    p.add_argument("--machines", default="busy,quiet")
+    p.add_argument("--sizes", default="0.05,0.1,0.2,0.4,0.6", help="slowdown / step time")
+    p.add_argument("--runs-per-size", type=int, default=4)
+    p.add_argument("--noise-healthy-runs", type=int, default=20)
+    p.add_argument("--noise-window", type=float, default=10.0, help="seconds diagnosed")
+    p.add_argument("--spinners", type=int, default=None, help="override the machine's")
+
+
+def diagnose_json(pids: list[int], window: float) -> dict:  # type: ignore[type-arg]
+    """``probing diagnose --format json`` over the local pids, as a user runs it."""
+    args = [a for p in pids for a in ("--pid", str(p))]
+    r = subprocess.run(
+        [sys.executable, "-m", "probing", "diagnose", *args, "--window", f"{window:g}s",
+         "--hang-after", "3600s", "--format", "json"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    if r.returncode:
+        return {"error": r.stderr.strip()[-300:], "stragglers": [], "why": []}
+    return json.loads(r.stdout)
+
+
+def noise_bench(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
+    """Stragglers of 5-60 % of the step time on a random rank (a slow loader or
+    extra CPU work in one function, at random) and healthy runs, each diagnosed
+    over the last ``--noise-window`` s of one traced ``tests/jobs/noisy_job.py``
+    job per machine: detection rate per size, false alarms, why named the cause."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.jobs.noisy import NoisyJob
+
+    rng = random.Random()
+    sizes = [float(x) for x in args.sizes.split(",")]
+    out: dict[str, object] = {"ranks": WORLD, "window_s": args.noise_window}
+    for machine in args.machines.split(","):
+        conf = MACHINES[machine]
+        spinners = conf["spinners"] if args.spinners is None else args.spinners
+        hogs = [
+            subprocess.Popen([sys.executable, "-c", "while 1: pass"], start_new_session=True)
+            for _ in range(spinners)  # type: ignore[call-overload]
+        ]
+        plan: list[tuple[float | None, str | None]] = [
+            (size, rng.choice(sorted(CAUSE))) for size in sizes for _ in range(args.runs_per_size)
+        ]
+        plan += [(None, None)] * args.noise_healthy_runs
+        rng.shuffle(plan)
+        runs = []
+        with tempfile.TemporaryDirectory() as d:
+            job = NoisyJob(Path(d), *conf["job"])  # type: ignore[arg-type]
+            try:
+                job.wait_ready(timeout=180)
+                errors = trace_all(job.pids, ["gloo"])
+                if errors:
+                    raise SystemExit(f"tracing failed: {errors}")
+                time.sleep(args.noise_window)
+                base = diagnose_json(job.pids, args.noise_window)
+                step_ms = float(base.get("summary", {}).get("step_ms") or 100.0)
+                for size, kind in plan:
+                    rank = rng.randrange(WORLD) if size is not None else -1
+                    ms = (size or 0.0) * step_ms
+                    job.slow(rank, kind or "none", ms)
+                    time.sleep(args.noise_window + 2.0)  # every rank past the change
+                    got = diagnose_json(job.pids, args.noise_window)
+                    named = [s["rank"] for s in got["stragglers"]]
+                    funcs = [w["what"] for w in got["why"] if w["kind"] == "function"]
+                    runs.append({
+                        "size": size, "kind": kind, "rank": rank, "ms": round(ms, 1),
+                        "named": named, "why_top": funcs[0] if funcs else None,
+                        "why_ok": bool(kind and funcs and funcs[0] == CAUSE[kind]),
+                        "verdict": got.get("verdict") or got.get("error"),
+                    })  # fmt: skip
+            finally:
+                job.stop()
+                for h in hogs:
+                    h.kill()
+                    h.wait()
+        out[machine] = noise_summary(runs, sizes, step_ms, spinners, conf["job"])  # type: ignore[arg-type]
+    return out
+
+
+def noise_summary(
+    runs: list[dict],
+    sizes: list[float],
+    step_ms: float,
+    spinners: int,
+    job: list[str],  # type: ignore[type-arg]
+) -> dict:  # type: ignore[type-arg]
+    curve = {}
+    for size in sizes:
+        at = [r for r in runs if r["size"] == size]
+        hit = [r for r in at if r["named"] == [r["rank"]]]
+        curve[f"{size:g}"] = {
+            "runs": len(at),
+            "named": len(hit),
+            "rate": round(len(hit) / len(at), 3) if at else None,
+            "why_right": sum(r["why_ok"] for r in hit),
+        }
+    healthy = [r for r in runs if r["size"] is None]
+    hits = [r for r in runs if r["size"] is not None and r["named"] == [r["rank"]]]
+    from_10 = [r for r in runs if r["size"] is not None and r["size"] >= 0.1]
+    return {
+        "job": job,
+        "background_spinners": spinners,
+        "healthy_step_ms": round(step_ms, 1),
+        "detection_by_size": curve,
+        "detection_rate_from_10pct": round(
+            sum(r["named"] == [r["rank"]] for r in from_10) / len(from_10), 3
+        )
+        if from_10
+        else None,  # fmt: skip
+        "healthy_runs": len(healthy),
+        "false_alarms": sum(1 for r in healthy if r["named"]),
+        "why_accuracy": round(sum(r["why_ok"] for r in hits) / len(hits), 3) if hits else None,
+        "misses": [
+            r
+            for r in runs
+            if (r["size"] is None) == bool(r["named"])
+            or (r["size"] is not None and r["named"] != [r["rank"]])
+        ],  # fmt: skip
     }
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from probing.analyze import analyze, render
+from probing.analyze import analyze
 from probing.analyze import collectives as coll
+from probing.render import diagnosis as render
 from tests.test_analyze import T0, job
 
 
@@ -128,3 +129,34 @@ def test_repeated_diagnoses_of_one_hang_name_the_same_collective() -> None:
     assert first.hangs and again.hangs
     assert (first.hangs[0].comm, first.hangs[0].seq) == (again.hangs[0].comm, again.hangs[0].seq)
     assert first.verdict.split(" for ")[0] == again.verdict.split(" for ")[0]
+
+
+def test_a_partner_released_late_by_a_subgroup_straggler_is_not_named() -> None:
+    """2 x 2 groups: rank 2 works 60 ms before the tensor-parallel all-reduce with
+    rank 3, so both reach the next world all-reduce late; only rank 2 is named."""
+    rng = np.random.default_rng(4)
+    rows = []
+    t = float(T0)
+    world, tp = {r: 0x100 + r for r in range(4)}, {r: 0x200 + r for r in range(4)}
+    for k in range(60):
+        arrive = t + rng.normal(0, 2e6, 4)
+        arrive[2] += 60e6  # rank 2's shard of work, before its tensor-parallel all-reduce
+        for pair in ((0, 1), (2, 3)):
+            end = max(arrive[list(pair)]) + 1e6
+            for r in pair:
+                rows.append({"backend": "gloo", "op": "allreduce", "comm": tp[r], "seq": k,
+                             "comm_rank": r % 2, "nranks": 2, "bytes": 16, "ts": int(arrive[r]),
+                             "dur_ns": int(end - arrive[r]), "pid": 100 + r, "node": "n",
+                             "rank": r, "pg": str(3 + r // 2)})  # fmt: skip
+                arrive[r] = end
+        nxt = arrive + 20e6 + rng.normal(0, 2e6, 4)  # the next step's world all-reduce
+        end = nxt.max() + 1e6
+        for r in range(4):
+            rows.append({"backend": "gloo", "op": "allreduce", "comm": world[r], "seq": k,
+                         "comm_rank": r, "nranks": 4, "bytes": 16, "ts": int(nxt[r]),
+                         "dur_ns": int(end - nxt[r]), "pid": 100 + r, "node": "n", "rank": r,
+                         "pg": "0"})  # fmt: skip
+        t = end + 10e6
+    d = analyze(pa.Table.from_pylist(rows), now_ns=T0)
+    assert [s.rank for s in d.stragglers] == [2], d.verdict
+    assert "gloo/pg4" in d.stragglers[0].groups

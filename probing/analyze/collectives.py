@@ -32,9 +32,10 @@ import pyarrow as pa
 
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
 MIN_COLLECTIVES = 5  # fewer complete collectives than this: no verdict
-P_VALUE = 1e-3  # a straggler is last more often than chance (1/nranks per collective)
-# and later than the others by rank sum, each with p < this (divided by the ranks tested)
-P_LAST = 0.01  # ... (the arrival-order test, coarser, at this level)
+# a straggler is last more often than chance (1/nranks per collective) and later than
+# the others in the arrival order, each with p < P_LAST (divided by the ranks tested)
+P_LAST = 0.01
+P_VALUE = 1e-3  # ... and where it costs less than SHARE_ALWAYS, the order test p < this
 SHARE_ALWAYS = 0.10  # ... and either costs the job this share of its step time
 MIN_LAG_MS = 2.0  # ... or is this much later than the others' median (median excess)
 MIN_EXCESS = 0.03  # ... and this share of a step later
@@ -295,13 +296,17 @@ class Evidence:
 
     def named(self, nranks: int) -> bool:
         """Whether this is a straggler: last more often than chance *and* later
-        than the others by rank sum, and either costing the job
-        ``SHARE_ALWAYS`` of its step time or late well above the others' noise."""
-        p = P_VALUE / max(nranks, 1)  # one test per rank
-        if self.p_last >= P_LAST / nranks or self.p_excess >= p:
+        than the others in the arrival order (each p < ``P_LAST``/nranks), and
+        either costing the job ``SHARE_ALWAYS`` of its step time, or later
+        than chance with p < ``P_VALUE``/nranks and later than the others'
+        median by ``MIN_EXCESS`` of a step."""
+        n = max(nranks, 1)  # one test per rank
+        if self.p_last >= P_LAST / n or self.p_excess >= P_LAST / n:
             return False
-        if self.share_of_step >= SHARE_ALWAYS:
+        if self.share_of_step >= SHARE_ALWAYS:  # a large cost needs less evidence
             return True
+        if self.p_excess >= P_VALUE / n:
+            return False
         late = max(MIN_LAG_MS, MIN_EXCESS * self.step_ms)
         return self.excess_ms_median >= late and self.share_of_step >= SHARE_MIN
 
@@ -355,6 +360,8 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             by_comm[c.comm].append(c)
     found: dict[int, Straggler] = {}
     groups: dict[int, list[str]] = defaultdict(list)
+    waits: dict[str, set[int]] = defaultdict(set)  # comm -> ranks usually first there
+    named_in: dict[str, set[int]] = defaultdict(set)
     for comm, cs in sorted(by_comm.items()):
         if len(cs) < MIN_COLLECTIVES:
             continue
@@ -365,6 +372,8 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
                 [(c.ts[r] - float(np.median([t for o, t in c.ts.items() if o != r]))) / 1e6
                  for c in cs]
             )  # fmt: skip
+            if float(np.median(excess)) < 0:
+                waits[comm].add(r)
             k, score = change_point(excess)
             began = (
                 k > 0
@@ -385,6 +394,7 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
                 continue
             lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
             groups[r].append(comm)
+            named_in[comm].add(r)
             s = Straggler(
                 rank=r,
                 node=nodes.get(r, ""),
@@ -403,6 +413,13 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             )
             if r not in found or s.share_of_step > found[r].share_of_step:
                 found[r] = s
+    # a rank that waits in a subgroup for a straggler there (arrives early) is late
+    # elsewhere because of it (released late): not a straggler of its own
+    for r in list(found):
+        for comm, early in waits.items():
+            if r in early and named_in[comm] - {r}:
+                found.pop(r)
+                break
     for r, s in found.items():
         s.groups = sorted(groups[r])
     return sorted(found.values(), key=lambda s: -s.share_of_step)

@@ -21,8 +21,8 @@ from probing.errors import ProbingError
 # where those are the peer's tags and the view's own ``rank`` is ``table_rank``
 COLLECTIVES_SQL = (
     "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
-    "pid{tags} FROM comm.collectives WHERE ts >= {since_ns}"
-)
+    "pid{tags} FROM comm.collectives WHERE ts >= {since_ns} OR dur_ns IS NULL"
+)  # calls still in flight however long ago they began: a hang older than the window
 # each traced Gloo context's torch process group, named the same in every rank
 GROUPS_SQL = "SELECT backend, comm, pg{tags} FROM comm.groups"
 STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
@@ -389,6 +389,7 @@ def diagnose(
     now = time.time_ns()
     sql = queries(remote=job.remote)
     table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
+    table = _with_history(table, ask, sql["collectives"], now - int(window_s * 1e9), window_s)
     try:
         table = with_groups(table, ask(sql["groups"]))
     except ProbingError:  # a probe without comm.groups: communicators matched by size
@@ -439,6 +440,21 @@ def diagnose(
             d.callsites = {}
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, table
+
+
+def _with_history(
+    table: pa.Table, ask: Callable[[str], pa.Table], sql: str, since_ns: int, window_s: float
+) -> pa.Table:
+    """``table`` again from ``window_s`` before its oldest call still in flight, where
+    that is older than ``since_ns``: the calls that came before a hang line each
+    rank's sequence numbers up (numbered alike however late it is asked)."""
+    if not table.num_rows:
+        return table
+    ts, dur = table.column("ts").to_pylist(), table.column("dur_ns").to_pylist()
+    oldest = min((t for t, d in zip(ts, dur, strict=True) if d is None), default=since_ns)
+    if oldest >= since_ns:
+        return table
+    return ask(sql.format(since_ns=oldest - int(window_s * 1e9)))
 
 
 def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:

@@ -28,7 +28,7 @@ from probing.analyze.hangs import short_path
 MIN_DELTA_MS = 1.0  # a function's extra time per step worth naming ...
 MIN_DELTA_SHARE = 0.15  # ... and this share of the straggler's own excess
 TOP = 3  # functions named per straggler
-STARVED_SHARE = 0.5  # run-queue excess over this share of the functions' excess
+STARVED_SLOWER = 1.5  # starved: the other functions this many times slower, on average
 
 
 @dataclasses.dataclass
@@ -80,8 +80,8 @@ def _profile(rows: list[dict[str, Any]]) -> tuple[dict[int, dict], dict[int, flo
             span[r] += ns
             continue
         key = (row.get("file"), row.get("func"))
-        if key == (None, None):
-            key = (None, "<native threads>" if kind == "cpu" else "<no Python frame>")
+        if key == (None, None):  # threads without Python (pools, Gloo's): idle, or
+            continue  # working for a Python caller whose own time says as much
         prof[r][key][kind] += ns
         lines[(r, *key)][row.get("line")] += ns
     for (r, *key), by_line in lines.items():
@@ -131,33 +131,31 @@ def _functions(
     every = ("cpu", "off", "runq")
     deltas = []
     for key in keys:
-        if key[1] == "<native threads>":  # intra-op pools: their time overlaps the caller's
-            continue
         mine = ms(r, key, every)
         theirs = _median([ms(q, key, every) for q in others])
         deltas.append((mine - theirs, key, mine, theirs))
     deltas.sort(key=lambda d: -d[0])
     runq = sum(ms(r, k, ("runq",)) for k in prof[r])
     runq_others = _median([sum(ms(q, k, ("runq",)) for k in prof[q]) for q in others])
-    positive = sum(d for d, *_ in deltas if d > 0)
     out = []
     floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * max(s.excess_ms_median, 0.0))
-    if runq - runq_others >= floor and runq - runq_others >= STARVED_SHARE * positive:
-        ratios, weights = [], []
-        for key in keys:
-            theirs = _median([ms(q, key, ("cpu", "runq")) for q in others])
-            if theirs >= 0.5 and key[1] != "<native threads>":
-                ratios.append(ms(r, key, ("cpu", "runq")) / theirs)
-                weights.append(theirs)
-        slower = float(np.average(ratios, weights=weights)) if ratios else None
-        times = f"; every function ~{slower:.1f}x slower" if slower and slower > 1.2 else ""
+    # starved: the functions that differ least run slower too (not one function's
+    # extra work waiting for a CPU on a busy machine): their on-CPU + run-queue
+    # time against the others', weighted by the others' time, leaving out the top one
+    ratios, weights = [], []
+    for _, key, _, _ in deltas[1:]:
+        theirs = _median([ms(q, key, ("cpu", "runq")) for q in others])
+        if theirs >= 0.5:
+            ratios.append(ms(r, key, ("cpu", "runq")) / theirs)
+            weights.append(theirs)
+    slower = float(np.average(ratios, weights=weights)) if ratios else None
+    if runq - runq_others >= floor and slower is not None and slower >= STARVED_SLOWER:
         out.append(
             Why(
                 r, "cpu_starvation", "run queue", None, None, round(runq, 2),
-                round(runq_others, 2), runq_ms=round(runq, 2),
-                slower=round(slower, 2) if slower else None,
+                round(runq_others, 2), runq_ms=round(runq, 2), slower=round(slower, 2),
                 text=f"rank {r}: CPU starvation: waits {runq:.1f} ms/step for a CPU "
-                f"({runq_others:.1f} ms on the others){times}",
+                f"({runq_others:.1f} ms on the others); every function ~{slower:.1f}x slower",
             )
         )  # fmt: skip
     for delta, key, mine, theirs in deltas[:TOP]:

@@ -74,10 +74,12 @@ class NoisyJob:
         if rank is None or len(cpus) < 2:
             for pid in self.pids:
                 _set_affinity(pid, set(cpus))
+                _autogroup_nice(pid, 0)
             return
         busy, rest = cpus[0], set(cpus[1:])
         for r, pid in enumerate(self.pids):
             _set_affinity(pid, {busy} if r == rank else rest)
+        _autogroup_nice(self.pids[rank], 3)  # and behind them in line for it
         self.hogs = [
             subprocess.Popen(
                 ["taskset", "-c", str(busy), sys.executable, "-c", "while 1: pass"],
@@ -100,6 +102,20 @@ class NoisyJob:
                     f.close()
             p.wait(timeout=120)
         self.control.unlink(missing_ok=True)
+
+
+def _autogroup_nice(pid: int, nice: int) -> None:
+    """The nice value of ``pid``'s session group (each rank is a session of its
+    own; with autogroup scheduling that, not the task's own nice, weighs)."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except OSError:
+        pass
 
 
 def _set_affinity(pid: int, cpus: set[int]) -> None:

@@ -9,7 +9,8 @@ that sleeps ``--load-ms`` (``load_batch``). Every step reads ``--control``:
 ``RANK KIND MS`` slows one rank by MS ms in one place, by KIND:
 
 * ``loader``: ``load_batch`` sleeps longer (off-CPU: a slow read);
-* ``compute``: ``augment`` spins (on-CPU: extra work in one function);
+* ``compute``: ``augment`` spins for MS ms of CPU time (on-CPU: extra work in one
+  function);
 * ``tp``: ``tensor_parallel`` spins before the tensor-parallel all-reduce
   (``--groups``: 2 x 2 data- and tensor-parallel groups made with ``new_group``);
 * ``hang``: that rank stops for good in ``load_batch``, before the
@@ -42,12 +43,6 @@ def control(path: str | None) -> tuple[int, str, float]:
         return -1, "none", 0.0
 
 
-def spin(ms: float) -> None:
-    end = time.perf_counter() + ms / 1000
-    while time.perf_counter() < end:
-        pass
-
-
 def load_batch(step: int, load_ms: float, extra_ms: float, hang: bool) -> tuple[torch.Tensor, ...]:
     """Read one batch: storage latency (a sleep, off the CPU)."""
     if hang:
@@ -58,21 +53,28 @@ def load_batch(step: int, load_ms: float, extra_ms: float, hang: bool) -> tuple[
 
 
 def augment(x: torch.Tensor, extra_ms: float) -> torch.Tensor:
-    """Per-batch preprocessing: extra CPU work on the slowed rank."""
-    spin(extra_ms)
+    """Per-batch preprocessing: extra CPU work on the slowed rank (``extra_ms`` of
+    this thread's CPU time: longer on a busy machine, as real work is)."""
+    end = time.thread_time() + extra_ms / 1000
+    while time.thread_time() < end:
+        pass
     return x
 
 
 def other_work(ms: float) -> None:
     """The step's other work (logging, metrics, bookkeeping), in Python."""
-    spin(ms)
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
 
 
 def tensor_parallel(t: torch.Tensor, extra_ms: float, hang: bool) -> torch.Tensor:
     """This rank's tensor-parallel shard of work."""
     if hang:
         threading.Event().wait()
-    spin(extra_ms)
+    end = time.perf_counter() + extra_ms / 1000
+    while time.perf_counter() < end:
+        pass
     return t * 1.0
 
 
