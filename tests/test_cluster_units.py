@@ -237,7 +237,7 @@ def test_registry_and_published_entries() -> None:
     reg.mark_missing(2, "timeout")  # never for itself
     rows = {r["rank"]: r for r in reg.table().to_pylist()}
     assert rows[0]["status"] == "up" and rows[0]["response_ms"] == 12.5
-    assert rows[0]["clock_offset_ns"] == -300 and rows[0]["last_seen"] > 0
+    assert rows[0]["clock_offset_ns"] == -300 and rows[0]["last_seen_ns"] > 0
     assert rows[1]["status"] == "missing" and rows[1]["reason"] == "timeout"
     assert rows[2]["status"] == "self"
 

@@ -40,7 +40,7 @@ class PeerInfo:
     addr: str
     pid: int | None = None
     source: str = ""
-    last_seen: int | None = None  # wall-clock ns of its last answer (or its publication)
+    last_seen_ns: int | None = None  # wall-clock ns of its last answer (or its publication)
     status: str = "unknown"  # self, up, missing, unknown (never asked yet)
     reason: str | None = None
     response_ms: float | None = None
@@ -83,7 +83,7 @@ class Registry:
             if p is not None and p.status != "self":
                 p.status, p.reason = "up", None
                 p.response_ms, p.clock_offset_ns = response_ms, offset_ns
-                p.last_seen = time.time_ns()
+                p.last_seen_ns = time.time_ns()
 
     def mark_missing(self, rank: int, reason: str) -> None:
         with self._lock:
@@ -110,7 +110,7 @@ def static_peers(ident: Identity, self_rank: int, self_pid: int) -> list[PeerInf
             pid=self_pid,
             source="peers",
             status="self",
-            last_seen=time.time_ns(),
+            last_seen_ns=time.time_ns(),
         )
         for i, addr in enumerate(ident.peers)
     ]

@@ -32,7 +32,7 @@ PEERS_SCHEMA = pa.schema(
         ("addr", pa.string()),
         ("pid", pa.int64()),
         ("source", pa.string()),
-        ("last_seen", pa.int64()),
+        ("last_seen_ns", pa.int64()),
         ("status", pa.string()),
         ("reason", pa.string()),
         ("response_ms", pa.float64()),
