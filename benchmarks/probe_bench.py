@@ -44,6 +44,33 @@ def wait_socket(rt: str, pid: int) -> None:
         time.sleep(0.005)
 
 
+IMPORTS = ("numpy", "pyarrow", "pyarrow.compute", "datafusion", "psutil", "probing.store",
+           "probing.engine", "probing.tables", "probing.probe.server")  # fmt: skip
+IMPORT_COST = """
+import resource, sys, time
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+before = set(sys.modules)
+r0, t0 = rss(), time.perf_counter()
+__import__(sys.argv[1])
+print(rss() - r0, time.perf_counter() - t0, len(set(sys.modules) - before))
+"""
+
+
+def import_costs() -> dict[str, dict[str, float]]:
+    """What each import the probe's first query needs costs on its own, in a
+    fresh interpreter: RSS added (MB), seconds, modules loaded."""
+    out = {}
+    for mod in IMPORTS:
+        r = subprocess.run([sys.executable, "-c", IMPORT_COST, mod], capture_output=True,
+                           text=True, check=True)  # fmt: skip
+        mb, s, n = r.stdout.split()
+        out[mod] = {"rss_mb": round(float(mb), 1), "ms": round(float(s) * 1e3, 1),
+                    "modules": int(n)}  # fmt: skip
+    return out
+
+
 def main() -> None:
     rt = tempfile.mkdtemp(prefix="probing-bench-")
     env = dict(os.environ, PROBING_RUNTIME_DIR=rt)
@@ -85,6 +112,7 @@ def main() -> None:
         "cpu_s_in_window": {k: round(after[k] - before[k], 3) for k in procs},
         "start_to_first_query_ms": round(first_query_s * 1e3, 1),
         "small_query_ms_median": round(statistics.median(lat) * 1e3, 2),
+        "import_costs": import_costs(),
     }
     json.dump(result, sys.stdout, indent=1)
     print()

@@ -20,6 +20,9 @@ Sections (all by default; name some to run only those):
   with multi-uprobe links and with one perf-event uprobe per function.
 - ranks: `probing trace --background` on 8 processes at once, empty cache
   and warm.
+- step: a real CPU training step (2-rank Gloo DDP), untraced, traced by
+  probing (defaults), by `py-spy record` and by the torch profiler, in
+  interleaved phases: median, p10-p90, slowdown.
 """
 
 from __future__ import annotations
@@ -134,6 +137,40 @@ class BareUprobes:
     def close(self) -> None:
         for fd in [*self.fds, self.prog]:
             os.close(fd)
+
+
+SUSTAIN_S = float(os.environ.get("BENCH_SUSTAIN_S", 60))
+SUSTAIN_RATE = 1_000_000
+
+
+def sustained_drain(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[type-arg]
+    """Launches at SUSTAIN_RATE/s for SUSTAIN_S seconds (10 ms slices from a C
+    loop), drained by the tracer's own timer thread at its default interval:
+    how many events arrived, and how many the ring dropped."""
+    from probing.bpf.tracer import Tracer
+    from probing.store import Store
+
+    store = Store()
+    tracer = Tracer(["cuda"], store=store)
+    tracer.start()
+    launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
+    func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
+    per_slice, slice_s, produced = SUSTAIN_RATE // 100, 0.01, 0
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < SUSTAIN_S:
+            s0 = time.perf_counter()
+            loop.launch_loop(launch, func, per_slice)
+            produced += per_slice
+            time.sleep(max(0.0, slice_s - (time.perf_counter() - s0)))
+        elapsed = time.perf_counter() - t0
+    finally:
+        tracer.stop()
+        store.close()
+    cuda = tracer.status()["families"]["cuda"]
+    return {"target_events_per_s": SUSTAIN_RATE, "seconds": elapsed,
+            "achieved_events_per_s": produced / elapsed, "launched": produced,
+            "events": cuda["events"], "dropped": cuda["dropped"]}  # fmt: skip
 
 
 def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict[str, float]:
@@ -360,7 +397,163 @@ def ranks_together(n: int = 8) -> dict:  # type: ignore[type-arg]
     return out
 
 
-SECTIONS = ("calls", "drain", "gloo", "lifecycle", "ranks")
+# -- the traced step ------------------------------------------------------------------
+
+STEP_JOB = """
+import os, sys, time
+import torch, torch.distributed as dist
+from torch import nn
+rank, ctl = int(os.environ["RANK"]), sys.argv[1]
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                  nn.Linear(1024, 16)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(64, 512), torch.randint(0, 16, (64,))
+prof, mode, step = None, "", 0
+print("ready", flush=True)
+while True:
+    with open(ctl) as f:
+        want = f.read().strip()
+    if want == "quit":
+        break
+    label = want
+    if want != mode:  # the step that switches is no one's
+        label = "switch"
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            prof = None
+        if want == "torch_profiler":
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        mode = want
+    t0 = time.perf_counter()
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if prof is not None:
+        prof.step()
+    print(f"step {step} {label} {time.perf_counter() - t0:.6f}", flush=True)
+    step += 1
+dist.destroy_process_group()
+"""
+STEP_MODES = ("untraced", "probing", "py_spy_record", "torch_profiler")
+STEPS_PER_PHASE = 30
+STEP_ROUNDS = 4
+
+
+def traced_step() -> dict:  # type: ignore[type-arg]
+    """A real CPU training step (2-rank Gloo DDP, 3-layer MLP), untraced and
+    traced by probing (defaults: every family, Python stacks on), by
+    ``py-spy record`` (100 Hz) and by the torch profiler, in interleaved
+    phases of STEPS_PER_PHASE steps, STEP_ROUNDS times; per mode the median
+    step time, the spread (p10-p90) and the slowdown against untraced."""
+    import queue
+    import signal
+    import socket
+    import threading
+
+    from probing.client import ProbeClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    work = tempfile.mkdtemp(prefix="probing-bench-step-")
+    ctl = os.path.join(work, "mode")
+    with open(ctl, "w") as f:
+        f.write("warmup")
+    rt = os.path.join(work, "rt")
+    os.makedirs(rt)
+    os.environ["PROBING_RUNTIME_DIR"] = rt
+    lines: queue.Queue = queue.Queue()  # type: ignore[type-arg]
+    ranks = []
+    for r in range(2):
+        env = dict(os.environ, PROBING="1", RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), LOCAL_RANK=str(r))  # fmt: skip
+        p = subprocess.Popen([sys.executable, "-c", STEP_JOB, ctl], env=env,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+        ranks.append(p)
+
+        def pump(p: subprocess.Popen = p, r: int = r) -> None:  # type: ignore[type-arg]
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.put((r, line.split()))
+
+        threading.Thread(target=pump, daemon=True).start()
+    times: dict[str, list[float]] = {m: [] for m in STEP_MODES}
+
+    def phase(mode: str) -> None:
+        with open(ctl, "w") as f:
+            f.write(mode)
+        seen = 0
+        while seen < 2 * STEPS_PER_PHASE:
+            _, parts = lines.get(timeout=300)
+            if len(parts) == 3 and parts[0] == "step" and parts[1] == mode:
+                times[mode].append(float(parts[2]))
+                seen += 1
+
+    def wait_steps(n: int) -> None:
+        for _ in range(n):
+            lines.get(timeout=300)
+
+    try:
+        for p in ranks:
+            sock = os.path.join(rt, f"probing-{os.getuid()}", f"{p.pid}.sock")
+            while not os.path.exists(sock):
+                time.sleep(0.05)
+        wait_steps(40)  # warm up
+        clients = [ProbeClient.for_pid(p.pid) for p in ranks]
+        pyspy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        for _ in range(STEP_ROUNDS):
+            phase("untraced")
+            for c in clients:
+                c.trace_start(["nccl", "cuda", "gloo"])
+            phase("probing")
+            for c in clients:
+                c.trace_stop()
+            if os.access(pyspy, os.X_OK):
+                spies = [
+                    subprocess.Popen([pyspy, "record", "--pid", str(p.pid), "--rate", "100",
+                                      "--format", "raw", "-o", os.path.join(work, f"{p.pid}.txt")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for p in ranks
+                ]  # fmt: skip
+                time.sleep(2)  # py-spy attached and sampling
+                phase("py_spy_record")
+                for spy in spies:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(timeout=60)
+            phase("torch_profiler")
+        with open(ctl, "w") as f:
+            f.write("quit")
+        for p in ranks:
+            p.wait(timeout=60)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    base = statistics.median(times["untraced"])
+    out: dict = {"ranks": 2, "steps_per_phase_per_rank": STEPS_PER_PHASE, "rounds": STEP_ROUNDS}  # type: ignore[type-arg]
+    for mode, xs in times.items():
+        if not xs:
+            out[mode] = None  # py-spy missing: pip install the bench extra
+            continue
+        qs = statistics.quantiles(xs, n=10)
+        out[mode] = {
+            "median_ms": statistics.median(xs) * 1e3,
+            "p10_ms": qs[0] * 1e3,
+            "p90_ms": qs[-1] * 1e3,
+            "steps": len(xs),
+            "slowdown": statistics.median(xs) / base,
+        }
+    return out
+
+
+SECTIONS = ("calls", "drain", "gloo", "lifecycle", "ranks", "step")
 
 
 def main() -> None:
@@ -381,6 +574,7 @@ def main() -> None:
             result.update(calls_section(loop, cudart, path))
         if "drain" in only:
             result["drain"] = drain_rate(loop, cudart)
+            result["drain_sustained"] = sustained_drain(loop, cudart)
     if "gloo" in only:
         result["gloo_allreduce"] = gloo_slowdown()
     if "lifecycle" in only:
@@ -388,6 +582,8 @@ def main() -> None:
         result["lifecycle_single_uprobes"] = lifecycle(False)
     if "ranks" in only:
         result["eight_ranks_together"] = ranks_together(8)
+    if "step" in only:
+        result["traced_step"] = traced_step()
     print(json.dumps(result, indent=1))
 
 

@@ -54,18 +54,24 @@ def take_records(
     rec = record_dtype(sample)
     n = avail // rec.itemsize
     start = cons & mask
-    recs = np.frombuffer(data, dtype=rec, count=n, offset=start).copy()
+    # a view of the ring: the headers are read in place, and only the samples
+    # are copied out, once (the space is handed back to the kernel after)
+    recs = np.frombuffer(data, dtype=rec, count=n, offset=start)
     lens = recs["rb_len"]
     busy = np.flatnonzero(lens & BUSY_BIT)
     if busy.size:
         n = int(busy[0])
         recs, lens = recs[:n], lens[:n]
-    sizes = lens & ~np.uint32(BUSY_BIT | DISCARD_BIT)
+    flags = lens & np.uint32(DISCARD_BIT)
+    sizes = lens ^ flags
     if n and not np.all(sizes == sample.itemsize):
         bad = int(sizes[sizes != sample.itemsize][0])
         raise ValueError(f"ring buffer record of {bad} bytes, expected {sample.itemsize}")
-    keep = (lens & DISCARD_BIT) == 0
-    return recs["sample"][keep], cons + n * rec.itemsize
+    if flags.any():
+        return recs["sample"][flags == 0], cons + n * rec.itemsize
+    out = np.empty(n, sample)
+    out[...] = recs["sample"]
+    return out, cons + n * rec.itemsize
 
 
 class RingReader:
