@@ -1,8 +1,9 @@
 """A Perfetto trace (TrackEvent protobuf), written packet by packet.
 
-``TraceWriter`` wraps the ``perfetto`` package's ``StreamingTraceProtoBuilder``:
-every packet goes to the file as it is made, so a long window never sits
-whole in memory. The layout:
+``TraceWriter`` builds packets with the ``perfetto`` package's trace builder
+(``TraceProtoBuilder``) and streams them to the file every ``BATCH`` packets
+(serialised ``Trace`` messages concatenate into one), so a long window never
+sits whole in memory; a packet is built in place, never copied. The layout:
 
 * one process track per rank, named ``rank R @ node``;
 * a thread track per traced thread under its rank;
@@ -27,9 +28,10 @@ import hashlib
 from typing import IO, Any
 
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
-from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
+from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 SEQUENCE_ID = 7919
+BATCH = 4096  # packets built before they are written
 SYNTHETIC_BASE = 1 << 22  # above Linux's pid_max default (4M)
 TE = pb.TrackEvent
 
@@ -44,7 +46,9 @@ class TraceWriter:
     """Tracks, slices, flows and counters, streamed to ``file``."""
 
     def __init__(self, file: IO[bytes]) -> None:
-        self._builder = StreamingTraceProtoBuilder(file)
+        self._file = file
+        self._builder = TraceProtoBuilder()
+        self._pending = 0
         self._next_uuid = 1
         self._first = True
         self._procs: dict[int, tuple[int, int]] = {}  # rank -> (uuid, pid as written)
@@ -58,8 +62,18 @@ class TraceWriter:
         self.flow_slices: dict[int, int] = {}  # rank -> slices carrying a flow id
         self.counter_values: dict[int, int] = {}  # rank -> counter values written
 
+    def flush(self) -> None:
+        """Write the packets built so far."""
+        if self._pending:
+            self._file.write(self._builder.serialize())
+            self._builder = TraceProtoBuilder()
+            self._pending = 0
+
     def _packet(self, ts: int | None = None) -> pb.TracePacket:
-        p = self._builder.create_packet()
+        if self._pending >= BATCH:
+            self.flush()
+        self._pending += 1
+        p = self._builder.add_packet()
         p.trusted_packet_sequence_id = SEQUENCE_ID
         if self._first:
             p.sequence_flags = pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
@@ -93,7 +107,6 @@ class TraceWriter:
             c.clock_id = clock_id
             c.timestamp = ts
         p.clock_snapshot.primary_trace_clock = pb.BUILTIN_CLOCK_REALTIME
-        self._builder.write_packet(p)
 
     def _uuid(self) -> int:
         self._next_uuid += 1
@@ -121,7 +134,6 @@ class TraceWriter:
         d.process.process_name = f"rank {rank} @ {node}"
         d.process.process_labels.append(f"pid {pid}")
         d.sibling_order_rank = rank
-        self._builder.write_packet(p)
         self._procs[rank] = (uuid, shown)
         return uuid
 
@@ -140,7 +152,6 @@ class TraceWriter:
         d.thread.tid = shown
         name = self.thread_names.get(key)
         d.thread.thread_name = f"{name} ({tid})" if name else f"tid {tid}"
-        self._builder.write_packet(p)
         self._threads[key] = uuid
         return uuid
 
@@ -156,7 +167,6 @@ class TraceWriter:
         d.name = name
         if unit:
             d.counter.unit_name = unit
-        self._builder.write_packet(p)
         self._counters[key] = uuid
         return uuid
 
@@ -166,7 +176,6 @@ class TraceWriter:
         p = self._packet()
         p.track_descriptor.uuid = uuid
         p.track_descriptor.name = name
-        self._builder.write_packet(p)
         return uuid
 
     def slice(
@@ -208,12 +217,10 @@ class TraceWriter:
         if flow is not None:
             e.flow_ids.append(flow)
             self.flow_slices[rank] = self.flow_slices.get(rank, 0) + 1
-        self._builder.write_packet(p)
         if dur is not None:
             end = self._packet(ts + max(0, dur))
             end.track_event.type = TE.TYPE_SLICE_END
             end.track_event.track_uuid = track
-            self._builder.write_packet(end)
         self.slices[rank] = self.slices.get(rank, 0) + 1
 
     def instant(self, track: int, ts: int, name: str, args: dict[str, Any]) -> None:
@@ -226,7 +233,6 @@ class TraceWriter:
             a = e.debug_annotations.add()
             a.name = k
             a.string_value = str(v)
-        self._builder.write_packet(p)
 
     def counter(self, rank: int, track: int, ts: int, value: float) -> None:
         p = self._packet(ts)
@@ -234,7 +240,6 @@ class TraceWriter:
         e.type = TE.TYPE_COUNTER
         e.track_uuid = track
         e.double_counter_value = float(value)
-        self._builder.write_packet(p)
         self.counter_values[rank] = self.counter_values.get(rank, 0) + 1
 
 

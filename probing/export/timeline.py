@@ -23,6 +23,7 @@ from probing.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Window
 
 # columns that are the slice itself, not its args
 _PLACE = {"ts", "dur_ns", "pid", "tid", "node", "rank", "event_id", "stack_id", "api"}
+_ROW = ("rank", "ts", "dur_ns", "tid", "node", "pid", "api", "stack_id", "op", "kernel")
 NVML_COUNTERS = (  # column, track name, unit
     ("util_gpu", "util %", "%"),
     ("util_mem", "mem util %", "%"),
@@ -113,15 +114,6 @@ def _arg(v: Any) -> Any:
     return v
 
 
-def _category(table: str, row: dict[str, Any]) -> str:
-    if table != "cuda.calls":
-        return table.split(".")[0]
-    api = row.get("api") or ""
-    if "Synchronize" in api:
-        return "cuda.sync"
-    return "cuda.kernel" if row.get("kernel") else "cuda"
-
-
 def write_slices(
     w: TraceWriter,
     table: str,
@@ -131,28 +123,48 @@ def write_slices(
     offsets: dict[str, int],
 ) -> None:
     """One slice per row of a calls table (ts already aligned)."""
-    names = part.column_names
-    cols = [part.column(n).to_pylist() for n in names]
-    for values in zip(*cols, strict=True):
-        row = dict(zip(names, values, strict=True))
-        rank, ts = row["rank"], row["ts"]
-        w.process(rank, row["node"], row["pid"] or 0)
-        track = w.thread(rank, row["tid"] or 0)
-        args = {k: _arg(v) for k, v in row.items() if k not in _PLACE and v is not None}
-        args["api"] = row.get("api")
+    n = part.num_rows
+    if not n:
+        return
+    # args: the columns that say something in this chunk (all-NULL ones left out)
+    extra = [c for c in part.column_names if c not in _PLACE and part.column(c).null_count < n]
+    cols = {c: part.column(c).to_pylist() for c in (*_ROW, *extra) if c in part.column_names}
+    none = [None] * n
+    ranks, tss, durs, tids = cols["rank"], cols["ts"], cols["dur_ns"], cols["tid"]
+    nodes, pids = cols["node"], cols["pid"]
+    apis, sids = cols.get("api", none), cols.get("stack_id", none)
+    ops, kernels = cols.get("op", none), cols.get("kernel", none)
+    category = table.split(".")[0]
+    named: dict[tuple[int, int], tuple[str | None, str | None]] = {}
+    for i in range(n):
+        rank, ts = ranks[i], tss[i]
+        w.process(rank, nodes[i], pids[i] or 0)
+        track = w.thread(rank, tids[i] or 0)
+        args = {c: _arg(cols[c][i]) for c in extra}
+        api, op = apis[i], ops[i]
+        args["api"] = api
         flow = None
-        if row.get("op"):
-            raw_ts = ts + offsets.get(row["node"], 0)  # the index holds the probe's ts
-            key = colls.get(rank, raw_ts)
+        if op:
+            key = colls.get(rank, ts + offsets.get(nodes[i], 0))  # the index holds probe ts
             if key is not None:
                 args["comm"], args["seq"] = key
                 flow = flow_id(*key)
-        sid = row.get("stack_id")
+        sid = sids[i]
         if sid is not None:
-            args["callsite"] = stacks.callsites.get((rank, sid))
-            args["stack"] = stacks.text.get((rank, sid))
-        name = row.get("op") or row.get("kernel") or row.get("api") or table
-        w.slice(rank, track, ts, row["dur_ns"], name, _category(table, row), args, flow)
+            site = named.get((rank, sid))
+            if site is None:
+                site = named[(rank, sid)] = (
+                    stacks.callsites.get((rank, sid)),
+                    stacks.text.get((rank, sid)),
+                )
+            args["callsite"], args["stack"] = site
+        kernel = kernels[i]
+        if category == "cuda":
+            cat = "cuda.sync" if api and "Synchronize" in api else (
+                "cuda.kernel" if kernel else "cuda")  # fmt: skip
+        else:
+            cat = category
+        w.slice(rank, track, ts, durs[i], op or kernel or api or table, cat, args, flow)
 
 
 def write_counters(w: TraceWriter, part: pa.Table) -> None:
@@ -196,6 +208,7 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
             note = w.note_track(f"probing export: {sum(win.cap.dropped.values())} events dropped")
             at = win.cap.oldest_kept_ns or win.bounds[0]
             w.instant(note, at, "events dropped before this", {"why": win.cap.message()})
+        w.flush()
         f.flush()
         size = f.tell()
     return ExportReport(

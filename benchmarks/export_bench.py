@@ -1,0 +1,156 @@
+"""``probing export``: time and file size per million events; prints JSON.
+
+A scripted 4-rank job (``tests/test_export.py``'s ``EngineProbe``: each rank a
+real probing Engine over known rows, asked through the same ``Source`` the CLI
+uses) holds ``--events`` events: per step one Gloo all-reduce, ``--kernels``
+CUDA kernel launches and one stream sync per rank, NVML samples at 10 Hz.
+Measured in one run, each ``--repeat`` times (best kept):
+
+* ``perfetto``: ``export(..., fmt="perfetto")``, the whole command's work;
+* ``parquet``: the same window as Parquet files;
+* ``query_only`` (the baseline): reading the same rows from the probes with
+  the same chunked queries, writing nothing: what the export adds is the rest.
+
+    python benchmarks/export_bench.py [--events 1000000] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from probing.bpf import families  # noqa: E402
+from probing.export import Source, export  # noqa: E402
+from probing.export.window import EVENT_TABLES, Window  # noqa: E402
+from tests.test_export import EngineProbe, ScriptedJob, rank_tables  # noqa: E402
+
+WORLD = 4
+
+
+def rank_rows(rank: int, steps: int, kernels: int, base: int) -> dict[str, pa.Table]:
+    """``steps`` steps of one rank, built column-wise (numpy), plus the small tables."""
+    small = rank_tables(rank, base)  # stacks, groups, process info, threads, empty inflight
+    step_ns = 10_000_000
+    i = np.arange(steps, dtype=np.int64)
+    t = base + i * step_ns
+    pid, tid = 1000 + rank, 2000 + rank
+    fam = families.FAMILIES
+
+    def table(schema: pa.Schema, cols: dict[str, object], n: int) -> pa.Table:
+        arrays = []
+        for f in schema:
+            v = cols.get(f.name)
+            if v is None:
+                arrays.append(pa.nulls(n, f.type))
+            elif np.isscalar(v) or isinstance(v, str):
+                arrays.append(pa.array([v] * n, f.type))
+            else:
+                arrays.append(pa.array(v, f.type))
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    gloo = table(fam["gloo"].schema, {
+        "event_id": i, "ts": t + rank * 100_000, "dur_ns": np.full(steps, 2_000_000),
+        "pid": pid, "tid": tid, "api": "gloo::allreduce", "stack_id": 77, "op": "allreduce",
+        "comm": 0xA000 + rank, "seq": i, "rank": rank, "nranks": WORLD, "elements": 1024,
+        "bytes": 4096,
+    }, steps)  # fmt: skip
+    k = np.repeat(i, kernels + 1)
+    j = np.tile(np.arange(kernels + 1), steps)
+    names = [f"gemm_kernel_{x}" if x < kernels else None for x in j.tolist()]
+    apis = ["cudaLaunchKernel" if x < kernels else "cudaStreamSynchronize" for x in j.tolist()]
+    cuda = table(fam["cuda"].schema, {
+        "event_id": k * 100 + j, "ts": base + k * step_ns + 3_000_000 + j * 10_000,
+        "dur_ns": np.where(j < kernels, 4_000, 1_000_000), "pid": pid, "tid": tid, "api": apis,
+        "stack_id": 77, "kernel": names,
+    }, len(k))  # fmt: skip
+    samples = max(1, steps * step_ns // 100_000_000)
+    s = np.arange(samples, dtype=np.int64)
+    nvml = small["nvml.gpu"].schema
+    gpu = table(nvml, {
+        "ts": base + s * 100_000_000, "gpu": 0, "uuid": "GPU-0", "util_gpu": s % 100,
+        "util_mem": 5, "mem_used": (1 << 30) + s, "mem_total": 80 << 30,
+        "power_w": 100.0 + (s % 50), "temp_c": 40, "sm_clock_mhz": 1400,
+    }, samples)  # fmt: skip
+    return {**small, "gloo.calls": gloo, "cuda.calls": cuda, "nvml.gpu": gpu,
+            "nccl.calls": fam["nccl"].schema.empty_table()}  # fmt: skip
+
+
+def job(events: int, kernels: int) -> tuple[ScriptedJob, int]:
+    per_step = 1 + kernels + 1  # all-reduce + launches + sync
+    steps = max(1, events // (WORLD * per_step))
+    base = time.time_ns() - steps * 10_000_000 - 5_000_000_000
+    src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
+    src.probes = {1000 + r: EngineProbe(rank_rows(r, steps, kernels, base)) for r in range(WORLD)}
+    window_s = min(3600.0, (time.time_ns() - base) / 1e9 + 10)
+    return src, int(window_s)
+
+
+def query_only(src: Source, window_s: float) -> int:
+    win = Window(src, window_s=window_s)
+    win.count()
+    return sum(part.num_rows for _, part in win.read(EVENT_TABLES))
+
+
+def best(fn, repeat: int) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--kernels", type=int, default=6, help="kernel launches per step")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    src, window_s = job(args.events, args.kernels)
+    with tempfile.TemporaryDirectory() as d:
+        pf = os.path.join(d, "job.pftrace")
+        pq_dir = os.path.join(d, "pq")
+        q_s, rows = best(lambda: query_only(src, window_s), args.repeat)
+        p_s, rep = best(lambda: export(src, pf, window_s=window_s), args.repeat)
+        k_s, krep = best(lambda: export(src, pq_dir, fmt="parquet", window_s=window_s),
+                         args.repeat)  # fmt: skip
+        millions = rep.events / 1e6
+        out = {
+            "events": rep.events,
+            "ranks": rep.ranks,
+            "perfetto": {
+                "seconds": round(p_s, 2),
+                "bytes": rep.bytes,
+                "s_per_million": round(p_s / millions, 2),
+                "mb_per_million": round(rep.bytes / 1e6 / millions, 1),
+                "events_per_s": round(rep.events / p_s),
+            },
+            "parquet": {
+                "seconds": round(k_s, 2),
+                "bytes": krep.bytes,
+                "s_per_million": round(k_s / millions, 2),
+                "mb_per_million": round(krep.bytes / 1e6 / millions, 1),
+            },
+            "query_only": {
+                "seconds": round(q_s, 2),
+                "rows": rows,
+                "s_per_million": round(q_s / millions, 2),
+            },  # fmt: skip
+            "cpus": os.cpu_count(),
+        }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
