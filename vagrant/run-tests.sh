@@ -39,7 +39,6 @@ smoke=(
   tests/test_pyframes.py
   tests/privileged/test_bcc_setup.py
   tests/privileged/test_inject.py::test_inject_busy_loop_answers_sql_and_computes_right
-  tests/privileged/test_inject.py::test_stack_shows_three_named_threads
   tests/privileged/test_pystacks.py::test_traced_calls_carry_the_stack_traceback_sees
   tests/privileged/test_pystacks.py::test_stack_of_a_thread_holding_the_gil
   tests/privileged/test_trace.py::test_gloo_job_every_rank_matches
@@ -58,6 +57,8 @@ case "$tests" in
   *) IFS=, read -r -a args <<<"$tests" ;;
 esac
 
+# Debian's torch is built without libuv, which torch's TCPStore asks for by default
+export USE_LIBUV=0
 echo "kernel $(uname -r)"
 "$venv/bin/python" --version
 versions=$(dpkg-query -W -f='${Package} ${Version}, ' python3-bpfcc python3-torch 2>/dev/null || true)
