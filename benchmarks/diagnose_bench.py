@@ -31,7 +31,6 @@ from pathlib import Path
 
 from probing.analyze import diagnose
 from probing.analyze.collectives import match
-from probing.client import Job
 from probing.demo import DemoJob, trace_all
 
 WORLD = 4
@@ -51,6 +50,8 @@ def naive(table) -> int | None:  # type: ignore[no-untyped-def]
 
 
 def one_run(pids: list[int], truth: int | None, window: float) -> dict:  # type: ignore[type-arg]
+    from probing.client import Job
+
     d, table = diagnose(Job(pids=pids), window_s=window, hang_after_s=3600)
     named = [s.rank for s in d.stragglers]
     return {

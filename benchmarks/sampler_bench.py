@@ -6,9 +6,11 @@ data-loader sleep) in rounds of three phases, interleaved so the machine's
 drift hits each alike: untraced, traced (the gloo family, Python stacks)
 with the sampler off (``PROBING_SAMPLE_HZ=0``), and traced with the sampler
 on at its default rate (``probing.bpf.sampler.SAMPLE_HZ``). Figures: the
-median step time of each phase, the sampler's cost as a share of the traced
-step (median of the per-round differences), the CPU time of the sampler's
-thread per second, and what it recorded (rows, samples, stacks).
+median step time of each phase and the per-round step-time differences
+(noisy on a busy machine), and the sampler's direct cost per step: the CPU
+time of its reading thread plus the kernel time of its BPF programs
+(``run_time_ns``, with ``kernel.bpf_stats_enabled`` on for the run), as a
+share of the traced step; and what it recorded.
 """
 
 from __future__ import annotations
@@ -64,6 +66,29 @@ def thread_cpu_s(name: str) -> float:
     return total
 
 
+def bpf_run_ns(bpf: object) -> int:
+    """Kernel time spent in the sampler's BPF programs so far (``run_time_ns`` of
+    each program's fdinfo; counted while ``kernel.bpf_stats_enabled`` is 1)."""
+    total = 0
+    for fn in getattr(bpf, "funcs", {}).values():
+        try:
+            with open(f"/proc/self/fdinfo/{fn.fd}") as f:
+                for line in f:
+                    if line.startswith("run_time_ns:"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def wait_sampler(tracer: Tracer, timeout: float = 60.0) -> object:
+    """The tracer's sampler once it runs (it may start beside the uprobes)."""
+    deadline = time.monotonic() + timeout
+    while getattr(tracer, "sampler", None) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return getattr(tracer, "sampler", None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -71,11 +96,26 @@ def main() -> None:
     p.add_argument("--work-ms", type=float, default=10.0)
     p.add_argument("--sleep-ms", type=float, default=5.0)
     args = p.parse_args()
+    stats = "/proc/sys/kernel/bpf_stats_enabled"
+    with open(stats) as f:
+        stats_before = f.read().strip()
+    with open(stats, "w") as f:
+        f.write("1")
+    try:
+        run(args)
+    finally:
+        with open(stats, "w") as f:
+            f.write(stats_before)
+
+
+def run(args: argparse.Namespace) -> None:
     model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
     steps(model, 10, args)  # warm
     phases: dict[str, list[float]] = {"untraced": [], "traced": [], "traced_sampled": []}
     rounds: list[dict[str, float]] = []
     sampler_cpu = sampled_s = 0.0
+    bpf_ns = 0
+    sampled_steps = 0
     rows = samples = 0
     for _ in range(args.rounds):
         medians = {}
@@ -85,11 +125,17 @@ def main() -> None:
                 os.environ["PROBING_SAMPLE_HZ"] = "0" if phase == "traced" else str(smp.SAMPLE_HZ)
                 tracer = Tracer(["gloo"], store=Store())
                 tracer.start()
+                if phase == "traced_sampled" and wait_sampler(tracer) is None:
+                    raise SystemExit(f"the sampler did not start: {tracer.last_error}")
+            live = getattr(tracer, "sampler", None)
+            bpf0 = bpf_run_ns(live.bpf) if live is not None else 0
             cpu0, t0 = thread_cpu_s("probing-sampler"), time.monotonic()
             got = steps(model, args.steps, args)
-            if phase == "traced_sampled":
+            if phase == "traced_sampled" and live is not None:
                 sampler_cpu += thread_cpu_s("probing-sampler") - cpu0
                 sampled_s += time.monotonic() - t0
+                bpf_ns += bpf_run_ns(live.bpf) - bpf0
+                sampled_steps += len(got)
             if tracer is not None:
                 s = getattr(tracer, "sampler", None)
                 if s is not None:
@@ -106,6 +152,11 @@ def main() -> None:
         rounds.append(medians)
     os.environ.pop("PROBING_SAMPLE_HZ", None)
     cost = [(r["traced_sampled"] - r["traced"]) / r["traced"] for r in rounds]
+    traced_ms = statistics.median(phases["traced"])
+    # the sampler's own work per step: its reading thread plus its BPF programs (the
+    # sched_switch program runs at every context switch of the machine, so this
+    # charges the step with what other processes' switches cost too)
+    direct_ms = (sampler_cpu * 1000 + bpf_ns / 1e6) / max(sampled_steps, 1)
     print(
         json.dumps(
             {
@@ -113,8 +164,11 @@ def main() -> None:
                 "steps_per_phase": args.steps,
                 "sample_hz": smp.SAMPLE_HZ,
                 "step_ms_median": {k: round(statistics.median(v), 3) for k, v in phases.items()},
-                "sampler_cost_share_of_traced_step": round(statistics.median(cost), 4),
-                "sampler_cost_per_round": [round(c, 4) for c in cost],
+                "sampler_direct_ms_per_step": round(direct_ms, 4),
+                "sampler_direct_share_of_traced_step": round(direct_ms / traced_ms, 5),
+                "sampler_bpf_ms_per_s": round(bpf_ns / 1e6 / max(sampled_s, 1e-9), 3),
+                "step_time_difference_share_median": round(statistics.median(cost), 4),
+                "step_time_difference_per_round": [round(c, 4) for c in cost],
                 "tracing_cost_share_of_untraced_step": round(
                     statistics.median(
                         [(r["traced"] - r["untraced"]) / r["untraced"] for r in rounds]
