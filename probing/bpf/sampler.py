@@ -45,12 +45,11 @@ SCHEMA = pa.schema(
 
 
 def sample_hz() -> int:
-    """The configured rate (``PROBING_SAMPLE_HZ``; 0: no sampling)."""
-    raw = os.environ.get("PROBING_SAMPLE_HZ", "")
-    try:
-        return max(0, int(raw)) if raw else SAMPLE_HZ
-    except ValueError:
-        return SAMPLE_HZ
+    """The configured rate (``PROBING_SAMPLE_HZ``: 0 no sampling, -1 ``SAMPLE_HZ``)."""
+    from probing import config
+
+    hz = int(config.load().sample_hz)
+    return SAMPLE_HZ if hz < 0 else hz
 
 
 class Sampler:
