@@ -160,3 +160,18 @@ def test_a_partner_released_late_by_a_subgroup_straggler_is_not_named() -> None:
     d = analyze(pa.Table.from_pylist(rows), now_ns=T0)
     assert [s.rank for s in d.stragglers] == [2], d.verdict
     assert "gloo/pg4" in d.stragglers[0].groups
+
+
+def test_why_compares_cuda_call_time_per_step() -> None:
+    # 60 steps; rank 2 synchronises 40 ms a step longer than the others
+    cuda = pa.Table.from_pylist(
+        [{"api": "cudaStreamSynchronize", "dur_ns": int((42.0 if r == 2 else 2.0) * 60 * 1e6),
+          "n": 60, "rank": r} for r in range(4)]
+        + [{"api": "cudaLaunchKernel", "dur_ns": int(0.5 * 60 * 1e6), "n": 600, "rank": r}
+           for r in range(4)]
+    )  # fmt: skip
+    d = analyze(job(straggler=2, lag_ms=30, seed=2), now_ns=T0, cuda=cuda)
+    [w] = [w for w in d.why if w.kind == "cuda"]
+    assert w.what == "cudaStreamSynchronize" and w.rank == 2
+    assert 35 < w.ms_per_step - w.others_ms_per_step < 45, w
+    assert w.text.startswith("rank 2: CUDA cudaStreamSynchronize ")
