@@ -14,7 +14,10 @@ per library and direction runs ``probing_dispatch`` at every probed function
 and the attach cookie names the handler it tail-calls: a few links, each
 paying one RCU grace period when it goes (at stop, or when the process
 exits), instead of one per uprobe. Elsewhere each handler gets a perf-event
-uprobe, and ``close()`` releases them from several threads at once.
+uprobe, whose release takes one grace period after another (under the
+kernel's event_mutex, so threads do not help): there a small helper process
+(``Holder``) keeps the only reference to each, and lets go of them when the
+tracer stops or the traced process is gone; neither waits for it.
 
 Every event dtype in ``families`` is checked, field by field (name, offset,
 size), against BCC's description of the C struct when the program loads.
@@ -32,6 +35,9 @@ import importlib.resources
 import importlib.util
 import json
 import os
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -439,6 +445,7 @@ class Program:
         self._progs: dict[str, int] = {}
         self._slots: dict[str, int] = {}
         self.attached: list[Attached] = []
+        self.held = 0  # perf-event uprobes the holder process keeps for us
         self._lock = threading.Lock()
         try:
             for d in compiled.maps:
@@ -521,6 +528,12 @@ class Program:
                     done.fds.append(fd)
                     done.probes.append((handler, sym, kind))
                     results.append((sym, kind, True, None))
+                if done.fds:
+                    holder().give(done.fds)
+                    self.held += len(done.fds)
+                    done.fds = []
+                    self.attached.append(done)
+                return results
             if done.fds:
                 self.attached.append(done)
         return results
@@ -531,7 +544,10 @@ class Program:
         with self._lock:
             fds = [fd for a in self.attached for fd in a.fds]
             self.attached = []
+            held, self.held = self.held, 0
         close_all(fds)
+        if held and _holder is not None:
+            _holder.drop()
 
     def close(self) -> None:
         """Detach, then free the programs and maps. Safe twice."""
@@ -541,6 +557,83 @@ class Program:
         for fd in progs + maps:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+HOLDER_CODE = """
+import os, socket, sys
+s = socket.socket(fileno=int(sys.argv[1]))
+held = []
+while True:
+    try:
+        msg, fds, _, _ = socket.recv_fds(s, 64, 1024)
+    except OSError:
+        msg, fds = b"", []
+    held += fds
+    if msg in (b"", b"drop"):  # the tracer stopped, or its process is gone
+        for fd in held:
+            os.close(fd)
+        held = []
+        if not msg:
+            break
+"""
+
+
+class Holder:
+    """A helper process holding this process's perf-event uprobes, so that
+    neither a stop nor the process's exit waits for their release: told to
+    let go, or seeing the socket close (the traced process exited, however
+    it died), it closes them one by one, then (on close) exits."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", HOLDER_CODE, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self.sock = ours
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def give(self, fds: list[int]) -> None:
+        """The holder takes ``fds`` (closed here: its copies are the only ones)."""
+        for i in range(0, len(fds), 64):
+            socket.send_fds(self.sock, [b"fds"], fds[i : i + 64])
+        for fd in fds:
+            os.close(fd)
+
+    def drop(self) -> None:
+        self.sock.send(b"drop")
+
+
+_holder: Holder | None = None
+_holder_lock = threading.Lock()
+
+
+def holder() -> Holder:
+    global _holder
+    with _holder_lock:
+        if _holder is None or _holder.proc.poll() is not None:
+            _holder = Holder()
+        return _holder
+
+
+def _forget_holder_in_child() -> None:
+    """A forked child keeps no end of the parent's holder socket: the
+    holder lets go when the parent's process is gone, children or not."""
+    global _holder, _holder_lock
+    if _holder is not None:
+        with contextlib.suppress(OSError):
+            _holder.sock.close()
+    _holder, _holder_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_holder_in_child)
 
 
 def close_all(fds: list[int]) -> None:

@@ -202,6 +202,8 @@ class Tracer:
                 self._py.hook_threads(lambda: [live.bpf for live in self._live])
             self.attach_new_libraries()
             self.load_info["ready_s"] = time.perf_counter() - t0
+            if not multi:  # the helper that holds the perf-event uprobes (loader.Holder)
+                self.load_info["holder_pid"] = loader.holder().pid
         except BaseException:
             self._detach()
             if self._writer is not None:

@@ -3,10 +3,10 @@ SIGKILL of the traced process. Each leaves no uprobe behind (multi-uprobe
 links read from the kernel, perf events from ``bpftool perf``, and
 ``uprobe_events``), and a killed traced process is gone promptly: with one
 RCU grace period per uprobe paid in series, as before multi-uprobe links,
-it lingered for tens of seconds. Stop is tested in both attach modes:
-multi-uprobe links, and one perf-event uprobe per function
-(``PROBING_UPROBE_MULTI=0``, what kernels before 6.6 get). Root-only;
-PROBING_REQUIRE_PRIVILEGED=1 (CI) fails on a skip."""
+it lingered for tens of seconds. Both attach modes: multi-uprobe links, and
+one perf-event uprobe per function (``PROBING_UPROBE_MULTI=0``, what kernels
+before 6.6 get), whose uprobes a helper process holds and releases after.
+Root-only; PROBING_REQUIRE_PRIVILEGED=1 (CI) fails on a skip."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from probing.bpf import loader
 from probing.client import ProbeClient
 from tests.conftest import REPO, cli, require
 from tests.privileged.test_trace import _privileged, _wait_line, perf_uprobes
+
+perf_uprobes_held = perf_uprobes  # by the process holding them (bpftool perf lists the holder)
 
 pytestmark = pytest.mark.privileged
 
@@ -51,8 +53,11 @@ def _traced(spawn, mode: str):  # type: ignore[no-untyped-def]
     if mode == "multi":  # one link per library and direction, not one per function
         assert held == links and 2 <= len(links) <= 4, held
         assert sum(fams[f]["uprobes"] for f in fams) > len(links)
-    else:
-        assert not links and len(held) == sum(fams[f]["uprobes"] for f in fams)
+    else:  # held by the helper process, not by the traced one
+        holder = ProbeClient.for_pid(t.pid).trace_status()["load"]["holder_pid"]
+        assert held == [] and len(perf_uprobes_held(holder)) == sum(
+            fams[f]["uprobes"] for f in fams
+        )
     return t
 
 
@@ -65,10 +70,16 @@ def _no_uprobes_left(pid: int) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_stop_detaches_every_uprobe(spawn, mode: str) -> None:
     t = _traced(spawn, mode)
+    holder = ProbeClient.for_pid(t.pid).trace_status()["load"].get("holder_pid")
     stopped = cli("trace", "--pid", str(t.pid), "--stop")
     assert stopped.returncode == 0, stopped.stderr
     assert "every uprobe detached" in stopped.stdout
     _no_uprobes_left(t.pid)
+    if holder is not None:
+        deadline = time.monotonic() + 120
+        while perf_uprobes_held(holder):
+            assert time.monotonic() < deadline, f"holder {holder} kept its uprobes"
+            time.sleep(0.2)
     assert t.proc.poll() is None  # the process goes on, untraced
     status = ProbeClient.for_pid(t.pid).trace_status()
     assert status["state"] == "stopped"
@@ -76,8 +87,11 @@ def test_stop_detaches_every_uprobe(spawn, mode: str) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_killed_traced_process_is_gone_promptly(spawn, sig: signal.Signals) -> None:
-    t = _traced(spawn, "multi")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_traced_process_is_gone_promptly(spawn, mode: str, sig: signal.Signals) -> None:
+    t = _traced(spawn, mode)
+    holder = ProbeClient.for_pid(t.pid).trace_status()["load"].get("holder_pid")
+    assert (holder is None) == (mode == "multi")
     t0 = time.monotonic()
     os.kill(t.pid, sig)
     t.proc.wait(timeout=60)
@@ -85,3 +99,21 @@ def test_a_killed_traced_process_is_gone_promptly(spawn, sig: signal.Signals) ->
     assert t.proc.returncode == -sig
     assert took < EXIT_BOUND_S, f"the traced process took {took:.1f} s to go after {sig.name}"
     _no_uprobes_left(t.pid)
+    if holder is not None:  # the helper that held the perf-event uprobes lets go, then exits
+        _released_by(holder)
+
+
+def _released_by(holder: int, timeout: float = 120) -> None:
+    """The holder process lets go of every uprobe, then exits."""
+    deadline = time.monotonic() + timeout
+    while not _gone(holder) or perf_uprobes_held(holder):
+        assert time.monotonic() < deadline, f"holder {holder} kept its uprobes"
+        time.sleep(0.2)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
