@@ -30,6 +30,7 @@ GPU_SQL = (
     "FROM nvml.gpu WHERE ts >= {since}"
 )
 HANG_AFTER_S = 10.0
+SLOW_TTL_S = 10.0  # the ranks and their process groups: asked again this often
 
 
 def _cell(v: Any) -> Any:
@@ -115,7 +116,7 @@ class JobView:
     def __init__(self, source: Source) -> None:
         self.source = source
         self._cache: dict[str, tuple[float, Any]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.trace_path: str | None = None
         self._tmp = tempfile.mkdtemp(prefix="probing-ui-")
 
@@ -143,10 +144,11 @@ class JobView:
         sql = queries(self.source.remote)
         table = self.source.ask(sql["collectives"].format(since_ns=since))
         try:
-            table = with_groups(table, self.source.ask(sql["groups"]))
+            groups = self._cached("groups", SLOW_TTL_S, lambda: self.source.ask(sql["groups"]))
+            table = with_groups(table, groups)
         except ProbingError:
             pass
-        known = self.source.ranks()
+        known = self._cached("ranks", SLOW_TTL_S, self.source.ranks)
         nodes = {r.rank: r.node for r in known}
         if table.num_rows:
             for n, r in zip(table.column("node").to_pylist(), table.column("rank").to_pylist(),
