@@ -16,7 +16,7 @@ from probing.ui.data import JobView
 from probing.ui.server import UIServer
 from tests.chromium import Browser, find_chromium
 from tests.conftest import require
-from tests.test_export import METRICS, SAMPLES, STEPS, WORLD, job, parse  # noqa: F401
+from tests.test_export import METRICS, SAMPLES, SLOW, STEPS, WORLD, job, parse  # noqa: F401
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
@@ -107,3 +107,30 @@ def test_the_ui_server_refuses_requests_without_the_token(job, path: str) -> Non
         conn.close()
     finally:
         server.close()
+
+
+def test_job_page_data_flags_the_late_rank_and_a_rank_missing_from_a_hang(job) -> None:  # noqa: F811
+    from probing.analyze.collectives import match
+    from probing.ui.data import Hang, heatmap
+
+    data = JobView(job).job(60)
+    assert [s["rank"] for s in data["stragglers"]] == [SLOW] and not data["hangs"]
+    lags = {r["rank"]: r["lag_ms_mean"] for r in data["ranks"]}
+    # 30 ms after rank 0 at the Gloo all-reduces, on time at the 5 NCCL ones
+    assert lags[SLOW] == pytest.approx(30.0 * STEPS / (STEPS + 5), abs=0.01)
+    assert all(lags[r] < 5 for r in lags if r != SLOW)
+    grid = data["heatmap"]
+    hot = [max(v for v in row if v is not None) for row in grid["lag_ms"]]
+    assert max(range(WORLD), key=hot.__getitem__) == SLOW
+    assert not any(any(row) for row in grid["absent"])
+    # rank 3 never entered the collective the others wait in since the 11th one began:
+    # its cells are black from that time's bucket to now, nobody else's
+    gloo = job.ask("SELECT * FROM comm.collectives")
+    colls = match(gloo.rename_columns([c if c != "table_rank" else "comm_rank"
+                                       for c in gloo.column_names]))  # fmt: skip
+    lo, hi = min(min(c.ts.values()) for c in colls), max(max(c.ts.values()) for c in colls) + 1
+    since = sorted(min(c.ts.values()) for c in colls)[10]
+    grid = heatmap(colls, list(range(WORLD)), lo, hi, [Hang([3], since)], columns=10)
+    began = (since - lo) // ((hi - lo) // 10)
+    assert 0 < began < 10
+    assert grid["absent"] == [[0] * 10] * 3 + [[0] * began + [1] * (10 - began)]
