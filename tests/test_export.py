@@ -345,3 +345,12 @@ def test_export_refuses_bad_input_with_the_next_step(tmp_path: Path) -> None:
     assert r.returncode == 1 and "--max-events must be at least 1" in r.stderr
     r = cli("export", "-p", "1", "-f", "json", "-o", str(tmp_path / "x"))
     assert r.returncode == 2 and "json" in r.stderr
+    gone = 2**22 + 12345  # above pid_max: no such process
+    r = cli("export", "-p", str(gone), "-o", str(tmp_path / "x.pftrace"))
+    assert r.returncode == 1 and f"no process with pid {gone}" in r.stderr
+    r = cli("ui", "-p", str(gone))  # refused before serving anything
+    assert r.returncode == 1 and f"no process with pid {gone}" in r.stderr and not r.stdout
+    r = cli("ui", "--addr", "127.0.0.1:9", env={"PROBING_TOKEN": ""})
+    assert r.returncode == 1 and "needs the job's token" in r.stderr
+    r = cli("ui", "-p", "1", "--port", "70000")
+    assert r.returncode == 1 and "--port 70000 is not a port" in r.stderr

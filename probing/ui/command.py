@@ -38,11 +38,12 @@ def ui_command(
         src = Source(pids=pid or [], addr=addr, cluster=len(pid or []) == 1, timeout=timeout)
         if not 0 <= port <= 65535:
             raise ProbingError(f"--port {port} is not a port", hint="use 1-65535, or 0")
+        ranks = src.ranks()  # the probes answer (and the token works) before we serve
         server = UIServer(JobView(src), port=port)
     except ProbingError as err:
         typer.echo(f"probing: error: {err}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"probing ui for {src.describe()}: open {server.url}", err=False)
+    typer.echo(f"probing ui for {src.describe()} ({len(ranks)} ranks): open {server.url}")
     typer.echo("(Ctrl-C stops it)", err=True)
     try:
         server.serve_forever()
