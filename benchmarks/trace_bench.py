@@ -407,10 +407,10 @@ rank, ctl = int(os.environ["RANK"]), sys.argv[1]
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(
-    nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                  nn.Linear(1024, 16)))
+    nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                  nn.Linear(512, 16)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x, y = torch.randn(64, 512), torch.randint(0, 16, (64,))
+x, y = torch.randn(64, 256), torch.randint(0, 16, (64,))
 prof, mode, step = None, "", 0
 print("ready", flush=True)
 while True:
@@ -440,8 +440,8 @@ while True:
 dist.destroy_process_group()
 """
 STEP_MODES = ("untraced", "probing", "py_spy_record", "torch_profiler")
-STEPS_PER_PHASE = 30
-STEP_ROUNDS = 4
+STEPS_PER_PHASE = 25
+STEP_ROUNDS = 3
 
 
 def traced_step() -> dict:  # type: ignore[type-arg]
@@ -490,8 +490,8 @@ def traced_step() -> dict:  # type: ignore[type-arg]
         seen = 0
         while seen < 2 * STEPS_PER_PHASE:
             _, parts = lines.get(timeout=300)
-            if len(parts) == 3 and parts[0] == "step" and parts[1] == mode:
-                times[mode].append(float(parts[2]))
+            if len(parts) == 4 and parts[0] == "step" and parts[2] == mode:
+                times[mode].append(float(parts[3]))
                 seen += 1
 
     def wait_steps(n: int) -> None:
