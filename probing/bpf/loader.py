@@ -64,7 +64,9 @@ def program_dir() -> Iterator[str]:
 
 
 def cache_dir() -> str:
-    explicit = os.environ.get(ENV_CACHE, "").strip()
+    from probing import config
+
+    explicit = config.load().bpf_cache.strip()
     if explicit:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -402,7 +404,9 @@ def has_uprobe_multi() -> bool:
     """Whether this kernel has multi-uprobe links (libbpf's probe: a link on
     "/" fails with EBADF where the attach type exists)."""
     global _multi
-    if os.environ.get(ENV_MULTI, "").strip().lower() in ("0", "false", "no", "off"):
+    from probing import config
+
+    if config.load().uprobe_multi.strip().lower() in config.FALSY:
         return False
     if _multi is None:
         exit_now = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
