@@ -53,6 +53,9 @@ HANDLERS = 64  # slots of the dispatch program array (bpf/preamble.c)
 CLOSE_THREADS = 16
 ENV_CACHE = "PROBING_BPF_CACHE"  # where compiled programs are kept
 ENV_MULTI = "PROBING_UPROBE_MULTI"  # "0": single uprobes even where links exist
+# one BCC compile at a time in a process (the tracer's families, the sampler):
+# two at once in two threads crashed the process (LLVM, BCC's virtual files)
+BCC_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -250,7 +253,8 @@ def _compile(source: str, family_h: str, cflags: list[str], key: str) -> Compile
             text += f'\n#line 1 "{source}"\n' + f.read()
         flags = [f"-I{src}", f'-DPROBING_FAMILY_H="{family_h}"', f"-DPROBING_HANDLERS={HANDLERS}"]
         try:
-            bpf = BPF(text=text.encode(), cflags=[*flags, *cflags])
+            with BCC_LOCK:
+                bpf = BPF(text=text.encode(), cflags=[*flags, *cflags])
         except Exception as err:  # BCC raises plain Exception
             raise BPFUnavailable(
                 f"BCC could not compile {source}: {err}",

@@ -225,7 +225,11 @@ class Tracer:
     def _start_sampler(self) -> None:
         from probing.bpf import sampler
 
-        started = sampler.start_for(self)
+        with loader.BCC_LOCK:  # the sampler compiles with BCC too
+            with self._lock:
+                if self.state is not TracerState.TRACING:
+                    return
+            started = sampler.start_for(self)
         with self._lock:
             if self.state is TracerState.TRACING:
                 self.sampler = started
