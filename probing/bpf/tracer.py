@@ -220,7 +220,9 @@ class Tracer:
         # Python stacks sampled on and off CPU meanwhile: started beside the
         # uprobes, not before start() returns (its program may compile first)
         self.sampler = None
-        threading.Thread(target=self._start_sampler, name="probing-sampler", daemon=True).start()
+        # not a daemon: an interpreter that exits meanwhile waits for the
+        # compile to end (one cut short in a daemon thread crashed the exit)
+        threading.Thread(target=self._start_sampler, name="probing-sampler").start()
 
     def _start_sampler(self) -> None:
         from probing.bpf import sampler
