@@ -175,3 +175,10 @@ def test_why_compares_cuda_call_time_per_step() -> None:
     assert w.what == "cudaStreamSynchronize" and w.rank == 2
     assert 35 < w.ms_per_step - w.others_ms_per_step < 45, w
     assert w.text.startswith("rank 2: CUDA cudaStreamSynchronize ")
+
+
+def test_too_few_collectives_give_no_verdict_not_a_healthy_one() -> None:
+    d = analyze(job(jitter_ms=30.0, steps=7, seed=1), now_ns=T0, window_s=10)
+    assert not d.stragglers and 0 < (d.summary.busiest or 0) < coll.MIN_COLLECTIVES
+    assert d.verdict.startswith(f"no verdict: only {d.summary.busiest} complete collectives")
+    assert "longer --window" in d.verdict

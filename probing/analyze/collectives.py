@@ -525,6 +525,7 @@ class Summary:
     last_share_min: float | None = None  # the least (over ranks in every collective)
     step_ms: float | None = None  # median interval between the busiest comm's collectives
     noisy: bool = False  # skew above NOISY_SKEW of a step (and nobody to blame)
+    busiest: int | None = None  # complete collectives of the busiest communicator
 
 
 def summarize(collectives: list[Collective]) -> Summary:
@@ -549,5 +550,6 @@ def summarize(collectives: list[Collective]) -> Summary:
         last_share_max=round(max(last.values()) / len(done), 4) if done else None,
         last_share_min=round(min(last[r] for r in every) / len(done), 4) if every else None,
         step_ms=round(step, 3) if step else None,
-        noisy=bool(step and len(done) >= MIN_COLLECTIVES and skew_med > NOISY_SKEW * step),
+        noisy=bool(step and len(busiest) >= MIN_COLLECTIVES and skew_med > NOISY_SKEW * step),
+        busiest=len(busiest),
     )

@@ -215,6 +215,12 @@ def verdict(
             f"no verdict: no complete collective traced in the last {window_s:g} s "
             "(is every rank traced? probing trace --pid P --background)"
         )
+    if (summary.busiest or 0) < coll.MIN_COLLECTIVES:
+        return (
+            f"no verdict: only {summary.busiest} complete collectives of one group in the "
+            f"last {window_s:g} s ({coll.MIN_COLLECTIVES} needed to tell a straggler from "
+            "noise); diagnose over a longer --window"
+        )
     chance = 100 / max(summary.ranks, 1)
     spread = (
         f"each rank last {100 * (summary.last_share_min or 0):.0f}-"
