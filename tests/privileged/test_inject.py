@@ -105,7 +105,7 @@ def test_inject_busy_loop_answers_sql_and_computes_right(spawn) -> None:
     _first_line(t)  # running
     res = inject(t.pid, timeout=10 * SLOWDOWN)
     assert not res.already and res.tid == t.pid and res.imported == "target"
-    client = ProbeClient.for_pid(t.pid)
+    client = ProbeClient.for_pid(t.pid, timeout=30 * SLOWDOWN)
     assert client.query("SELECT pid FROM process.info").to_pylist() == [{"pid": t.pid}]
     for _ in range(49):  # later injects are no-ops; every query is answered
         again = inject(t.pid)

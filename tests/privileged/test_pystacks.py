@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from probing.client import ProbeClient
-from tests.conftest import cli, require, require_bpf
+from tests.conftest import SLOWDOWN, cli, require, require_bpf
 from tests.privileged.test_trace import _free_port, _lib, _line_after, _wait_line
 
 pytestmark = pytest.mark.privileged
@@ -109,7 +109,7 @@ def _job(spawn, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
 
 def test_traced_calls_carry_the_stack_traceback_sees(spawn, tmp_path: Path) -> None:
     script, go, (r0, _) = _job(spawn, tmp_path)
-    client = ProbeClient.for_pid(r0.pid)
+    client = ProbeClient.for_pid(r0.pid, timeout=30 * SLOWDOWN)
     status = client.trace_start(["gloo", "cuda"])
     assert status["stacks"] is True
     go.touch()
