@@ -15,9 +15,10 @@ and the attach cookie names the handler it tail-calls: a few links, each
 paying one RCU grace period when it goes (at stop, or when the process
 exits), instead of one per uprobe. Elsewhere each handler gets a perf-event
 uprobe, whose release takes one grace period after another (under the
-kernel's event_mutex, so threads do not help): there a small helper process
-(``Holder``) keeps the only reference to each, and lets go of them when the
-tracer stops or the traced process is gone; neither waits for it.
+kernel's event_mutex, so threads do not help). Either way a small helper
+process (``Holder``) keeps the only reference to each link or perf event and
+lets go of them when the tracer stops or the traced process is gone: neither
+a stop nor the process's exit waits for a grace period.
 
 Every event dtype in ``families`` is checked, field by field (name, offset,
 size), against BCC's description of the C struct when the program loads.
@@ -536,13 +537,10 @@ class Program:
                     done.fds.append(fd)
                     done.probes.append((handler, sym, kind))
                     results.append((sym, kind, True, None))
-                if done.fds:
-                    holder().give(done.fds)
-                    self.held += len(done.fds)
-                    done.fds = []
-                    self.attached.append(done)
-                return results
             if done.fds:
+                holder().give(done.fds)
+                self.held += len(done.fds)
+                done.fds = []
                 self.attached.append(done)
         return results
 
@@ -568,7 +566,7 @@ class Program:
 
 
 HOLDER_CODE = """
-import os, socket, sys
+import os, socket, sys, threading
 s = socket.socket(fileno=int(sys.argv[1]))
 held = []
 while True:
@@ -578,8 +576,14 @@ while True:
         msg, fds = b"", []
     held += fds
     if msg in (b"", b"drop"):  # the tracer stopped, or its process is gone
-        for fd in held:
+        # released at once: concurrent releases of links share a grace period
+        closing = [threading.Thread(target=os.close, args=(fd,)) for fd in held[:16]]
+        for t in closing:
+            t.start()
+        for fd in held[16:]:
             os.close(fd)
+        for t in closing:
+            t.join()
         held = []
         if not msg:
             break
@@ -629,6 +633,10 @@ def holder() -> Holder:
         if _holder is None or _holder.proc.poll() is not None:
             _holder = Holder()
         return _holder
+
+
+def holder_pid() -> int | None:
+    return _holder.pid if _holder is not None else None
 
 
 def _forget_holder_in_child() -> None:

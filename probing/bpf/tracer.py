@@ -202,8 +202,8 @@ class Tracer:
                 self._py.hook_threads(lambda: [live.bpf for live in self._live])
             self.attach_new_libraries()
             self.load_info["ready_s"] = time.perf_counter() - t0
-            if not multi:  # the helper that holds the perf-event uprobes (loader.Holder)
-                self.load_info["holder_pid"] = loader.holder().pid
+            # the helper process that holds the links or perf events (loader.Holder)
+            self.load_info["holder_pid"] = loader.holder_pid()
         except BaseException:
             self._detach()
             if self._writer is not None:
@@ -217,12 +217,11 @@ class Tracer:
             self._py.table.add_before_read(self._resolve_stacks)
         self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
         self._thread.start()
-        # Python stacks sampled on and off CPU meanwhile: started beside the
-        # uprobes, not before start() returns (its program may compile first)
+        # Python stacks sampled on and off CPU meanwhile. Started here, not in a
+        # thread of its own: its BCC compile beside the host's threads crashed
+        # a host calling into libnccl at that moment (seen in test_trace)
         self.sampler = None
-        # not a daemon: an interpreter that exits meanwhile waits for the
-        # compile to end (one cut short in a daemon thread crashed the exit)
-        threading.Thread(target=self._start_sampler, name="probing-sampler").start()
+        self._start_sampler()
 
     def _start_sampler(self) -> None:
         from probing.bpf import sampler
