@@ -25,7 +25,7 @@ from probing.bpf.tracer import Tracer, installed_libraries
 from probing.client import ProbeClient
 from probing.engine import Engine
 from probing.store import Store
-from tests.conftest import cli, require, require_bpf
+from tests.conftest import SLOWDOWN, cli, require, require_bpf
 
 pytestmark = pytest.mark.privileged
 
@@ -329,7 +329,7 @@ def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
     for t in ranks:
         _wait_line(t, "ready")
     for t in ranks:
-        status = ProbeClient.for_pid(t.pid).trace_start(["gloo"])
+        status = ProbeClient.for_pid(t.pid, timeout=30 * SLOWDOWN).trace_start(["gloo"])
         handlers = sum(1 + (f.ret is not None) for f in fam.GLOO_FUNCS)
         assert status["families"]["gloo"]["uprobes"] == handlers
         assert perf_uprobes(t.pid), "uprobes attached while tracing"
