@@ -138,6 +138,11 @@ class Launch:
 
 
 def uprobe_pids() -> set[int]:
-    """The pids that hold uprobes now (``bpftool perf``)."""
+    """The pids uprobes are attached for now: the pid filter of every multi-uprobe
+    link (held by the tracer's helper process, so ``bpftool perf`` shows the helper),
+    and the holders of perf-event uprobes."""
+    from probing.bpf.kernel import uprobe_links
+
     out = subprocess.run(["bpftool", "perf", "-j"], capture_output=True, text=True, check=True)
-    return {e["pid"] for e in json.loads(out.stdout or "[]") if e.get("fd_type") == "uprobe"}
+    held = {e["pid"] for e in json.loads(out.stdout or "[]") if e.get("fd_type") == "uprobe"}
+    return held | {link.pid for link in uprobe_links()}
