@@ -30,7 +30,6 @@ from tests.conftest import cli
 WORLD = 4
 SLOW = 2  # the rank that arrives late
 STEPS = 30
-BASE = time.time_ns() - 30_000_000_000  # wall-clock ns: the job ran 30 s ago
 STEP_NS = 100_000_000
 KERNELS = 3  # launches per step per rank
 SAMPLES = 20  # NVML samples per rank
@@ -47,7 +46,7 @@ def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-def rank_tables(rank: int, base: int = BASE) -> dict[str, pa.Table]:
+def rank_tables(rank: int, base: int) -> dict[str, pa.Table]:
     """One rank's rows: Gloo all-reduces (rank SLOW 30 ms late), NCCL calls,
     CUDA launches and a sync, NVML samples, one Python stack."""
     pid, tid = 1000 + rank, 2000 + rank
@@ -187,6 +186,7 @@ class ScriptedJob(Source):
     """Ranks 0..3 as local probes (pids 1000..1003), answered by ``EngineProbe``s."""
 
     probes: dict[int, EngineProbe]
+    base: int  # wall-clock ns of the first step
 
     def client(self, pid: int) -> EngineProbe:
         return self.probes[pid]
@@ -195,7 +195,9 @@ class ScriptedJob(Source):
 @pytest.fixture(scope="module")
 def job() -> ScriptedJob:
     src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
-    src.probes = {1000 + r: EngineProbe(rank_tables(r)) for r in range(WORLD)}
+    # the job ran 30 s before the module's tests (the export's window ends at its now)
+    src.base = time.time_ns() - 30_000_000_000
+    src.probes = {1000 + r: EngineProbe(rank_tables(r, src.base)) for r in range(WORLD)}
     return src
 
 
@@ -307,7 +309,7 @@ def test_max_events_keeps_the_newest_and_says_what_it_dropped(job, tmp_path: Pat
     assert report.cap.message().startswith(said)
     # the newest were kept: nothing kept is older than anything of its table dropped
     newest = max(t for ts in got["slice_ts"].values() for t in ts)
-    assert newest >= BASE + (STEPS - 1) * STEP_NS
+    assert newest >= job.base + (STEPS - 1) * STEP_NS
 
 
 def test_parquet_export_writes_one_tagged_file_per_table(job, tmp_path: Path) -> None:
