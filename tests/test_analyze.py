@@ -234,8 +234,12 @@ def test_json_shape_and_sql_tables() -> None:
     engine = Engine(Store())
     for name, table in sql_tables(d, t).items():
         engine.register_table("analyze", name, lambda table=table: table)
-    rows = engine.sql("SELECT rank, last_share FROM analyze.stragglers").to_pylist()
+    rows = engine.sql(
+        "SELECT rank, last_share, since_ns, since_utc FROM analyze.stragglers"
+    ).to_pylist()
     assert [r["rank"] for r in rows] == [1]
+    # times in SQL are integer ns; the ISO text is an explicitly named extra column
+    assert rows[0]["since_ns"] == s["since_ns"] and rows[0]["since_utc"] == s["since"]
     ranks = engine.sql("SELECT rank FROM analyze.ranks ORDER BY last_pct DESC LIMIT 1")
     assert ranks.to_pylist() == [{"rank": 1}]
     assert engine.sql("SELECT count(*) AS n FROM analyze.hangs").to_pylist() == [{"n": 0}]

@@ -131,6 +131,7 @@ class Diagnosis:
                     "lag_ms_p99": s.lag_ms_p99,
                     "share_of_step": s.share_of_step,
                     "since": s.since,
+                    "since_ns": s.since_ns,
                     "last_share": s.last_share,
                     "comm": s.comm,
                     "op": s.op,
@@ -505,9 +506,7 @@ def _stalled_s(table: pa.Table, now_ns: int, trace_starts: Callable[[], list[int
 def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
     """``analyze.stragglers``, ``analyze.slow_links``, ``analyze.hangs``,
     ``analyze.ranks``, ``analyze.collectives`` (the gathered rows)."""
-    strag = [
-        {k: v for k, v in dataclasses.asdict(s).items() if k != "since_ns"} for s in d.stragglers
-    ]
+    strag = [_since_columns(s) for s in d.stragglers]
     hangs = [
         {
             "comm": h.comm, "seq": h.seq, "op": h.op, "missing_ranks": h.missing_ranks,
@@ -519,10 +518,7 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
     return {
         "stragglers": _table(strag, STRAGGLERS_SCHEMA),
         "slow_links": _table(
-            [
-                {k: v for k, v in dataclasses.asdict(s).items() if k != "since_ns"}
-                for s in d.slow_links
-            ],
+            [_since_columns(s) for s in d.slow_links],
             SLOW_LINKS_SCHEMA,
         ),  # fmt: skip
         "hangs": _table(hangs, HANGS_SCHEMA),
@@ -530,6 +526,13 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
         "collectives": table,
         "why": _table([dataclasses.asdict(w) for w in d.why], WHY_SCHEMA),
     }
+
+
+def _since_columns(finding: Any) -> dict[str, Any]:
+    """A finding's row: ``since_ns`` (wall-clock ns) and its ISO text as ``since_utc``."""
+    row = dataclasses.asdict(finding)
+    row["since_utc"] = row.pop("since")
+    return row
 
 
 def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
@@ -540,9 +543,9 @@ STRAGGLERS_SCHEMA = pa.schema(
     [
         ("rank", pa.int64()), ("node", pa.string()), ("lag_ms_mean", pa.float64()),
         ("lag_ms_p99", pa.float64()), ("excess_ms_median", pa.float64()),
-        ("last_share", pa.float64()), ("share_of_step", pa.float64()), ("since", pa.string()),
-        ("since_start", pa.bool_()), ("comm", pa.string()), ("op", pa.string()),
-        ("collectives", pa.int64()), ("p_value", pa.float64()),
+        ("last_share", pa.float64()), ("share_of_step", pa.float64()), ("since_ns", pa.int64()),
+        ("since_utc", pa.string()), ("since_start", pa.bool_()), ("comm", pa.string()),
+        ("op", pa.string()), ("collectives", pa.int64()), ("p_value", pa.float64()),
         ("groups", pa.list_(pa.string())),
     ]
 )  # fmt: skip
@@ -560,7 +563,7 @@ SLOW_LINKS_SCHEMA = pa.schema(
         ("comm", pa.string()), ("op", pa.string()), ("nodes", pa.list_(pa.string())),
         ("transfer_ms_median", pa.float64()), ("baseline_ms", pa.float64()),
         ("skew_ms_median", pa.float64()), ("share_of_step", pa.float64()),
-        ("since", pa.string()), ("collectives", pa.int64()),
+        ("since_ns", pa.int64()), ("since_utc", pa.string()), ("collectives", pa.int64()),
     ]
 )  # fmt: skip
 HANGS_SCHEMA = pa.schema(
