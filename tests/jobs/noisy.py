@@ -6,24 +6,25 @@ pinned to one CPU with busy processes beside it, the others on the rest)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from probing.demo import free_port
+from probing.demo import DemoJob, free_port
 
 JOB = Path(__file__).resolve().parent / "noisy_job.py"
 WORLD = 4
 
 
-class NoisyJob:
+class NoisyJob(DemoJob):
+    """The ranks of one noisy job; started, waited for and stopped as a DemoJob is."""
+
     def __init__(self, tmp: Path, *job_args: str, world: int = WORLD) -> None:
         self.world = world
         self.control = tmp / f"control-{os.getpid()}-{time.monotonic_ns()}"
         self.control.write_text("-1 none 0")
-        port = free_port()
+        self.port = port = free_port()
         base = {k: v for k, v in os.environ.items() if k != "PROBING"}
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
         base.update(LOCAL_WORLD_SIZE=str(world))
@@ -40,22 +41,8 @@ class NoisyJob:
         ]
         self.hogs: list[subprocess.Popen[bytes]] = []
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            while True:
-                line = p.stdout.readline() if p.stdout else ""
-                if line.strip() == "ready":
-                    break
-                if not line and p.poll() is not None:
-                    err = p.stderr.read() if p.stderr else ""
-                    raise RuntimeError(f"rank pid {p.pid} exited: {err.strip()[-800:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank pid {p.pid} did not start in {timeout:g} s")
+        super().wait_ready(timeout)
 
     def slow(self, rank: int, kind: str, ms: float) -> None:
         """From the ranks' next step on: ``rank`` slowed by ``ms`` in ``kind``."""
@@ -90,17 +77,7 @@ class NoisyJob:
 
     def stop(self) -> None:
         self.starve(None)
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
-            p.wait(timeout=120)
+        super().stop()
         self.control.unlink(missing_ok=True)
 
 
