@@ -204,10 +204,17 @@ def _probe_client(pid: int, inject: bool, timeout: float = 30.0):  # type: ignor
     from probing.errors import NoProbe
 
     try:
-        return ProbeClient.for_pid(pid, timeout=timeout)
+        client = ProbeClient.for_pid(pid, timeout=timeout)
     except NoProbe:
         if not inject:
             raise
+    else:
+        from probing.procs import socket_alive
+
+        # pids are reused: a socket left by an earlier process with this pid
+        # (killed before it could remove it) answers nobody; start a probe here
+        if not inject or socket_alive(client.transport.path):
+            return client
     from probing.inject import inject as do_inject
 
     res = do_inject(pid, timeout=timeout)

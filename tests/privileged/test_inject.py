@@ -8,6 +8,7 @@ environment) and Debian's statically linked /usr/bin/python3.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from probing import doctor
+from probing import doctor, paths
 from probing.client import ProbeClient
 from probing.inject import inject
 from tests.conftest import SLOWDOWN, cli, require
@@ -357,3 +358,25 @@ def test_unsupported_python_is_refused(spawn, monkeypatch) -> None:
     _untouched(t.pid)
     ps = cli("ps")
     assert any(line.split()[:3] == [str(t.pid), "root", "-"] for line in ps.stdout.splitlines())
+
+
+def test_a_stale_socket_of_a_reused_pid_is_replaced(tmp_path: Path) -> None:
+    """pids are reused (pid_max is often 32768): a socket file left by a killed
+    process answers nobody; ``probing trace`` on the new process with that pid
+    starts a probe in it rather than failing with "no probe answers"."""
+    host = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        path = paths.socket_path(host.pid)
+        paths.ensure_private_dir(os.path.dirname(path))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with socket.socket(socket.AF_UNIX) as stale:  # bound, then closed: nobody listens
+            stale.bind(path)
+        os.chmod(path, 0o600)
+        r = cli("trace", "--pid", str(host.pid), "--no-nccl", "--no-cuda", "--background")
+        assert r.returncode == 0, r.stderr
+        assert f"injected a probe into pid {host.pid}" in r.stderr
+        assert ProbeClient.for_pid(host.pid).trace_status()["state"] == "tracing"
+    finally:
+        host.kill()
+        host.wait()
