@@ -26,6 +26,8 @@ command -v chromium >/dev/null || need+=(chromium)  # tests: the web UI and Perf
 "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 command -v gcc >/dev/null || need+=(gcc)
 command -v make >/dev/null || need+=(make)
+# tests: `vagrant validate` of vagrant/Vagrantfile (Debian trixie has no vagrant package)
+command -v vagrant >/dev/null || ! apt-cache show vagrant >/dev/null 2>&1 || need+=(vagrant)
 
 headers_ok() { [ -d "/lib/modules/$KREL/build/include" ]; }
 have_header_src() { ls -d /usr/src/linux-headers-* >/dev/null 2>&1; }
