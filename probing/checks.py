@@ -85,7 +85,7 @@ def check_tracefs() -> Check:
 def check_bcc() -> Check:
     try:
         import bcc  # type: ignore[import-not-found]
-    except Exception as err:  # ImportError, or OSError when libbcc is missing
+    except (ImportError, OSError, AttributeError) as err:  # no bcc; no libbcc; an old libbcc
         return Check(
             "bcc",
             False,

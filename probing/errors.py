@@ -117,3 +117,31 @@ def from_wire(
             return AccessDenied(msg, pid=pid)
         return ProbingError(f"probe answered {status}: {msg}", pid=pid)
     return cls(msg, pid=pid)
+
+
+# -- the probe's log: an error caught where nothing may get through ------------
+
+_LOGGED_AT_MOST = 64  # distinct errors a ``seen`` set remembers; past it, they are only counted
+
+
+def log_unexpected(what: str, err: BaseException, seen: set[str] | None = None) -> None:
+    """Write ``what``, ``err`` and its traceback to the probe's log (the host's
+    stderr): for the boundaries that must catch everything (a probe thread's
+    loop, a handler running in someone else's process), so a bug there is seen,
+    not swallowed. With ``seen`` (the caller's set), an error already written
+    (same type and message) is not written again: a loop that fails every turn
+    says it once. Never raises."""
+    key = f"{type(err).__name__}: {err}"
+    if seen is not None:
+        if key in seen or len(seen) >= _LOGGED_AT_MOST:
+            return
+        seen.add(key)
+    import sys
+    import traceback
+
+    try:
+        sys.stderr.write(f"probing: {what}: {key}\n")
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
+        pass

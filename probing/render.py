@@ -45,13 +45,19 @@ def format_rows(names: list[str], rows: list[list[Any]], width: int = 80) -> str
     return "\n".join(line.rstrip() for line in lines)
 
 
+def format_table(names: list[str], rows: list[list[Any]], width: int = 80) -> str:
+    """A query's answer: its rows aligned (``format_rows``), then the count."""
+    text = format_rows(names, rows if names else [], width)
+    n = len(rows)
+    return f"{text}\n({n} row{'s' if n != 1 else ''})"
+
+
 def format_arrow(table: Any, width: int = 80) -> str:
+    """``format_table`` of a ``pyarrow.Table``."""
     names = list(table.column_names)
     cols = [table.column(i).to_pylist() for i in range(table.num_columns)]
-    rows = [list(r) for r in zip(*cols, strict=True)] if cols else []
-    text = format_rows(names, rows, width)
-    n = table.num_rows
-    return f"{text}\n({n} row{'s' if n != 1 else ''})"
+    rows = [list(r) for r in zip(*cols, strict=True)] if cols else [[]] * table.num_rows
+    return format_table(names, rows, width)
 
 
 def format_stacks(info: dict[str, Any], frames: list[dict[str, Any]]) -> str:
@@ -179,7 +185,7 @@ class TraceMonitor:
 
                 rows = pq.read_metadata(output).num_rows
                 msg += f"; {output} is complete ({rows} events)"
-            except Exception as err:  # killed before the file was closed
+            except (OSError, ValueError) as err:  # gone; ArrowInvalid: killed before it was closed
                 msg += f"; {output} is not readable: {err}"
         return msg
 

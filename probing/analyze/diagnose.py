@@ -599,7 +599,7 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
         rows = pool.submit(engine.sql, sql).result()
     try:
         rank = int(eval_with_imports(RANK_EXPR))
-    except Exception:
+    except (ValueError, TypeError, RuntimeError):  # a RANK that is no number; torch's refusal
         rank = -1
     rows = tag(rows, socket.gethostname(), rank if rank >= 0 else os.getpid())
     d = analyze(rows, now_ns=now, window_s=window_s)

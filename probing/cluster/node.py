@@ -36,7 +36,7 @@ from probing.cluster.wire import (
     pack,
     unpack,
 )
-from probing.errors import PeerUnreachable, ProbingError, QueryError
+from probing.errors import PeerUnreachable, ProbingError, QueryError, log_unexpected
 from probing.probe.http import Request, Response, request_bytes
 
 if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
@@ -159,9 +159,13 @@ class ClusterNode:
                     if said:
                         _say(f"cluster: joined the job as rank {self.rank} at {self.addr}")
                     return
-            except Exception as err:  # never into the host: say why, stay local-only
+            except (ProbingError, ValueError, OSError) as err:  # no token, no address to bind
                 self.error = str(err)
                 _say(f"cluster mode off: {err}; this probe answers on its local socket only")
+                return
+            except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+                self.error = f"{type(err).__name__}: {err}"
+                log_unexpected("cluster mode off (local socket only)", err)
                 return
             finally:
                 self.ready.set()  # the first attempt is over, whatever it gave

@@ -245,7 +245,9 @@ def run_final(
             return run.collect(ctx.sql_with_options(sql, READ_ONLY), limits)
         except QueryError:
             raise
-        except Exception as err:  # datafusion raises plain Exception subclasses
+        except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception; sorted here
+            if not run.datafusion_error(err):
+                raise  # a bug of probing's, not the SQL's: 500, its traceback logged
             msg = _message(err)
             if "Resources exhausted" in msg:
                 raise memory_exceeded(msg, limits) from err
@@ -376,7 +378,9 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
             ctx = planning_context({refs[0].name: schemas[refs[0].name]})  # type: ignore[dict-item]
             try:
                 out = ctx.sql(sql).schema().names
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception
+                if not run.datafusion_error(err):
+                    raise
                 raise QueryError(_message(err)) from err
             final = _agg_final(sql, toks, out)
             if final is not None:
@@ -401,7 +405,9 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
         ctx = planning_context(known)  # type: ignore[arg-type]
         try:
             logical = ctx.sql(sql).optimized_logical_plan()
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception
+            if not run.datafusion_error(err):
+                raise
             raise QueryError(_message(err)) from err
         found: dict[str, list[ScanSpec]] = {}
         _collect_scans(logical, None, found)

@@ -12,9 +12,7 @@ Two kinds of tables, as in the seed design:
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
@@ -22,7 +20,7 @@ import pyarrow.dataset as ds
 from datafusion import DataFrame, SessionContext, col, lit
 from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 
-from probing.errors import ProbingError, ProviderError
+from probing.errors import ProbingError, ProviderError, log_unexpected
 from probing.store import Store
 from probing.store.table import CHUNK_COL, Snapshot
 
@@ -45,13 +43,9 @@ def produce(schema: str, name: str, producer: Producer) -> TableData:
         return producer()
     except (ProbingError, PermissionError):
         raise
-    except Exception as err:  # noqa: BLE001 - any bug: logged, answered as a bug
+    except Exception as err:  # noqa: BLE001 - a provider is any code: its bug is logged, answered 500
         failure = ProviderError(f"the table {schema}.{name} failed: {type(err).__name__}: {err}")
-        try:
-            print(f"probing: {failure}", file=sys.stderr)
-            traceback.print_exception(err, file=sys.stderr)
-        except OSError:  # no stderr to write to: the answer still says it
-            pass
+        log_unexpected(f"the table {schema}.{name} failed", err)
         _failed.error = failure
         raise failure from err
 

@@ -142,7 +142,7 @@ class QueryThreads:
         if start:
             try:
                 _start_thread(self._work, self.stack_bytes)
-            except BaseException:  # noqa: BLE001 - no thread to be had: a running one takes it
+            except RuntimeError:  # "can't start new thread": a running one takes it
                 with self._lock:
                     self._threads -= 1
                 if self._threads == 0:
@@ -234,6 +234,14 @@ def _start_thread(target: Callable[[], None], stack_bytes: int) -> None:
             threading.Thread(target=target, name="probing-query", daemon=True).start()
         finally:
             threading.stack_size(old)
+
+
+def datafusion_error(err: BaseException) -> bool:
+    """Whether ``err`` is DataFusion's answer about a query: it raises a plain
+    ``Exception`` (execution) or ``ValueError`` (SQL, planning) with its
+    message, and the batches it hands over may raise pyarrow's errors. Any
+    other exception out of a query is a bug of probing's (answered 500)."""
+    return type(err) in (Exception, ValueError) or isinstance(err, pa.ArrowException)
 
 
 def collect(df: Any, limits: Limits, schema: pa.Schema | None = None) -> pa.Table:

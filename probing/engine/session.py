@@ -17,7 +17,7 @@ from probing.engine.providers import (
     provider_failure,
     set_code_allowed,
 )
-from probing.errors import QueryError
+from probing.errors import ProbingError, QueryError
 from probing.store import Store
 
 CATALOG = "probing"
@@ -114,10 +114,15 @@ class Engine:
                 return run.collect(df, self.limits)
             except QueryError:
                 raise
-            except Exception as err:  # datafusion raises plain Exception subclasses
+            except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception; sorted here
                 failure = provider_failure()
                 if failure is not None:  # a provider's bug, not the SQL's
                     raise failure from err
+                # what a table raises on purpose (``produce`` lets it through)
+                # answers as before; anything else is a bug of probing's, not
+                # the SQL's: 500, its traceback in the probe's log
+                if not run.datafusion_error(err) and not isinstance(err, ON_PURPOSE):
+                    raise
                 msg = _clean(str(err))
                 if "Resources exhausted" in msg:
                     raise memory_exceeded(msg, self.limits) from err
@@ -126,6 +131,9 @@ class Engine:
                     continue
                 raise QueryError(msg) from err
         raise AssertionError("unreachable")
+
+
+ON_PURPOSE = (ProbingError, PermissionError)  # what a table raises on purpose
 
 
 def runtime_env(limits: Limits) -> RuntimeEnvBuilder:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from probing import config, paths
+from probing.errors import ProbingError, log_unexpected
 from probing.probe.imports import quick_gil_handoff, settle
 
 if TYPE_CHECKING:
@@ -203,8 +204,11 @@ class ProbeContext:
             return None
         try:
             return self.cluster_factory(self)
-        except Exception as err:  # noqa: BLE001 - a bad PROBING_PEERS never reaches the host
+        except (ProbingError, ValueError, OSError) as err:  # a bad PROBING_PEERS, no port
             _say(f"cluster mode off: {err}")
+            return None
+        except Exception as err:  # noqa: BLE001 - in the host's enable(): a bug is logged, not raised
+            log_unexpected("cluster mode off", err)
             return None
 
     def _start_nvml(self, interval: str) -> None:
@@ -213,8 +217,10 @@ class ProbeContext:
             from probing.config import parse_interval
 
             self.nvml.start(parse_interval(interval))
-        except Exception as err:  # noqa: BLE001 - a bad value or NVML never reaches the host
+        except ValueError as err:  # a bad PROBING_NVML_INTERVAL (NVML's own errors: nvml.status)
             _say(f"NVML sampling not started: {err}")
+        except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+            log_unexpected("NVML sampling not started", err)
 
     # -- fork ---------------------------------------------------------------------------
 
@@ -258,5 +264,5 @@ class ProbeContext:
 def _say(msg: str) -> None:
     try:
         print(f"probing: {msg}", file=sys.stderr)
-    except Exception:  # noqa: BLE001 - stderr closed: nothing to tell
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
         pass

@@ -78,7 +78,7 @@ def run(code: str) -> dict[str, Any]:
                 main = sys.modules["__main__"]
                 exec(compiled, vars(main))  # noqa: S102 - local socket only
                 result = None
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the user's code may raise anything: the answer
             detail = out.getvalue() + _user_traceback(err)
             raise EvalError(f"{type(err).__name__}: {err}", detail=detail) from None
     return {"result": result, "output": out.getvalue()}

@@ -10,10 +10,10 @@ data, and one fork handler carries the context into a child in order
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Sequence
 
+from probing.errors import log_unexpected
 from probing.probe.context import ClusterFactory, Installer, ProbeContext, base_tables
 
 _context: ProbeContext | None = None
@@ -66,11 +66,8 @@ def _after_fork_in_child() -> None:
         return
     try:
         ctx.after_fork()
-    except Exception as err:  # noqa: BLE001 - never break the child
-        try:
-            print(f"probing: no probe in forked child {os.getpid()}: {err}", file=sys.stderr)
-        except Exception:  # noqa: BLE001
-            pass
+    except Exception as err:  # noqa: BLE001 - a fork handler in the host's child: never break it
+        log_unexpected(f"no probe in forked child {os.getpid()}", err)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -54,6 +54,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 from probing import config
+from probing.errors import log_unexpected
 from probing.probe.http import App, Request, Response, response_bytes
 
 MAX_BODY = 16 << 20
@@ -227,7 +228,8 @@ def answer(
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         req = Request(head.method, url.path, query, body, peer_uid, remote, head.headers, gone)
         return app(req)
-    except BaseException as err:  # noqa: BLE001 - nothing escapes into the host
+    except BaseException as err:  # noqa: BLE001 - nothing escapes into the host: a bug answers 500
+        log_unexpected(f"{head.method} {head.target} failed", err)
         return Response.error(500, f"{type(err).__name__}: {err}")
 
 
@@ -246,6 +248,7 @@ class _Workers:
         self._jobs: deque[tuple] = deque()
         self._threads = 0
         self._idle = 0
+        self._logged: set[str] = set()  # the errors its threads wrote to the log
 
     @property
     def threads(self) -> int:
@@ -262,7 +265,7 @@ class _Workers:
             self._threads += 1
         try:
             threading.Thread(target=self._run, name="probing-request", daemon=True).start()
-        except BaseException:  # noqa: BLE001 - no thread to be had: a running one takes it
+        except RuntimeError:  # "can't start new thread": a running one takes it
             with self._cond:
                 self._threads -= 1
 
@@ -281,8 +284,8 @@ class _Workers:
                 job = self._jobs.popleft()
             try:
                 self._serve(*job)
-            except BaseException:  # noqa: BLE001
-                pass
+            except BaseException as err:  # noqa: BLE001 - a worker never dies (its count would lie)
+                log_unexpected("a request worker failed", err, self._logged)
 
 
 class _Listener:
@@ -375,6 +378,8 @@ class UnixHTTPServer:
         self._backoff = 0.0
         self._host_switch: float | None = None  # the host's interval, while ours is set
         self.stats = {"refused": 0, "dropped": 0, "accept_errors": 0, "evicted": 0}
+        self.stats["loop_errors"] = 0  # counted; each distinct one also in the log
+        self._logged: set[str] = set()  # the errors the loop wrote to the log
         self._thread: threading.Thread | None = None
         self._workers = _Workers(self._serve, env.workers)
 
@@ -457,7 +462,9 @@ class UnixHTTPServer:
         while not self._stopping:
             try:
                 self._once()
-            except BaseException:  # noqa: BLE001 - whatever it was, rest and go on
+            except BaseException as err:  # noqa: BLE001 - the loop never dies: rest and go on
+                self.stats["loop_errors"] += 1
+                log_unexpected("the server loop failed", err, self._logged)
                 self._rest()
                 time.sleep(0.01)
 
@@ -720,7 +727,7 @@ class UnixHTTPServer:
             )
             c.sock.settimeout(WRITE_TIMEOUT_S)
             c.sock.sendall(response_bytes(resp))
-        except BaseException:  # noqa: BLE001 - the client went away, or worse: not the host's
+        except OSError:  # the client went away (a bug goes to the worker's log)
             pass
         finally:
             try:

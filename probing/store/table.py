@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
 
+from probing.errors import log_unexpected
 from probing.store.codec import Codec
 
 
@@ -26,6 +27,11 @@ class Host(Protocol):
     def chunk_root(self) -> str: ...
 
     def enforce_retention(self) -> None: ...
+
+    def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
+        """Queue a chunk to be sealed off the caller's thread; False: seal it now."""
+        ...
+
 
 _chunk_ids = itertools.count()
 
@@ -105,8 +111,10 @@ class EventTable:
         self.dropped_events = 0
         self.read_errors = 0
         self.last_read_error: str | None = None
+        self._logged: set[str] = set()  # the read errors written to the log (each once)
         self.last_error: str | None = None
         self._lock = threading.Lock()
+        self._sealed = threading.Condition(self._lock)  # a chunk left _sealing
         # Called before every read: writers that buffer rows of their own
         # (ExternalTable) hand them over here, so queries see every row.
         self._before_read: list[Callable[[], None]] = []
@@ -121,10 +129,23 @@ class EventTable:
 
     def reinit_after_fork(self) -> None:
         self._lock = threading.Lock()
+        self._sealed = threading.Condition(self._lock)
+        # chunks the parent's sealer thread had not written: pending again here
+        # (that thread is not in this process)
+        waiting = [b for group in self._sealing.values() for b in group]
+        if waiting:
+            self._pending[:0] = waiting
+            self._pending_rows += sum(b.num_rows for b in waiting)
+            self._pending_since = self._pending_since or time.monotonic()
+        self._sealing = {}
 
     # -- writing -------------------------------------------------------------
     def append_batch(
-        self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any], *, since: float | None = None
+        self,
+        batch: pa.RecordBatch | pa.Table | Mapping[str, Any],
+        *,
+        since: float | None = None,
+        defer_seal: bool = False,
     ) -> int:
         """Append many rows at once; returns the number of rows appended.
 
@@ -134,6 +155,9 @@ class EventTable:
         clock), for a writer that buffered them: pending rows older than
         ``seal_after_s`` are sealed (compressed) at the next read or append,
         so the store's budget holds even when nobody reads this table.
+        ``defer_seal``: a chunk this append completes is compressed by the
+        store's sealer thread, not by the caller (the tracer's drain); its
+        rows stay readable meanwhile.
         """
         batches = self._conform(batch)
         rows = sum(b.num_rows for b in batches)
@@ -148,7 +172,7 @@ class EventTable:
             aged = time.monotonic() - self._pending_since > self._store.seal_after_s
             if self._pending_rows >= self._store.chunk_rows or aged:
                 to_seal = self._take_pending_locked()
-        if to_seal is not None:
+        if to_seal is not None and not (defer_seal and self._store.seal_later(self, *to_seal)):
             self._seal(*to_seal)
         return rows
 
@@ -157,18 +181,22 @@ class EventTable:
         with self._lock:
             self.dropped_events += int(n)
 
-    def flush(self) -> None:
-        """Seal whatever is pending now."""
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Seal whatever is pending now, and wait for chunks being sealed."""
         with self._lock:
             to_seal = self._take_pending_locked() if self._pending else None
         if to_seal is not None:
             self._seal(*to_seal)
+        with self._lock:
+            self._sealed.wait_for(lambda: not self._sealing, timeout=timeout_s)
 
     def _conform(
         self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]
     ) -> list[pa.RecordBatch]:
         if isinstance(batch, Mapping):
             batch = pa.table(dict(batch))
+        if isinstance(batch, pa.RecordBatch) and batch.schema is self._schema:
+            return [batch]  # built for this table (a decoder's): nothing to check
         if isinstance(batch, pa.RecordBatch):
             batch = pa.Table.from_batches([batch])
         if not isinstance(batch, pa.Table):
@@ -204,7 +232,8 @@ class EventTable:
     def _seal(self, chunk_id: int, batches: list[pa.RecordBatch]) -> None:
         """Encode ``batches`` into a chunk file. A failure (disk full, …) drops
         and counts those rows and never raises into the writer."""
-        table = pa.Table.from_batches(batches, schema=self._schema).combine_chunks()
+        # the encoder takes the batches as they are (no combine: one copy less)
+        table = pa.Table.from_batches(batches, schema=self._schema)
         codec = self._store.codec
         part = os.path.join(self.chunk_dir, f"{CHUNK_COL}={chunk_id}")
         path = os.path.join(part, f"{chunk_id}{codec.extension}")
@@ -215,9 +244,12 @@ class EventTable:
             with open(tmp, "wb") as f:
                 f.write(buf)
             os.rename(tmp, path)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - never into the writer (an external table's is the host)
+            if not isinstance(err, (OSError, pa.ArrowException)):  # not disk full, not the encoder
+                log_unexpected(f"{self.qualified_name}: sealing", err)
             with self._lock:
                 del self._sealing[chunk_id]
+                self._sealed.notify_all()
                 self.dropped_events += table.num_rows
                 self.last_error = f"sealing failed, {table.num_rows} rows dropped: {err}"
             print(f"probing: {self.qualified_name}: {self.last_error}", file=sys.stderr)
@@ -226,6 +258,7 @@ class EventTable:
         with self._lock:
             self._chunks.append(chunk)
             del self._sealing[chunk_id]
+            self._sealed.notify_all()
         self._store.enforce_retention()
 
     # -- retention (called by the store) --------------------------------------
@@ -317,10 +350,11 @@ class EventTable:
         for hook in list(self._before_read):
             try:
                 hook()
-            except Exception as err:  # noqa: BLE001 - counted, shown in probing.tables; reads go on
+            except Exception as err:  # noqa: BLE001 - a collector's drain: counted, logged once; reads go on
                 with self._lock:
                     self.read_errors += 1
                     self.last_read_error = f"{type(err).__name__}: {err}"
+                log_unexpected(f"{self.qualified_name}: a flush before a read", err, self._logged)
 
     def stats(self) -> TableStats:
         self._run_before_read()

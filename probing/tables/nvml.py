@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from probing.config import parse_interval  # noqa: F401 - POST /nvml's interval
+from probing.errors import log_unexpected
 from probing.store import Store
 
 SCHEMA = "nvml"
@@ -136,6 +137,7 @@ class Sampler:
         self.samples = 0
         self.errors = 0
         self.last_error: str | None = None
+        self._logged: set[str] = set()  # the sampling bugs written to the log (each once)
         self.unsupported: set[str] = set()
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -224,8 +226,9 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 self.sample()
-            except Exception as err:  # noqa: BLE001 - counted in nvml.status; the thread never dies
-                self._note(err, "sample")
+            except Exception as err:  # noqa: BLE001 - the thread never dies: counted, logged once
+                self._note(err, "sample")  # NVML's own errors are counted in _call: this is a bug
+                log_unexpected("NVML sampling", err, self._logged)
             interval = self.interval_s or 0.1
             next_at += interval
             now = time.monotonic()

@@ -82,5 +82,5 @@ def evaluate(expr: str) -> pa.Table:
         return to_arrow(eval_with_imports(expr))
     except QueryError:
         raise
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - the user's expression may raise anything: the answer
         raise QueryError(f"python.`{expr}`: {type(err).__name__}: {err}") from err
