@@ -13,7 +13,11 @@ Sections (all by default; name some to run only those):
   what the probe adds per call over what the bare uprobe adds.
 - drain: events/s drained from the ring buffer into the store (bulk numpy
   decode, Arrow batches, appends), the drain timer stopped so each round is
-  timed.
+  timed; per wall second, per CPU second, and the CPU per event counting the
+  compression left to the store's sealer. BENCH_DRAIN_BASELINE=<git rev>:
+  the same for that revision's probing/ and this tree, taking turns.
+- sustained: launches at 1 M/s (BENCH_SUSTAIN_RATE) for 60 s
+  (BENCH_SUSTAIN_S), drained by the tracer's timer; the BPF side's drops.
 - gloo: a 2-rank torch Gloo all-reduce loop, untraced then traced, per rank.
 - lifecycle: `probing trace --background` (empty cache, then again),
   `--stop`, and the exit after SIGTERM and SIGKILL, traced against untraced,
@@ -140,65 +144,131 @@ class BareUprobes:
 
 
 SUSTAIN_S = float(os.environ.get("BENCH_SUSTAIN_S", 60))
-SUSTAIN_RATE = 1_000_000
+SUSTAIN_RATE = int(float(os.environ.get("BENCH_SUSTAIN_RATE", 1_000_000)))
+DRAIN_EVENTS = 150_000  # a round's burst: < the cuda ring (16 MiB, 104-byte records)
+
+
+def _launcher(loop: ctypes.CDLL, cudart: ctypes.CDLL):  # type: ignore[no-untyped-def]
+    launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
+    func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
+    return lambda n: loop.launch_loop(launch, func, n)
 
 
 def sustained_drain(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[type-arg]
-    """Launches at SUSTAIN_RATE/s for SUSTAIN_S seconds (10 ms slices from a C
-    loop), drained by the tracer's own timer thread at its default interval:
-    how many events arrived, and how many the ring dropped."""
+    """Launches at SUSTAIN_RATE/s for SUSTAIN_S seconds through the real uprobe
+    and ring buffer, drained by the tracer's own timer thread: the producer
+    (a C loop, called every 10 ms) makes up for a late slice in the next one,
+    so it holds the rate wherever the CPU allows; drops are the BPF side's
+    count (the ``dropped`` map: a full ring), events what reached the store."""
     from probing.bpf.tracer import Tracer
     from probing.store import Store
 
     store = Store()
     tracer = Tracer(["cuda"], store=store)
     tracer.start()
-    launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
-    func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
-    per_slice, slice_s, produced = SUSTAIN_RATE // 100, 0.01, 0
+    run = _launcher(loop, cudart)
+    produced, behind_max = 0, 0
+    load0 = os.getloadavg()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     try:
-        while time.perf_counter() - t0 < SUSTAIN_S:
-            s0 = time.perf_counter()
-            loop.launch_loop(launch, func, per_slice)
-            produced += per_slice
-            time.sleep(max(0.0, slice_s - (time.perf_counter() - s0)))
+        while (now := time.perf_counter() - t0) < SUSTAIN_S:
+            due = int(SUSTAIN_RATE * now) - produced
+            behind_max = max(behind_max, due)
+            n = min(due, SUSTAIN_RATE // 20)  # at most 50 ms of events in one call
+            if n > 0:
+                run(n)
+                produced += n
+            time.sleep(0.01)
         elapsed = time.perf_counter() - t0
     finally:
         tracer.stop()
-        store.close()
+    cpu = time.process_time() - c0
     cuda = tracer.status()["families"]["cuda"]
-    return {"target_events_per_s": SUSTAIN_RATE, "seconds": elapsed,
-            "achieved_events_per_s": produced / elapsed, "launched": produced,
-            "events": cuda["events"], "dropped": cuda["dropped"]}  # fmt: skip
+    stats = store.table("cuda", "calls").stats()
+    store.close()
+    return {"target_events_per_s": SUSTAIN_RATE, "seconds": round(elapsed, 2),
+            "achieved_events_per_s": round(produced / elapsed), "launched": produced,
+            "producer_most_behind_events": behind_max,
+            "events": cuda["events"], "dropped": cuda["dropped"],
+            "rows_in_store": stats.rows + stats.retired_rows,
+            "process_cpu_s": round(cpu, 2), "loadavg_before": load0,
+            "loadavg_after": os.getloadavg()}  # fmt: skip
 
 
-def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict[str, float]:
+def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[type-arg]
+    """Bursts of DRAIN_EVENTS launches, each drained by one timed call (the
+    timer thread idle): events/s in wall time, and per CPU second of the
+    draining thread; then the sealing (compression) the drains left to the
+    store, so ``all_cpu_ns_per_event`` is the whole cost of an event."""
     from probing.bpf.tracer import Tracer
     from probing.store import Store
 
     store = Store()
     tracer = Tracer(["cuda"], store=store, interval_s=3600)  # we drain, timed
     tracer.start()
-    launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
-    func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
-    rates, counts = [], []
+    run = _launcher(loop, cudart)
+    rates, cpu_rates, counts = [], [], []
     try:
-        loop.launch_loop(launch, func, 150_000)  # first drain reads the stub's ELF symbols
-        t0 = time.perf_counter()
-        first = tracer.drain() / (time.perf_counter() - t0)
+        run(DRAIN_EVENTS)  # the first drain reads the stub's ELF symbols: not timed
+        tracer.drain()
+        table = store.table("cuda", "calls")
+        table.flush()
+        # the process's CPU from here to the last flush, less the producer's
+        all_cpu = -time.process_time()
         for _ in range(ROUNDS):
-            loop.launch_loop(launch, func, 150_000)  # < 16 MiB ring: nothing dropped
-            t0 = time.perf_counter()
+            c0 = time.thread_time()
+            run(DRAIN_EVENTS)
+            all_cpu -= time.thread_time() - c0
+            t0, c0 = time.perf_counter(), time.thread_time()
             n = tracer.drain()
-            rates.append(n / (time.perf_counter() - t0))
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            rates.append(n / wall)
+            cpu_rates.append(n / cpu)
             counts.append(n)
+        table.flush()  # and wait for the sealer thread (where there is one)
+        all_cpu += time.process_time()
         dropped = tracer.status()["families"]["cuda"]["dropped"]
     finally:
         tracer.stop()
         store.close()
-    return {"events_per_drain": statistics.median(counts), "events_per_s": statistics.median(rates),
-            "first_drain_events_per_s": first, "dropped": dropped}  # fmt: skip
+    return {"events_per_drain": statistics.median(counts),
+            "events_per_s": round(statistics.median(rates)),
+            "events_per_cpu_s": round(statistics.median(cpu_rates)),
+            "all_cpu_ns_per_event": round(all_cpu / sum(counts) * 1e9, 1),
+            "dropped": dropped, "loadavg": os.getloadavg()}  # fmt: skip
+
+
+def drain_side_by_side(rev: str) -> dict:  # type: ignore[type-arg]
+    """drain_rate of this tree and of ``rev`` (git archive of its probing/ and bpf/),
+    each in a fresh process, taking turns ROUNDS times; medians."""
+    with tempfile.TemporaryDirectory() as d:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", rev, "probing", "bpf"],
+            check=True, capture_output=True,
+        ).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", d], input=archive, check=True)
+        code = (
+            "import json, sys, tempfile, ctypes; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "import trace_bench as tb\n"
+            "import probing; assert probing.__file__.startswith(sys.argv[1]), probing.__file__\n"
+            "with tempfile.TemporaryDirectory() as d:\n"
+            "    r = tb.drain_rate(tb.build_loop(d), ctypes.CDLL(tb.cudart_path()))\n"
+            "print(json.dumps(r))\n"
+        )
+        runs: dict[str, list[dict]] = {rev: [], "this tree": []}  # type: ignore[type-arg]
+        for _ in range(REPEATS):
+            for name, tree in ((rev, d), ("this tree", str(REPO))):
+                out = subprocess.run(
+                    [sys.executable, "-c", code, tree, str(REPO / "benchmarks")],
+                    check=True, capture_output=True, text=True, cwd=tree,
+                ).stdout  # fmt: skip
+                runs[name].append(json.loads(out.splitlines()[-1]))
+    keys = ("events_per_s", "events_per_cpu_s", "all_cpu_ns_per_event")
+    return {
+        name: {k: statistics.median(r[k] for r in rs) for k in keys} | {"runs": len(rs)}
+        for name, rs in runs.items()
+    } | {"loadavg": os.getloadavg()}
 
 
 GLOO_RANK = """
@@ -553,7 +623,7 @@ def traced_step() -> dict:  # type: ignore[type-arg]
     return out
 
 
-SECTIONS = ("calls", "drain", "gloo", "lifecycle", "ranks", "step")
+SECTIONS = ("calls", "drain", "sustained", "gloo", "lifecycle", "ranks", "step")
 
 
 def main() -> None:
@@ -573,7 +643,12 @@ def main() -> None:
         if "calls" in only:
             result.update(calls_section(loop, cudart, path))
         if "drain" in only:
-            result["drain"] = drain_rate(loop, cudart)
+            baseline = os.environ.get("BENCH_DRAIN_BASELINE")  # a git revision
+            if baseline:
+                result["drain_side_by_side"] = drain_side_by_side(baseline)
+            else:
+                result["drain"] = drain_rate(loop, cudart)
+        if "sustained" in only:
             result["drain_sustained"] = sustained_drain(loop, cudart)
     if "gloo" in only:
         result["gloo_allreduce"] = gloo_slowdown()

@@ -9,6 +9,7 @@ events to the columns of its table. Nothing here runs per event in Python.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -84,21 +85,31 @@ def _masked(values: np.ndarray, valid: np.ndarray, type_: pa.DataType) -> pa.Arr
     return pa.array(values, type=type_, mask=~valid)
 
 
+@functools.lru_cache(maxsize=64)
+def _name_table(names: tuple[str | None, ...]) -> pa.Array:
+    return pa.array(names, type=pa.string())
+
+
 def _names(names: list[str | None], idx: np.ndarray) -> pa.Array:
-    return pa.array(names, type=pa.string()).take(pa.array(idx.astype(np.int32)))
+    idx = idx if idx.dtype == np.int32 and idx.flags.c_contiguous else idx.astype(np.int32)
+    return _name_table(tuple(names)).take(pa.array(idx))
 
 
 def header_columns(ev: np.ndarray, d: Decoded, funcs: tuple[Func, ...]) -> dict[str, Any]:
     has_ret = (ev["flags"] & HAS_RET) != 0
+    ts = ev["ts"].astype(np.int64)
+    ts += d.clock_offset_ns
+    fn = ev["fn"].astype(np.int32)  # once, contiguous: every name column takes by it
     return {
-        "ts": ev["ts"].astype(np.int64) + d.clock_offset_ns,
+        "ts": ts,
         "dur_ns": _masked(ev["dur_ns"].astype(np.int64), has_ret, pa.int64()),
         "pid": np.full(len(ev), d.pid, dtype=np.int32),
         "tid": ev["tid"].astype(np.int32),
-        "api": _names([f.api for f in funcs], ev["fn"]),
-        "op": _names([f.op for f in funcs], ev["fn"]),
+        "api": _names([f.api for f in funcs], fn),
+        "op": _names([f.op for f in funcs], fn),
         "stack_id": _masked(ev["stack_id"].astype(np.int64), ev["stack_id"] != 0, pa.int64()),
         "_has_ret": has_ret,
+        "_fn": fn,
     }
 
 
@@ -304,9 +315,16 @@ CUDA_SCHEMA = pa.schema(
 )
 
 
+@functools.lru_cache(maxsize=64)
+def _fn_table(funcs: tuple[Func, ...], enums: tuple[str, ...]) -> np.ndarray:
+    """True at the ids of ``enums``, for every u16 a function id can hold."""
+    table = np.zeros(1 << 16, dtype=bool)
+    table[[i for i, f in enumerate(funcs) if f.enum in enums]] = True
+    return table
+
+
 def fn_mask(ev: np.ndarray, funcs: tuple[Func, ...], enums: tuple[str, ...]) -> np.ndarray:
-    ids = [i for i, f in enumerate(funcs) if f.enum in enums]
-    return np.isin(ev["fn"], ids)
+    return _fn_table(funcs, enums)[ev["fn"]]
 
 
 def _dim3(values: np.ndarray, valid: np.ndarray) -> pa.Array:

@@ -5,8 +5,10 @@ one producer page and the data area mapped twice in a row, so a record that
 wraps around the end is still contiguous. Every record is an 8-byte header
 (``len`` with a busy and a discard bit, ``pg_off``) and the sample, rounded
 up to 8 bytes. All records of one ring have the same size here (one event
-struct per family), so everything between the consumer and producer
-positions is one numpy array of records, taken in a single copy.
+struct per family), so the records between the consumer and producer
+positions are one numpy array, taken with one ``memcpy``: the sample's
+fields are read in that array where they lie (a record dtype whose fields
+sit 8 bytes further than the sample's), never copied a second time.
 """
 
 from __future__ import annotations
@@ -26,39 +28,52 @@ def record_size(sample_size: int) -> int:
 
 
 def record_dtype(sample: np.dtype) -> np.dtype:
-    """One ring-buffer record: header, the sample, padding to 8 bytes."""
+    """One ring-buffer record: ``rb_len`` (the header's length and flags),
+    then every field of ``sample`` under its own name, padding to 8 bytes.
+    An array of these reads like an array of samples (``ev["ts"]``)."""
+    if sample.names is None:
+        raise ValueError(f"the sample must be a structured dtype, not {sample}")
+    fields = [(name, *sample.fields[name][:2]) for name in sample.names]
     return np.dtype(
         {
-            "names": ["rb_len", "rb_pgoff", "sample"],
-            "formats": ["<u4", "<u4", sample],
-            "offsets": [0, 4, HDR_SIZE],
+            "names": ["rb_len", *(n for n, _, _ in fields)],
+            "formats": ["<u4", *(t for _, t, _ in fields)],
+            "offsets": [0, *(off + HDR_SIZE for _, _, off in fields)],
             "itemsize": record_size(sample.itemsize),
         }
     )
 
 
 def take_records(
-    data: memoryview | bytes, cons: int, prod: int, mask: int, sample: np.dtype
+    data: memoryview | bytes,
+    cons: int,
+    prod: int,
+    mask: int,
+    sample: np.dtype,
+    limit: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """The committed records in ``data[cons:prod]`` (positions taken modulo
-    ``mask + 1``, over a doubly mapped area) and the new consumer position.
+    ``mask + 1``, over a doubly mapped area), at most ``limit`` of them, as
+    an array of ``record_dtype(sample)``, and the new consumer position.
 
     Stops at the first record still being written (busy bit); discarded
     records are consumed and left out. A record whose length is not the
     sample size means the layout is not what we think: raise, rather than
     decode garbage.
     """
-    avail = prod - cons
-    if avail <= 0:
-        return np.empty(0, sample), cons
     rec = record_dtype(sample)
-    n = avail // rec.itemsize
-    start = cons & mask
-    # a view of the ring: the headers are read in place, and only the samples
-    # are copied out, once (the space is handed back to the kernel after)
-    recs = np.frombuffer(data, dtype=rec, count=n, offset=start)
+    n = max(prod - cons, 0) // rec.itemsize
+    if limit is not None:
+        n = min(n, limit)
+    if n == 0:
+        return np.empty(0, rec), cons
+    # one copy out of the ring (its space goes back to the kernel after);
+    # a header is copied before its sample, so a committed header read here
+    # means a complete sample
+    raw = np.frombuffer(data, dtype=np.uint8, count=n * rec.itemsize, offset=cons & mask)
+    recs = raw.copy().view(rec)
     lens = recs["rb_len"]
-    busy = np.flatnonzero(lens & BUSY_BIT)
+    busy = np.flatnonzero(lens & np.uint32(BUSY_BIT))
     if busy.size:
         n = int(busy[0])
         recs, lens = recs[:n], lens[:n]
@@ -68,10 +83,8 @@ def take_records(
         bad = int(sizes[sizes != sample.itemsize][0])
         raise ValueError(f"ring buffer record of {bad} bytes, expected {sample.itemsize}")
     if flags.any():
-        return recs["sample"][flags == 0], cons + n * rec.itemsize
-    out = np.empty(n, sample)
-    out[...] = recs["sample"]
-    return out, cons + n * rec.itemsize
+        recs = recs[flags == 0]
+    return recs, cons + n * rec.itemsize
 
 
 class RingReader:
@@ -83,6 +96,7 @@ class RingReader:
         page = mmap.PAGESIZE
         self.size = size
         self.sample = sample
+        self.record_size = record_size(sample.itemsize)
         self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._prod = mmap.mmap(
             map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page
@@ -95,14 +109,20 @@ class RingReader:
         (prod,) = struct.unpack_from("<Q", self._prod, 0)
         return cons, prod
 
-    def read(self) -> np.ndarray:
-        """Every committed event, oldest first; frees their space in the ring."""
+    def pending(self) -> int:
+        """Bytes committed or reserved and not read yet."""
         cons, prod = self.positions()
-        samples, new_cons = take_records(self._data, cons, prod, self.size - 1, self.sample)
+        return prod - cons
+
+    def read(self, limit: int | None = None) -> np.ndarray:
+        """Committed events, oldest first, at most ``limit`` of them (all by
+        default); frees their space in the ring. Fields by name: ``ev["ts"]``."""
+        cons, prod = self.positions()
+        records, new_cons = take_records(self._data, cons, prod, self.size - 1, self.sample, limit)
         if new_cons != cons:
             struct.pack_into("<Q", self._cons, 0, new_cons)
             self.bytes_read += new_cons - cons
-        return samples
+        return records
 
     def close(self) -> None:
         self._data.release()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import queue
 import re
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from probing.store.table import EventTable, TableStats
 
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_CHUNK_ROWS = 1 << 16
+SEAL_QUEUE = 4  # chunks waiting for the sealer thread; past that, the writer seals
 
 
 _ROOT_NAME = re.compile(r"^chunks-(\d+)-")
@@ -92,6 +94,39 @@ class Store:
         self._root_pid = 0
         self._tables: dict[tuple[str, str], EventTable] = {}
         self._lock = threading.RLock()
+        self._seal_queue: queue.SimpleQueue[tuple[EventTable, int, list[pa.RecordBatch]]] = (
+            queue.SimpleQueue()
+        )
+        self._sealer: threading.Thread | None = None
+        self._sealer_pid = 0
+        self._queued = 0
+
+    def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
+        """Hand a chunk to the sealer thread, which compresses it (the Parquet
+        and IPC writers let go of the GIL meanwhile). False when SEAL_QUEUE
+        chunks already wait: the caller seals this one itself, which bounds
+        the rows held in memory and slows a writer that outruns the sealer."""
+        with self._lock:
+            if self._queued >= SEAL_QUEUE:
+                return False
+            if self._sealer is None or self._sealer_pid != os.getpid():
+                self._sealer = threading.Thread(
+                    target=self._seal_forever, name="probing-seal", daemon=True
+                )
+                self._sealer_pid = os.getpid()
+                self._sealer.start()
+            self._queued += 1
+        self._seal_queue.put((table, chunk_id, batches))
+        return True
+
+    def _seal_forever(self) -> None:
+        while True:
+            table, chunk_id, batches = self._seal_queue.get()
+            try:
+                table._seal(chunk_id, batches)  # never raises: a failure is counted there
+            finally:
+                with self._lock:
+                    self._queued -= 1
 
     def chunk_root(self) -> str:
         """This process's chunk directory, created on first use."""
@@ -157,6 +192,10 @@ class Store:
         """In a forked child: fresh locks, and the chunks hard-linked into a
         directory of the child's own, so the two processes never share files."""
         self._lock = threading.RLock()
+        # the parent's sealer thread is not in this process; what it had
+        # queued is pending again in each table (EventTable.reinit_after_fork)
+        self._seal_queue = queue.SimpleQueue()
+        self._sealer, self._queued = None, 0
         old_root = self._root
         self._root = None
         for t in self._tables.values():
