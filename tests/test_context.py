@@ -83,7 +83,7 @@ def test_the_probe_module_state_is_one_slot() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "probing"
-    core = ["probe", "store", "engine", "tables", "cluster", "bpf/tracer.py", "bpf/pystacks.py"]
+    core = ["probe", "store", "engine", "tables", "cluster", "bpf"]
     found = []
     paths = [root / p for p in core if p.endswith(".py")]
     paths += [f for p in core if not p.endswith(".py") for f in (root / p).glob("**/*.py")]
@@ -92,3 +92,23 @@ def test_the_probe_module_state_is_one_slot() -> None:
             if isinstance(node, ast.Global):
                 found += [f"{path.relative_to(root)}:{name}" for name in node.names]
     assert sorted(found) == ["probe/runtime.py:_context", "probe/runtime.py:_lock"]
+
+
+def test_two_probes_tracers_share_no_helper_and_no_stacks() -> None:
+    """Each tracer has its own helper process for what it attaches, and each
+    store its own record of the stacks already in python.stacks."""
+    from probing.bpf.pystacks import STACKS_SCHEMA, PyStacks
+    from probing.bpf.tracer import Tracer
+
+    a, b = ProbeContext(), ProbeContext()
+    ta, tb = Tracer(["gloo"], store=a.store), Tracer(["gloo"], store=b.store)
+    assert ta.holder is not tb.holder and ta.holder.pid is None  # started by start()
+    row = {"stack_id": [7], "depth": [0], "file": ["x.py"], "func": ["f"], "line": [1],
+           "user": [True]}  # fmt: skip
+    a.store.table("python", "stacks", STACKS_SCHEMA).append_batch(
+        pa.RecordBatch.from_pydict(row, schema=STACKS_SCHEMA)
+    )
+    sa, sb = PyStacks(a.store), PyStacks(b.store)
+    assert sa.known == {7} and sb.known == set()
+    sa.known.add(8)  # a collector beside it (the sampler) shares the tracer's
+    assert PyStacks(a.store, sa.known).known is sa.known and sb.known == set()

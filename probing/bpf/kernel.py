@@ -30,17 +30,24 @@ MAP_DELETE_ELEM = 3
 MAP_GET_NEXT_KEY = 4
 PROG_LOAD = 5
 OBJ_GET_INFO_BY_FD = 15
+RAW_TRACEPOINT_OPEN = 17
 LINK_CREATE = 28
 LINK_GET_FD_BY_ID = 30
 LINK_GET_NEXT_ID = 31
 
 PROG_TYPE_KPROBE = 2  # uprobes are kprobe-type programs
+PROG_TYPE_TRACEPOINT = 5
+PROG_TYPE_PERF_EVENT = 7
+PROG_TYPE_RAW_TRACEPOINT = 17
 MAP_TYPE_PROG_ARRAY = 3
 TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type
 LINK_TYPE_UPROBE_MULTI = 12  # enum bpf_link_type
 F_UPROBE_MULTI_RETURN = 1
 PSEUDO_MAP_FD = 1  # src_reg of a ld_imm64 that loads a map by fd
 
+PERF_TYPE_SOFTWARE = 1
+PERF_TYPE_TRACEPOINT = 2
+PERF_COUNT_SW_CPU_CLOCK = 0
 PERF_EVENT_IOC_ENABLE = 0x2400
 PERF_EVENT_IOC_SET_BPF = 0x40042408
 PERF_FLAG_FD_CLOEXEC = 8
@@ -98,6 +105,10 @@ class InfoAttr(ctypes.Structure):
         ("info_len", ctypes.c_uint32),
         ("info", ctypes.c_uint64),
     ]
+
+
+class RawTracepointAttr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32)]
 
 
 class IdAttr(ctypes.Structure):
@@ -268,15 +279,17 @@ def prog_load(
     name: str,
     insns: bytes,
     *,
+    prog_type: int = PROG_TYPE_KPROBE,
     license: bytes = b"GPL",
     kern_version: int = 0,
     expected_attach_type: int = 0,
 ) -> int:
-    """Load a kprobe-type program; the verifier's log is in the error."""
+    """Load a program (a kprobe-type one unless told); the verifier's log is
+    in the error."""
     buf = ctypes.create_string_buffer(insns, len(insns))
     lic = ctypes.create_string_buffer(license)
     attr = ProgLoadAttr(
-        prog_type=PROG_TYPE_KPROBE,
+        prog_type=prog_type,
         insn_cnt=len(insns) // 8,
         insns=ctypes.addressof(buf),
         license=ctypes.addressof(lic),
@@ -380,27 +393,108 @@ def _pmu() -> tuple[int, int]:
     return kind, bit
 
 
+def perf_event_bpf(prog_fd: int, attr: PerfEventAttr, pid: int, cpu: int, what: str) -> int:
+    """A perf event opened from ``attr`` for ``pid`` on ``cpu`` (-1: any),
+    running ``prog_fd`` at each of its samples or hits."""
+    attr.size = ctypes.sizeof(PerfEventAttr)
+    fd = _libc.syscall(
+        ctypes.c_long(_numbers()[1]), ctypes.byref(attr), ctypes.c_int(pid), ctypes.c_int(cpu),
+        ctypes.c_int(-1), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC),
+    )  # fmt: skip
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise BPFError(err, f"perf_event_open({what}): {os.strerror(err)}")
+    for request, arg in ((PERF_EVENT_IOC_SET_BPF, prog_fd), (PERF_EVENT_IOC_ENABLE, 0)):
+        if _libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(request), ctypes.c_int(arg)) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise BPFError(err, f"attaching to {what}: {os.strerror(err)}")
+    return int(fd)
+
+
 def perf_uprobe(prog_fd: int, path: str, offset: int, pid: int, ret: bool) -> int:
     """A uprobe perf event at ``path``+``offset`` for ``pid``, running ``prog_fd``."""
     kind, bit = _pmu()
     c_path = ctypes.create_string_buffer(path.encode())
     attr = PerfEventAttr(
-        type=kind, size=ctypes.sizeof(PerfEventAttr), config=(1 << bit) if ret else 0,
-        sample_period=1, wakeup_events=1, config1=ctypes.addressof(c_path), config2=offset,
+        type=kind, config=(1 << bit) if ret else 0, sample_period=1, wakeup_events=1,
+        config1=ctypes.addressof(c_path), config2=offset,
     )  # fmt: skip
-    fd = _libc.syscall(
-        ctypes.c_long(_numbers()[1]), ctypes.byref(attr), ctypes.c_int(pid), ctypes.c_int(-1),
-        ctypes.c_int(-1), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC),
+    return perf_event_bpf(prog_fd, attr, pid, -1, f"uprobe {path}+{offset:#x}")
+
+
+def cpu_clock(prog_fd: int, cpu: int, period_ns: int) -> int:
+    """A CPU-clock sampling event on ``cpu`` (every task), running ``prog_fd``
+    every ``period_ns`` of that CPU's time."""
+    attr = PerfEventAttr(
+        type=PERF_TYPE_SOFTWARE, config=PERF_COUNT_SW_CPU_CLOCK, sample_period=period_ns
+    )
+    return perf_event_bpf(prog_fd, attr, -1, cpu, f"cpu-clock on CPU {cpu}")
+
+
+def tracepoint_id(category: str, name: str) -> int:
+    """The perf id of a tracepoint (tracefs ``events/<category>/<name>/id``)."""
+    from probing import checks
+
+    base = checks.tracefs_dir() or "/sys/kernel/tracing"
+    path = os.path.join(base, "events", category, name, "id")
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError) as err:
+        raise BPFError(errno.ENOENT, f"no tracepoint {category}:{name} ({path}: {err})") from None
+
+
+def tracepoint_field(category: str, name: str, field: str) -> int:
+    """The offset of ``field`` in a tracepoint's record (its tracefs ``format``)."""
+    from probing import checks
+
+    base = checks.tracefs_dir() or "/sys/kernel/tracing"
+    path = os.path.join(base, "events", category, name, "format")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as err:
+        raise BPFError(errno.ENOENT, f"no tracepoint {category}:{name} ({path}: {err})") from None
+    for line in text.splitlines():  # "field:pid_t pid;	offset:24;	size:4;	signed:1;"
+        parts = dict(p.strip().split(":", 1) for p in line.split(";") if ":" in p)
+        decl = parts.get("field", "").split()
+        if decl and decl[-1] == field and "offset" in parts:
+            return int(parts["offset"])
+    raise BPFError(errno.ENOENT, f"tracepoint {category}:{name} has no field {field}")
+
+
+def tracepoint(prog_fd: int, category: str, name: str) -> int:
+    """A tracepoint perf event running ``prog_fd`` at every hit, on every CPU
+    (the program hangs on the tracepoint, not on the CPU it was opened on)."""
+    attr = PerfEventAttr(
+        type=PERF_TYPE_TRACEPOINT, config=tracepoint_id(category, name), sample_period=1,
+        wakeup_events=1,
     )  # fmt: skip
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise BPFError(err, f"perf_event_open(uprobe {path}+{offset:#x}): {os.strerror(err)}")
-    for request, arg in ((PERF_EVENT_IOC_SET_BPF, prog_fd), (PERF_EVENT_IOC_ENABLE, 0)):
-        if _libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(request), ctypes.c_int(arg)) < 0:
-            err = ctypes.get_errno()
-            os.close(fd)
-            raise BPFError(err, f"attaching to uprobe {path}+{offset:#x}: {os.strerror(err)}")
-    return int(fd)
+    return perf_event_bpf(prog_fd, attr, -1, 0, f"tracepoint {category}:{name}")
+
+
+def raw_tracepoint(prog_fd: int, name: str) -> int:
+    """A raw tracepoint link (``BPF_RAW_TRACEPOINT_OPEN``) running ``prog_fd``."""
+    c_name = ctypes.create_string_buffer(name.encode())
+    try:
+        return bpf(RAW_TRACEPOINT_OPEN, RawTracepointAttr(ctypes.addressof(c_name), prog_fd))
+    except BPFError as err:
+        raise BPFError(err.errno, f"raw tracepoint {name}: {err.strerror}") from None
+
+
+def online_cpus() -> list[int]:
+    """The online CPUs ("0-3,6")."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            text = f.read().strip()
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
 
 
 def iter_insns(insns: bytes) -> Iterator[tuple[int, int, int, int]]:

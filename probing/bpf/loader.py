@@ -30,7 +30,9 @@ import base64
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import fcntl
+import functools
 import hashlib
 import importlib.resources
 import importlib.util
@@ -227,7 +229,7 @@ def _bcc_identity() -> str:
         return spec.origin
 
 
-def cache_key(source: str, family_h: str, cflags: Iterable[str]) -> str:
+def cache_key(source: str, family_h: str | None, cflags: Iterable[str]) -> str:
     """Everything the bytecode depends on: the sources (every header too),
     the flags, the kernel, BCC."""
     h = hashlib.sha256(f"probing-bpf {FORMAT}\0".encode())
@@ -236,27 +238,31 @@ def cache_key(source: str, family_h: str, cflags: Iterable[str]) -> str:
             if name.endswith((".h", ".c")):
                 with open(os.path.join(src, name), "rb") as f:
                     h.update(name.encode() + b"\0" + f.read() + b"\0")
-    for part in (source, family_h, *cflags, os.uname().release, os.uname().machine):
+    for part in (source, family_h or "-", *cflags, os.uname().release, os.uname().machine):
         h.update(part.encode() + b"\0")
     h.update(_bcc_identity().encode())
     return h.hexdigest()[:32]
 
 
-def _compile(source: str, family_h: str, cflags: list[str], key: str) -> Compiled:
-    """BCC compiles; we keep the bytecode with map numbers for map fds."""
+def _compile(source: str, family_h: str | None, cflags: list[str], key: str) -> Compiled:
+    """BCC compiles; we keep the bytecode with map numbers for map fds.
+    ``family_h`` None: ``source`` alone, without the families' preamble."""
     from bcc import BPF  # type: ignore[import-not-found]
     from bcc.libbcc import lib  # type: ignore[import-not-found]
 
     with program_dir() as src:
-        with open(os.path.join(src, "preamble.c")) as f:
-            text = f.read()
+        flags = [f"-I{src}"]
+        text = ""
+        if family_h is not None:
+            with open(os.path.join(src, "preamble.c")) as f:
+                text = f.read()
+            flags += [f'-DPROBING_FAMILY_H="{family_h}"', f"-DPROBING_HANDLERS={HANDLERS}"]
         with open(os.path.join(src, source)) as f:
             text += f'\n#line 1 "{source}"\n' + f.read()
-        flags = [f"-I{src}", f'-DPROBING_FAMILY_H="{family_h}"', f"-DPROBING_HANDLERS={HANDLERS}"]
         try:
             with BCC_LOCK:
                 bpf = BPF(text=text.encode(), cflags=[*flags, *cflags])
-        except Exception as err:  # BCC raises plain Exception
+        except Exception as err:  # noqa: BLE001 - BCC raises plain Exception
             raise BPFUnavailable(
                 f"BCC could not compile {source}: {err}",
                 hint="run `probing doctor` to see what is missing",
@@ -297,9 +303,11 @@ def _compile(source: str, family_h: str, cflags: list[str], key: str) -> Compile
         bpf.cleanup()
 
 
-def obtain(source: str, family_h: str, cflags: list[str]) -> tuple[Compiled, bool]:
+def obtain(source: str, family_h: str | None, cflags: list[str]) -> tuple[Compiled, bool]:
     """The compiled program, from the node's cache or compiled now (once:
-    concurrent callers wait on a lock, then read). Also: whether it was cached."""
+    concurrent callers wait on a lock, then read). Also: whether it was cached.
+    ``family_h``: the family's header, with the families' preamble in front;
+    None for a program that stands alone (the sampler)."""
     key = cache_key(source, family_h, cflags)
     directory = cache_dir()
     path = os.path.join(directory, f"{source.removesuffix('.bpf.c')}-{key}.json")
@@ -402,35 +410,35 @@ class Map:
                 del self[k]
 
 
-_multi: bool | None = None
-
-
 def has_uprobe_multi() -> bool:
-    """Whether this kernel has multi-uprobe links (libbpf's probe: a link on
-    "/" fails with EBADF where the attach type exists)."""
-    global _multi
+    """Whether multi-uprobe links are used: the kernel has them, and
+    ``PROBING_UPROBE_MULTI`` does not turn them off."""
     from probing import config
 
     if config.load().uprobe_multi.strip().lower() in config.FALSY:
         return False
-    if _multi is None:
-        exit_now = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
-        try:
-            fd = kernel.prog_load(
-                "probing_probe", exit_now, expected_attach_type=kernel.TRACE_UPROBE_MULTI
-            )
-        except kernel.BPFError:
-            _multi = False
-            return False
-        try:
-            kernel.uprobe_multi_link(fd, "/", [0], [0], 0, False)
-        except kernel.BPFError as err:
-            _multi = err.errno == 9  # EBADF
-        else:
-            _multi = True
-        finally:
-            os.close(fd)
-    return _multi
+    return kernel_has_uprobe_multi()
+
+
+@functools.cache
+def kernel_has_uprobe_multi() -> bool:
+    """Whether this kernel has multi-uprobe links (libbpf's probe: a link on
+    "/" fails with EBADF where the attach type exists). A fact about the
+    running kernel, the same for the life of the process: cached, not state."""
+    exit_now = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+    try:
+        fd = kernel.prog_load(
+            "probing_probe", exit_now, expected_attach_type=kernel.TRACE_UPROBE_MULTI
+        )
+    except kernel.BPFError:
+        return False
+    try:
+        os.close(kernel.uprobe_multi_link(fd, "/", [0], [0], 0, False))
+    except kernel.BPFError as err:
+        return err.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    return True
 
 
 @dataclasses.dataclass
@@ -447,9 +455,10 @@ class Program:
     """A compiled family in the kernel: its maps, its programs (loaded when
     first attached) and what is attached."""
 
-    def __init__(self, compiled: Compiled, *, multi: bool) -> None:
+    def __init__(self, compiled: Compiled, *, multi: bool, holder: Holder | None = None) -> None:
         self.compiled = compiled
         self.multi = multi
+        self.holder = holder  # takes what attaches (None: this process keeps it)
         self.maps: dict[str, Map] = {}
         self._progs: dict[str, int] = {}
         self._slots: dict[str, int] = {}
@@ -459,14 +468,16 @@ class Program:
         try:
             for d in compiled.maps:
                 self.maps[d.spec.name] = Map(kernel.map_create(d.spec), d)
-        except BaseException:
+        except (OSError, ProbingError):
             self.close()
             raise
 
     def __getitem__(self, name: str) -> Map:
         return self.maps[name]
 
-    def prog_fd(self, name: str) -> int:
+    def prog_fd(self, name: str, prog_type: int = kernel.PROG_TYPE_KPROBE) -> int:
+        """The loaded program ``name`` (loaded now the first time), as a uprobe
+        program unless ``prog_type`` says otherwise."""
         fd = self._progs.get(name)
         if fd is None:
             try:
@@ -478,12 +489,14 @@ class Program:
                 fd_m = self.maps[self.compiled.maps[m].spec.name].map_fd
                 code[8 * idx + 1] = (code[8 * idx + 1] & 0x0F) | (kernel.PSEUDO_MAP_FD << 4)
                 code[8 * idx + 4 : 8 * idx + 8] = fd_m.to_bytes(4, "little")
+            uprobe = prog_type == kernel.PROG_TYPE_KPROBE
             fd = kernel.prog_load(
                 name,
                 bytes(code),
+                prog_type=prog_type,
                 license=self.compiled.license.encode(),
                 kern_version=self.compiled.kern_version,
-                expected_attach_type=kernel.TRACE_UPROBE_MULTI if self.multi else 0,
+                expected_attach_type=kernel.TRACE_UPROBE_MULTI if self.multi and uprobe else 0,
             )
             self._progs[name] = fd
         return fd
@@ -538,11 +551,21 @@ class Program:
                     done.probes.append((handler, sym, kind))
                     results.append((sym, kind, True, None))
             if done.fds:
-                holder().give(done.fds)
+                self.keep(done)
+        return results
+
+    def keep(self, done: Attached) -> None:
+        """What attached stays attached: its fds go to the holder process,
+        or stay with us (``attached``) without one."""
+        if self.holder is not None and done.fds:
+            try:
+                self.holder.give(done.fds)
+            except OSError:  # the holder is gone or closed: we keep them
+                pass
+            else:
                 self.held += len(done.fds)
                 done.fds = []
-                self.attached.append(done)
-        return results
+        self.attached.append(done)
 
     def detach(self) -> None:
         """Every uprobe off, released from several threads at once: each
@@ -552,8 +575,8 @@ class Program:
             self.attached = []
             held, self.held = self.held, 0
         close_all(fds)
-        if held and _holder is not None:
-            _holder.drop()
+        if held and self.holder is not None:
+            self.holder.drop()
 
     def close(self) -> None:
         """Detach, then free the programs and maps. Safe twice."""
@@ -561,21 +584,32 @@ class Program:
         progs, self._progs, self._slots = list(self._progs.values()), {}, {}
         maps, self.maps = [m.map_fd for m in self.maps.values()], {}
         for fd in progs + maps:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            os.close(fd)
 
 
 HOLDER_CODE = """
-import os, socket, sys, threading
+import os, select, socket, sys, threading
 s = socket.socket(fileno=int(sys.argv[1]))
+poll = select.poll()
+poll.register(s, select.POLLIN)
+try:  # the traced process: once it is gone, however it died, let go
+    parent = os.pidfd_open(int(sys.argv[2]))
+    poll.register(parent, select.POLLIN)
+    alive = os.getppid() == int(sys.argv[2])
+except OSError:
+    alive = False
 held = []
-while True:
-    try:
-        msg, fds, _, _ = socket.recv_fds(s, 64, 1024)
-    except OSError:
-        msg, fds = b"", []
+while alive:
+    msg, fds = b"", []
+    if s.fileno() in {fd for fd, _ in poll.poll()}:
+        try:
+            msg, fds, _, _ = socket.recv_fds(s, 64, 1024)
+        except OSError:
+            pass
     held += fds
-    if msg in (b"", b"drop"):  # the tracer stopped, or its process is gone
+    if msg == b"sync":  # everything sent before is ours now
+        s.send(b"ok")
+    elif msg in (b"", b"drop"):  # a stop, closed by the tracer, or its process is gone
         # released at once: concurrent releases of links share a grace period
         closing = [threading.Thread(target=os.close, args=(fd,)) for fd in held[:16]]
         for t in closing:
@@ -585,71 +619,101 @@ while True:
         for t in closing:
             t.join()
         held = []
-        if not msg:
-            break
+        alive = alive and msg == b"drop"
 """
 
 
 class Holder:
-    """A helper process holding this process's perf-event uprobes, so that
-    neither a stop nor the process's exit waits for their release: told to
-    let go, or seeing the socket close (the traced process exited, however
-    it died), it closes them one by one, then (on close) exits."""
+    """A helper process holding the links and perf events a tracer attached,
+    so that neither a stop nor the process's exit waits for their release
+    (each pays an RCU grace period). Told to let go (``drop``), closed
+    (``close``), or seeing its traced process gone (a pidfd: however it
+    died, and whatever forked children still hold this end of the socket),
+    it closes them from several threads at once; closed or orphaned, it
+    exits. Started at the first ``give``; one per tracer."""
 
     def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _start_locked(self) -> socket.socket:
+        if self._closed:
+            raise OSError(errno.EPIPE, "the holder process was closed")
+        if self.sock is not None and self.proc is not None and self.proc.poll() is None:
+            return self.sock
+        if self.sock is not None:
+            self.sock.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", HOLDER_CODE, str(theirs.fileno())],
+                [sys.executable, "-I", "-S", "-c", HOLDER_CODE, str(theirs.fileno()),
+                 str(os.getpid())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
+        except OSError:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.sock = ours
+        return ours
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        """Start the helper now (it starts at the first ``give`` otherwise):
+        its interpreter starts while the programs load."""
+        with self._lock:
+            self._start_locked()
+
+    def sync(self, timeout: float = 5.0) -> bool:
+        """Wait until the helper has taken every fd given so far (they are in
+        no process's table while in the socket). False if it did not say so."""
+        with self._lock:
+            if self.sock is None:
+                return True
+            try:
+                self.sock.send(b"sync")
+                self.sock.settimeout(timeout)
+                try:
+                    return self.sock.recv(16) == b"ok"
+                finally:
+                    self.sock.settimeout(None)
+            except OSError:  # gone, or too slow: it takes them when it can
+                return False
 
     def give(self, fds: list[int]) -> None:
-        """The holder takes ``fds`` (closed here: its copies are the only ones)."""
-        for i in range(0, len(fds), 64):
-            socket.send_fds(self.sock, [b"fds"], fds[i : i + 64])
+        """The holder takes ``fds`` (closed here: its copies are the only ones).
+        ``OSError`` when it cannot: the fds stay ours."""
+        with self._lock:
+            sock = self._start_locked()
+            for i in range(0, len(fds), 64):
+                socket.send_fds(sock, [b"fds"], fds[i : i + 64])
         for fd in fds:
             os.close(fd)
 
     def drop(self) -> None:
-        self.sock.send(b"drop")
+        """Let go of everything given so far (in the background)."""
+        with self._lock:
+            if self.sock is not None:
+                with contextlib.suppress(OSError):  # gone: what it held went with it
+                    self.sock.send(b"drop")
 
-
-_holder: Holder | None = None
-_holder_lock = threading.Lock()
-
-
-def holder() -> Holder:
-    global _holder
-    with _holder_lock:
-        if _holder is None or _holder.proc.poll() is not None:
-            _holder = Holder()
-        return _holder
-
-
-def holder_pid() -> int | None:
-    return _holder.pid if _holder is not None else None
-
-
-def _forget_holder_in_child() -> None:
-    """A forked child keeps no end of the parent's holder socket: the
-    holder lets go when the parent's process is gone, children or not."""
-    global _holder, _holder_lock
-    if _holder is not None:
-        with contextlib.suppress(OSError):
-            _holder.sock.close()
-    _holder, _holder_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_holder_in_child)
+    def close(self) -> None:
+        """Let go of everything and exit (in the background). Safe twice."""
+        with self._lock:
+            self._closed = True
+            sock, self.sock = self.sock, None
+            if sock is not None:
+                sock.close()
+            if self.proc is not None and self.proc.poll() is None:
+                # reaped by a thread of ours, or it would stay a zombie
+                threading.Thread(target=self.proc.wait, name="probing-holder", daemon=True).start()
 
 
 def close_all(fds: list[int]) -> None:

@@ -49,7 +49,6 @@ FROM (
 """
 
 _LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))})
-_known: dict[int, set[int]] = {}  # id(store) -> stack ids already in its python.stacks
 
 
 def is_user_file(path: str) -> bool:
@@ -62,15 +61,25 @@ def is_user_file(path: str) -> bool:
 
 
 class PyStacks:
-    def __init__(self, store: Any) -> None:
+    """``known``: the stack ids already in the store's python.stacks, shared
+    by the collectors that write there together (a tracer and its sampler);
+    by default read from the table, so a stack is stored once per store
+    across tracers, and again once its rows were retired."""
+
+    def __init__(self, store: Any, known: set[int] | None = None) -> None:
         self.interp = remote.this_interpreter()
         self.offsets = self.interp.offsets
         self.resolver = walker.Resolver(self.interp.mem, self.offsets)
         self.table = store.table("python", "stacks", STACKS_SCHEMA)
-        self.known = _known.setdefault(id(store), set())
+        if known is None:
+            ids = self.table.to_arrow().column("stack_id").unique()
+            known = {int(i) for i in ids.to_pylist() if i is not None}
+        self.known = known
         self.threads: dict[int, int] = {}  # native tid -> PyThreadState* in the maps
         self._stored: dict[int, int] = {}  # id(bpf) -> lookups since its map was cleared
         self.resolved = 0
+        self.hook_errors = 0  # threads the start hook could not register (see hook_threads)
+        self.last_hook_error: str | None = None
 
     def cflags(self, hot: bool = False) -> list[str]:
         """The -D flags; ``hot``: kernel launches and async copies walk too."""
@@ -102,8 +111,13 @@ class PyStacks:
             original(thread)
             try:
                 collector.register_current(bpfs())
-            except Exception:  # never into the user's thread
-                pass
+            except Exception as err:  # noqa: BLE001
+                # this runs in the user's new thread, before its target: a
+                # failure of ours (a map closed by a stop meanwhile, or a bug)
+                # must not kill it; counted, and the thread is picked up by
+                # the next sync instead
+                collector.hook_errors += 1
+                collector.last_hook_error = f"{type(err).__name__}: {err}"
 
         _set_native_id.__probing_original__ = original  # type: ignore[attr-defined]
         threading.Thread._set_native_id = _set_native_id  # type: ignore[attr-defined]

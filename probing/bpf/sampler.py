@@ -1,21 +1,25 @@
 """Where this process's threads spend their wall-clock time, by Python stack.
 
-``Sampler`` loads ``programs/sampler.bpf.c`` while the tracer traces: CPU-clock
-perf events sample what runs on every CPU (``SAMPLE_HZ``) and the
-``sched_switch`` raw tracepoint charges the time each thread of this process
-spends off a CPU to the stack it left with, as blocked (``off``) or waiting
-for a CPU (``runq``: it left runnable). The kernel keeps running totals per
-(thread, stack, kind); a thread of ours reads them every ``interval_s`` and
-appends the differences to ``python.samples``, plus one ``tick`` row per read
-(its ``dur_ns``: the wall time that read covers). Stacks resolve into
-``python.stacks`` like the families' (``PyStacks``). The probe's own threads
-are left out. ``PROBING_SAMPLE_HZ=0`` turns sampling off.
+``Sampler`` loads ``programs/sampler.bpf.c`` while the tracer traces, the
+way the families load: compiled by BCC once per node (``loader.obtain``),
+then loaded with bpf() and attached with perf_event_open and
+``BPF_RAW_TRACEPOINT_OPEN``. CPU-clock perf events sample what runs on
+every CPU (``SAMPLE_HZ``); the ``sched_switch`` raw tracepoint charges the
+time each thread of this process spends off a CPU to the stack it left
+with, and the ``sched_wakeup`` tracepoints split it: blocked (``off``) until
+it was woken, then waiting for a CPU (``runq``), as is all of a preempted
+thread's wait. The kernel keeps running totals per (thread, stack, kind); a
+thread of ours reads them every ``interval_s`` and appends the differences
+to ``python.samples``, plus one ``tick`` row per read (its ``dur_ns``: the
+wall time that read covers). Stacks resolve into ``python.stacks`` like the
+families' (``PyStacks``). The probe's own threads are left out.
+``PROBING_SAMPLE_HZ=0`` turns sampling off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import importlib.resources
 import os
 import threading
 import time
@@ -54,21 +58,30 @@ def sample_hz() -> int:
 
 class Sampler:
     def __init__(
-        self, store: Any, *, hz: int = SAMPLE_HZ, interval_s: float = DEFAULT_INTERVAL_S
+        self,
+        store: Any,
+        *,
+        hz: int = SAMPLE_HZ,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        holder: Any = None,
+        known: set[int] | None = None,
     ) -> None:
         from probing.bpf.pystacks import PyStacks
 
         self.store = store
+        self.holder = holder  # loader.Holder: keeps the perf events (None: we do)
+        self.cached = False  # the program came from the node's cache
         self.hz = hz
         self.period_ns = 1_000_000_000 // max(hz, 1)
         self.interval_s = interval_s
         self.pid = os.getpid()
         self.table = store.table("python", "samples", SCHEMA)
-        self.py = PyStacks(store)
+        self.py = PyStacks(store, known)
         self.bpf: Any = None
         self.reads = 0
         self.dropped = 0
         self.last_error: str | None = None
+        self.read_errors = 0
         self._prev: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._last_read = 0
         self._ours: set[int] = set()  # the probe's own threads, left out
@@ -77,46 +90,64 @@ class Sampler:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        from bcc import BPF, PerfSWConfig, PerfType  # type: ignore[import-not-found]
+        """Load (from the node's cache: BCC runs once per node) and attach."""
+        from probing.bpf import kernel, loader
 
-        ref = importlib.resources.files("probing.bpf") / "programs"  # bpf/*.bpf.c
-        with importlib.resources.as_file(ref) as src:
-            cflags = [
-                f"-I{src}",
-                f"-DTARGET_TGID={self.pid}",
-                f"-DSAMPLE_NS={self.period_ns}ULL",
-                f"-DSAMPLES_MAX={SAMPLES_MAX}",
-                "-Wno-unused-function",
-                *self.py.cflags(),
-            ]
-            try:
-                bpf = BPF(src_file=os.path.join(src, "sampler.bpf.c").encode(), cflags=cflags)
-            except Exception as err:  # BCC raises plain Exception
-                raise BPFUnavailable(
-                    f"BCC could not compile sampler.bpf.c: {err}",
-                    pid=self.pid,
-                    hint="run `probing doctor`; PROBING_SAMPLE_HZ=0 traces without sampling",
-                ) from err
-        import atexit
-
-        atexit.unregister(bpf.cleanup)
+        wakeup_pid = 24  # sched_wakeup's pid (its tracefs format says, where it can)
+        with contextlib.suppress(kernel.BPFError):
+            wakeup_pid = kernel.tracepoint_field("sched", "sched_wakeup", "pid")
+        cflags = [
+            f"-DSAMPLES_MAX={SAMPLES_MAX}",
+            f"-DWAKEUP_PID_OFF={wakeup_pid}",
+            "-Wno-unused-function",
+            *self.py.cflags(),
+        ]
         try:
-            bpf.attach_perf_event(
-                ev_type=PerfType.SOFTWARE,
-                ev_config=PerfSWConfig.CPU_CLOCK,
-                fn_name=b"on_cpu",
-                sample_period=self.period_ns,
-            )
-        except Exception as err:
-            bpf.cleanup()
+            compiled, self.cached = loader.obtain("sampler.bpf.c", None, cflags)
+        except BPFUnavailable as err:
             raise BPFUnavailable(
-                f"cannot open CPU-clock perf events: {err}",
-                pid=self.pid,
-                hint="check /proc/sys/kernel/perf_event_paranoid; PROBING_SAMPLE_HZ=0 "
-                "traces without sampling",
-            ) from err
-        self.bpf = bpf
-        self.py.sync([bpf])
+                str(err), pid=self.pid,
+                hint="run `probing doctor`; PROBING_SAMPLE_HZ=0 traces without sampling",
+            ) from err  # fmt: skip
+        prog = loader.Program(compiled, multi=False, holder=self.holder)
+        attached = False
+        try:
+            cfg = prog["config"]
+            cfg[ctypes.c_int(0)] = cfg.Leaf(tgid=self.pid, sample_ns=self.period_ns)
+            fds: list[int] = []
+            try:
+                on_cpu = prog.prog_fd("on_cpu", kernel.PROG_TYPE_PERF_EVENT)
+                fds += [kernel.cpu_clock(on_cpu, c, self.period_ns) for c in kernel.online_cpus()]
+            except kernel.BPFError as err:
+                loader.close_all(fds)
+                raise BPFUnavailable(
+                    f"cannot open CPU-clock perf events: {err}",
+                    pid=self.pid,
+                    hint="check /proc/sys/kernel/perf_event_paranoid; PROBING_SAMPLE_HZ=0 "
+                    "traces without sampling",
+                ) from err
+            switch = prog.prog_fd("raw_tracepoint__sched_switch", kernel.PROG_TYPE_RAW_TRACEPOINT)
+            try:
+                fds.append(kernel.raw_tracepoint(switch, "sched_switch"))
+            except kernel.BPFError as err:
+                loader.close_all(fds)
+                raise BPFUnavailable(f"no off-CPU time: {err}", pid=self.pid) from err
+            for name, fn in (("sched_wakeup", "on_wakeup"), ("sched_wakeup_new", "on_wakeup_new")):
+                try:  # without them, the wait for a CPU after a wake-up counts as blocked
+                    fd = prog.prog_fd(fn, kernel.PROG_TYPE_TRACEPOINT)
+                    fds.append(kernel.tracepoint(fd, "sched", name))
+                except kernel.BPFError as err:
+                    self.last_error = f"no wake-ups ({name}): {err}"
+            # the holder process keeps them: a tracepoint's perf event waits for
+            # an RCU grace period when it goes, and neither a stop nor an exit
+            # should wait for that
+            prog.keep(loader.Attached("sampler", fds, []))
+            attached = True
+        finally:
+            if not attached:
+                prog.close()
+        self.bpf = prog
+        self.py.sync([prog])
         self._last_read = time.monotonic_ns()
         self.table.add_before_read(self.read)
         self._thread = threading.Thread(target=self._run, name="probing-sampler", daemon=True)
@@ -134,13 +165,17 @@ class Sampler:
             with self._lock:
                 bpf, self.bpf = self.bpf, None
             if bpf is not None:
-                bpf.cleanup()
+                bpf.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.read()
-            except Exception as err:  # never reaches the host; shown in status
+            except Exception as err:  # noqa: BLE001
+                # this thread runs inside the traced job: a failed read (a bug
+                # too) must not end sampling or reach the host; counted, shown
+                # in status, and the next read tries again
+                self.read_errors += 1
                 self.last_error = f"{type(err).__name__}: {err}"
 
     def read(self) -> int:
@@ -188,7 +223,8 @@ class Sampler:
 
     def status(self) -> dict[str, Any]:
         return {"hz": self.hz, "reads": self.reads, "dropped": self.dropped,
-                "last_error": self.last_error}  # fmt: skip
+                "read_errors": self.read_errors, "last_error": self.last_error,
+                "cached": self.cached}  # fmt: skip
 
 
 def start_for(tracer: Any) -> Sampler | None:
@@ -200,7 +236,7 @@ def start_for(tracer: Any) -> Sampler | None:
     if not hz or not tracer.stacks or tracer._py is None:
         return None
     try:
-        s = Sampler(tracer.store, hz=hz)
+        s = Sampler(tracer.store, hz=hz, holder=tracer.holder, known=tracer._py.known)
         s.start()
         return s
     except ProbingError as err:

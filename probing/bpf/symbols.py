@@ -22,8 +22,12 @@ import re
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.hash import ELFHashSection, GNUHashSection
+
+# what reading a library's symbols raises: unreadable, or not a well-formed ELF
+ELF_ERRORS = (OSError, ValueError, ELFError)
 
 
 @functools.cache
@@ -228,7 +232,7 @@ class Symbolizer:
             if syms is False:
                 try:
                     syms = _FileSymbols(m.path)
-                except (OSError, ValueError, Exception):  # not an ELF, unreadable
+                except ELF_ERRORS:  # not an ELF, unreadable
                     syms = None
                 self._files[m.path] = syms
             if syms is not None:

@@ -33,6 +33,7 @@ from probing.bpf.pystacks import PyStacks
 from probing.bpf.ringbuf import RingReader
 from probing.bpf.state import TracerState
 from probing.bpf.symbols import (
+    ELF_ERRORS,
     Mapping,
     RuntimeNames,
     Symbolizer,
@@ -144,6 +145,7 @@ class Tracer:
         self.started_ns = 0
         self.stopped_ns = 0
         self.last_error: str | None = None
+        self.tick_errors = 0  # the drain thread's ticks that failed (last_error says why)
         self._live: list[_Live] = []
         self._all: list[_Live] = []  # every family loaded, for status after stop
         self._decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
@@ -157,6 +159,8 @@ class Tracer:
         self._lock = threading.Lock()
         self._drain_lock = threading.Lock()  # the timer thread, stop() and callers
         self._writer = OutputWriter(output) if output else None
+        # the helper process that holds this tracer's links and perf events
+        self.holder = loader.Holder()
         # how start() went: compiled or from the cache, seconds to load and to be ready
         self.load_info: dict[str, Any] = {"cached": {}}
         for f in self.families:
@@ -173,7 +177,9 @@ class Tracer:
                 py_flags = self._py.cflags(hot=self.launch_stacks)
             except ProbingError as err:  # an unsupported CPython: trace without stacks
                 self.last_error = f"no Python stacks: {err}"
+        started = False
         try:
+            self.holder.start()  # its interpreter starts while the programs load
             multi = loader.has_uprobe_multi()
             for f in self.families:
                 cflags = [
@@ -188,13 +194,14 @@ class Tracer:
                 loader.check_dtype(
                     f"{f.name} event", f.dtype, loader.ctype_of(compiled.map("inflight").leaf)
                 )
-                bpf = loader.Program(compiled, multi=multi)
+                bpf = loader.Program(compiled, multi=multi, holder=self.holder)
+                reader = None
                 try:
                     size = f.ringbuf_pages * mmap.PAGESIZE
                     reader = RingReader(bpf["events"].map_fd, size, f.dtype)
-                except BaseException:
-                    bpf.close()
-                    raise
+                finally:
+                    if reader is None:  # it failed: this family's maps go too
+                        bpf.close()
                 self._live.append(_Live(f, bpf, reader))
                 self._all.append(self._live[-1])
             self.load_info["uprobe_multi"] = multi
@@ -203,14 +210,16 @@ class Tracer:
             if self._py is not None:
                 self._py.hook_threads(lambda: [live.bpf for live in self._live])
             self.attach_new_libraries()
+            self.holder.sync()  # what attached is held by the helper, not in flight
             self.load_info["ready_s"] = time.perf_counter() - t0
             # the helper process that holds the links or perf events (loader.Holder)
-            self.load_info["holder_pid"] = loader.holder_pid()
-        except BaseException:
-            self._detach()
-            if self._writer is not None:
-                self._writer.close()
-            raise
+            self.load_info["holder_pid"] = self.holder.pid
+            started = True
+        finally:
+            if not started:  # whatever stopped it (an interrupt too): nothing stays attached
+                self._detach()
+                if self._writer is not None:
+                    self._writer.close()
         self.state = TracerState.TRACING
         self.started_ns = time.time_ns()
         for f in self.families:  # a query sees every event committed before it
@@ -228,11 +237,10 @@ class Tracer:
     def _start_sampler(self) -> None:
         from probing.bpf import sampler
 
-        with loader.BCC_LOCK:  # the sampler compiles with BCC too
-            with self._lock:
-                if self.state is not TracerState.TRACING:
-                    return
-            started = sampler.start_for(self)
+        with self._lock:
+            if self.state is not TracerState.TRACING:
+                return
+        started = sampler.start_for(self)
         with self._lock:
             if self.state is TracerState.TRACING:
                 self.sampler = started
@@ -278,12 +286,13 @@ class Tracer:
             live.bpf.attached = []
             try:
                 live.reader.close()
-            except Exception:
-                pass
+            except (BufferError, OSError) as err:  # a view of the ring still exported
+                self.last_error = f"{live.family.name}: ring buffer: {err}"
             try:
                 live.bpf.close()
             except OSError as err:
                 self.last_error = f"{live.family.name}: detach: {err}"
+        self.holder.close()  # it lets go of what it holds, and exits
         for p in self.probes:
             p.attached = False
 
@@ -298,7 +307,12 @@ class Tracer:
                 if time.monotonic() - last_scan >= RESCAN_EVERY_S:
                     last_scan = time.monotonic()
                     self.attach_new_libraries()
-            except Exception as err:  # never reaches the host; shown in status
+            except Exception as err:  # noqa: BLE001
+                # this thread runs inside the traced job: whatever goes wrong
+                # in a tick (a bug too) must not end tracing or reach the
+                # host, so it is counted and shown in status, and the next
+                # tick tries again
+                self.tick_errors += 1
                 self.last_error = f"{type(err).__name__}: {err}"
 
     def _sync_threads(self) -> None:
@@ -366,7 +380,7 @@ class Tracer:
         f = live.family
         try:
             symbols = self._symbols(f, path)
-        except Exception as err:
+        except ELF_ERRORS as err:
             self.probes.append(Probe(f.name, path, "*", "entry", False, f"cannot read: {err}"))
             return
         if not symbols:
@@ -506,6 +520,7 @@ class Tracer:
             "launch_stacks": self._py is not None and self.launch_stacks,
             "stacks_resolved": self._py.resolved if self._py is not None else 0,
             "last_error": self.last_error,
+            "tick_errors": self.tick_errors,
             "load": self.load_info,
         }
 

@@ -1,10 +1,15 @@
 """The stack sampler on this process: on-CPU time lands on the function that
-spins, blocked time on the one that sleeps, the probe's own threads are left
-out, stacks resolve into python.stacks, and PROBING_SAMPLE_HZ turns it off.
-Root-only (BPF perf events and the sched_switch tracepoint)."""
+spins, blocked time on the one that sleeps, the wait for a CPU after a
+wake-up is run-queue time, the probe's own threads are left out, stacks
+resolve into python.stacks, and PROBING_SAMPLE_HZ turns it off. Root-only
+(BPF perf events, the sched_switch and sched_wakeup tracepoints)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections import Counter
 
@@ -57,3 +62,58 @@ def test_the_rate_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw, hz in (("", smp.SAMPLE_HZ), ("-1", smp.SAMPLE_HZ), ("0", 0), ("49", 49)):
         monkeypatch.setenv("PROBING_SAMPLE_HZ", raw)
         assert smp.sample_hz() == hz
+
+
+def nap_here(s: float) -> None:
+    time.sleep(s)
+
+
+def test_the_wait_for_a_cpu_after_a_wake_up_is_runq_not_blocked() -> None:
+    """A thread that sleeps on a CPU a spinning process shares, at a low
+    priority: after each sleep it waits for the CPU, and that wait is "runq";
+    "off" is the sleep alone."""
+    require_bpf()
+    cpu = min(os.sched_getaffinity(0))
+    spin = "import os; os.sched_setaffinity(0, {%d}); print(flush=True)\nwhile True: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin % cpu], stdout=subprocess.PIPE)
+    naps, nap_s = 20, 0.02
+    tids: list[int] = []
+    took: list[float] = []
+    go = threading.Event()
+
+    def sleeper() -> None:
+        tids.append(threading.get_native_id())
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # waits for its turn
+        go.wait()
+        t0 = time.perf_counter()
+        for _ in range(naps):
+            nap_here(nap_s)
+        took.append(time.perf_counter() - t0)
+
+    store = Store()
+    s = smp.Sampler(store)
+    try:
+        assert spinner.stdout is not None and spinner.stdout.readline()  # pinned, spinning
+        s.start()
+        t = threading.Thread(target=sleeper, name="sleeper")
+        t.start()
+        s.read()  # the thread is known to the sampler: its stacks are walked
+        go.set()
+        t.join()
+        time.sleep(0.1)  # its last wait is charged when it next leaves a CPU: it has ended
+    finally:
+        s.stop()
+        spinner.kill()
+        spinner.wait()
+    rows = store.table("python", "samples").to_arrow().to_pylist()
+    frames = store.table("python", "stacks").to_arrow().to_pylist()
+    inner = {f["stack_id"]: f["func"] for f in frames if f["depth"] == 0}
+    ms: Counter[str] = Counter()
+    for r in rows:
+        if r["tid"] == tids[0] and inner.get(r["stack_id"]) == "nap_here":
+            ms[r["kind"]] += r["dur_ns"] / 1e6
+    slept = naps * nap_s * 1e3
+    assert 0.85 * slept < ms["off"] < 1.3 * slept, (ms, slept)  # the sleeps, not the waits
+    assert ms["runq"] > 0.02 * slept, ms  # it waited for the CPU after waking
+    assert sum(ms.values()) < took[0] * 1e3 * 1.2, (ms, took)  # nothing counted twice
