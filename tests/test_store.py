@@ -147,8 +147,10 @@ def test_idle_pending_rows_are_sealed_at_the_next_read() -> None:
     assert st.chunks == 1 and st.pending_rows == 0 and st.stored_bytes < st.raw_bytes
 
 
-def test_queries_during_appends_never_see_a_row_twice() -> None:
-    """Snapshots are consistent while a writer seals chunks underneath them."""
+@pytest.mark.parametrize("defer_seal", [False, True], ids=["writer-seals", "sealer-thread"])
+def test_queries_during_appends_never_see_a_row_twice(defer_seal: bool) -> None:
+    """Snapshots are consistent while a writer (or the store's sealer thread,
+    as for the tracer's drain) seals chunks underneath them."""
     import threading
 
     store = Store(chunk_rows=3000, max_bytes=1 << 30)
@@ -163,7 +165,8 @@ def test_queries_during_appends_never_see_a_row_twice() -> None:
     def writer() -> None:
         i = 1
         while not stop.is_set() and i < 400:
-            tbl.append_batch({"seq": np.arange(i * batch, (i + 1) * batch, dtype=np.int64)})
+            rows = {"seq": np.arange(i * batch, (i + 1) * batch, dtype=np.int64)}
+            tbl.append_batch(rows, defer_seal=defer_seal)
             i += 1
 
     w = threading.Thread(target=writer)
@@ -182,6 +185,32 @@ def test_queries_during_appends_never_see_a_row_twice() -> None:
         assert r["n"] == r["d"], r  # no duplicates
         assert r["n"] % batch == 0 and r["m"] == r["n"] - 1, r  # no gaps
     assert [r["n"] for r in seen] == sorted(r["n"] for r in seen)
+
+
+def test_deferred_seals_keep_rows_readable_and_flush_waits_for_them() -> None:
+    store = Store(chunk_rows=10_000)
+    tbl = store.table("t", "d")
+    data = events(50_000)
+    for i in range(0, 50_000, 5_000):
+        tbl.append_batch(data.slice(i, 5_000), defer_seal=True)
+        assert tbl.to_arrow().num_rows == i + 5_000  # sealed, being sealed or pending
+    tbl.flush()
+    st = tbl.stats()
+    assert st.chunks == 5 and st.pending_rows == 0 and st.rows == 50_000
+    assert tbl.to_arrow().sort_by("ts").equals(data.sort_by("ts"))
+    assert st.stored_bytes < st.raw_bytes
+
+
+def test_a_writer_that_outruns_the_sealer_seals_itself(monkeypatch) -> None:
+    """Past SEAL_QUEUE chunks waiting, append_batch seals in the writer: the
+    rows held in memory stay bounded."""
+    from probing.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "SEAL_QUEUE", 0)
+    store = Store(chunk_rows=1_000)
+    tbl = store.table("t", "q")
+    tbl.append_batch(events(1_500), defer_seal=True)
+    assert tbl.stats().chunks == 1  # sealed before append_batch returned
 
 
 def test_chunk_files_live_in_one_directory_per_process(tmp_path, monkeypatch) -> None:

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,6 +153,7 @@ class Tracer:
         self._runtime_names = RuntimeNames()
         self._runtime_ranges: list[tuple[int, ...]] = []
         self._cu_functions: dict[int, str | None] = {}
+        self._kernels = KernelSlots()
         self._seen_files: set[tuple[int, int]] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -477,25 +478,34 @@ class Tracer:
     def _kernel_names(self, ev: np.ndarray, launch: np.ndarray) -> pa.Array:
         ids = {fn.enum: i for i, fn in enumerate(fam.CUDA_FUNCS)}
         got = (ev["fn"] == ids[fam.CU_GETFUNCTION]) & ((ev["flags"] & fam.HAS_RET) != 0)
+        learnt = False
         for func, ptr in zip(ev["func"][got].tolist(), ev["ptr"][got].tolist(), strict=True):
             if func:
                 self._cu_functions[func] = read_cstring(ptr)
+                learnt = True
         idx = np.flatnonzero(launch)
         if not idx.size:
             return pa.nulls(len(ev), pa.string())
-        # one key per (address, runtime or driver): addresses fit in 63 bits
-        driver = (ev["fn"][idx] == ids[fam.CU_LAUNCH]).astype(np.uint64) << np.uint64(63)
-        keys, inverse = np.unique(ev["func"][idx] | driver, return_inverse=True)
         runtimes = [p for p in self._cuda_libraries() if "libcudart" in os.path.basename(p)]
-        resolved = [
-            self._cu_functions.get(k ^ (1 << 63))
-            if k & (1 << 63)
-            else self._symbolizer.name(k) or self._runtime_names.name(k, runtimes)
-            for k in keys.tolist()
-        ]
-        slot = np.full(len(ev), len(resolved), dtype=np.int32)  # the last slot is NULL
-        slot[idx] = inverse.reshape(-1)
-        return pa.array([*resolved, None], type=pa.string()).take(pa.array(slot))
+        if learnt or runtimes != self._kernels.runtimes:  # a name may have changed
+            self._kernels.clear(runtimes)
+        every = idx.size == len(ev)  # a slice of launches only: no gather
+        func, fn = (ev["func"], ev["fn"]) if every else (ev["func"][idx], ev["fn"][idx])
+        # one key per (address, runtime or driver): addresses fit in 63 bits
+        keys = func | ((fn == ids[fam.CU_LAUNCH]).astype(np.uint64) << np.uint64(63))
+
+        def name(k: int) -> str | None:
+            if k & (1 << 63):
+                return self._cu_functions.get(k ^ (1 << 63))
+            return self._symbolizer.name(k) or self._runtime_names.name(k, runtimes)
+
+        found = self._kernels.lookup(keys, name)
+        names = self._kernels.dictionary()  # the last entry is NULL
+        if every:
+            return names.take(pa.array(found))
+        slot = np.full(len(ev), len(names) - 1, dtype=np.int32)
+        slot[idx] = found
+        return names.take(pa.array(slot))
 
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -527,6 +537,59 @@ class Tracer:
     def probes_table(self) -> pa.Table:
         rows = [dataclasses.asdict(p) for p in self.probes]
         return pa.Table.from_pylist(rows, schema=PROBES_SCHEMA)
+
+
+KERNEL_SLOTS = 4096  # KernelSlots' table: a power of two
+
+
+class KernelSlots:
+    """Kernel key -> name id for a whole column of launches at once.
+
+    A direct-mapped table in numpy (slot from the key's address bits)
+    answers the keys seen before; the others are named one by one, once
+    (``name``), and take their slot. ``clear`` when a name may have changed.
+    """
+
+    def __init__(self) -> None:
+        self.clear([])
+
+    def clear(self, runtimes: list[str]) -> None:
+        self.runtimes = runtimes  # the libcudart copies the names came from
+        self.keys = np.zeros(KERNEL_SLOTS, dtype=np.uint64)
+        self.ids = np.full(KERNEL_SLOTS, -1, dtype=np.int32)
+        self.names: list[str | None] = []
+        self._by_key: dict[int, int] = {}
+        self._dictionary: pa.Array | None = None
+
+    def lookup(self, keys: np.ndarray, name: Callable[[int], str | None]) -> np.ndarray:
+        """The name id of every key (int32), naming new keys with ``name``."""
+        slot = ((keys >> np.uint64(4)) ^ (keys >> np.uint64(20))) & np.uint64(KERNEL_SLOTS - 1)
+        slot = slot.astype(np.intp)
+        found = self.ids[slot]
+        miss = (found < 0) | (self.keys[slot] != keys)
+        if miss.any():
+            missed = keys[miss]
+            distinct = np.unique(missed)
+            ids = np.empty(len(distinct), dtype=np.int32)
+            for i, k in enumerate(distinct.tolist()):
+                got = self._by_key.get(k)
+                if got is None:
+                    got = self._by_key[k] = len(self.names)
+                    self.names.append(name(k))
+                    self._dictionary = None
+                ids[i] = got
+            missed_ids = ids[np.searchsorted(distinct, missed)]
+            found[miss] = missed_ids
+            where = slot[miss]  # each key takes its slot; the last one wins a collision
+            self.keys[where] = missed
+            self.ids[where] = missed_ids
+        return found
+
+    def dictionary(self) -> pa.Array:
+        """The names by id, then one NULL."""
+        if self._dictionary is None:
+            self._dictionary = pa.array([*self.names, None], type=pa.string())
+        return self._dictionary
 
 
 PROBES_SCHEMA = pa.schema(

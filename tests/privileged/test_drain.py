@@ -1,0 +1,71 @@
+"""The drain for real: a burst of launches through libcudart's uprobe, many
+ring slices long, reaches the store whole, in order, named, and sealed.
+Root-only; PROBING_REQUIRE_PRIVILEGED=1 (CI) turns skips into failures."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from probing.bpf import tracer as tracer_mod
+from probing.bpf.tracer import Tracer, installed_libraries
+from probing.engine import Engine
+from probing.store import Store
+from tests.conftest import require_bpf
+
+pytestmark = pytest.mark.privileged
+
+LOOP_C = Path(__file__).resolve().parents[2] / "benchmarks" / "call_loop.c"
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``launch(n)``: n calls of cudaLaunchKernel from a C loop."""
+    require_bpf()
+    cudart = next(
+        (p for p in installed_libraries() if os.path.basename(p).startswith("libcudart")), None
+    )
+    if cudart is None:
+        pytest.fail("libcudart is not installed (make setup installs NVIDIA's wheels)")
+    out = tmp_path_factory.mktemp("loop") / "libcall_loop.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(out), str(LOOP_C)], check=True)
+    loop, rt = ctypes.CDLL(str(out)), ctypes.CDLL(cudart)
+    loop.launch_loop.restype = ctypes.c_double
+    loop.launch_loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    fn = ctypes.cast(rt.cudaLaunchKernel, ctypes.c_void_p).value
+    stub = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
+    return lambda n: loop.launch_loop(fn, stub, n)
+
+
+def test_a_burst_of_many_slices_reaches_the_store_whole(launches) -> None:  # type: ignore[no-untyped-def]
+    n = 3 * tracer_mod.DRAIN_SLICE + 1234
+    store = Store(chunk_rows=1 << 14)
+    tracer = Tracer(["cuda"], store=store, interval_s=3600)  # drained here, not by the timer
+    tracer.start()
+    try:
+        launches(n)
+        assert tracer.drain() == n
+        table = store.table("cuda", "calls")
+        table.flush()  # waits for the chunks the sealer thread compresses
+        st = table.stats()
+        assert st.rows == n and st.dropped_events == 0 and st.pending_rows == 0
+        assert st.chunks >= 3
+        rows = Engine(store).sql(
+            "SELECT event_id, ts, api, kernel, grid, block FROM cuda.calls ORDER BY event_id"
+        )
+        ids = rows.column("event_id").to_numpy()
+        assert (ids == np.arange(n)).all()
+        assert (np.diff(rows.column("ts").to_numpy()) >= 0).all()  # in the order of the calls
+        assert set(rows.column("api").to_pylist()) == {"cudaLaunchKernel"}
+        assert set(rows.column("kernel").to_pylist()) == {"launch_loop"}
+        assert rows.column("grid")[0].as_py() == [1, 1, 1]
+        assert rows.column("block")[-1].as_py() == [32, 1, 1]
+    finally:
+        tracer.stop()
+        store.close()
+    assert tracer.status()["families"]["cuda"]["events"] == n
