@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -178,7 +179,10 @@ def noise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="0.05,0.1,0.2,0.4,0.6", help="slowdown / step time")
     p.add_argument("--runs-per-size", type=int, default=4)
     p.add_argument("--noise-healthy-runs", type=int, default=20)
-    p.add_argument("--noise-window", type=float, default=10.0, help="seconds diagnosed")
+    p.add_argument(
+        "--noise-window", default="busy=30,quiet=10",
+        help="seconds diagnosed per run: one for every machine, or MACHINE=S pairs",
+    )  # fmt: skip
     p.add_argument("--spinners", type=int, default=None, help="override the machine's")
 
 
@@ -205,9 +209,13 @@ def noise_bench(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
 
     rng = random.Random()
     sizes = [float(x) for x in args.sizes.split(",")]
-    out: dict[str, object] = {"ranks": WORLD, "window_s": args.noise_window}
+    windows = noise_windows(args.noise_window)
+    out: dict[str, object] = {"ranks": WORLD}
     for machine in args.machines.split(","):
         conf = MACHINES[machine]
+        window = windows.get(machine, windows.get("", 10.0))
+        load_before = os.getloadavg()
+        t_start = time.monotonic()
         spinners = conf["spinners"] if args.spinners is None else args.spinners
         hogs = [
             subprocess.Popen([sys.executable, "-c", "while 1: pass"], start_new_session=True)
@@ -226,30 +234,60 @@ def noise_bench(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
                 errors = trace_all(job.pids, ["gloo"])
                 if errors:
                     raise SystemExit(f"tracing failed: {errors}")
-                time.sleep(args.noise_window)
-                base = diagnose_json(job.pids, args.noise_window)
+                time.sleep(window)
+                base = diagnose_json(job.pids, window)
                 step_ms = float(base.get("summary", {}).get("step_ms") or 100.0)
                 for size, kind in plan:
                     rank = rng.randrange(WORLD) if size is not None else -1
                     ms = (size or 0.0) * step_ms
                     job.slow(rank, kind or "none", ms)
-                    time.sleep(args.noise_window + 2.0)  # every rank past the change
-                    got = diagnose_json(job.pids, args.noise_window)
+                    time.sleep(window + 2.0)  # every rank past the change
+                    got = diagnose_json(job.pids, window)
                     named = [s["rank"] for s in got["stragglers"]]
                     funcs = [w["what"] for w in got["why"] if w["kind"] == "function"]
                     runs.append({
                         "size": size, "kind": kind, "rank": rank, "ms": round(ms, 1),
                         "named": named, "why_top": funcs[0] if funcs else None,
                         "why_ok": bool(kind and funcs and funcs[0] == CAUSE[kind]),
+                        "late_pct": late_pct(got, rank),
+                        "step_ms": (got.get("summary") or {}).get("step_ms"),
+                        "load": round(os.getloadavg()[0], 1),
                         "verdict": got.get("verdict") or got.get("error"),
                     })  # fmt: skip
+                    print(json.dumps({"machine": machine, **runs[-1]}), file=sys.stderr,
+                          flush=True)  # fmt: skip
             finally:
                 job.stop()
                 for h in hogs:
                     h.kill()
                     h.wait()
-        out[machine] = noise_summary(runs, sizes, step_ms, spinners, conf["job"])  # type: ignore[arg-type]
+        out[machine] = {
+            "window_s": window,
+            **noise_summary(runs, sizes, step_ms, spinners, conf["job"]),  # type: ignore[arg-type]
+            "load_average_before": [round(x, 1) for x in load_before],
+            "load_average_after": [round(x, 1) for x in os.getloadavg()],
+            "wall_s": round(time.monotonic() - t_start),
+        }
     return out
+
+
+def noise_windows(text: str) -> dict[str, float]:
+    """``--noise-window``: ``10`` (every machine; key "") or ``busy=30,quiet=10``."""
+    if "=" not in text:
+        return {"": float(text)}
+    pairs = (item.split("=", 1) for item in text.split(","))
+    return {name.strip(): float(sec) for name, sec in pairs}
+
+
+def late_pct(got: dict, rank: int) -> float | None:  # type: ignore[type-arg]
+    """How late ``rank`` arrived after the others' median, in % of the step: what
+    the injected slowdown cost in this run (an off-CPU delay on a saturated CPU
+    is partly or wholly absorbed: the others use the CPU meanwhile)."""
+    step = (got.get("summary") or {}).get("step_ms")
+    row = next((r for r in got.get("ranks") or [] if r["rank"] == rank), None)
+    if rank < 0 or not step or row is None or row.get("excess_ms_median") is None:
+        return None
+    return round(100 * row["excess_ms_median"] / step, 1)
 
 
 def noise_summary(
@@ -263,11 +301,20 @@ def noise_summary(
     for size in sizes:
         at = [r for r in runs if r["size"] == size]
         hit = [r for r in at if r["named"] == [r["rank"]]]
+        late = sorted(r["late_pct"] for r in at if r.get("late_pct") is not None)
         curve[f"{size:g}"] = {
             "runs": len(at),
             "named": len(hit),
             "rate": round(len(hit) / len(at), 3) if at else None,
             "why_right": sum(r["why_ok"] for r in hit),
+            "by_kind": {
+                kind: f"{sum(r['named'] == [r['rank']] for r in at if r['kind'] == kind)}"
+                f"/{sum(r['kind'] == kind for r in at)}"
+                for kind in sorted(CAUSE)
+            },
+            # what the slowdown cost: the slowed rank's lateness, % of the step
+            "late_pct_median": late[len(late) // 2] if late else None,
+            "late_pct_range": [late[0], late[-1]] if late else None,
         }
     healthy = [r for r in runs if r["size"] is None]
     hits = [r for r in runs if r["size"] is not None and r["named"] == [r["rank"]]]

@@ -36,6 +36,11 @@ MIN_COLLECTIVES = 5  # fewer complete collectives than this: no verdict
 # the others in the arrival order, each with p < P_LAST (divided by the ranks tested)
 P_LAST = 0.01
 P_VALUE = 1e-3  # ... and where it costs less than SHARE_ALWAYS, the order test p < this
+# ... or, later than chance beyond doubt (p < this): a persistent lateness of a few % of
+# a step, which noise does not keep up (alike ranks on a loaded 2-core machine reach
+# p ~ 3e-5 over 10 s, where the machine favours one for a while)
+P_STRONG = 1e-7
+MIN_LAG_STRONG_MS = 0.5  # ... and this much later than the others' median (and MIN_EXCESS)
 SHARE_ALWAYS = 0.10  # ... and either costs the job this share of its step time
 MIN_LAG_MS = 2.0  # ... or is this much later than the others' median (median excess)
 MIN_EXCESS = 0.03  # ... and this share of a step later
@@ -294,21 +299,39 @@ class Evidence:
     share_of_step: float  # of the wall time, what the job spent waiting for it alone
     step_ms: float  # the median interval between these collectives
 
+    @property
+    def late_share(self) -> float:
+        """Its typical lateness (median excess) as a share of the step."""
+        return max(0.0, self.excess_ms_median) / self.step_ms if self.step_ms > 0 else 0.0
+
     def named(self, nranks: int) -> bool:
         """Whether this is a straggler: last more often than chance *and* later
         than the others in the arrival order (each p < ``P_LAST``/nranks), and
         either costing the job ``SHARE_ALWAYS`` of its step time, or later
         than chance with p < ``P_VALUE``/nranks and later than the others'
-        median by ``MIN_EXCESS`` of a step."""
+        median by ``MIN_EXCESS`` of a step (by ``MIN_LAG_STRONG_MS`` where
+        p < ``P_STRONG``/nranks). A rank whose median excess alone is
+        ``SHARE_ALWAYS`` of a step needs only the order test (p < ``P_VALUE``/nranks)."""
         n = max(nranks, 1)  # one test per rank
-        if self.p_last >= P_LAST / n or self.p_excess >= P_LAST / n:
+        if self.p_excess >= P_LAST / n:
+            return False
+        # late by a tenth of a step at the typical collective, beyond chance: under noise
+        # it is last less often than that costs (its lead over the next-latest shrinks)
+        if self.late_share >= SHARE_ALWAYS and self.p_excess < P_VALUE / n:
+            return True
+        if self.p_last >= P_LAST / n:
             return False
         if self.share_of_step >= SHARE_ALWAYS:  # a large cost needs less evidence
             return True
-        if self.p_excess >= P_VALUE / n:
+        if self.share_of_step < SHARE_MIN:
             return False
-        late = max(MIN_LAG_MS, MIN_EXCESS * self.step_ms)
-        return self.excess_ms_median >= late and self.share_of_step >= SHARE_MIN
+        if self.p_excess < P_STRONG / n:  # overwhelming evidence needs a smaller lateness
+            late = max(MIN_LAG_STRONG_MS, MIN_EXCESS * self.step_ms)
+        elif self.p_excess < P_VALUE / n:
+            late = max(MIN_LAG_MS, MIN_EXCESS * self.step_ms)
+        else:
+            return False
+        return self.excess_ms_median >= late
 
 
 def evidence(cs: list[Collective], rank: int) -> Evidence:
@@ -402,7 +425,7 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
                 lag_ms_p99=round(float(np.percentile(lags, 99)), 3),
                 excess_ms_median=round(ev.excess_ms_median, 3),
                 last_share=round(ev.last / ev.collectives, 4),
-                share_of_step=round(ev.share_of_step, 4),
+                share_of_step=round(max(ev.share_of_step, min(1.0, ev.late_share)), 4),
                 since=iso(int(starts[k0])),
                 since_ns=int(starts[k0]),
                 since_start=k0 == 0,

@@ -316,6 +316,12 @@ def _rank_rows(
         mine = [c for c in done if r in c.ts]
         lags = np.array([c.lags_ns()[r] / 1e6 for c in mine])
         last = sum(1 for c in mine if max(c.ts, key=c.ts.__getitem__) == r)
+        # after the others' median arrival: a straggler's lateness, whoever else is late
+        excess = [
+            (c.ts[r] - float(np.median([t for o, t in c.ts.items() if o != r]))) / 1e6
+            for c in mine
+            if len(c.ts) > 1
+        ]
         rows.append(
             {
                 "rank": r,
@@ -324,6 +330,7 @@ def _rank_rows(
                 "last_pct": round(100 * last / len(mine), 1) if mine else None,
                 "lag_ms_mean": round(float(lags.mean()), 2) if len(lags) else None,
                 "lag_ms_p99": round(float(np.percentile(lags, 99)), 2) if len(lags) else None,
+                "excess_ms_median": round(float(np.median(excess)), 2) if excess else None,
                 "count": counts.get(r),
                 "in_collective": hg.in_collective(frames[r]) if r in frames else None,
             }
@@ -577,7 +584,7 @@ RANKS_SCHEMA = pa.schema(
     [
         ("rank", pa.int64()), ("node", pa.string()), ("collectives", pa.int64()),
         ("last_pct", pa.float64()), ("lag_ms_mean", pa.float64()), ("lag_ms_p99", pa.float64()),
-        ("count", pa.int64()), ("in_collective", pa.bool_()),
+        ("excess_ms_median", pa.float64()), ("count", pa.int64()), ("in_collective", pa.bool_()),
     ]
 )  # fmt: skip
 
