@@ -182,3 +182,24 @@ def test_too_few_collectives_give_no_verdict_not_a_healthy_one() -> None:
     assert not d.stragglers and 0 < (d.summary.busiest or 0) < coll.MIN_COLLECTIVES
     assert d.verdict.startswith(f"no verdict: only {d.summary.busiest} complete collectives")
     assert "longer --window" in d.verdict
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_persistent_lateness_of_a_few_percent_beyond_doubt_is_named(seed: int) -> None:
+    # 1.6 ms late in a ~33 ms step, every step, under 2 ms of jitter: below the 2 ms
+    # floor of a moderately sure test, but p < 1e-7 over 300 collectives
+    rank = seed % 4
+    t = job(steps=300, step_ms=25.0, jitter_ms=2.0, straggler=rank, lag_ms=1.6, seed=seed)
+    d = analyze(t, now_ns=T0)
+    assert [s.rank for s in d.stragglers] == [rank], d.verdict
+    assert d.stragglers[0].p_value < 1e-7
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_the_machine_favours_a_little_is_not_named(seed: int) -> None:
+    # 0.5 ms later in a ~33 ms step, every step: certain, but 1.5 % of a step
+    t = job(steps=300, step_ms=25.0, jitter_ms=1.0, straggler=seed % 4, lag_ms=0.5, seed=seed)
+    d = analyze(t, now_ns=T0)
+    assert d.healthy and d.verdict.startswith("healthy: 4 ranks"), d.verdict
+    late = max(d.ranks, key=lambda r: r["excess_ms_median"])
+    assert late["rank"] == seed % 4 and late["excess_ms_median"] < 1.0
