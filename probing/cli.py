@@ -103,7 +103,7 @@ def query(
     ] = Fanout.auto,
 ) -> None:
     """Run SQL in a process's probe (or across the job with --cluster) and print it."""
-    from probing.render import format_arrow
+    from probing.render import format_arrow, format_table
 
     if (pid is None) == (addr is None):
         raise _fail("give exactly one of --pid or --addr", 2)
@@ -122,7 +122,9 @@ def query(
                     sys.stdout.buffer.write(b"\n")
                 sys.stdout.flush()
                 return
-            table = client.query(sql)
+            names, rows = client.query_rows(sql)  # no pyarrow in this process
+            typer.echo(format_table(names, rows))
+            return
     except ProbingError as err:
         raise _fail(err) from None
     if fmt is Format.table:
@@ -184,10 +186,10 @@ ORDER BY 1
 @app.command(epilog="Examples:\n\n  probing tables --pid 1234")
 def tables(pid: PidOpt) -> None:
     """Tables a process's probe can answer, with rows and compression."""
-    from probing.render import format_arrow
+    from probing.render import format_table
 
     try:
-        typer.echo(format_arrow(_client(pid).query(TABLES_SQL)))
+        typer.echo(format_table(*_client(pid).query_rows(TABLES_SQL)))
     except ProbingError as err:
         raise _fail(err) from None
 
@@ -198,29 +200,15 @@ InjectOpt = Annotated[
 ]
 
 
+def _note(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
 def _probe_client(pid: int, inject: bool, timeout: float = 30.0):  # type: ignore[no-untyped-def]
     """The client of pid's probe, injecting one first when asked to."""
-    from probing.client import ProbeClient
-    from probing.errors import NoProbe
+    from probing.client import attach
 
-    try:
-        client = ProbeClient.for_pid(pid, timeout=timeout)
-    except NoProbe:
-        if not inject:
-            raise
-    else:
-        from probing.procs import socket_alive
-
-        # pids are reused: a socket left by an earlier process with this pid
-        # (killed before it could remove it) answers nobody; start a probe here
-        if not inject or socket_alive(client.transport.path):
-            return client
-    from probing.inject import inject as do_inject
-
-    res = do_inject(pid, timeout=timeout)
-    if not res.already:
-        typer.echo(f"probing: injected a probe into pid {pid} ({res.total_s:.2f} s)", err=True)
-    return ProbeClient.for_pid(pid, timeout=timeout)
+    return attach(pid, inject=inject, timeout=timeout, note=_note)
 
 
 @app.command(
@@ -249,9 +237,7 @@ def inject_cmd(
     )
 
 
-STACK_SQL = "SELECT * FROM process.stacks ORDER BY tid, depth"
 STACK_TIMEOUT_S = 5.0  # a probe slower than this is stuck: read from outside
-INFO_SQL = "SELECT pid, cmdline, python, python_executable FROM process.info"
 
 
 @app.command(
@@ -270,23 +256,11 @@ def stack(
     Asks the process's probe (injecting one unless --no-inject); where there
     is none, injection fails or the probe does not answer (a thread holding
     the GIL in a C call), reads the stacks from outside (process_vm_readv)."""
-    from probing.errors import NoSuchProcess
+    from probing.client import stacks
     from probing.render import format_stacks
 
     try:
-        try:
-            client = _probe_client(pid, inject, timeout=STACK_TIMEOUT_S)
-            info = json.loads(client.query_raw(INFO_SQL, "json"))[0]  # JSON: no pyarrow here
-            frames = json.loads(client.query_raw(STACK_SQL, "json"))
-        except NoSuchProcess:
-            raise
-        except ProbingError as err:
-            from probing.errors import NoProbe
-            from probing.pyframes.outside import stacks_from_outside
-
-            why = f"pid {pid} has no probe" if isinstance(err, NoProbe) and not inject else err
-            typer.echo(f"probing: {why}; reading the stacks from outside", err=True)
-            info, frames = stacks_from_outside(pid)
+        info, frames = stacks(pid, inject=inject, timeout=STACK_TIMEOUT_S, note=_note)
     except ProbingError as err:
         raise _fail(err) from None
     if fmt is Format.json:

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from probing import config, paths
@@ -21,6 +21,7 @@ from probing.errors import (
     NoSuchProcess,
     PeerUnreachable,
     ProbingError,
+    QueryError,
     from_wire,
 )
 from probing.probe import http
@@ -88,6 +89,19 @@ class UnixTransport:
             ) from err
         except OSError as err:
             raise NoProbe(f"cannot talk to the probe at {self.path}: {err}", pid=self.pid) from err
+        finally:
+            sock.close()
+
+    def answers(self, timeout: float = 0.3) -> bool:
+        """Whether something accepts a connection on the socket (a socket
+        left by an earlier process with this pid accepts none)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+            return True
+        except OSError:
+            return False
         finally:
             sock.close()
 
@@ -198,6 +212,23 @@ class ProbeClient:
     def query_raw(self, sql: str, fmt: str) -> bytes:
         """Run SQL; the probe's own rendering (``json`` or ``csv``) as bytes."""
         return self._call("POST", "/query", {"sql": sql, "format": fmt})[1]
+
+    def query_rows(self, sql: str) -> tuple[list[str], list[list[Any]]]:
+        """Run SQL; (column names, rows) without pyarrow here: values JSON
+        has as they are, any other as its ``str()`` (a timestamp, a list), so
+        ``render.format_table`` prints what it prints of ``query()``'s table.
+        A probe older than the ``rows`` format is asked for Arrow instead."""
+        try:
+            data = self.query_raw(sql, "rows")
+        except QueryError as err:
+            if not str(err).startswith("unknown format 'rows'"):
+                raise
+            table = self.query(sql)
+            cols = [table.column(i).to_pylist() for i in range(table.num_columns)]
+            rows = [list(r) for r in zip(*cols, strict=True)] if cols else [[]] * table.num_rows
+            return list(table.column_names), rows
+        answer = json.loads(data)
+        return answer["columns"], answer["rows"]
 
     def eval(self, code: str) -> dict[str, Any]:
         """Run Python in the target: ``{"result": repr or None, "output": str}``."""
@@ -363,3 +394,63 @@ class Job:
             if st.get("state") == "tracing" and st.get("started_ns"):
                 starts.append(int(st["started_ns"]))
         return starts
+
+
+def attach(
+    pid: int,
+    *,
+    inject: bool,
+    timeout: float = 30.0,
+    note: Callable[[str], None] | None = None,
+) -> ProbeClient:
+    """The client of ``pid``'s probe; with ``inject``, one is injected first
+    when the process has none (or only a socket an earlier process with the
+    same pid left behind), and ``note`` is told so."""
+    try:
+        client = ProbeClient.for_pid(pid, timeout=timeout)
+    except NoProbe:
+        if not inject:
+            raise
+    else:
+        # pids are reused: a socket left by an earlier process with this pid
+        # (killed before it could remove it) answers nobody; start a probe here
+        transport = client.transport
+        if not inject or (isinstance(transport, UnixTransport) and transport.answers()):
+            return client
+    from probing.inject import inject as do_inject
+
+    res = do_inject(pid, timeout=timeout)
+    if not res.already and note is not None:
+        note(f"probing: injected a probe into pid {pid} ({res.total_s:.2f} s)")
+    return ProbeClient.for_pid(pid, timeout=timeout)
+
+
+INFO_SQL = "SELECT pid, cmdline, python, python_executable FROM process.info"
+STACK_SQL = "SELECT * FROM process.stacks ORDER BY tid, depth"
+
+
+def stacks(
+    pid: int,
+    *,
+    inject: bool,
+    timeout: float,
+    note: Callable[[str], None],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(``process.info``, ``process.stacks`` rows) of ``pid``: asked of its
+    probe (injected first with ``inject``); where there is none, injection
+    fails or the probe does not answer in ``timeout`` (a thread holding the
+    GIL in a C call), read from outside (``process_vm_readv``), and ``note``
+    is told why. JSON all the way: no pyarrow here."""
+    try:
+        client = attach(pid, inject=inject, timeout=timeout, note=note)
+        info = json.loads(client.query_raw(INFO_SQL, "json"))[0]
+        frames = json.loads(client.query_raw(STACK_SQL, "json"))
+    except NoSuchProcess:
+        raise
+    except ProbingError as err:
+        from probing.pyframes.outside import stacks_from_outside
+
+        why = f"pid {pid} has no probe" if isinstance(err, NoProbe) and not inject else err
+        note(f"probing: {why}; reading the stacks from outside")
+        info, frames = stacks_from_outside(pid)
+    return info, frames

@@ -1,6 +1,27 @@
-"""The in-process runtime: the probe's context, HTTP server, endpoints."""
+"""The in-process runtime: the probe's context, HTTP server, endpoints.
 
-from probing.probe.context import ProbeContext
-from probing.probe.runtime import context, current, disable, enable
+Its names load on first use: a client that only needs the HTTP codec
+(``probing.probe.http``) does not import the runtime with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from probing.probe.context import ProbeContext
+    from probing.probe.runtime import context, current, disable, enable
 
 __all__ = ["ProbeContext", "context", "current", "disable", "enable"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ProbeContext":
+        from probing.probe.context import ProbeContext
+
+        return ProbeContext
+    if name in __all__:
+        from probing.probe import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'probing.probe' has no attribute {name!r}")
