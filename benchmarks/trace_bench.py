@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -200,7 +201,9 @@ def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[
     """Bursts of DRAIN_EVENTS launches, each drained by one timed call (the
     timer thread idle): events/s in wall time, and per CPU second of the
     draining thread; then the sealing (compression) the drains left to the
-    store, so ``all_cpu_ns_per_event`` is the whole cost of an event."""
+    store, so ``all_cpu_ns_per_event`` is the whole cost of an event.
+    ``host_thread_longest_wait_ms``: the longest a Python thread that wakes
+    every ms waited for the GIL (and a CPU) while the drains ran."""
     from probing.bpf.tracer import Tracer
     from probing.store import Store
 
@@ -209,6 +212,19 @@ def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[
     tracer.start()
     run = _launcher(loop, cudart)
     rates, cpu_rates, counts = [], [], []
+    ticking, done, waits = threading.Event(), threading.Event(), [0.0]
+
+    def host_thread() -> None:  # a host's Python thread, wanting the GIL every ms
+        while not done.is_set():
+            if not ticking.wait(0.1):
+                continue
+            t = time.perf_counter()
+            time.sleep(0.001)
+            if ticking.is_set():
+                waits[0] = max(waits[0], time.perf_counter() - t - 0.001)
+
+    ticker = threading.Thread(target=host_thread, daemon=True)
+    ticker.start()
     try:
         run(DRAIN_EVENTS)  # the first drain reads the stub's ELF symbols: not timed
         tracer.drain()
@@ -220,9 +236,11 @@ def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[
             c0 = time.thread_time()
             run(DRAIN_EVENTS)
             all_cpu -= time.thread_time() - c0
+            ticking.set()
             t0, c0 = time.perf_counter(), time.thread_time()
             n = tracer.drain()
             wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            ticking.clear()
             rates.append(n / wall)
             cpu_rates.append(n / cpu)
             counts.append(n)
@@ -230,9 +248,11 @@ def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[
         all_cpu += time.process_time()
         dropped = tracer.status()["families"]["cuda"]["dropped"]
     finally:
+        done.set()
         tracer.stop()
         store.close()
     return {"events_per_drain": statistics.median(counts),
+            "host_thread_longest_wait_ms": round(waits[0] * 1e3, 1),
             "events_per_s": round(statistics.median(rates)),
             "events_per_cpu_s": round(statistics.median(cpu_rates)),
             "all_cpu_ns_per_event": round(all_cpu / sum(counts) * 1e9, 1),
@@ -264,7 +284,8 @@ def drain_side_by_side(rev: str) -> dict:  # type: ignore[type-arg]
                     check=True, capture_output=True, text=True, cwd=tree,
                 ).stdout  # fmt: skip
                 runs[name].append(json.loads(out.splitlines()[-1]))
-    keys = ("events_per_s", "events_per_cpu_s", "all_cpu_ns_per_event")
+    keys = ("events_per_s", "events_per_cpu_s", "all_cpu_ns_per_event",
+            "host_thread_longest_wait_ms")  # fmt: skip
     return {
         name: {k: statistics.median(r[k] for r in rs) for k in keys} | {"runs": len(rs)}
         for name, rs in runs.items()
