@@ -13,6 +13,15 @@ static long long now_ns(void) {
     return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* this thread's CPU time: a uprobe's BPF program runs in the probed thread
+ * and is charged to it, while the time other work on a busy machine took
+ * the CPU away is not */
+static long long cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 /* ns per call of cudaLaunchKernel(func, {1,1,1}, {32,1,1}, 0, 0, 0) */
 double launch_loop(void *fn, void *func, long n) {
     dim3 g = {1, 1, 1}, b = {32, 1, 1};
@@ -28,4 +37,17 @@ double sync_loop(void *fn, long n) {
     for (long i = 0; i < n; i++)
         ((sync_fn)fn)(NULL);
     return (double)(now_ns() - t0) / n;
+}
+
+/* the same two loops, in CPU ns of the calling thread per call */
+double launch_loop_cpu(void *fn, void *func, long n) {
+    long long t0 = cpu_ns();
+    launch_loop(fn, func, n);
+    return (double)(cpu_ns() - t0) / n;
+}
+
+double sync_loop_cpu(void *fn, long n) {
+    long long t0 = cpu_ns();
+    sync_loop(fn, n);
+    return (double)(cpu_ns() - t0) / n;
 }

@@ -44,6 +44,18 @@ static __always_inline void hdr_init_stack(struct probing_hdr *h, u16 fn, u32 st
     h->fn = fn;
 }
 
+/* Every field of the header of an entry-only event, written in place (a
+ * reserved ring-buffer record is not zeroed). */
+static __always_inline void hdr_fill(struct probing_hdr *h, u16 fn, u32 stack_id) {
+    h->ts = bpf_ktime_get_ns();
+    h->dur_ns = 0;
+    h->tid = (u32)bpf_get_current_pid_tgid();
+    h->ret = 0;
+    h->fn = fn;
+    h->flags = 0;
+    h->stack_id = stack_id;
+}
+
 static __always_inline void inflight_key_of(struct inflight_key *key, u16 fn) {
     key->tid = (u32)bpf_get_current_pid_tgid();
     key->fn = fn;
@@ -77,6 +89,25 @@ static __always_inline void complete(struct pt_regs *ctx, struct probing_hdr *h)
 #else
 #error "probing's BPF programs support x86_64 and aarch64"
 #endif
+
+static __always_inline u64 arg(struct pt_regs *ctx, int n);
+
+/* Arguments n .. n+count-1 (1-based, count <= 4) into out: those in
+ * registers read one by one, those on the stack with one read (each read
+ * of user memory costs more than all the register loads). n and count are
+ * constants once inlined, so the branches fold away. */
+static __always_inline void args_from(struct pt_regs *ctx, int n, u64 *out, int count) {
+    int i = 0;
+#pragma unroll
+    for (; i < 4; i++) {
+        if (i >= count || n + i > ARG_REGS)
+            break;
+        out[i] = arg(ctx, n + i);
+    }
+    if (i < count)
+        bpf_probe_read_user(out + i, 8 * (count - i),
+                            (void *)(PT_REGS_SP(ctx) + STACK_ARG_BASE + 8 * (n + i - ARG_REGS - 1)));
+}
 
 static __always_inline u64 arg(struct pt_regs *ctx, int n) {
     /* an if-chain, not a switch: a jump table is an indirect jump BPF lacks */

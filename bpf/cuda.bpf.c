@@ -15,33 +15,45 @@ static __always_inline void init(EVENT *ev, u16 fn) {
     hdr_init(&ev->hdr, fn);
     ev->kind = NO_KIND;
 }
-/* a kernel launch or an asynchronous copy: tens of thousands a second, so
- * its Python stack is walked only with -DPY_STACKS_HOT (--launch-stacks) */
-static __always_inline void init_hot(EVENT *ev, u16 fn) {
+/* a kernel launch or an asynchronous copy: tens of thousands a second. Its
+ * event is written in place in the ring buffer (preamble.c: reserve), each
+ * field once, and its Python stack is walked only with -DPY_STACKS_HOT
+ * (--launch-stacks). NULL when the ring is full. */
+static __always_inline EVENT *hot_event(u16 fn) {
 #ifdef PY_STACKS_HOT
-    init(ev, fn);
+    u32 stack_id = py_stack_id();
 #else
-    hdr_init_stack(&ev->hdr, fn, 0);
-    ev->kind = NO_KIND;
+    u32 stack_id = 0;
 #endif
+    EVENT *ev = reserve();
+    if (!ev)
+        return 0;
+    hdr_fill(&ev->hdr, fn, stack_id);
+    ev->ptr = 0;
+    ev->kind = NO_KIND;
+    __builtin_memset(ev->pad, 0, sizeof(ev->pad));
+    return ev;
 }
 
 /* cudaLaunchKernel(func, dim3 grid, dim3 block, void **args, size_t shmem, stream):
  * each 12-byte dim3 travels in two registers (x|y<<32, z). */
 static __always_inline int launch(struct pt_regs *ctx, u16 fn) {
-    EVENT ev = {};
-    init_hot(&ev, fn);
-    ev.func = arg(ctx, 1);
+    EVENT *ev = hot_event(fn);
+    if (!ev)
+        return 0;
+    ev->func = arg(ctx, 1);
     u64 gxy = arg(ctx, 2), bxy = arg(ctx, 4);
-    ev.grid[0] = (u32)gxy;
-    ev.grid[1] = gxy >> 32;
-    ev.grid[2] = (u32)arg(ctx, 3);
-    ev.block[0] = (u32)bxy;
-    ev.block[1] = bxy >> 32;
-    ev.block[2] = (u32)arg(ctx, 5);
-    ev.bytes = arg(ctx, 7); /* dynamic shared memory */
-    ev.stream = arg(ctx, 8);
-    emit(&ev);
+    ev->grid[0] = (u32)gxy;
+    ev->grid[1] = gxy >> 32;
+    ev->grid[2] = (u32)arg(ctx, 3);
+    ev->block[0] = (u32)bxy;
+    ev->block[1] = bxy >> 32;
+    ev->block[2] = (u32)arg(ctx, 5);
+    u64 tail[2] = {}; /* dynamic shared memory, stream: on the stack (x86_64) */
+    args_from(ctx, 7, tail, 2);
+    ev->bytes = tail[0];
+    ev->stream = tail[1];
+    submit(ev);
     return 0;
 }
 int cuda_launchkernel(struct pt_regs *ctx) { return launch(ctx, CUDA_LAUNCHKERNEL); }
@@ -56,16 +68,17 @@ struct launch_config {
     u64 stream;
 };
 int cuda_launchkernelexc(struct pt_regs *ctx) {
-    EVENT ev = {};
-    init_hot(&ev, CUDA_LAUNCHKERNELEXC);
     struct launch_config cfg = {};
     bpf_probe_read_user(&cfg, sizeof(cfg), (void *)arg(ctx, 1));
-    ev.func = arg(ctx, 2);
-    __builtin_memcpy(ev.grid, cfg.grid, sizeof(ev.grid));
-    __builtin_memcpy(ev.block, cfg.block, sizeof(ev.block));
-    ev.bytes = cfg.smem;
-    ev.stream = cfg.stream;
-    emit(&ev);
+    EVENT *ev = hot_event(CUDA_LAUNCHKERNELEXC);
+    if (!ev)
+        return 0;
+    ev->func = arg(ctx, 2);
+    __builtin_memcpy(ev->grid, cfg.grid, sizeof(ev->grid));
+    __builtin_memcpy(ev->block, cfg.block, sizeof(ev->block));
+    ev->bytes = cfg.smem;
+    ev->stream = cfg.stream;
+    submit(ev);
     return 0;
 }
 
@@ -101,18 +114,21 @@ static __always_inline int called_from_runtime(struct pt_regs *ctx) {
 int cu_launchkernel(struct pt_regs *ctx) {
     if (called_from_runtime(ctx))
         return 0;
-    EVENT ev = {};
-    init_hot(&ev, CU_LAUNCHKERNEL);
-    ev.func = arg(ctx, 1);
-    ev.grid[0] = arg(ctx, 2);
-    ev.grid[1] = arg(ctx, 3);
-    ev.grid[2] = arg(ctx, 4);
-    ev.block[0] = arg(ctx, 5);
-    ev.block[1] = arg(ctx, 6);
-    ev.block[2] = arg(ctx, 7);
-    ev.bytes = arg(ctx, 8);
-    ev.stream = arg(ctx, 9);
-    emit(&ev);
+    u64 tail[3] = {}; /* block z, shared memory, stream: on the stack (x86_64) */
+    args_from(ctx, 7, tail, 3);
+    EVENT *ev = hot_event(CU_LAUNCHKERNEL);
+    if (!ev)
+        return 0;
+    ev->func = arg(ctx, 1);
+    ev->grid[0] = arg(ctx, 2);
+    ev->grid[1] = arg(ctx, 3);
+    ev->grid[2] = arg(ctx, 4);
+    ev->block[0] = arg(ctx, 5);
+    ev->block[1] = arg(ctx, 6);
+    ev->block[2] = tail[0];
+    ev->bytes = tail[1];
+    ev->stream = tail[2];
+    submit(ev);
     return 0;
 }
 
@@ -127,13 +143,17 @@ int cuda_memcpy(struct pt_regs *ctx) {
     return 0;
 }
 int cuda_memcpyasync(struct pt_regs *ctx) {
-    EVENT ev = {};
-    init_hot(&ev, CUDA_MEMCPYASYNC);
-    ev.ptr = arg(ctx, 1);
-    ev.bytes = arg(ctx, 3);
-    ev.kind = arg(ctx, 4);
-    ev.stream = arg(ctx, 5);
-    emit(&ev);
+    EVENT *ev = hot_event(CUDA_MEMCPYASYNC);
+    if (!ev)
+        return 0;
+    ev->func = 0;
+    ev->ptr = arg(ctx, 1);
+    ev->bytes = arg(ctx, 3);
+    ev->kind = arg(ctx, 4);
+    ev->stream = arg(ctx, 5);
+    __builtin_memset(ev->grid, 0, sizeof(ev->grid));
+    __builtin_memset(ev->block, 0, sizeof(ev->block));
+    submit(ev);
     return 0;
 }
 

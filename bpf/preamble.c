@@ -57,6 +57,17 @@ static __always_inline void emit(EVENT *ev) {
     if (events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) != 0)
         count_drop();
 }
+/* The hot calls' way (kernel launches, asynchronous copies): the event is
+ * written in place in the ring buffer, neither zeroed nor built on the
+ * stack and copied (reserve, fill every field, submit); NULL, counted as a
+ * drop, when the ring is full. */
+static __always_inline EVENT *reserve(void) {
+    EVENT *ev = events.ringbuf_reserve(sizeof(EVENT));
+    if (!ev)
+        count_drop();
+    return ev;
+}
+static __always_inline void submit(EVENT *ev) { events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP); }
 /* entry of a call whose return is probed too */
 static __always_inline void park(EVENT *ev) {
     struct inflight_key key = {.tid = ev->hdr.tid, .fn = ev->hdr.fn};

@@ -123,3 +123,24 @@ def test_the_ctypes_structs_follow_the_kernel_uapi() -> None:
     assert _offset(kernel.MapInfo, "name") == 24
     assert _offset(kernel.PerfEventAttr, "config2") == 64
     assert (kernel.TRACE_UPROBE_MULTI, kernel.LINK_TYPE_UPROBE_MULTI) == (48, 12)
+
+
+def test_entry_only_functions_get_links_of_their_own() -> None:
+    """Launches and async copies (probed at entry only) run their handler
+    directly; paired functions share one link per direction via the dispatcher."""
+    probes = [
+        ("cuda_launchkernel", "cudaLaunchKernel", 0x10, False),
+        ("cuda_memcpyasync", "cudaMemcpyAsync", 0x20, False),
+        ("cuda_memcpy", "cudaMemcpy", 0x30, False),
+        ("cuda_ret_CUDA_MEMCPY", "cudaMemcpy", 0x30, True),
+        ("cuda_free", "cudaFree", 0x40, False),
+        ("cuda_ret_CUDA_FREE", "cudaFree", 0x40, True),
+    ]
+    groups = [(h, [p[1] for p in g], ret) for h, g, ret in loader.link_groups(probes)]
+    assert groups == [
+        ("cuda_launchkernel", ["cudaLaunchKernel"], False),
+        ("cuda_memcpyasync", ["cudaMemcpyAsync"], False),
+        (None, ["cudaMemcpy", "cudaFree"], False),
+        (None, ["cudaMemcpy", "cudaFree"], True),
+    ]
+    assert loader.link_groups([]) == []

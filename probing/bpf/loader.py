@@ -13,7 +13,9 @@ Attaching: where the kernel has multi-uprobe links (Linux >= 6.6), one link
 per library and direction runs ``probing_dispatch`` at every probed function
 and the attach cookie names the handler it tail-calls: a few links, each
 paying one RCU grace period when it goes (at stop, or when the process
-exits), instead of one per uprobe. Elsewhere each handler gets a perf-event
+exits), instead of one per uprobe. Functions probed at entry only (kernel
+launches, asynchronous copies: the hot ones) get a link per handler that
+runs it directly, without the tail call (``link_groups``). Elsewhere each handler gets a perf-event
 uprobe, whose release takes one grace period after another (under the
 kernel's event_mutex, so threads do not help). Either way a small helper
 process (``Holder``) keeps the only reference to each link or perf event and
@@ -451,6 +453,28 @@ class Attached:
     probes: list[tuple[str, str, str]]  # (handler, symbol, "entry" | "return")
 
 
+def link_groups(
+    probes: list[tuple[str, str, int, bool]],
+) -> list[tuple[str | None, list[tuple[str, str, int, bool]], bool]]:
+    """How one library's probes share multi-uprobe links: ``(handler or None
+    for the dispatcher, probes, is_return)`` per link. A function probed at
+    entry only (a kernel launch, an asynchronous copy: the calls that come
+    by the tens of thousands a second) runs its handler directly, one link
+    per handler, which saves the dispatcher's tail call on every call; the
+    others share one link per direction through the dispatcher."""
+    paired = {sym for _, sym, _, ret in probes if ret}
+    direct: dict[str, list[tuple[str, str, int, bool]]] = {}
+    shared: dict[bool, list[tuple[str, str, int, bool]]] = {False: [], True: []}
+    for p in probes:
+        if not p[3] and p[1] not in paired:
+            direct.setdefault(p[0], []).append(p)
+        else:
+            shared[p[3]].append(p)
+    out: list[tuple[str | None, list[tuple[str, str, int, bool]], bool]]
+    out = [(h, group, False) for h, group in direct.items()]
+    return out + [(None, group, ret) for ret, group in shared.items() if group]
+
+
 class Program:
     """A compiled family in the kernel: its maps, its programs (loaded when
     first attached) and what is attached."""
@@ -522,17 +546,17 @@ class Program:
         done = Attached(path, [], [])
         with self._lock:
             if self.multi:
-                for ret in (False, True):
-                    group = [p for p in probes if p[3] == ret]
-                    if not group:
-                        continue
+                for handler, group, ret in link_groups(probes):
                     kind = "return" if ret else "entry"
                     try:
-                        cookies = [self._slot(h) for h, _, _, _ in group]
+                        if handler is None:  # the dispatcher, told the handler by the cookie
+                            cookies = [self._slot(h) for h, _, _, _ in group]
+                            prog = self.prog_fd(DISPATCH)
+                        else:
+                            cookies, prog = [0] * len(group), self.prog_fd(handler)
                         fd = kernel.uprobe_multi_link(
-                            self.prog_fd(DISPATCH), path, [o for _, _, o, _ in group], cookies,
-                            pid, ret,
-                        )  # fmt: skip
+                            prog, path, [o for _, _, o, _ in group], cookies, pid, ret
+                        )
                     except (kernel.BPFError, ProbingError) as err:
                         results += [(s, kind, False, str(err)) for _, s, _, _ in group]
                         continue

@@ -50,8 +50,8 @@ def _traced(spawn, mode: str):  # type: ignore[no-untyped-def]
     assert fams["cuda"]["uprobes"] > 0 and fams["nccl"]["uprobes"] > 0, status
     held = perf_uprobes(t.pid)
     links = [e for e in held if "link" in e]
-    if mode == "multi":  # one link per library and direction, not one per function
-        assert held == links and 2 <= len(links) <= 4, held
+    if mode == "multi":  # a link per library and direction (and per entry-only handler)
+        assert held == links and 2 <= len(links), held
         assert sum(fams[f]["uprobes"] for f in fams) > len(links)
     else:  # held by the helper process, not by the traced one
         holder = ProbeClient.for_pid(t.pid).trace_status()["load"]["holder_pid"]
