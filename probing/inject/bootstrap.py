@@ -75,7 +75,7 @@ def start(args: dict[str, Any]) -> dict[str, Any]:
     had_threading = "threading" in sys.modules
     # what probing.probe.imports.quick_gil_handoff does, before probing is importable
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, 0.0005))
+    sys.setswitchinterval(min(interval, 0.00005))
     try:
         source = _import_probing(args)
         import probing
@@ -83,6 +83,8 @@ def start(args: dict[str, Any]) -> dict[str, Any]:
 
         already = runtime.current() is not None
         probe = probing.enable()
+        if not already and args.get("preload"):
+            probe.preload()
     finally:
         sys.setswitchinterval(interval)
         _main_thread_fixed(had_threading)

@@ -3,7 +3,8 @@
 Symbols come from the ELF files themselves (pyelftools, ``.dynsym`` then
 ``.symtab``), opened through ``/proc/<pid>/root`` so a process in a container
 is read with its own files; a load address is the file's first mapping minus
-its lowest ``PT_LOAD`` address.
+its lowest ``PT_LOAD`` address. pyelftools loads on the first look-up: a
+probe imports this module with its tables and may never look a symbol up.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.hash import ELFHashSection, GNUHashSection
-from elftools.elf.sections import Symbol, SymbolTableSection
+if TYPE_CHECKING:
+    from elftools.elf.sections import Symbol
 
 
 class Mapping(NamedTuple):
@@ -88,6 +87,10 @@ class Symbols:
     """
 
     def __init__(self, path: str, names: Iterable[str]) -> None:
+        from elftools.elf.elffile import ELFFile
+        from elftools.elf.hash import ELFHashSection, GNUHashSection
+        from elftools.elf.sections import SymbolTableSection
+
         self.path = path
         self.values: dict[str, int] = {}
         wanted = set(names)
@@ -121,6 +124,8 @@ class Symbols:
 
 
 def symbols_of(pid: int, obj: LoadedObject, names: Iterable[str]) -> Symbols | None:
+    from elftools.common.exceptions import ELFError
+
     try:
         return Symbols(host_path(pid, obj.path), names)
     except (OSError, ELFError, ValueError):

@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from probing import paths
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
@@ -67,6 +68,7 @@ class Target:
     dlerror: int | None
     libc: elf.LoadedObject
     objects: dict[str, elf.LoadedObject] = field(repr=False)
+    prepared: Prepared | None = field(default=None, repr=False)  # set before borrowing
 
 
 @dataclass
@@ -228,10 +230,14 @@ def _find_dlopen(
     pid: int, libc: elf.LoadedObject, objs: dict[str, elf.LoadedObject]
 ) -> tuple[int, int | None]:
     names = ("dlopen", "__libc_dlopen_mode", "dlerror")
-    syms = elf.symbols_of(pid, libc, names)
+    # glibc >= 2.34 and musl export dlopen (a hash look-up); only older glibc
+    # needs __libc_dlopen_mode, which may mean reading the whole symbol table
+    syms = elf.symbols_of(pid, libc, ("dlopen", "dlerror"))
+    if syms is not None and not syms.address("dlopen", libc.base):
+        syms = elf.symbols_of(pid, libc, names)
     if syms is None:
         raise AttachError(f"cannot read {libc.path} of process {pid}", pid=pid)
-    for name in ("dlopen", "__libc_dlopen_mode"):  # glibc >= 2.34 and musl; older glibc
+    for name in ("dlopen", "__libc_dlopen_mode"):
         addr = syms.address(name, libc.base)
         if addr:
             return addr, syms.address("dlerror", libc.base)
@@ -339,33 +345,74 @@ def boot_args_block(target: Target, source: str) -> bytes:
     return head + src
 
 
-def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> None:
+class Prepared(NamedTuple):
+    """What a borrowed thread's calls need, worked out before it is stopped:
+    the thread is then held only for the ptrace round trips themselves."""
+
+    insn: int  # a syscall instruction in the target's libc
+    size: int  # of the private page (stub, library path, boot args)
+    image: bytes  # the page's contents, written in one go
+    boot_value: int  # probing_boot's st_value in the library
+    lib_min_vaddr: int  # where file offset 0 lands, relative to the load bias
+
+
+STUB_AT, PATH_AT, ARGS_AT = 0, 64, 512  # offsets in the private page
+
+
+def prepare(target: Target, lib: str, source: str) -> Prepared:
     arch = target.arch
+    lib_bytes = lib.encode() + b"\0"
+    if len(lib_bytes) > ARGS_AT - PATH_AT:
+        raise AttachError(f"library path too long: {lib}")
+    args = boot_args_block(target, source)
+    image = bytearray(ARGS_AT + len(args))
+    image[STUB_AT : STUB_AT + len(arch.trap_stub)] = arch.trap_stub
+    image[PATH_AT : PATH_AT + len(lib_bytes)] = lib_bytes
+    image[ARGS_AT:] = args
+    size = (len(image) + PAGE - 1) // PAGE * PAGE
+    mem = Memory(target.pid)
+    try:
+        insn = _find_syscall_insn(target, mem)
+    finally:
+        mem.close()
+    syms = elf.Symbols(os.path.realpath(lib), ("probing_boot",))
+    if "probing_boot" not in syms.values:
+        raise AttachError(f"{lib} has no probing_boot", hint="rebuild it: make setup")
+    return Prepared(insn, size, bytes(image), syms.values["probing_boot"], syms.min_vaddr)
+
+
+def _boot_address(target: Target, mem: Memory, handle: int, prep: Prepared, lib: str) -> int:
+    """``probing_boot`` in the target: dlopen's handle starts with the load
+    bias (glibc's ``link_map.l_addr``, musl's ``dso.base``), checked against
+    the ELF header it must point at; else looked up in the maps."""
+    try:
+        bias = int.from_bytes(mem.read(handle, 8), "little")
+        if mem.read(bias + prep.lib_min_vaddr, 4) == b"\x7fELF":
+            return bias + prep.boot_value
+    except OSError:
+        pass
+    return _symbol_in(target.pid, lib, "probing_boot")
+
+
+def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> None:
+    prep = target.prepared or prepare(target, lib, source)
     mem = Memory(target.pid)
     state = tracee.save_state()
     saved = state[0]
-    page = insn = 0
-    args = boot_args_block(target, source)
-    size = (len(arch.trap_stub) + 512 + len(args) + PAGE - 1) // PAGE * PAGE
+    page = 0
     try:
-        insn = _find_syscall_insn(target, mem)
         page = tracee.syscall(
             saved,
-            arch.sys_mmap,
-            (0, size, PROT_READ | PROT_EXEC, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0),
-            insn,
+            target.arch.sys_mmap,
+            (0, prep.size, PROT_READ | PROT_EXEC, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0),
+            prep.insn,
         )
         if page >= (1 << 64) - 4096:  # -errno
             page = 0
             raise AttachError(f"mmap in process {target.pid} failed", pid=target.pid)
-        stub, path_at, args_at = page, page + 64, page + 64 + 448
-        lib_bytes = lib.encode() + b"\0"
-        if len(lib_bytes) > 448:
-            raise AttachError(f"library path too long: {lib}")
-        mem.write(stub, arch.trap_stub)
-        mem.write(path_at, lib_bytes)
-        mem.write(args_at, args)
-        handle = tracee.call(saved, target.dlopen, (path_at, RTLD_NOW), stub, CALL_TIMEOUT_S)
+        mem.write(page, prep.image)
+        stub = page + STUB_AT
+        handle = tracee.call(saved, target.dlopen, (page + PATH_AT, RTLD_NOW), stub, CALL_TIMEOUT_S)
         if not handle:
             reason = ""
             if target.dlerror:
@@ -376,14 +423,14 @@ def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> Non
                 pid=target.pid,
                 hint="the target's user must be able to read probing's install",
             )
-        boot = _symbol_in(target.pid, lib, "probing_boot")
-        rc = tracee.call(saved, boot, (args_at,), stub, CALL_TIMEOUT_S)
+        boot = _boot_address(target, mem, handle, prep, lib)
+        rc = tracee.call(saved, boot, (page + ARGS_AT,), stub, CALL_TIMEOUT_S)
         if rc != 0:
             raise AttachError(f"the boot thread did not start in {target.pid} (error {rc})")
     finally:
         try:
             if tracee.attached:
-                _give_back(tracee, state, (page, size), insn)
+                _give_back(tracee, state, (page, prep.size), prep.insn)
         finally:
             mem.close()
 
@@ -428,12 +475,17 @@ def probing_paths() -> list[str]:
     return out
 
 
-def bootstrap_source(status: str) -> str:
+def bootstrap_source(status: str, *, preload: bool = True) -> str:
     from probing.inject import bootstrap
 
     with open(bootstrap.__file__) as f:
         body = f.read()
-    args = {"status": status, "python": list(sys.version_info[:2]), "paths": probing_paths()}
+    args = {
+        "status": status,
+        "python": list(sys.version_info[:2]),
+        "paths": probing_paths(),
+        "preload": preload,
+    }
     namespace = f"{{'__name__': {bootstrap.NAME!r}, 'ARGS': {args!r}}}"
     return f"__import__('builtins').exec({body!r}, {namespace})\n"
 
@@ -455,7 +507,7 @@ def _wait_report(target: Target, status: str, timeout: float) -> dict:  # type: 
             pass
         if not os.path.exists(f"/proc/{target.pid}"):
             raise NoSuchProcess(f"process {target.pid} exited during injection", pid=target.pid)
-        time.sleep(0.005)
+        time.sleep(0.001)
     raise AttachError(
         f"process {target.pid}: the probe did not start within {timeout:g} s",
         pid=target.pid,
@@ -486,8 +538,10 @@ def existing_probe(pid: int) -> str | None:
     return path if path and socket_alive(path) else None
 
 
-def inject(pid: int, *, timeout: float = 10.0) -> InjectResult:
-    """Start a probe in ``pid``; a no-op (``already=True``) when it has one."""
+def inject(pid: int, *, timeout: float = 10.0, preload: bool = True) -> InjectResult:
+    """Start a probe in ``pid``; a no-op (``already=True``) when it has one.
+    ``preload``: the probe loads its SQL engine at once, in a thread of its
+    own, for the query that follows an injection (else on the first query)."""
     t0 = time.monotonic()
     found = existing_probe(pid)
     if found:
@@ -497,7 +551,8 @@ def inject(pid: int, *, timeout: float = 10.0) -> InjectResult:
     status_dir = _status_dir(target)
     status = os.path.join(status_dir, "status.json")
     try:
-        source = bootstrap_source(status)
+        source = bootstrap_source(status, preload=preload)
+        target.prepared = prepare(target, lib, source)
         with held_signals():
             tracee = _borrow(target)
             stopped = time.monotonic()

@@ -177,7 +177,10 @@ class Tracee:
 
     # --- waiting --------------------------------------------------------------------
     def _wait_once(self, deadline: float) -> Stop | None:
-        delay = 0.0001
+        # polled, for the timeout: every 0.1 ms while a call or a syscall is
+        # expected back (a borrowed thread waits on each poll's lateness),
+        # then backing off to 5 ms
+        delay, start = 0.0001, time.monotonic()
         while True:
             try:
                 got, status = os.waitpid(self.tid, os.WNOHANG | WALL)
@@ -189,7 +192,8 @@ class Tracee:
             if time.monotonic() > deadline:
                 return None
             time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            if time.monotonic() - start > 0.02:
+                delay = min(delay * 2, 0.005)
         if os.WIFEXITED(status) or os.WIFSIGNALED(status):
             self.attached = False
             raise TargetGone(f"process {self.pid} exited during injection", pid=self.pid)

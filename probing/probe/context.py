@@ -108,6 +108,23 @@ class ProbeContext:
     def engine_loaded(self) -> bool:
         return self._engine is not None
 
+    def preload(self) -> None:
+        """Build the engine in a thread of its own, now: after ``probing
+        inject`` a query is on its way, and finds it (partly) loaded. It
+        imports once the host imports nothing (``settle``), as a query
+        would; a host already exiting is left alone."""
+
+        def load() -> None:
+            try:
+                settle()
+                if threading.main_thread().is_alive():
+                    _ = self.engine
+            except Exception as err:  # noqa: BLE001 - the top of a probe thread; the query says it too
+                log_unexpected("SQL engine not preloaded", err)
+
+        # not a daemon: an exit waits for its imports rather than cutting them short
+        threading.Thread(target=load, name="probing-engine-load").start()
+
     @property
     def nvml(self) -> Sampler:
         """The NVML sampler writing ``nvml.gpu`` into this context's store."""

@@ -56,7 +56,7 @@ def settle(timeout: float = SETTLE_TIMEOUT_S) -> list[str]:
     return []
 
 
-LOAD_SWITCH_INTERVAL_S = 0.0005
+LOAD_SWITCH_INTERVAL_S = 0.00005
 
 
 @contextlib.contextmanager

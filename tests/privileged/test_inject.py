@@ -118,6 +118,27 @@ def test_inject_busy_loop_answers_sql_and_computes_right(spawn) -> None:
     assert _lines_ok(out, expected_checksum()) >= 1
 
 
+def test_an_injected_probe_loads_its_engine_before_the_first_query(spawn) -> None:
+    t = spawn(CHECKSUM, probing=False)
+    _first_line(t)
+    lazy = spawn(CHECKSUM, probing=False)
+    _first_line(lazy)
+    inject(t.pid, timeout=10 * SLOWDOWN)
+    inject(lazy.pid, timeout=10 * SLOWDOWN, preload=False)
+    deadline = time.monotonic() + 30 * SLOWDOWN
+    while not ProbeClient.for_pid(t.pid).health()["engine_loaded"]:  # no query asked
+        assert time.monotonic() < deadline, "the engine was never preloaded"
+        time.sleep(0.05)
+    assert not ProbeClient.for_pid(lazy.pid).health()["engine_loaded"]
+    stacks = cli("query", "-p", str(t.pid), "-f", "json", "SELECT thread FROM process.stacks")
+    assert "probing-engine-load" not in stacks.stdout  # the probe's own thread: left out
+    for target in (t, lazy):
+        _untouched(target.pid)
+        target.proc.kill()
+        out, _ = target.proc.communicate(timeout=10)
+        assert _lines_ok(out, expected_checksum()) >= 1
+
+
 def test_fifty_fresh_processes(spawn, tmp_path: Path) -> None:
     """50 processes (static Debian python: another environment), each injected once."""
     _available(STATIC_PYTHON)
