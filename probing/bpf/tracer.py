@@ -529,6 +529,8 @@ class Tracer:
             "stacks": self._py is not None,
             "launch_stacks": self._py is not None and self.launch_stacks,
             "stacks_resolved": self._py.resolved if self._py is not None else 0,
+            # threads the start hook could not register (they come with the next sync)
+            "stack_hook_errors": self._py.hook_errors if self._py is not None else 0,
             "last_error": self.last_error,
             "tick_errors": self.tick_errors,
             "load": self.load_info,

@@ -99,6 +99,39 @@ def test_a_second_trace_loads_from_the_cache(
         store.close()
 
 
+WARM = """
+import json, sys
+from probing.bpf.tracer import Tracer
+from probing.store import Store
+tracer = Tracer(["cuda", "nccl", "gloo"], store=Store())
+tracer.start()
+sampling = tracer.sampler is not None
+tracer.stop()
+cached = tracer.status()["load"]["cached"]
+print(json.dumps({"cached": cached, "bcc": "bcc" in sys.modules, "sampling": sampling}))
+"""
+
+
+def test_a_warm_cache_runs_no_bcc(tmp_path: Path) -> None:
+    """Every program a trace loads (the families and the sampler) comes from
+    the node's cache once one process compiled it: the next never imports BCC."""
+    _privileged()
+    env = dict(os.environ, **{loader.ENV_CACHE: str(tmp_path / "cache")})
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", WARM], env=env, cwd=REPO, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert runs[0]["bcc"] and not any(runs[0]["cached"].values())
+    assert runs[1] == {"cached": {"cuda": True, "nccl": True, "gloo": True}, "bcc": False,
+                       "sampling": True}  # fmt: skip
+    assert {p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.json")} == {
+        "cuda", "nccl", "gloo", "sampler"}  # fmt: skip
+
+
 def test_only_mapped_libraries_are_attached(spawn) -> None:
     """libnccl is installed beside libcudart, but this process never loads it."""
     _privileged()
