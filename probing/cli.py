@@ -204,7 +204,7 @@ def _note(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
-def _probe_client(pid: int, inject: bool, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+def _probe_client(pid: int, inject: bool, timeout: float | None = None):  # type: ignore[no-untyped-def]
     """The client of pid's probe, injecting one first when asked to."""
     from probing.client import attach
 

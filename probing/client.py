@@ -27,6 +27,12 @@ from probing.errors import (
 from probing.probe import http
 
 
+def answer_timeout(timeout: float | None = None) -> float:
+    """``timeout``, or how long to wait for a probe's answer by default
+    (``PROBING_ANSWER_TIMEOUT_S``, 30 s)."""
+    return config.load().answer_timeout_s if timeout is None else timeout
+
+
 def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None) -> None:
     """AccessDenied unless the server on ``sock`` is process ``pid`` run by ``uid``
     (``SO_PEERCRED``), checked before a byte is sent."""
@@ -56,12 +62,12 @@ class UnixTransport:
         *,
         pid: int | None = None,
         uid: int | None = None,
-        timeout: float = 30.0,
+        timeout: float | None = None,
     ) -> None:
         self.path = path
         self.pid = pid  # with uid: what SO_PEERCRED must say before anything is sent
         self.uid = uid
-        self.timeout = timeout
+        self.timeout = answer_timeout(timeout)
 
     def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -114,13 +120,13 @@ class TcpTransport:
 
     pid = None
 
-    def __init__(self, addr: str, token: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, addr: str, token: str, *, timeout: float | None = None) -> None:
         from probing.cluster.identity import split_addr
 
         self.addr = addr
         self.host, self.port = split_addr(addr)
         self.token = token
-        self.timeout = timeout
+        self.timeout = answer_timeout(timeout)
 
     def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
         request = http.request_bytes(url, body or b"", self.token, method)
@@ -144,7 +150,9 @@ class ProbeClient:
         self.transport = transport
 
     @classmethod
-    def for_addr(cls, addr: str, *, token: str | None = None, timeout: float = 30.0) -> ProbeClient:
+    def for_addr(
+        cls, addr: str, *, token: str | None = None, timeout: float | None = None
+    ) -> ProbeClient:
         """The client of a peer probe's TCP port (``host:port``), with the job's
         token (``token``, else ``$PROBING_TOKEN``)."""
         token = token or config.load().token
@@ -155,7 +163,7 @@ class ProbeClient:
         return cls(TcpTransport(addr, token, timeout=timeout))
 
     @classmethod
-    def for_pid(cls, pid: int, *, timeout: float = 30.0) -> ProbeClient:
+    def for_pid(cls, pid: int, *, timeout: float | None = None) -> ProbeClient:
         """The client of ``pid``'s probe; raises a clear error when there is none."""
         if pid <= 0:
             raise NoSuchProcess(f"{pid} is not a valid pid", pid=pid)
@@ -400,12 +408,13 @@ def attach(
     pid: int,
     *,
     inject: bool,
-    timeout: float = 30.0,
+    timeout: float | None = None,
     note: Callable[[str], None] | None = None,
 ) -> ProbeClient:
     """The client of ``pid``'s probe; with ``inject``, one is injected first
     when the process has none (or only a socket an earlier process with the
     same pid left behind), and ``note`` is told so."""
+    timeout = answer_timeout(timeout)
     try:
         client = ProbeClient.for_pid(pid, timeout=timeout)
     except NoProbe:

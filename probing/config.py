@@ -132,6 +132,12 @@ class Config:
     max_reply_mb: float = _setting(
         "PROBING_MAX_REPLY_MB", 256.0, "bytes one peer's answer may take, MiB"
     )
+    # the command line
+    answer_timeout_s: float = _setting(
+        "PROBING_ANSWER_TIMEOUT_S",
+        30.0,
+        "how long `probing` waits for a probe's answer (more on a slow or emulated machine)",
+    )
 
     @property
     def cluster_off(self) -> bool:

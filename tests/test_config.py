@@ -37,3 +37,33 @@ def test_values_are_typed_and_bad_ones_fall_back() -> None:
     assert config.from_env({"PROBING_RANK": "x"}).rank is None
     with pytest.raises(config.ConfigError, match="PROBING_RANK='x' is not an integer"):
         config.from_env({"PROBING_RANK": "x"}, strict=True)
+
+
+def test_the_cli_waits_for_a_probe_as_long_as_it_is_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PROBING_ANSWER_TIMEOUT_S: a probe that accepts and never answers is
+    given up on after that long, and the error says so (a slow or emulated
+    machine sets it higher)."""
+    import socket
+    import time
+
+    from probing.client import UnixTransport
+    from probing.errors import NoProbe
+
+    path = str(tmp_path / "mute.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    try:
+        assert UnixTransport(path).timeout == 30.0
+        assert UnixTransport(path, timeout=2.0).timeout == 2.0
+        monkeypatch.setenv("PROBING_ANSWER_TIMEOUT_S", "0.4")
+        transport = UnixTransport(path)
+        assert transport.timeout == 0.4
+        t0 = time.monotonic()
+        with pytest.raises(NoProbe, match="did not answer in 0.4 s"):
+            transport.request("GET", "/health")
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.close()

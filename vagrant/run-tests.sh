@@ -4,10 +4,11 @@
 # The `make vm-test` guest runs it from its PID 1 (vagrant/vm-init.sh); with
 # Vagrant: vagrant ssh -c 'sudo bash /probing/vagrant/run-tests.sh'.
 #
-#   PROBING_VM_TESTS=full|smoke|ARG,ARG,...  bash vagrant/run-tests.sh
+#   PROBING_VM_TESTS=smoke|full|ARG,ARG,...  bash vagrant/run-tests.sh   (default: smoke)
 #
 # smoke: Python 3.13's _Py_DebugOffsets, BCC, injection, out-of-process
-#        stacks, BPF frame walking on traced calls and a traced Gloo job.
+#        stacks, BPF frame walking on traced calls, a traced Gloo job and
+#        diagnose naming its straggler (one probe and the cluster).
 # full:  tests/privileged/ and tests/test_pyframes.py, less the tests that
 #        need NVIDIA's CUDA runtime and NCCL wheels (host-only: see docs/vm.md).
 # Prints "kernel <release>", the Python version and pytest's summary line; the
@@ -17,7 +18,7 @@ set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 venv=${PROBING_VENV:-/opt/probing-venv}
 work=${PROBING_VM_WORK:-/root/probing}
-tests=${PROBING_VM_TESTS:-full}
+tests=${PROBING_VM_TESTS:-smoke}
 say() { printf 'run-tests: %s\n' "$*"; }
 
 [ -x "$venv/bin/python" ] || { echo "run-tests: no venv at $venv: run vagrant/provision.sh first" >&2; exit 2; }
@@ -42,6 +43,7 @@ smoke=(
   tests/privileged/test_pystacks.py::test_traced_calls_carry_the_stack_traceback_sees
   tests/privileged/test_pystacks.py::test_stack_of_a_thread_holding_the_gil
   tests/privileged/test_trace.py::test_gloo_job_every_rank_matches
+  tests/privileged/test_diagnose.py::test_a_slow_data_loader_is_named
 )
 # NVIDIA's CUDA runtime and NCCL wheels are ~300 MB more per image: host-only
 host_only=(
@@ -66,6 +68,9 @@ slowdown=${PROBING_TEST_SLOWDOWN:-1}
 say "${versions}tests: $tests, waits stretched x$slowdown"
 # pytest-timeout's 300 s a test, stretched like the tests' own waits
 per_test=$(awk -v s="$slowdown" 'BEGIN { printf "%d", 300 * (s > 1 ? s : 1) }')
+# the CLI's wait for a probe's answer (30 s), stretched the same way
+PROBING_ANSWER_TIMEOUT_S=$(awk -v s="$slowdown" 'BEGIN { printf "%d", 30 * (s > 1 ? s : 1) }')
+export PROBING_ANSWER_TIMEOUT_S
 rc=0
 PROBING_REQUIRE_PRIVILEGED=1 PROBING_TEST_SLOWDOWN=$slowdown "$venv/bin/python" -m pytest -q -rs \
   -p no:cacheprovider --color=no --timeout "$per_test" --durations=15 "${args[@]}" || rc=$?
