@@ -46,7 +46,8 @@ from probing.errors import BPFUnavailable, ProbingError
 
 DEFAULT_INTERVAL_S = 0.05
 DRAIN_SLICE = 16384  # events decoded at a time; the GIL is let go between slices
-BUSY_INTERVAL_S = 0.005  # the next drain, when the last one found the ring >= 1/8 full
+BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
+REFILL_TO = 0.25  # the next drain comes when the fastest ring may be this full again
 RESCAN_EVERY_S = 0.5
 RUNTIME_RANGES = 8  # libcudart copies the cuda program tells apart (bpf/cuda.bpf.c)
 
@@ -300,11 +301,18 @@ class Tracer:
     def _run(self) -> None:
         last_scan = time.monotonic()
         wait = self.interval_s
+        last = time.monotonic()
         while not self._stop.wait(wait):
             try:
                 self._sync_threads()
-                # a burst fills the ring faster than one interval drains: come back soon
-                wait = BUSY_INTERVAL_S if self._drain_backlog() else self.interval_s
+                # a ring filling fast is drained sooner: by the fill rate since
+                # the last drain, before it is REFILL_TO full again
+                filled, now = self._drain_backlog(), time.monotonic()
+                wait = self.interval_s
+                if filled > 0:
+                    wait = min(self.interval_s, (now - last) * REFILL_TO / filled)
+                    wait = max(BUSY_INTERVAL_S, wait)
+                last = now
                 if time.monotonic() - last_scan >= RESCAN_EVERY_S:
                     last_scan = time.monotonic()
                     self.attach_new_libraries()
@@ -404,10 +412,10 @@ class Tracer:
         with self._drain_lock:
             return self._drain_locked()
 
-    def _drain_backlog(self) -> bool:
-        """Drain; True when some ring held >= 1/8 of its size before it."""
+    def _drain_backlog(self) -> float:
+        """Drain; how full the fullest ring was before it (0 to 1)."""
         with self._drain_lock:
-            full = any(live.reader.pending() * 8 >= live.reader.size for live in self._live)
+            full = max((live.reader.pending() / live.reader.size for live in self._live), default=0)
             self._drain_locked()
         return full
 
