@@ -19,7 +19,8 @@ Sections (all by default; name some to run only those):
   decode, Arrow batches, appends), the drain timer stopped so each round is
   timed; per wall second, per CPU second, and the CPU per event counting the
   compression left to the store's sealer. BENCH_DRAIN_BASELINE=<git rev>:
-  the same for that revision's probing/ and this tree, taking turns.
+  the same for that revision's probing/ and this tree, taking turns (also
+  for sustained, once each).
 - sustained: launches at 1 M/s (BENCH_SUSTAIN_RATE) for 60 s
   (BENCH_SUSTAIN_S), drained by the tracer's timer; the BPF side's drops.
 - gloo: a 2-rank torch Gloo all-reduce loop, untraced then traced, per rank.
@@ -172,7 +173,7 @@ class BareUprobes:
 
 SUSTAIN_S = float(os.environ.get("BENCH_SUSTAIN_S", 60))
 SUSTAIN_RATE = int(float(os.environ.get("BENCH_SUSTAIN_RATE", 1_000_000)))
-DRAIN_EVENTS = 150_000  # a round's burst: < the cuda ring (16 MiB, 104-byte records)
+DRAIN_EVENTS = 150_000  # a round's burst: < the cuda ring (16 MiB before 46a4b85, 104 B/event)
 
 
 def _launcher(loop: ctypes.CDLL, cudart: ctypes.CDLL):  # type: ignore[no-untyped-def]
@@ -285,9 +286,10 @@ def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[
             "dropped": dropped, "loadavg": os.getloadavg()}  # fmt: skip
 
 
-def drain_side_by_side(rev: str) -> dict:  # type: ignore[type-arg]
-    """drain_rate of this tree and of ``rev`` (git archive of its probing/ and bpf/),
-    each in a fresh process, taking turns ROUNDS times; medians."""
+def side_by_side(rev: str, section: str = "drain_rate", repeats: int = REPEATS) -> dict:  # type: ignore[type-arg]
+    """``section`` (drain_rate, sustained_drain) of this tree and of ``rev``
+    (git archive of its probing/ and bpf/), each in a fresh process, taking
+    turns ``repeats`` times; medians of the numbers."""
     with tempfile.TemporaryDirectory() as d:
         archive = subprocess.run(
             ["git", "-C", str(REPO), "archive", rev, "probing", "bpf"],
@@ -299,21 +301,24 @@ def drain_side_by_side(rev: str) -> dict:  # type: ignore[type-arg]
             "import trace_bench as tb\n"
             "import probing; assert probing.__file__.startswith(sys.argv[1]), probing.__file__\n"
             "with tempfile.TemporaryDirectory() as d:\n"
-            "    r = tb.drain_rate(tb.build_loop(d), ctypes.CDLL(tb.cudart_path()))\n"
+            "    r = getattr(tb, sys.argv[3])(tb.build_loop(d), ctypes.CDLL(tb.cudart_path()))\n"
             "print(json.dumps(r))\n"
         )
         runs: dict[str, list[dict]] = {rev: [], "this tree": []}  # type: ignore[type-arg]
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             for name, tree in ((rev, d), ("this tree", str(REPO))):
                 out = subprocess.run(
-                    [sys.executable, "-c", code, tree, str(REPO / "benchmarks")],
+                    [sys.executable, "-c", code, tree, str(REPO / "benchmarks"), section],
                     check=True, capture_output=True, text=True, cwd=tree,
                 ).stdout  # fmt: skip
                 runs[name].append(json.loads(out.splitlines()[-1]))
-    keys = ("events_per_s", "events_per_cpu_s", "all_cpu_ns_per_event",
-            "host_thread_longest_wait_ms")  # fmt: skip
     return {
-        name: {k: statistics.median(r[k] for r in rs) for k in keys} | {"runs": len(rs)}
+        name: {
+            k: statistics.median(r[k] for r in rs)
+            for k, v in rs[0].items()
+            if isinstance(v, (int, float))
+        }
+        | {"runs": len(rs)}
         for name, rs in runs.items()
     } | {"loadavg": os.getloadavg()}
 
@@ -692,11 +697,15 @@ def main() -> None:
         if "drain" in only:
             baseline = os.environ.get("BENCH_DRAIN_BASELINE")  # a git revision
             if baseline:
-                result["drain_side_by_side"] = drain_side_by_side(baseline)
+                result["drain_side_by_side"] = side_by_side(baseline)
             else:
                 result["drain"] = drain_rate(loop, cudart)
         if "sustained" in only:
-            result["drain_sustained"] = sustained_drain(loop, cudart)
+            baseline = os.environ.get("BENCH_DRAIN_BASELINE")
+            if baseline:
+                result["sustained_side_by_side"] = side_by_side(baseline, "sustained_drain", 1)
+            else:
+                result["drain_sustained"] = sustained_drain(loop, cudart)
     if "gloo" in only:
         result["gloo_allreduce"] = gloo_slowdown()
     if "lifecycle" in only:
