@@ -7,7 +7,9 @@ the injector. The target's pauses are read back through the probe itself
 and split into the second before injection (baseline) and the injection
 window. Then `probing query`, `stack` and `ps` side by side with `py-spy
 dump` (the bench extra installs it) and a bare `python -c pass`, wall and
-CPU time, on a target whose probe has answered once.
+CPU time, on a target whose probe has answered once. With
+``BENCH_BASELINE_PATH`` (an older checkout's root), its ``probing query``,
+``stack`` and ``ps`` are timed in the same rounds (``baseline_*``).
 
 Prints one JSON object. Needs root (ptrace).
 """
@@ -95,13 +97,13 @@ def attach_runs(cwd: str) -> dict[str, object]:
     }
 
 
-def _timed(cmd: list[str]) -> tuple[float, float]:
+def _timed(cmd: list[str], cwd: str, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall seconds of one command, and the CPU seconds it used (its children too)."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd, check=True, capture_output=True, cwd=cwd, env=env)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -126,14 +128,20 @@ def cli_vs_pyspy(cwd: str) -> dict[str, object]:
         }
         if os.access(pyspy, os.X_OK):
             commands["py_spy_dump"] = [pyspy, "dump", "--pid", pid]
+        envs: dict[str, dict[str, str]] = {}
+        baseline = os.environ.get("BENCH_BASELINE_PATH")
+        if baseline:
+            for name in ("probing_query", "probing_stack", "probing_ps"):
+                commands[f"baseline_{name}"] = commands[name]
+                envs[f"baseline_{name}"] = dict(os.environ, PYTHONPATH=baseline)
         walls: dict[str, list[float]] = {k: [] for k in commands}
         cpus: dict[str, list[float]] = {k: [] for k in commands}
         for _ in range(RUNS):
             for name, cmd in commands.items():
-                wall, cpu = _timed(cmd)
+                wall, cpu = _timed(cmd, cwd, envs.get(name))  # cwd: no checkout on sys.path
                 walls[name].append(wall)
                 cpus[name].append(cpu)
-        out: dict[str, object] = {"runs": RUNS, "target_ms": 100}
+        out: dict[str, object] = {"runs": RUNS, "target_ms": 100, "baseline_path": baseline}
         for name in commands:
             out[name] = {"wall_ms": _ms(walls[name]), "cpu_ms": _ms(cpus[name])}
         if "py_spy_dump" not in commands:

@@ -4,7 +4,8 @@ Three copies of the same idle Python program run at once: without a probe,
 with an idle probe (PROBING=1, no query yet) and with a probe that has
 answered one query (SQL engine loaded). For each: RSS, and CPU time used
 over the same 10 s window. Also: time from process start to the first
-answered query, and the latency of a small query (median of 20).
+answered query, the latency of a small query (median of 20), and what
+each step of a probe's start and first query adds (RSS, time, packages).
 """
 
 from __future__ import annotations
@@ -44,31 +45,59 @@ def wait_socket(rt: str, pid: int) -> None:
         time.sleep(0.005)
 
 
-IMPORTS = ("numpy", "pyarrow", "pyarrow.compute", "datafusion", "psutil", "probing.store",
-           "probing.engine", "probing.tables", "probing.probe.server")  # fmt: skip
+# what a probe loads, in the order it loads it: the package (the .pth hook),
+# serving (PROBING=1 / inject), then its first query's engine, step by step
+IMPORT_STEPS = (
+    ("probing", "import probing"),
+    ("serving (probing.enable)", "import probing; probing.enable()"),
+    ("numpy", "import numpy"),
+    ("pyarrow", "import pyarrow"),
+    ("pyarrow.dataset (+compute, fs)", "import pyarrow.dataset"),
+    ("datafusion", "import datafusion"),
+    ("probing.store", "import probing.store"),
+    ("probing.engine", "import probing.engine"),
+    ("probing.tables", "import probing.tables"),
+    ("probing.analyze", "import probing.analyze"),
+    ("engine built, first query", "probing.context().engine.sql('SELECT pid FROM process.info')"),
+)
 IMPORT_COST = """
-import resource, sys, time
+import json, resource, sys, time
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-before = set(sys.modules)
-r0, t0 = rss(), time.perf_counter()
-__import__(sys.argv[1])
-print(rss() - r0, time.perf_counter() - t0, len(set(sys.modules) - before))
+out = []
+for label, code in json.loads(sys.argv[1]):
+    before = set(sys.modules)
+    r0, t0, c0 = rss(), time.perf_counter(), time.process_time()
+    exec(code)
+    new = set(sys.modules) - before
+    tops = sorted({m.split(".")[0] for m in new} - set(sys.stdlib_module_names) - {"probing"})
+    tops = [t for t in tops if not t.startswith("_")] + sorted({"ssl"} & new)
+    out.append([label, rss() - r0, time.perf_counter() - t0, time.process_time() - c0,
+                len(new), tops[:12]])
+extra = sorted(m for m in ("elftools", "psutil", "typer", "bcc") if m in sys.modules)
+print(json.dumps([out, extra]))
+import probing; probing.disable()
 """
 
 
-def import_costs() -> dict[str, dict[str, float]]:
-    """What each import the probe's first query needs costs on its own, in a
-    fresh interpreter: RSS added (MB), seconds, modules loaded."""
-    out = {}
-    for mod in IMPORTS:
-        r = subprocess.run([sys.executable, "-c", IMPORT_COST, mod], capture_output=True,
-                           text=True, check=True)  # fmt: skip
-        mb, s, n = r.stdout.split()
-        out[mod] = {"rss_mb": round(float(mb), 1), "ms": round(float(s) * 1e3, 1),
-                    "modules": int(n)}  # fmt: skip
-    return out
+def import_costs() -> dict[str, object]:
+    """What each step of a probe's start and first query adds, in one fresh
+    interpreter, in the order the probe takes them: RSS (MB), wall and CPU
+    ms, modules, and the top-level packages new in that step."""
+    r = subprocess.run([sys.executable, "-c", IMPORT_COST, json.dumps(IMPORT_STEPS)],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    steps, loaded = json.loads(r.stdout)
+    table = {
+        label: {"rss_mb": round(mb, 1), "ms": round(s * 1e3, 1), "cpu_ms": round(c * 1e3, 1),
+                "modules": n, "packages": tops}  # fmt: skip
+        for label, mb, s, c, n, tops in steps
+    }
+    return {
+        "steps": table,
+        "total_rss_mb": round(sum(v["rss_mb"] for v in table.values()), 1),  # type: ignore[misc]
+        "optional_loaded_after_first_query": loaded,
+    }
 
 
 def main() -> None:
