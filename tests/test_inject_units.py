@@ -231,3 +231,59 @@ def test_inspect_refuses_bad_pids() -> None:
         injector.inspect(0)
     with pytest.raises(AttachError, match="itself"):
         injector.inspect(os.getpid())
+
+
+# --- the borrowed thread's call to probing_boot --------------------------------------------------
+
+
+class _Mem:
+    """Target memory as a dict of address -> bytes."""
+
+    def __init__(self, cells: dict[int, bytes]) -> None:
+        self.cells = cells
+
+    def read(self, addr: int, size: int) -> bytes:
+        if addr not in self.cells:
+            raise OSError(5, "Input/output error")
+        return self.cells[addr][:size]
+
+
+def test_probing_boot_is_found_from_dlopens_handle(monkeypatch) -> None:
+    prep = injector.Prepared(0, 4096, b"", boot_value=0x1234, lib_min_vaddr=0)
+    bias = 0x7F0000000000
+    handle = 0x5555000
+    mem = _Mem({handle: bias.to_bytes(8, "little"), bias: b"\x7fELF\x02"})
+
+    def maps_lookup(*args: object) -> int:
+        raise AssertionError("the maps are read only when the handle says nothing")
+
+    monkeypatch.setattr(injector, "_symbol_in", maps_lookup)
+    assert injector._boot_address(None, mem, handle, prep, "lib.so") == bias + 0x1234  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cells", [{}, {0x5555000: (0x1000).to_bytes(8, "little")}])
+def test_probing_boot_falls_back_to_the_maps(monkeypatch, cells: dict[int, bytes]) -> None:
+    class T:
+        pid = 42
+
+    prep = injector.Prepared(0, 4096, b"", boot_value=0x1234, lib_min_vaddr=0)
+    monkeypatch.setattr(injector, "_symbol_in", lambda pid, lib, name: 0xABC)
+    got = injector._boot_address(T(), _Mem(cells), 0x5555000, prep, "lib.so")  # type: ignore[arg-type]
+    assert got == 0xABC
+
+
+def test_the_page_image_holds_stub_path_and_args() -> None:
+    lib = build.library_path()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.3)
+        target = injector.inspect(proc.pid)
+        prep = injector.prepare(target, lib, "pass")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert prep.image.startswith(target.arch.trap_stub)
+    assert prep.image[injector.PATH_AT :].startswith(lib.encode() + b"\0")
+    assert prep.image[injector.ARGS_AT :] == injector.boot_args_block(target, "pass")
+    assert prep.size % injector.PAGE == 0 and prep.size >= len(prep.image)
+    assert prep.boot_value == elf.Symbols(lib, ("probing_boot",)).values["probing_boot"]
