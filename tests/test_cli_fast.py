@@ -167,3 +167,23 @@ def test_errors_are_one_line_on_stderr(spawn) -> None:
     assert r.stderr.startswith("probing: error: ") and r.stderr.endswith("\n")
     gone = cli("stack", "-p", "999999999")
     assert gone.returncode == 1 and gone.stderr == "probing: error: no process with pid 999999999\n"
+
+
+def test_rows_are_encoded_in_steps_and_capped() -> None:
+    import json
+
+    import pyarrow as pa
+
+    from probing.engine.limits import LimitExceeded
+    from probing.probe.api import json_columns
+
+    table = pa.table({"a": list(range(50_000)), "b": [str(i) for i in range(50_000)]})
+    got = json.loads(json_columns(table, 1 << 30))
+    assert got["columns"] == ["a", "b"] and got["rows"] == [[i, str(i)] for i in range(50_000)]
+    assert json.loads(json_columns(table.slice(0, 0), 1 << 30)) == {
+        "columns": ["a", "b"],
+        "rows": [],
+    }
+    with pytest.raises(LimitExceeded) as err:
+        json_columns(table, 100_000)
+    assert err.value.setting == "PROBING_QUERY_MAX_RESULT_MB"
