@@ -111,7 +111,8 @@ def header_columns(ev: np.ndarray, d: Decoded, funcs: tuple[Func, ...]) -> dict[
         "pid": np.full(len(ev), d.pid, dtype=np.int32),
         "tid": ev["tid"].astype(np.int32),
         "api": _names([f.api for f in funcs], fn),
-        "op": _names([f.op for f in funcs], fn),
+        # cuda's functions have no op (and its table no such column)
+        "op": _names([f.op for f in funcs], fn) if any(f.op for f in funcs) else None,
         "stack_id": _masked(ev["stack_id"].astype(np.int64), ev["stack_id"] != 0, pa.int64()),
         "_has_ret": has_ret,
         "_fn": fn,
@@ -338,8 +339,9 @@ def fn_mask(
 
 
 def _dim3(values: np.ndarray, valid: np.ndarray) -> pa.Array:
-    flat = pa.array(values.reshape(-1), type=pa.uint32())
-    return pa.FixedSizeListArray.from_arrays(flat, 3, mask=pa.array(~valid))
+    flat = pa.array(np.ascontiguousarray(values, dtype=np.uint32).reshape(-1), type=pa.uint32())
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(DIM3, len(values), [bitmap], children=[flat])
 
 
 def decode_cuda(ev: np.ndarray, d: Decoded) -> dict[str, Any]:
