@@ -321,11 +321,19 @@ CUDA_SCHEMA = pa.schema(
 )
 
 
-@functools.lru_cache(maxsize=64)
+_FN_TABLES: dict[tuple[int, tuple[str, ...]], tuple[tuple[Func, ...], np.ndarray]] = {}
+
+
 def _fn_table(funcs: tuple[Func, ...], enums: tuple[str, ...]) -> np.ndarray:
-    """True at the ids of ``enums``; one more entry, False, for any id past them."""
+    """True at the ids of ``enums``; one more entry, False, for any id past them.
+    Kept by the tuple's identity: hashing its Funcs cost more than the lookup."""
+    key = (id(funcs), enums)
+    hit = _FN_TABLES.get(key)
+    if hit is not None and hit[0] is funcs:
+        return hit[1]
     table = np.zeros(len(funcs) + 1, dtype=bool)
     table[[i for i, f in enumerate(funcs) if f.enum in enums]] = True
+    _FN_TABLES[key] = (funcs, table)  # funcs kept alive: its id stays its own
     return table
 
 

@@ -13,6 +13,7 @@ sit 8 bytes further than the sample's), never copied a second time.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 
@@ -27,6 +28,7 @@ def record_size(sample_size: int) -> int:
     return (sample_size + HDR_SIZE + 7) & ~7
 
 
+@functools.lru_cache(maxsize=16)
 def record_dtype(sample: np.dtype) -> np.dtype:
     """One ring-buffer record: ``rb_len`` (the header's length and flags),
     then every field of ``sample`` under its own name, padding to 8 bytes.
