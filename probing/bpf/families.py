@@ -97,7 +97,10 @@ def _name_table(names: tuple[str | None, ...]) -> pa.Array:
 
 def _names(names: list[str | None], idx: np.ndarray) -> pa.Array:
     idx = idx if idx.dtype == np.int32 and idx.flags.c_contiguous else idx.astype(np.int32)
-    return _name_table(tuple(names)).take(pa.array(idx))
+    table = _name_table(tuple(names))
+    if len(idx) and (idx == idx[0]).all():  # one name (a burst of launches): repeated
+        return pa.repeat(table[int(idx[0])], len(idx))
+    return table.take(pa.array(idx))
 
 
 def header_columns(ev: np.ndarray, d: Decoded, funcs: tuple[Func, ...]) -> dict[str, Any]:
