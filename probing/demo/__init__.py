@@ -135,7 +135,10 @@ def _probing(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
 
 
 def trace_all(pids: Sequence[int], families: Sequence[str]) -> list[str]:
-    """``probing trace --pid P --background`` for every pid at once; errors, if any."""
+    """``probing trace --pid P --background`` for every pid at once; errors, if any.
+    Each may inject, then wait for its probe's answers (``answer_timeout()``)."""
+    from probing.client import answer_timeout
+
     flags = [f"--no-{f}" for f in ("nccl", "cuda", "gloo") if f not in families]
     procs = [
         subprocess.Popen(
@@ -148,7 +151,7 @@ def trace_all(pids: Sequence[int], families: Sequence[str]) -> list[str]:
     ]
     errors = []
     for pid, p in zip(pids, procs, strict=True):
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=max(120.0, 4 * answer_timeout()))
         if p.returncode:
             errors.append(f"pid {pid}: {err.strip()}")
     return errors
