@@ -22,5 +22,10 @@ def boot() -> None:
         import probing
 
         probing.enable()
-    except Exception as err:  # never break the host's start-up
-        print(f"probing: probe not started: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - never break the host's start-up
+        from probing.errors import ProbingError, log_unexpected
+
+        if isinstance(err, ProbingError | OSError):  # said in one line
+            print(f"probing: probe not started: {err}", file=sys.stderr)
+        else:  # a bug of ours: its traceback, so it is seen
+            log_unexpected("probe not started", err)
