@@ -142,26 +142,16 @@ def test_the_vagrantfile_validates(tmp_path: Path) -> None:
     work = tmp_path / "vagrant"
     shutil.copytree(VAGRANT, work, ignore=shutil.ignore_patterns(".vagrant"))
     env = {**os.environ, "VAGRANT_HOME": str(tmp_path / "home"), "VAGRANT_CHECKPOINT_DISABLE": "1"}
-    r = subprocess.run(
-        [vagrant, "validate", "--ignore-provider"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+
+    def validate() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [vagrant, "validate", "--ignore-provider"],
+            cwd=work, capture_output=True, text=True, timeout=120, env=env, check=False,
+        )  # fmt: skip
+
+    r = validate()
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Vagrantfile validated successfully" in r.stdout
     # a broken Vagrantfile is caught, so the check above means something
     (work / "Vagrantfile").write_text((work / "Vagrantfile").read_text().replace("end\n", "", 1))
-    r = subprocess.run(
-        [vagrant, "validate", "--ignore-provider"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
-    assert r.returncode != 0
+    assert validate().returncode != 0
