@@ -20,7 +20,10 @@
 
 /* -- the ring buffer, drop counter and pairing map (see common.h) -- */
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-BPF_ARRAY(dropped, u64, 1);
+/* [0] events lost; [1] events a second try saved: a reserve or output can
+ * fail with room in the ring (Linux >= 6.15 takes the ring's lock with a
+ * resilient spinlock, which gives up under contention with a reader) */
+BPF_ARRAY(dropped, u64, 2);
 BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
 
 /* -- Python stacks (see pyframes.h): the maps and the one helper that uses them -- */
@@ -46,25 +49,32 @@ static __always_inline void hdr_init(struct probing_hdr *h, u16 fn) {
     hdr_init_stack(h, fn, py_stack_id());
 }
 
-static __always_inline void count_drop(void) {
-    int zero = 0;
-    u64 *n = dropped.lookup(&zero);
+#define DROPPED 0 /* the slots of `dropped` */
+#define SAVED 1
+static __always_inline void count(int slot) {
+    u64 *n = dropped.lookup(&slot);
     if (n)
         __sync_fetch_and_add(n, 1);
 }
-/* submit with no wake-up: the probe drains on a timer; a full ring counts a drop */
+static __always_inline void count_drop(void) { count(DROPPED); }
+/* submit with no wake-up: the probe drains on a timer; one more try after a
+ * failure (BCC has no ringbuf_query to tell a full ring from a busy lock: a
+ * full ring fails the second try as fast), then a drop */
 static __always_inline void emit(EVENT *ev) {
-    if (events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) != 0)
-        count_drop();
+    if (events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) == 0)
+        return;
+    count(events.ringbuf_output(ev, sizeof(*ev), BPF_RB_NO_WAKEUP) == 0 ? SAVED : DROPPED);
 }
 /* The hot calls' way (kernel launches, asynchronous copies): the event is
  * written in place in the ring buffer, neither zeroed nor built on the
  * stack and copied (reserve, fill every field, submit); NULL, counted as a
- * drop, when the ring is full. */
+ * drop, when a second try fails too. */
 static __always_inline EVENT *reserve(void) {
     EVENT *ev = events.ringbuf_reserve(sizeof(EVENT));
-    if (!ev)
-        count_drop();
+    if (ev)
+        return ev;
+    ev = events.ringbuf_reserve(sizeof(EVENT));
+    count(ev ? SAVED : DROPPED);
     return ev;
 }
 static __always_inline void submit(EVENT *ev) { events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP); }

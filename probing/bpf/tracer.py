@@ -114,6 +114,7 @@ class _Live:
         self.reader = reader
         self.events = 0
         self.drops_seen = 0
+        self.saved = 0  # events a second ring reserve kept (preamble.c: SAVED)
         self.next_id = 0
         self.libraries: set[str] = set()
 
@@ -423,7 +424,9 @@ class Tracer:
         total = 0
         for live in self._live:
             table = self.store.table(live.family.table, "calls")
-            dropped = int(live.bpf["dropped"][ctypes.c_int(0)].value)
+            counts = live.bpf["dropped"]
+            dropped = int(counts[ctypes.c_int(0)].value)
+            live.saved = int(counts[ctypes.c_int(1)].value)
             if dropped > live.drops_seen:
                 table.count_dropped(dropped - live.drops_seen)
                 live.drops_seen = dropped
@@ -524,6 +527,7 @@ class Tracer:
             per[live.family.name] = {
                 "events": live.events,
                 "dropped": live.drops_seen,
+                "saved": live.saved,
                 "libraries": sorted(live.libraries),
                 "uprobes": sum(
                     1 for p in self.probes if p.family == live.family.name and p.attached
