@@ -37,11 +37,17 @@ if TYPE_CHECKING:
 
 def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
     """Every table of a probe: the base tables, then ``analyze.*`` (which read
-    ``comm.collectives``)."""
-    from probing import analyze
+    ``comm.collectives``). ``probing.analyze`` is imported at the first query
+    that names the schema ``analyze`` or lists tables, not with the engine."""
     from probing.tables import install
 
     install(engine, ctx)
+    engine.defer("analyze", lambda: _install_analyze(engine))
+
+
+def _install_analyze(engine: Engine) -> None:
+    from probing import analyze
+
     analyze.install(engine)
 
 

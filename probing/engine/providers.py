@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Union
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 from datafusion import DataFrame, SessionContext, col, lit
 from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 
@@ -24,7 +24,13 @@ from probing.errors import ProbingError, ProviderError, log_unexpected
 from probing.store import Store
 from probing.store.table import CHUNK_COL, Snapshot
 
-TableData = pa.Table | ds.Dataset
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
+
+# pyarrow.dataset (with pyarrow.compute and the filesystems: ~50 ms of a
+# probe's first query) is imported only on the paths that read files
+# through pyarrow; rows in memory reach DataFusion as batches
+TableData = Union[pa.Table, "ds.Dataset"]
 Producer = Callable[[], TableData]
 Resolver = Callable[[str], TableData | None]
 
@@ -83,17 +89,24 @@ def set_code_allowed(allowed: bool) -> bool:
 
 
 def empty_frame(ctx: SessionContext, schema: pa.Schema) -> DataFrame:
-    """No rows, but one partition: a pyarrow dataset of no rows has no
-    fragments, hence no partitions, and a sort or union above it fails
-    DataFusion's plan check. One NULL row filtered out has neither problem."""
-    null_row = pa.Table.from_pylist([{}], schema=schema)
-    return ctx.read_table(Table(ds.dataset(null_row))).filter(lit(False))
+    """No rows, but one partition: a table of no batches has no partitions,
+    and a sort or union above it fails DataFusion's plan check. One batch
+    of no rows has neither problem."""
+    return ctx.read_batches([pa.RecordBatch.from_pylist([], schema=schema)])
+
+
+def rows_frame(ctx: SessionContext, data: pa.Table) -> DataFrame:
+    """Rows in memory as a DataFrame (a memory table, never registered by name)."""
+    batches = [b for b in data.to_batches() if b.num_rows]
+    return ctx.read_batches(batches) if batches else empty_frame(ctx, data.schema)
 
 
 def as_table(data: TableData, ctx: SessionContext | None = None) -> Table:
     if isinstance(data, pa.Table):
-        if data.num_rows == 0 and ctx is not None:
-            return Table(empty_frame(ctx, data.schema))
+        if ctx is not None:
+            return Table(rows_frame(ctx, data))
+        import pyarrow.dataset as ds
+
         data = ds.dataset(data)
     return Table(data)
 
@@ -127,7 +140,7 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
     if snap.pending.num_rows:
         # not ctx.from_arrow: it registers a temporary table in the default
         # schema, which is ours and keeps no such tables
-        frames.append(ctx.read_table(Table(ds.dataset(snap.pending))))
+        frames.append(rows_frame(ctx, snap.pending))
     elif not frames:
         frames.append(empty_frame(ctx, snap.schema))
     df = frames[0]
@@ -139,6 +152,8 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
 def snapshot_dataset(snap: Snapshot) -> ds.Dataset:
     """The same rows as a pyarrow dataset: slower (DataFusion pulls batches
     through Python), but it can be built while a query is being planned."""
+    import pyarrow.dataset as ds
+
     parts: list[ds.Dataset] = []
     if snap.paths:
         parts.append(ds.dataset(list(snap.paths), schema=snap.schema, format=snap.container))
@@ -163,6 +178,26 @@ class ProbeSchema(SchemaProvider):
         self._views: set[str] = set()
         self._resolver: Resolver | None = None
         self._lock = threading.Lock()
+        self._deferred: list[Callable[[], None]] = []
+        self._load_lock = threading.RLock()
+
+    def defer(self, install: Callable[[], None]) -> None:
+        """``install()`` registers more of this schema's tables, at the first
+        query that names the schema or lists tables (not at engine build):
+        a layer whose tables few queries read is not imported before."""
+        with self._load_lock:
+            self._deferred.append(install)
+
+    def _load(self) -> None:
+        if not self._deferred:
+            return
+        with self._load_lock:  # a second caller waits for the tables, then lists them
+            while self._deferred:
+                install = self._deferred.pop(0)
+                try:
+                    install()
+                except Exception as err:  # noqa: BLE001 - its tables are missing; the rest answer
+                    log_unexpected(f"the tables of {self.name} were not installed", err)
 
     def add_table(self, name: str, producer: Producer) -> None:
         with self._lock:
@@ -183,6 +218,7 @@ class ProbeSchema(SchemaProvider):
     # sequence (not a method) when it lists tables for information_schema.
     @property
     def table_names(self) -> list[str]:  # type: ignore[override]
+        self._load()
         with self._lock:
             names = set(self._producers) | self._views
         if self._store is not None:
@@ -190,6 +226,7 @@ class ProbeSchema(SchemaProvider):
         return sorted(names)
 
     def table(self, name: str) -> Table | None:
+        self._load()
         with self._lock:
             producer = self._producers.get(name)
         if producer is not None:

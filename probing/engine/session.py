@@ -69,6 +69,11 @@ class Engine:
         """``schema.name`` answers as ``sql`` (read at every query that names it)."""
         self.catalog.add_view(schema, name, sql)
 
+    def defer(self, schema: str, install: Callable[[], None]) -> None:
+        """``install()`` registers tables of ``schema`` at the first query
+        that names the schema or lists tables; the schema is listed now."""
+        self.schema(schema).defer(install)
+
     def register_resolver(self, schema: str, resolver: Resolver) -> None:
         """Resolve unknown names in ``schema`` on demand (dynamic tables)."""
         self.schema(schema).set_resolver(resolver)
