@@ -53,48 +53,99 @@ def _ms(xs: list[float]) -> dict[str, float]:
     }
 
 
-def _spawn(cwd: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+def _spawn(cwd: str, root: str | None = None) -> subprocess.Popen[bytes]:
+    """A target; ``root``: the checkout its injected probe imports (None:
+    the installed one)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PROBING", "PYTHONPATH")}
+    if root:
+        env["PYTHONPATH"] = root
     return subprocess.Popen([sys.executable, "-c", TARGET], cwd=cwd, env=env)
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(path: str) -> float:
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _probe_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` but its main one (which spins
+    all along), those that have ended included: the probe's."""
+    return _cpu_s(f"/proc/{pid}/stat") - _cpu_s(f"/proc/{pid}/task/{pid}/stat")
+
+
 def attach_runs(cwd: str) -> dict[str, object]:
-    total, injected, stopped, first_query = [], [], [], []
-    base_pause, window_pause = [], []
+    """RUNS injections; with ``BENCH_BASELINE_PATH`` also into targets whose
+    probe comes from that checkout, interleaved (``baseline``)."""
+    roots: dict[str, str | None] = {"now": None}
+    if os.environ.get("BENCH_BASELINE_PATH"):
+        roots["baseline"] = os.environ["BENCH_BASELINE_PATH"]
+    runs = {name: _Runs() for name in roots}
     for _ in range(RUNS):
-        proc = _spawn(cwd)
+        for name, root in roots.items():
+            runs[name].once(cwd, root)
+    out = runs["now"].report()
+    if "baseline" in runs:
+        out["baseline"] = runs["baseline"].report()
+        out["baseline_path"] = roots["baseline"]
+    out["loadavg"] = os.getloadavg()
+    return out
+
+
+class _Runs:
+    def __init__(self) -> None:
+        self.total: list[float] = []
+        self.injected: list[float] = []
+        self.stopped: list[float] = []
+        self.first_query: list[float] = []
+        self.probe_cpu: list[float] = []
+        self.base_pause: list[float] = []
+        self.window_pause: list[float] = []
+
+    def once(self, cwd: str, root: str | None) -> None:
+        proc = _spawn(cwd, root)
         try:
             time.sleep(1.2)  # a second of undisturbed baseline
+            c0 = _probe_cpu_s(proc.pid)
             t0 = time.monotonic()
             res = inject(proc.pid)
             t1 = time.monotonic()
             client = ProbeClient.for_pid(proc.pid)
             client.query("SELECT pid FROM process.info")
             t2 = time.monotonic()
+            self.probe_cpu.append(_probe_cpu_s(proc.pid) - c0)
             pauses = client.query("SELECT * FROM python.`PAUSES`").column(0).to_pylist()
-            total.append(t2 - t0)
-            injected.append(t1 - t0)
-            first_query.append(t2 - t1)
-            stopped.append(res.stopped_s)
+            self.total.append(t2 - t0)
+            self.injected.append(t1 - t0)
+            self.first_query.append(t2 - t1)
+            self.stopped.append(res.stopped_s)
             base = [g for s, g in pauses if t0 - 1.0 <= s < t0]
             during = [g for s, g in pauses if t0 <= s < t2]
-            base_pause.append(max(base, default=0.0))
-            window_pause.append(max(during, default=0.0))
+            self.base_pause.append(max(base, default=0.0))
+            self.window_pause.append(max(during, default=0.0))
         finally:
             proc.kill()
             proc.wait()
-    return {
-        "runs": RUNS,
-        "inject_to_first_answer_ms": _ms(total),
-        "inject_call_ms": _ms(injected),
-        "first_query_ms (loads the SQL engine in the target)": _ms(first_query),
-        "borrowed_thread_stopped_ms": _ms(stopped),
-        "other_threads_stopped_ms": 0,
-        "target_longest_pause_ms": {
-            "baseline_1s_before": _ms(base_pause),
-            "during_inject_and_first_query": _ms(window_pause),
-        },
-    }
+
+    def report(self) -> dict[str, object]:
+        total, injected, first_query = self.total, self.injected, self.first_query
+        stopped, base_pause, window_pause = self.stopped, self.base_pause, self.window_pause
+        return {
+            "runs": RUNS,
+            "inject_to_first_answer_ms": _ms(total),
+            "probe_cpu_ms (inject to first answer, off the main thread)": _ms(self.probe_cpu),
+            "inject_call_ms": _ms(injected),
+            "first_query_ms (loads the SQL engine in the target)": _ms(first_query),
+            "borrowed_thread_stopped_ms": _ms(stopped),
+            "other_threads_stopped_ms": 0,
+            "target_longest_pause_ms": {
+                "baseline_1s_before": _ms(base_pause),
+                "during_inject_and_first_query": _ms(window_pause),
+            },
+        }
 
 
 def _timed(cmd: list[str], cwd: str, env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -154,7 +205,9 @@ def cli_vs_pyspy(cwd: str) -> dict[str, object]:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as cwd:  # targets do not find probing in their cwd
-        report = {"benchmark": "inject", "attach": attach_runs(cwd), "cli": cli_vs_pyspy(cwd)}
+        report: dict[str, object] = {"benchmark": "inject", "attach": attach_runs(cwd)}
+        if not os.environ.get("BENCH_ATTACH_ONLY"):
+            report["cli"] = cli_vs_pyspy(cwd)
     print(json.dumps(report, indent=1))
 
 

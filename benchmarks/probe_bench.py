@@ -52,14 +52,15 @@ IMPORT_STEPS = (
     ("serving (probing.enable)", "import probing; probing.enable()"),
     ("numpy", "import numpy"),
     ("pyarrow", "import pyarrow"),
-    ("pyarrow.dataset (+compute, fs)", "import pyarrow.dataset"),
     ("datafusion", "import datafusion"),
     ("probing.store", "import probing.store"),
     ("probing.engine", "import probing.engine"),
     ("probing.tables", "import probing.tables"),
-    ("probing.analyze", "import probing.analyze"),
     ("engine built, first query", "probing.context().engine.sql('SELECT pid FROM process.info')"),
 )
+# loaded by none of the steps above, now (pyarrow.dataset: rows reach
+# DataFusion as batches; analyze: at the first query naming its schema)
+DEFERRED = ("pyarrow.dataset", "pyarrow.compute", "probing.analyze")
 IMPORT_COST = """
 import json, resource, sys, time
 def rss():
@@ -75,29 +76,74 @@ for label, code in json.loads(sys.argv[1]):
     tops = [t for t in tops if not t.startswith("_")] + sorted({"ssl"} & new)
     out.append([label, rss() - r0, time.perf_counter() - t0, time.process_time() - c0,
                 len(new), tops[:12]])
-extra = sorted(m for m in ("elftools", "psutil", "typer", "bcc") if m in sys.modules)
+extra = sorted(m for m in ("elftools", "psutil", "typer", "bcc") + DEFERRED if m in sys.modules)
 print(json.dumps([out, extra]))
 import probing; probing.disable()
 """
 
 
-def import_costs() -> dict[str, object]:
+def import_costs(root: str | None = None) -> dict[str, object]:
     """What each step of a probe's start and first query adds, in one fresh
     interpreter, in the order the probe takes them: RSS (MB), wall and CPU
-    ms, modules, and the top-level packages new in that step."""
-    r = subprocess.run([sys.executable, "-c", IMPORT_COST, json.dumps(IMPORT_STEPS)],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    ms, modules, and the top-level packages new in that step. ``root``: the
+    checkout to import probing from (None: this one)."""
+    env = dict(os.environ, PYTHONPATH=root or os.path.join(os.path.dirname(__file__), ".."))
+    code = IMPORT_COST.replace("DEFERRED", repr(DEFERRED))
+    r = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(IMPORT_STEPS)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=tempfile.gettempdir(),
+    )  # fmt: skip - no checkout in the cwd
     steps, loaded = json.loads(r.stdout)
     table = {
-        label: {"rss_mb": round(mb, 1), "ms": round(s * 1e3, 1), "cpu_ms": round(c * 1e3, 1),
-                "modules": n, "packages": tops}  # fmt: skip
+        label: {
+            "rss_mb": round(mb, 1),
+            "ms": round(s * 1e3, 1),
+            "cpu_ms": round(c * 1e3, 1),
+            "modules": n,
+            "packages": tops,
+        }  # fmt: skip
         for label, mb, s, c, n, tops in steps
     }
     return {
         "steps": table,
         "total_rss_mb": round(sum(v["rss_mb"] for v in table.values()), 1),  # type: ignore[misc]
+        "total_ms": round(sum(v["ms"] for v in table.values()), 1),  # type: ignore[misc]
+        "total_cpu_ms": round(sum(v["cpu_ms"] for v in table.values()), 1),  # type: ignore[misc]
         "optional_loaded_after_first_query": loaded,
     }
+
+
+def import_costs_side_by_side(rounds: int = 5) -> dict[str, object]:
+    """``import_costs`` of this checkout and, with ``BENCH_BASELINE_PATH``
+    (an older checkout's root), of that one, interleaved; per step the
+    median of ``rounds`` fresh interpreters."""
+    roots = {"now": None}
+    if os.environ.get("BENCH_BASELINE_PATH"):
+        roots["baseline"] = os.environ["BENCH_BASELINE_PATH"]
+    runs: dict[str, list[dict[str, object]]] = {k: [] for k in roots}
+    for _ in range(rounds):
+        for name, root in roots.items():
+            runs[name].append(import_costs(root))
+    out: dict[str, object] = {"rounds": rounds, "loadavg": os.getloadavg()}
+    for name, results in runs.items():
+        steps = results[0]["steps"]
+        out[name] = {
+            "steps_median": {
+                label: {
+                    k: statistics.median(r["steps"][label][k] for r in results)  # type: ignore[index]
+                    for k in ("ms", "cpu_ms", "rss_mb")
+                }  # fmt: skip
+                for label in steps  # type: ignore[union-attr]
+            },
+            "total_ms_median": statistics.median(r["total_ms"] for r in results),  # type: ignore[misc]
+            "total_cpu_ms_median": statistics.median(r["total_cpu_ms"] for r in results),  # type: ignore[misc]
+            "optional_loaded_after_first_query": results[0]["optional_loaded_after_first_query"],
+        }
+    return out
 
 
 def main() -> None:
@@ -141,7 +187,7 @@ def main() -> None:
         "cpu_s_in_window": {k: round(after[k] - before[k], 3) for k in procs},
         "start_to_first_query_ms": round(first_query_s * 1e3, 1),
         "small_query_ms_median": round(statistics.median(lat) * 1e3, 2),
-        "import_costs": import_costs(),
+        "import_costs": import_costs_side_by_side(),
     }
     json.dump(result, sys.stdout, indent=1)
     print()

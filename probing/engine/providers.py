@@ -62,6 +62,7 @@ def provider_failure() -> ProviderError | None:
     _failed.error = None
     return failure
 
+
 Prepared = dict[tuple[str, str], Table]
 
 
