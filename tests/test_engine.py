@@ -225,3 +225,39 @@ def test_concurrent_queries_keep_their_own_snapshots(engine: Engine) -> None:
         t.join()
     assert errors == []
     assert engine.sql("SELECT count(*) AS n FROM gloo.calls").to_pylist() == [{"n": 61}]
+
+
+def test_deferred_tables_install_at_the_first_query_that_needs_them(engine: Engine) -> None:
+    calls = []
+
+    def install_late() -> None:
+        calls.append(1)
+        engine.register_table("late", "rows", lambda: pa.table({"x": [1, 2]}))
+
+    engine.defer("late", install_late)
+    engine.sql("SELECT pid FROM process.info")
+    assert calls == []  # a query over another schema does not install them
+    names = engine.sql(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'late'"
+    )
+    assert names.column(0).to_pylist() == ["rows"]
+    assert engine.sql("SELECT sum(x) AS s FROM late.rows").column(0).to_pylist() == [3]
+    assert calls == [1]  # once
+
+
+def test_probe_tables_leave_analyze_and_pyarrow_dataset_to_their_first_use() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, probing\n"
+        "e = probing.context().engine\n"
+        "e.sql('SELECT pid FROM process.info')\n"
+        "print(sorted(m for m in ('probing.analyze', 'pyarrow.dataset') if m in sys.modules))\n"
+        "e.sql('SELECT * FROM analyze.ranks')\n"
+        "print('probing.analyze' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[:2] == ["[]", "True"]

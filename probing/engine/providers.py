@@ -180,6 +180,7 @@ class ProbeSchema(SchemaProvider):
         self._resolver: Resolver | None = None
         self._lock = threading.Lock()
         self._deferred: list[Callable[[], None]] = []
+        self._pending = False  # until every deferred install has run
         self._load_lock = threading.RLock()
 
     def defer(self, install: Callable[[], None]) -> None:
@@ -188,9 +189,10 @@ class ProbeSchema(SchemaProvider):
         a layer whose tables few queries read is not imported before."""
         with self._load_lock:
             self._deferred.append(install)
+            self._pending = True
 
     def _load(self) -> None:
-        if not self._deferred:
+        if not self._pending:
             return
         with self._load_lock:  # a second caller waits for the tables, then lists them
             while self._deferred:
@@ -199,6 +201,7 @@ class ProbeSchema(SchemaProvider):
                     install()
                 except Exception as err:  # noqa: BLE001 - its tables are missing; the rest answer
                     log_unexpected(f"the tables of {self.name} were not installed", err)
+            self._pending = False
 
     def add_table(self, name: str, producer: Producer) -> None:
         with self._lock:
