@@ -499,6 +499,9 @@ def diagnose(
     ] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
     inject: InjectOpt = True,
+    timeout: Annotated[
+        float, typer.Option(help="seconds to wait for the peers (--cluster, --addr)")
+    ] = 5.0,
 ) -> None:
     """Name the straggler, slow link or hang of a distributed job, and show why."""
     from probing.analyze import diagnose as run_diagnosis
@@ -518,7 +521,7 @@ def diagnose(
     try:
         for p in pid or []:  # a hung job never traced: stacks and counts still tell
             _probe_client(p, inject)
-        job = Job(pids=pid, addr=addr, cluster=cluster)
+        job = Job(pids=pid, addr=addr, cluster=cluster, timeout=timeout)
         d, table = run_diagnosis(job, window_s=window_s, hang_after_s=hang_s, on_wait=waiting)
         if sql is not None:
             from probing.engine import Engine

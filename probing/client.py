@@ -368,7 +368,8 @@ class Job:
             raise ProbingError("nothing to ask: give --pid (repeatable), --addr or --cluster")
         node = socket.gethostname()
         pids = self.pids
-        clients = [ProbeClient.for_pid(pid, timeout=max(self.timeout, 1.0)) for pid in pids]
+        # local probes: the CLI's wait for an answer (the timeout is the peers')
+        clients = [ProbeClient.for_pid(pid) for pid in pids]
 
         def one(i: int) -> pa.Table:  # the ranks answer in parallel
             rank = process_rank(clients[i], pids[i])

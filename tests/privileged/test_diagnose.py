@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from probing.demo import JOB_SCRIPT, DemoJob, trace_all
-from tests.conftest import cli, require, require_bpf
+from tests.conftest import SLOWDOWN, cli, require, require_bpf
 
 pytestmark = pytest.mark.privileged
 
@@ -63,7 +63,11 @@ def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-de
     j = job("--slow-rank", str(rank), "--slow-ms", "40")
     out = _diagnose(j)
     # the same through one rank's probe in cluster mode (peers from the job's store)
-    r = cli("diagnose", "--pid", str(j.pids[-1]), "--cluster", "--format", "json", timeout=120)
+    peers_s = f"{5 * SLOWDOWN:g}"  # the peers' default 5 s, stretched like the tests' waits
+    r = cli(
+        "diagnose", "--pid", str(j.pids[-1]), "--cluster", "--timeout", peers_s,
+        "--format", "json", timeout=120,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     over_cluster = json.loads(r.stdout)
     assert [s["rank"] for s in over_cluster["stragglers"]] == [rank]
