@@ -25,7 +25,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check probing tests benchmarks
 
 # the privileged suite in a Debian trixie VM (kernel 6.12, Python 3.13): docs/vm.md
-VM_TESTS ?= smoke
+VM_TESTS ?= paths
 vm-test:
 	@bash vagrant/vm-test.sh $(VM_TESTS)
 

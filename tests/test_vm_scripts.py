@@ -36,7 +36,7 @@ def _array(script: str, name: str) -> list[str]:
     return m.group(1).split()
 
 
-@pytest.mark.parametrize("array", ["smoke", "host_only"])
+@pytest.mark.parametrize("array", ["smoke", "diagnose", "host_only"])
 def test_the_tests_the_vm_names_exist(array: str) -> None:
     """A renamed test must not silently drop out of the VM's selection."""
     ids = _array("run-tests.sh", array)
@@ -129,7 +129,7 @@ def test_bad_arguments_say_what_to_do(tmp_path: Path) -> None:
 def test_help_names_the_subsets() -> None:
     r = _bash(str(VAGRANT / "vm-test.sh"), "--help")
     assert r.returncode == 0
-    assert "smoke|full" in r.stdout and "PROBING_VM_CACHE" in r.stdout
+    assert "paths|smoke|full" in r.stdout and "PROBING_VM_CACHE" in r.stdout
 
 
 def test_the_vagrantfile_validates(tmp_path: Path) -> None:

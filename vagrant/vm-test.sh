@@ -2,7 +2,7 @@
 # `make vm-test`: probing's privileged suite in a Debian trixie VM (kernel 6.12,
 # Python 3.13), booted with qemu on this machine. As root.
 #
-#   vagrant/vm-test.sh [smoke|full|PYTEST-ARGS...]     (default: smoke)
+#   vagrant/vm-test.sh [paths|smoke|full|PYTEST-ARGS...]     (default: paths)
 #   vagrant/vm-test.sh --image-path      (where the image for this recipe is cached)
 #
 # 1. The image: built once from Debian's packages with mmdebstrap, running
@@ -34,10 +34,10 @@ mirror=${PROBING_VM_MIRROR:-http://deb.debian.org/debian}
 say() { printf 'vm-test: %s\n' "$*"; }
 die() { printf 'vm-test: %s\n' "$*" >&2; exit "${2:-1}"; }
 
-tests=smoke
+tests=paths
 if [ $# -gt 0 ]; then
   case "$1" in
-    smoke|full) tests=$1 ;;
+    paths|smoke|full) tests=$1 ;;
     -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --image-path) tests=image-path ;;
     *) tests=$(IFS=,; echo "$*") ;;

@@ -32,7 +32,7 @@ def _diagnose(job: DemoJob, *extra: str, seconds: float = 4.0, trace: bool = Tru
     if trace:
         errors = trace_all(job.pids, ["gloo"])
         assert not errors, "\n".join([*errors, job.exits()])
-    time.sleep(seconds)
+    time.sleep(seconds * SLOWDOWN)  # collectives to judge, however slow the machine
     args = [a for p in job.pids for a in ("--pid", str(p))]
     r = cli("diagnose", *args, "--format", "json", *extra, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -60,7 +60,9 @@ def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-de
     require_bpf()
     rank = random.randrange(WORLD)
     print(f"straggler: rank {rank}")
-    j = job("--slow-rank", str(rank), "--slow-ms", "40")
+    # the job's compute stretches on a slow (emulated) machine: so does its slowdown
+    slow_ms = 40 * SLOWDOWN
+    j = job("--slow-rank", str(rank), "--slow-ms", f"{slow_ms:g}")
     out = _diagnose(j)
     # the same through one rank's probe in cluster mode (peers from the job's store)
     peers_s = f"{5 * SLOWDOWN:g}"  # the peers' default 5 s, stretched like the tests' waits
@@ -70,7 +72,8 @@ def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-de
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     over_cluster = json.loads(r.stdout)
-    assert [s["rank"] for s in over_cluster["stragglers"]] == [rank]
+    said = f"{out['verdict']}\n--cluster: {over_cluster['verdict']}\n{over_cluster.get('missing')}"
+    assert [s["rank"] for s in over_cluster["stragglers"]] == [rank], said
     # the trace records Python stacks: the straggler's collectives come from
     # the line of the job that runs DDP's backward pass, through either path
     backward = next(
@@ -81,7 +84,7 @@ def test_a_slow_data_loader_is_named(job) -> None:  # type: ignore[no-untyped-de
     assert not out["healthy"] and not out["hangs"], out["verdict"]
     [s] = out["stragglers"]
     assert s["rank"] == rank, out["verdict"]
-    assert 25 < s["lag_ms_mean"] < 120 and s["lag_ms_p99"] >= s["lag_ms_mean"]
+    assert 0.6 * slow_ms < s["lag_ms_mean"] < 3 * slow_ms and s["lag_ms_p99"] >= s["lag_ms_mean"]
     assert 0.2 < s["share_of_step"] < 0.9
     assert out["verdict"].startswith(f"rank {rank} on node ")
 
