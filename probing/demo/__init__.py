@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -157,6 +159,9 @@ def trace_all(pids: Sequence[int], families: Sequence[str]) -> list[str]:
     return errors
 
 
+HANG_AFTER_S = 3.0  # the demo's hang is called one after this long
+
+
 def main(
     seconds: float = 4.0, *, slow_rank: int | None = None, hang: bool = False, world: int = 4
 ) -> int:
@@ -164,8 +169,10 @@ def main(
     be = backend()
     rank = random.randrange(world) if slow_rank is None else slow_rank
     if hang:
-        job_args = ["--hang-rank", str(rank), "--hang-step", "25", "--backend", be]
-        what = f"rank {rank}'s data loader gets stuck at step 25"
+        # it gets stuck once traced (the file appears), so the trace holds the steps before
+        stuck = os.path.join(tempfile.mkdtemp(prefix="probing-demo-"), "stuck")
+        job_args = ["--hang-rank", str(rank), "--hang-file", stuck, "--backend", be]
+        what = f"rank {rank}'s data loader gets stuck {seconds:g} s after tracing starts"
     else:
         job_args = ["--slow-rank", str(rank), "--slow-ms", "40", "--backend", be]
         what = f"rank {rank}'s data loader is 40 ms slower"
@@ -184,7 +191,11 @@ def main(
         print(f"# tracing; letting the job run {seconds:g} s", flush=True)
         time.sleep(seconds)
         if hang:  # torch's collective counts are read over each rank's local socket
-            args = [a for p in pids for a in ("--pid", str(p))] + ["--hang-after", "3s"]
+            open(stuck, "w").close()
+            print(f"# rank {rank} is stuck now; {HANG_AFTER_S + 0.5:g} s later:", flush=True)
+            time.sleep(HANG_AFTER_S + 0.5)
+            args = [a for p in pids for a in ("--pid", str(p))]
+            args += ["--hang-after", f"{HANG_AFTER_S:g}s"]
         else:  # one rank's probe asks its peers (cluster mode, found through the store)
             args = ["--pid", str(pids[0]), "--cluster"]
         print(f"$ probing diagnose {' '.join(args)}", flush=True)
@@ -199,6 +210,8 @@ def main(
         return 0 if ok else 1
     finally:
         job.stop()
+        if hang:
+            shutil.rmtree(os.path.dirname(stuck), ignore_errors=True)
         print(f"demo: stopped the job's {world} ranks ({time.monotonic() - t0:.1f} s in all)")
 
 
