@@ -264,3 +264,18 @@ def test_callsites_view_gives_the_innermost_user_frame() -> None:
         {"stack_id": 7, "site": "/home/me/train.py:42 train_step"},
         {"stack_id": 9, "site": f"{lib}:20 barrier"},
     ]
+
+
+def test_a_garbled_line_table_gives_the_first_line_not_an_error() -> None:
+    """A line table read from another process can be cut short or belong to
+    reused memory (a traced stop once answered 500 with IndexError)."""
+    import random
+
+    from probing.pyframes.linetable import line_of
+
+    rng = random.Random(7)
+    for fmt in ("lnotab310", "locations"):
+        for n in range(2000):
+            table = bytes(rng.randrange(256) for _ in range(n % 40))
+            assert isinstance(line_of(fmt, table, 10, 1000), int)
+    assert line_of("locations", b"c\xb9=a\xc0\x99K!++\xcb\x97", 10, 1000) == 10

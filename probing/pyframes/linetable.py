@@ -80,5 +80,8 @@ def line_of(fmt: str, table: bytes, firstlineno: int, offset: int) -> int:
     if offset < 0:
         return firstlineno
     find = lnotab310_line if fmt == "lnotab310" else locations_line
-    line = find(table, firstlineno, offset)
+    try:
+        line = find(table, firstlineno, offset)
+    except IndexError:  # read from another process: a table cut short, or memory reused
+        return firstlineno
     return firstlineno if line is None else line
