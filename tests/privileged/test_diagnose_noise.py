@@ -75,7 +75,11 @@ def test_a_slowed_function_is_named_with_its_rank(noisy: NoisyJob, kind, func, h
     out = _diagnose(noisy)
     assert [s["rank"] for s in out["stragglers"]] == [rank], out["verdict"]
     [s] = out["stragglers"]
-    assert "gloo/pg0" in s["groups"]  # DDP's all-reduce, in the world group, waits for it
+    # the groups it slows, each one it is in: the world (gloo/pg0), its data-parallel
+    # pair (pg1 [0,2], pg2 [1,3]) and tensor-parallel pair (pg3 [0,1], pg4 [2,3]); under
+    # noise one of them can fall short of the evidence (CI once: pg1 alone)
+    mine = {"gloo/pg0", f"gloo/pg{1 + rank % 2}", f"gloo/pg{3 + rank // 2}"}
+    assert s["groups"] and set(s["groups"]) <= mine, s
     top = next(w for w in out["why"] if w["kind"] == "function")
     assert top["what"] == func and top["rank"] == rank, out["why"]
     assert top["file"].endswith("noisy_job.py") and top["line"] > 0
