@@ -115,5 +115,8 @@ def test_the_wait_for_a_cpu_after_a_wake_up_is_runq_not_blocked() -> None:
             ms[r["kind"]] += r["dur_ns"] / 1e6
     slept = naps * nap_s * 1e3
     assert 0.85 * slept < ms["off"] < 1.3 * slept, (ms, slept)  # the sleeps, not the waits
-    assert ms["runq"] > 0.02 * slept, ms  # it waited for the CPU after waking
+    # the time it was away beyond its sleeps is the wait for the CPU after waking, as runq
+    # (how long that is, the scheduler decides: 255 ms in one run, 0.2 ms in another)
+    waited = took[0] * 1e3 - ms["off"]
+    assert ms["runq"] > 0.5 * waited - 10, (ms, took)
     assert sum(ms.values()) < took[0] * 1e3 * 1.2, (ms, took)  # nothing counted twice
