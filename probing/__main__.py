@@ -103,7 +103,7 @@ def _stack(pid: int, fmt: str, inject: bool = True) -> None:
     from probing.client import stacks
     from probing.render import format_stacks
 
-    info, frames = stacks(pid, inject=inject, timeout=5.0, note=lambda m: _echo(m, err=True))
+    info, frames = stacks(pid, inject=inject, note=lambda m: _echo(m, err=True))
     if fmt == "json":
         _echo(json.dumps({"process": info, "frames": frames}, default=str))
     else:

@@ -237,9 +237,6 @@ def inject_cmd(
     )
 
 
-STACK_TIMEOUT_S = 5.0  # a probe slower than this is stuck: read from outside
-
-
 @app.command(
     epilog=(
         "Examples:\n\n  probing stack --pid 1234\n\n  probing stack -p 1234 --format json"
@@ -260,7 +257,7 @@ def stack(
     from probing.render import format_stacks
 
     try:
-        info, frames = stacks(pid, inject=inject, timeout=STACK_TIMEOUT_S, note=_note)
+        info, frames = stacks(pid, inject=inject, note=_note)
     except ProbingError as err:
         raise _fail(err) from None
     if fmt is Format.json:

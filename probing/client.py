@@ -439,11 +439,14 @@ INFO_SQL = "SELECT pid, cmdline, python, python_executable FROM process.info"
 STACK_SQL = "SELECT * FROM process.stacks ORDER BY tid, depth"
 
 
+STACK_TIMEOUT_S = 5.0  # a probe slower than this is stuck: read from outside
+
+
 def stacks(
     pid: int,
     *,
     inject: bool,
-    timeout: float,
+    timeout: float = STACK_TIMEOUT_S,
     note: Callable[[str], None],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(``process.info``, ``process.stacks`` rows) of ``pid``: asked of its
