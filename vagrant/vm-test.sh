@@ -135,7 +135,16 @@ done
 # --- the boot ------------------------------------------------------------------------
 run=$(mktemp -d "${TMPDIR:-/tmp}/probing-vm.XXXXXX")
 qpid=""
-cleanup() { [ -z "$qpid" ] || kill "$qpid" 2>/dev/null || true; rm -f "$run/overlay.qcow2"; }
+tailer=""
+# the console follower is a subshell running tail | sed: its children go with it
+stop_tailer() {
+  [ -n "$tailer" ] || return 0
+  pkill -P "$tailer" 2>/dev/null || true
+  kill "$tailer" 2>/dev/null || true
+  wait "$tailer" 2>/dev/null || true
+  tailer=""
+}
+cleanup() { [ -z "$qpid" ] || kill "$qpid" 2>/dev/null || true; stop_tailer; rm -f "$run/overlay.qcow2"; }
 trap cleanup EXIT
 log="$run/console.log"
 
@@ -203,8 +212,7 @@ tailer=$!
 wait "$qpid" || true
 qpid=""
 sleep 1
-kill "$tailer" 2>/dev/null || true
-wait "$tailer" 2>/dev/null || true
+stop_tailer
 say "guest ran $(( SECONDS - t0 )) s with $chosen"
 
 status=$(sed -n 's/^probing-vm: exit \([0-9]*\).*/\1/p' "$log" | tail -1)
