@@ -41,7 +41,25 @@ while True:
         PAUSES.append((last, now - last))
     last = now
 """
-RUNS = 10
+RUNS = int(os.environ.get("BENCH_INJECT_RUNS", 10))
+
+# runs with the tree under test on sys.path: inject, then the first query
+# (time.monotonic is system-wide, so the target's pauses line up)
+_MEASURE = """
+import json, sys, time
+import pyarrow  # the client's decoder, loaded before the clock starts
+from probing.client import ProbeClient
+from probing.inject import inject
+pid = int(sys.argv[1])
+t0 = time.monotonic()
+res = inject(pid)
+t1 = time.monotonic()
+client = ProbeClient.for_pid(pid)
+client.query("SELECT pid FROM process.info")
+t2 = time.monotonic()
+pauses = client.query("SELECT * FROM python.`PAUSES`").column(0).to_pylist()
+print(json.dumps({"t0": t0, "t1": t1, "t2": t2, "stopped_s": res.stopped_s, "pauses": pauses}))
+"""
 
 
 def _ms(xs: list[float]) -> dict[str, float]:
@@ -110,18 +128,23 @@ class _Runs:
         try:
             time.sleep(1.2)  # a second of undisturbed baseline
             c0 = _probe_cpu_s(proc.pid)
-            t0 = time.monotonic()
-            res = inject(proc.pid)
-            t1 = time.monotonic()
-            client = ProbeClient.for_pid(proc.pid)
-            client.query("SELECT pid FROM process.info")
-            t2 = time.monotonic()
+            # each tree injects with its own injector and asks with its own
+            # client (a subprocess), so an older checkout is measured whole
+            env = {k: v for k, v in os.environ.items() if k not in ("PROBING", "PYTHONPATH")}
+            if root:
+                env["PYTHONPATH"] = root
+            out = subprocess.run(
+                [sys.executable, "-c", _MEASURE, str(proc.pid)],
+                check=True, capture_output=True, cwd=cwd, env=env, text=True,
+            ).stdout
+            m = json.loads(out)
             self.probe_cpu.append(_probe_cpu_s(proc.pid) - c0)
-            pauses = client.query("SELECT * FROM python.`PAUSES`").column(0).to_pylist()
+            t0, t2 = m["t0"], m["t2"]
             self.total.append(t2 - t0)
-            self.injected.append(t1 - t0)
-            self.first_query.append(t2 - t1)
-            self.stopped.append(res.stopped_s)
+            self.injected.append(m["t1"] - t0)
+            self.first_query.append(t2 - m["t1"])
+            self.stopped.append(m["stopped_s"])
+            pauses = m["pauses"]
             base = [g for s, g in pauses if t0 - 1.0 <= s < t0]
             during = [g for s, g in pauses if t0 <= s < t2]
             self.base_pause.append(max(base, default=0.0))

@@ -198,6 +198,39 @@ def test_settle_gives_up_on_a_host_that_runs_inside_an_import(tmp_path: Path) ->
         del builtins._probing_inside2, builtins._probing_release2  # type: ignore[attr-defined]
 
 
+def test_overlapping_holds_on_the_switch_interval_give_the_host_its_own_back() -> None:
+    """The boot, the engine's preload, requests and the server loop hold a
+    short GIL switch interval, overlapping in any order: the shortest held
+    is in force, the host's own comes back with the last, exactly (the
+    interpreter truncates to whole microseconds), and an interval the host
+    sets meanwhile is the one that comes back."""
+    old = sys.getswitchinterval()
+    reg = imports.SwitchInterval()
+    try:
+        sys.setswitchinterval(0.007)
+        host = sys.getswitchinterval()
+        sys.setswitchinterval(0.00005)  # the boot sets it before the registry is importable
+        reg.take(0.00005, host=host)
+        reg.take(0.0005)  # the server loop
+        reg.give(0.00005)  # the boot is done first
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        with reg.hold(0.00005):  # the preload
+            assert sys.getswitchinterval() == pytest.approx(0.00005)
+        reg.give(0.0005)
+        assert round(sys.getswitchinterval() * 1e6) == 7000
+        for _ in range(100):  # no microsecond lost per round
+            with reg.hold(0.0005):
+                pass
+        assert round(sys.getswitchinterval() * 1e6) == 7000
+        with reg.hold(0.00005):
+            sys.setswitchinterval(0.02)  # the host's own, while ours is held
+            with reg.hold(0.0005):
+                assert sys.getswitchinterval() == pytest.approx(0.00005)  # the shortest
+        assert sys.getswitchinterval() == pytest.approx(0.02)
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_a_restarted_rank_is_found_by_the_others(tmp_path: Path) -> None:
     """torchrun restarts a failed worker: a new process, the same rank and
     run id, a new address. The next cluster query's refresh finds it."""

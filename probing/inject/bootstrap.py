@@ -9,17 +9,27 @@ the target's own packages (the target's install wins; ours is *appended* to
 Every exception is caught and reported; nothing is printed in the target.
 """
 
-from __future__ import annotations
-
-import json
-import os
 import sys
-from typing import Any
 
 NAME = "__probing_inject__"
+LOAD_SWITCH_S = 0.00005  # probing.probe.imports.LOAD_SWITCH_INTERVAL_S
+
+# First of all, a short GIL switch interval (see
+# probing.probe.imports.SwitchInterval): in a host whose thread spins in
+# Python, each file read of an import waits a whole switch interval (5 ms)
+# to get the GIL back, and even json and typing took 150 ms at the host's.
+HOST_SWITCH = sys.getswitchinterval()
+if __name__ == NAME:  # run in the target (the injector imports this file too)
+    sys.setswitchinterval(min(HOST_SWITCH, LOAD_SWITCH_S))
+
+import os  # noqa: E402
+
+TYPE_CHECKING = False  # no typing import in the target
+if TYPE_CHECKING:
+    from typing import Any
 
 
-def _import_probing(args: dict[str, Any]) -> str:
+def _import_probing(args: "dict[str, Any]") -> str:
     try:
         import probing  # noqa: F401  (the target's own install)
 
@@ -71,22 +81,28 @@ def _main_thread_fixed(had_threading: bool) -> None:
     threading._active[real] = main  # type: ignore[attr-defined]
 
 
-def start(args: dict[str, Any]) -> dict[str, Any]:
+def start(args: "dict[str, Any]") -> "dict[str, Any]":
     had_threading = "threading" in sys.modules
-    # what probing.probe.imports.quick_gil_handoff does, before probing is importable
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, 0.00005))
+    # the short switch interval set above is held in probing's count once
+    # probing is importable: the engine's preload, started here, goes on
+    # holding it after this thread lets go
+    switch = None
     try:
         source = _import_probing(args)
         import probing
-        from probing.probe import runtime
+        from probing.probe import imports, runtime
 
+        switch = imports.SWITCH
+        switch.take(imports.LOAD_SWITCH_INTERVAL_S, host=HOST_SWITCH)
         already = runtime.current() is not None
         probe = probing.enable()
         if not already and args.get("preload"):
             probe.preload()
     finally:
-        sys.setswitchinterval(interval)
+        if switch is None:
+            sys.setswitchinterval(HOST_SWITCH)
+        else:
+            switch.give(imports.LOAD_SWITCH_INTERVAL_S)
         _main_thread_fixed(had_threading)
     return {
         "ok": True,
@@ -97,14 +113,16 @@ def start(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def report(path: str, result: dict[str, Any]) -> None:
+def report(path: str, result: "dict[str, Any]") -> None:
+    import json
+
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, path)
 
 
-def main(args: dict[str, Any]) -> None:
+def main(args: "dict[str, Any]") -> None:
     try:
         result = start(args)
     except BaseException as err:  # noqa: BLE001 - reported, never raised into the target

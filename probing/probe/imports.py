@@ -59,19 +59,66 @@ def settle(timeout: float = SETTLE_TIMEOUT_S) -> list[str]:
 LOAD_SWITCH_INTERVAL_S = 0.00005
 
 
-@contextlib.contextmanager
-def quick_gil_handoff() -> Iterator[None]:
-    """A shorter GIL switch interval while the probe loads its modules.
+class SwitchInterval:
+    """The probe's holds on the host's GIL switch interval, one for the process.
 
-    In a host whose thread spins in Python, every file read of an import
-    hands the GIL over and waits a whole switch interval (5 ms) to get it
-    back: hundreds of reads turn a 0.4 s import into seconds. The host's
-    own interval comes back afterwards (unless it changed it meanwhile).
+    In a host whose thread spins in Python, every file read or socket call
+    of a probe thread hands the GIL over and waits a whole switch interval
+    (5 ms by default) to get it back: hundreds of reads turn a 0.3 s import
+    into seconds. So a probe thread that loads modules or serves a burst of
+    connections holds a shorter interval while it does. Holds from several
+    threads overlap (the injector's boot, the engine's preload, a request,
+    the server loop), so they are counted here: the shortest one held is
+    in force, and the host's own interval comes back when the last one is
+    let go (unless the host changed it meanwhile).
     """
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(min(old, LOAD_SWITCH_INTERVAL_S))
-    try:
-        yield
-    finally:
-        if sys.getswitchinterval() == min(old, LOAD_SWITCH_INTERVAL_S):
-            sys.setswitchinterval(old)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[float] = []
+        self._host: float | None = None  # the host's interval, while ours is set
+        self._ours: float | None = None
+
+    def take(self, interval: float, *, host: float | None = None) -> None:
+        """Hold ``interval``; ``host``: the host's own interval, when a caller
+        set ours before this registry could be imported."""
+        with self._lock:
+            if not self._held:
+                self._host = host if host is not None else sys.getswitchinterval()
+            self._held.append(interval)
+            self._apply()
+
+    def give(self, interval: float) -> None:
+        with self._lock:
+            self._held.remove(interval)
+            self._apply()
+
+    def _apply(self) -> None:
+        assert self._host is not None
+        current = sys.getswitchinterval()
+        if self._ours is not None and current != self._ours:
+            self._host = current  # the host set its own meanwhile: that is what comes back
+        want = min([self._host, *self._held]) if self._held else self._host
+        if want != current:
+            # the interpreter keeps whole microseconds, truncating: the host's
+            # 0.007 reads back as 0.006999..., which must not become 6999 us
+            sys.setswitchinterval((round(want * 1e6) + 0.25) / 1e6)
+        # read back: the interpreter keeps whole microseconds
+        self._ours = sys.getswitchinterval() if self._held else None
+
+    @contextlib.contextmanager
+    def hold(self, interval: float) -> Iterator[None]:
+        self.take(interval)
+        try:
+            yield
+        finally:
+            self.give(interval)
+
+
+SWITCH = SwitchInterval()
+
+
+def quick_gil_handoff() -> contextlib.AbstractContextManager[None]:
+    """A short GIL switch interval while the probe loads its modules (see
+    ``SwitchInterval``)."""
+    return SWITCH.hold(LOAD_SWITCH_INTERVAL_S)

@@ -44,7 +44,6 @@ import re
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 from _operator import _compare_digest
@@ -56,6 +55,7 @@ from urllib.parse import parse_qs, urlsplit
 from probing import config
 from probing.errors import log_unexpected
 from probing.probe.http import App, Request, Response, response_bytes
+from probing.probe.imports import SWITCH
 
 MAX_BODY = 16 << 20
 MAX_LINE = 8192  # request line or one header line, without its line end
@@ -378,7 +378,7 @@ class UnixHTTPServer:
         self._stopping = False
         self._paused_until = 0.0
         self._backoff = 0.0
-        self._host_switch: float | None = None  # the host's interval, while ours is set
+        self._switch_held = False  # a hold on the GIL switch interval (imports.SWITCH)
         self.stats = {"refused": 0, "dropped": 0, "accept_errors": 0, "evicted": 0}
         self.stats["loop_errors"] = 0  # counted; each distinct one also in the log
         self._logged: set[str] = set()  # the errors the loop wrote to the log
@@ -518,18 +518,12 @@ class UnixHTTPServer:
 
         Every socket call of this loop lets go of the GIL; in a host whose
         thread spins in Python, taking it back waits a whole switch interval
-        (5 ms), so a burst of connections would crawl. The host's interval
-        comes back when the loop is idle (unless it changed it meanwhile).
+        (5 ms), so a burst of connections would crawl. The hold is let go
+        when the loop is idle (``imports.SWITCH`` counts the probe's holds).
         """
-        if busy and self._host_switch is None:
-            old = sys.getswitchinterval()
-            if old > BUSY_SWITCH_S:
-                self._host_switch = old
-                sys.setswitchinterval(BUSY_SWITCH_S)
-        elif not busy and self._host_switch is not None:
-            if sys.getswitchinterval() == BUSY_SWITCH_S:
-                sys.setswitchinterval(self._host_switch)
-            self._host_switch = None
+        if busy != self._switch_held:
+            (SWITCH.take if busy else SWITCH.give)(BUSY_SWITCH_S)
+            self._switch_held = busy
 
     def _drain_wake(self) -> None:
         try:

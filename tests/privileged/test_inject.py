@@ -139,6 +139,38 @@ def test_an_injected_probe_loads_its_engine_before_the_first_query(spawn) -> Non
         assert _lines_ok(out, expected_checksum()) >= 1
 
 
+def test_the_hosts_gil_switch_interval_comes_back_after_the_load(spawn) -> None:
+    """The probe loads with a short switch interval (the boot, the engine's
+    preload and each request hold it, overlapping); once they are done the
+    host has its own interval back, not a default and not ours."""
+    t = spawn(
+        "import sys, time\nsys.setswitchinterval(0.007)\nwhile True:\n"
+        "    print(time.monotonic(), round(sys.getswitchinterval(), 6), flush=True)\n"
+        "    time.sleep(0.02)\n",
+        probing=False,
+    )
+    _first_line(t)
+    start = time.monotonic()
+    inject(t.pid, timeout=10 * SLOWDOWN)
+    client = ProbeClient.for_pid(t.pid, timeout=30 * SLOWDOWN)
+    assert client.query("SELECT pid FROM process.info").num_rows == 1
+    deadline = time.monotonic() + 30 * SLOWDOWN
+    while not client.health()["engine_loaded"]:
+        assert time.monotonic() < deadline, "the engine was never preloaded"
+        time.sleep(0.05)
+    loaded = time.monotonic()
+    seen = set()
+    while True:
+        at, interval = map(float, _first_line(t).split())
+        if at > start:
+            seen.add(interval)
+        if at > loaded and interval == 0.007:
+            break
+        assert time.monotonic() < deadline, f"the host's interval stays {interval}, not 0.007"
+    assert seen - {0.007} <= {0.00005, 0.0005}, seen  # ours while loading or serving
+    _untouched(t.pid)
+
+
 def test_fifty_fresh_processes(spawn, tmp_path: Path) -> None:
     """50 processes (static Debian python: another environment), each injected once."""
     _available(STATIC_PYTHON)
