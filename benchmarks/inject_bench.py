@@ -135,7 +135,11 @@ class _Runs:
                 env["PYTHONPATH"] = root
             out = subprocess.run(
                 [sys.executable, "-c", _MEASURE, str(proc.pid)],
-                check=True, capture_output=True, cwd=cwd, env=env, text=True,
+                check=True,
+                capture_output=True,
+                cwd=cwd,
+                env=env,
+                text=True,
             ).stdout
             m = json.loads(out)
             self.probe_cpu.append(_probe_cpu_s(proc.pid) - c0)

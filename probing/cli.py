@@ -456,7 +456,6 @@ def run_script(argv: list[str]) -> int:
     return 0
 
 
-
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     epilog="Examples:\n\n  probing run train.py --epochs 3",

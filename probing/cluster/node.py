@@ -639,7 +639,6 @@ class ClusterNode:
         }
         return pack(meta, tables, t_recv_ns)
 
-
     # -- HTTP: the probe's /cluster/* endpoints call these ------------------------------
     def serve_query(self, req: Request) -> Response:
         """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}."""

@@ -33,6 +33,7 @@ class Probe(Protocol):
 
     def start_trace(self, families: Sequence[str], **options: Any) -> Any: ...
 
+
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 FORMATS = ("arrow", "json", "csv", "rows")
 
@@ -237,9 +238,7 @@ def trace_start(probe: Probe, req: Request) -> Response:
         launch_stacks = bool(payload.get("launch_stacks", False))
     except (ValueError, AttributeError, TypeError) as err:
         return Response.error(400, f"bad /trace/start request: {err}")
-    started = probe.start_trace(
-        families, output=output, stacks=stacks, launch_stacks=launch_stacks
-    )
+    started = probe.start_trace(families, output=output, stacks=stacks, launch_stacks=launch_stacks)
     return Response.json(started.status())
 
 

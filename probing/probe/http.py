@@ -69,9 +69,7 @@ def response_bytes(resp: Response) -> bytes:
     return head.encode("latin-1") + resp.body
 
 
-def request_bytes(
-    path: str, body: bytes, token: bytes | str | None, method: str = "POST"
-) -> bytes:
+def request_bytes(path: str, body: bytes, token: bytes | str | None, method: str = "POST") -> bytes:
     """One request: ``method path``, the bearer ``token`` if any, a JSON ``body``."""
     if isinstance(token, str):
         token = token.encode()

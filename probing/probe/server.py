@@ -81,8 +81,6 @@ def _peer_uid(conn: socket.socket) -> int | None:
     return None if cred is None else cred[1]
 
 
-
-
 class HttpError(Exception):
     """A request refused before it reaches the app: its status and why."""
 

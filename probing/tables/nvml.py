@@ -82,7 +82,6 @@ STATUS_SCHEMA = pa.schema(
 )
 
 
-
 def visible_indices(count: int, uuids: list[str], env: str | None) -> list[int]:
     """The NVML indices ``CUDA_VISIBLE_DEVICES`` names (all when unset).
 
