@@ -216,6 +216,7 @@ def sustained_drain(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ig
     stats = store.table("cuda", "calls").stats()
     store.close()
     return {"target_events_per_s": SUSTAIN_RATE, "seconds": round(elapsed, 2),
+            "saved_by_a_retry": cuda["saved"],
             "achieved_events_per_s": round(produced / elapsed), "launched": produced,
             "producer_most_behind_events": behind_max,
             "events": cuda["events"], "dropped": cuda["dropped"],

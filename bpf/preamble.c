@@ -20,9 +20,11 @@
 
 /* -- the ring buffer, drop counter and pairing map (see common.h) -- */
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-/* [0] events lost; [1] events a second try saved: a reserve or output can
+/* [0] events lost; [1] events a second try saved: a reserve or output may
  * fail with room in the ring (Linux >= 6.15 takes the ring's lock with a
- * resilient spinlock, which gives up under contention with a reader) */
+ * resilient spinlock, which can give up). What looked like that was the
+ * drain's consumer position written byte by byte (bpf/ringbuf.py): with it
+ * written whole, no try has failed at 1 M events/s for 60 s. */
 BPF_ARRAY(dropped, u64, 2);
 BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
 

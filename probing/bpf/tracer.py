@@ -114,7 +114,7 @@ class _Live:
         self.reader = reader
         self.events = 0
         self.drops_seen = 0
-        self.saved = 0  # events a second ring reserve kept (preamble.c: SAVED)
+        self.saved = 0  # events a retried ring reserve kept (preamble.c: SAVED)
         self.next_id = 0
         self.libraries: set[str] = set()
 
