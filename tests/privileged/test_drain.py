@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
