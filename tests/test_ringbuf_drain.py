@@ -9,7 +9,7 @@ import struct
 import numpy as np
 
 from probing.bpf import families as fam
-from probing.bpf.ringbuf import HDR_SIZE, record_dtype, record_size, take_records
+from probing.bpf.ringbuf import HDR_SIZE, record_dtype, record_size, take_records, unstage
 from probing.bpf.tracer import KERNEL_SLOTS, KernelSlots
 
 SAMPLE = np.dtype([("a", "<u8"), ("b", "<u4", (2,)), ("c", "<u2")], align=True)  # 24 bytes
@@ -94,3 +94,25 @@ def test_cuda_decode_by_table_lookups_matches_the_events() -> None:
     assert mask.tolist() == [True, True, False, False]
     cols = fam.header_columns(ev[:3], fam.Decoded(0, 1), fam.CUDA_FUNCS)
     assert cols["api"].to_pylist() == ["cudaLaunchKernel", "cuLaunchKernel", "cudaMalloc"]
+
+
+def test_staged_records_give_their_valid_events_in_time_order() -> None:
+    """A stage record holds ``n`` valid events of 8 (the rest is stale):
+    only those come out, full stages without a copy per event, and a CPU's
+    stage sent after another CPU's later events is put back in time order."""
+    cuda = fam.FAMILIES["cuda"]
+    rec = np.zeros(3, cuda.record)
+    assert cuda.record.itemsize == 8 + cuda.stage * cuda.dtype.itemsize
+    ts = iter(range(100, 10_000, 10))
+    for r, n in zip(rec, (8, 3, 8), strict=True):
+        r["n"] = n
+        r["ev"]["ts"] = [next(ts) if k < n else 1 for k in range(cuda.stage)]  # 1: stale
+    full = unstage(rec[[0, 2]])
+    assert len(full) == 16 and np.all(np.diff(full["ts"].astype(np.int64)) > 0)
+    got = unstage(rec)["ts"].astype(np.int64)
+    assert len(got) == 19 and 1 not in got and np.all(np.diff(got) > 0)
+    late = rec[[1, 0]]  # the second CPU's three events reach the ring first
+    late["ev"]["ts"][0, :3] += 1000
+    swapped = unstage(late)["ts"].astype(np.int64)
+    assert np.all(np.diff(swapped) >= 0) and len(swapped) == 11
+    assert len(unstage(rec[:0])) == 0

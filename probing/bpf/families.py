@@ -67,6 +67,9 @@ class Family:
     schema: pa.Schema
     decode: Callable[[np.ndarray, Decoded], dict[str, Any]]
     ringbuf_pages: int = 1024  # 4 MiB
+    # events per ring record: >1 stages the hot calls' events per CPU and
+    # sends them together (bpf/preamble.c: PROBING_STAGE)
+    stage: int = 1
     cflags: tuple[str, ...] = ()
     # exported symbols found by pattern rather than by exact name (C++):
     # the mangled prefixes to scan for, and demangled name -> Func.enum
@@ -76,6 +79,14 @@ class Family:
     @property
     def source(self) -> str:
         return f"{self.name}.bpf.c"
+
+    @property
+    def record(self) -> np.dtype:
+        """One ring-buffer sample: the event, or a stage of ``stage`` events
+        of which the first ``n`` are valid (bpf/preamble.c: struct stage)."""
+        if self.stage <= 1:
+            return self.dtype
+        return np.dtype([("n", "<u4"), ("busy", "<u4"), ("ev", self.dtype, (self.stage,))])
 
 
 # -- shared column builders ------------------------------------------------------
@@ -498,9 +509,10 @@ FAMILIES: dict[str, Family] = {
         dtype=CUDA_EVENT,
         schema=CUDA_SCHEMA,
         decode=decode_cuda,
-        # 64 MiB: ~645k events, 0.6 s of launches at 1 M/s (trace_bench
+        # 64 MiB: ~680k events, 0.6 s of launches at 1 M/s (trace_bench
         # sustained) while the drain thread waits for a CPU on a busy node
         ringbuf_pages=16384,
+        stage=8,
     ),
     "gloo": Family(
         name="gloo",

@@ -29,6 +29,7 @@ MAP_UPDATE_ELEM = 2
 MAP_DELETE_ELEM = 3
 MAP_GET_NEXT_KEY = 4
 PROG_LOAD = 5
+PROG_TEST_RUN = 10
 OBJ_GET_INFO_BY_FD = 15
 RAW_TRACEPOINT_OPEN = 17
 LINK_CREATE = 28
@@ -44,6 +45,7 @@ TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type
 LINK_TYPE_UPROBE_MULTI = 12  # enum bpf_link_type
 F_UPROBE_MULTI_RETURN = 1
 PSEUDO_MAP_FD = 1  # src_reg of a ld_imm64 that loads a map by fd
+F_TEST_RUN_ON_CPU = 1
 
 PERF_TYPE_SOFTWARE = 1
 PERF_TYPE_TRACEPOINT = 2
@@ -109,6 +111,25 @@ class InfoAttr(ctypes.Structure):
 
 class RawTracepointAttr(ctypes.Structure):
     _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32)]
+
+
+class TestRunAttr(ctypes.Structure):
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32),
+        ("data_size_in", ctypes.c_uint32),
+        ("data_size_out", ctypes.c_uint32),
+        ("data_in", ctypes.c_uint64),
+        ("data_out", ctypes.c_uint64),
+        ("repeat", ctypes.c_uint32),
+        ("duration", ctypes.c_uint32),
+        ("ctx_size_in", ctypes.c_uint32),
+        ("ctx_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_uint64),
+        ("ctx_out", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("cpu", ctypes.c_uint32),
+    ]
 
 
 class IdAttr(ctypes.Structure):
@@ -481,6 +502,14 @@ def raw_tracepoint(prog_fd: int, name: str) -> int:
         return bpf(RAW_TRACEPOINT_OPEN, RawTracepointAttr(ctypes.addressof(c_name), prog_fd))
     except BPFError as err:
         raise BPFError(err.errno, f"raw tracepoint {name}: {err.strerror}") from None
+
+
+def run_on_cpu(prog_fd: int, cpu: int) -> int:
+    """Run a raw-tracepoint program once on ``cpu`` (``BPF_PROG_TEST_RUN``,
+    Linux >= 5.10: an IPI to another CPU); its return value."""
+    attr = TestRunAttr(prog_fd=prog_fd, flags=F_TEST_RUN_ON_CPU, cpu=cpu)
+    bpf(PROG_TEST_RUN, attr)
+    return int(attr.retval)
 
 
 def online_cpus() -> list[int]:

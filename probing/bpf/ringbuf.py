@@ -88,6 +88,27 @@ def take_records(
     return recs, cons + n * rec.itemsize
 
 
+def unstage(records: np.ndarray) -> np.ndarray:
+    """The events of staged records (fields ``n`` and ``ev``, an array of
+    events of which the first ``n`` are valid; bpf/preamble.c: struct
+    stage), in ring order, as one array of events. A CPU's stage may reach
+    the ring after another CPU's later events: the result is put in time
+    order (``ts``) when it is not already, as it is with one launching
+    thread."""
+    if not len(records):
+        return np.empty(0, records.dtype["ev"].base)
+    width = records.dtype["ev"].shape[0]
+    n = records["n"]
+    if np.all(n == width):
+        ev = records["ev"].reshape(-1)
+    else:
+        ev = records["ev"][np.arange(width) < n[:, None]]
+    ts = ev["ts"]
+    if len(ts) > 1 and not np.all(ts[1:] >= ts[:-1]):
+        ev = ev[np.argsort(ts, kind="stable")]
+    return ev
+
+
 class RingReader:
     """The consumer side of one BPF_MAP_TYPE_RINGBUF map, by its fd."""
 

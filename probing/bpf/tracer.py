@@ -27,10 +27,10 @@ import pyarrow as pa
 
 from probing import checks
 from probing.bpf import families as fam
-from probing.bpf import loader
+from probing.bpf import kernel, loader
 from probing.bpf.loader import program_dir  # noqa: F401  (the sampler's programs too)
 from probing.bpf.pystacks import PyStacks
-from probing.bpf.ringbuf import RingReader
+from probing.bpf.ringbuf import RingReader, unstage
 from probing.bpf.state import TracerState
 from probing.bpf.symbols import (
     ELF_ERRORS,
@@ -117,6 +117,33 @@ class _Live:
         self.saved = 0  # events a retried ring reserve kept (preamble.c: SAVED)
         self.next_id = 0
         self.libraries: set[str] = set()
+        self._flush: int | None = None
+
+    def _flush_prog(self) -> int:
+        if self._flush is None:
+            self._flush = self.bpf.prog_fd("probing_flush", kernel.PROG_TYPE_RAW_TRACEPOINT)
+        return self._flush
+
+    def flush_on_switch(self) -> None:
+        """A family that stages its events sends a CPU's stage when a thread
+        leaves that CPU (``sched_switch``): a thread that moves to another
+        CPU has its earlier events in the ring before its later ones."""
+        if self.family.stage > 1:
+            fd = kernel.raw_tracepoint(self._flush_prog(), "sched_switch")
+            self.bpf.keep(loader.Attached("sched_switch", [fd], []))
+
+    def flush_stages(self) -> None:
+        """Every CPU's staged events into the ring (bpf/preamble.c:
+        probing_flush), for a family that stages them."""
+        if self.family.stage > 1:
+            for cpu in kernel.online_cpus():
+                kernel.run_on_cpu(self._flush_prog(), cpu)
+
+    def read(self, events: int) -> np.ndarray:
+        """At most about ``events`` events out of the ring."""
+        if self.family.stage <= 1:
+            return self.reader.read(events)
+        return unstage(self.reader.read(max(1, events // self.family.stage)))
 
 
 class Tracer:
@@ -188,6 +215,7 @@ class Tracer:
                 cflags = [
                     f"-DRINGBUF_PAGES={f.ringbuf_pages}",
                     "-Wno-unused-function",
+                    *([f"-DPROBING_STAGE={f.stage}"] if f.stage > 1 else []),
                     *f.cflags,
                     *py_flags,
                 ]
@@ -197,16 +225,21 @@ class Tracer:
                 loader.check_dtype(
                     f"{f.name} event", f.dtype, loader.ctype_of(compiled.map("inflight").leaf)
                 )
+                if f.stage > 1:
+                    loader.check_dtype(
+                        f"{f.name} stage", f.record, loader.ctype_of(compiled.map("stage").leaf)
+                    )
                 bpf = loader.Program(compiled, multi=multi, holder=self.holder)
                 reader = None
                 try:
                     size = f.ringbuf_pages * mmap.PAGESIZE
-                    reader = RingReader(bpf["events"].map_fd, size, f.dtype)
+                    reader = RingReader(bpf["events"].map_fd, size, f.record)
                 finally:
                     if reader is None:  # it failed: this family's maps go too
                         bpf.close()
                 self._live.append(_Live(f, bpf, reader))
                 self._all.append(self._live[-1])
+                self._live[-1].flush_on_switch()
             self.load_info["uprobe_multi"] = multi
             self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
@@ -430,15 +463,17 @@ class Tracer:
             if dropped > live.drops_seen:
                 table.count_dropped(dropped - live.drops_seen)
                 live.drops_seen = dropped
+            live.flush_stages()  # what each CPU holds back goes in first
             # what the ring holds now, in slices (and no more: a producer as
             # fast as the drain never keeps a query's drain going)
-            slices = -(-live.reader.pending() // live.reader.record_size // DRAIN_SLICE)
+            records = live.reader.pending() // live.reader.record_size
+            slices = -(-records * live.family.stage // DRAIN_SLICE)
             for _ in range(slices):  # between slices a host thread waiting for
                 total += self._drain_slice(live, table)  # the GIL takes it
         return total
 
     def _drain_slice(self, live: _Live, table: Any) -> int:
-        ev = live.reader.read(DRAIN_SLICE)
+        ev = live.read(DRAIN_SLICE)
         if not len(ev):
             return 0
         if self._py is not None:  # python.stacks rows before the events that use them
