@@ -94,15 +94,20 @@ def unstage(records: np.ndarray) -> np.ndarray:
     stage), in ring order, as one array of events. A CPU's stage may reach
     the ring after another CPU's later events: the result is put in time
     order (``ts``) when it is not already, as it is with one launching
-    thread."""
-    if not len(records):
-        return np.empty(0, records.dtype["ev"].base)
+    thread. The events are cut out as bytes, a row per event (numpy copies
+    a structured subarray field by field, at a quarter of the speed)."""
+    event = records.dtype["ev"].base
     width = records.dtype["ev"].shape[0]
+    if not len(records):
+        return np.empty(0, event)
+    start = records.dtype.fields["ev"][1]
+    rows = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), -1)
+    block = rows[:, start : start + width * event.itemsize]
+    each = np.ascontiguousarray(block).reshape(len(records) * width, event.itemsize)
     n = records["n"]
-    if np.all(n == width):
-        ev = records["ev"].reshape(-1)
-    else:
-        ev = records["ev"][np.arange(width) < n[:, None]]
+    if not np.all(n == width):
+        each = each[(np.arange(width) < n[:, None]).reshape(-1)]
+    ev = each.view(event).reshape(-1)
     ts = ev["ts"]
     if len(ts) > 1 and not np.all(ts[1:] >= ts[:-1]):
         ev = ev[np.argsort(ts, kind="stable")]
