@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -563,8 +564,8 @@ while True:
 dist.destroy_process_group()
 """
 STEP_MODES = ("untraced", "probing", "py_spy_record", "torch_profiler")
-STEPS_PER_PHASE = 25
-STEP_ROUNDS = 3
+STEPS_PER_PHASE = int(os.environ.get("BENCH_STEPS", 25))
+STEP_ROUNDS = int(os.environ.get("BENCH_STEP_ROUNDS", 3))
 
 
 def traced_step() -> dict:  # type: ignore[type-arg]
@@ -608,14 +609,31 @@ def traced_step() -> dict:  # type: ignore[type-arg]
     times: dict[str, list[float]] = {m: [] for m in STEP_MODES}
 
     def phase(mode: str) -> None:
+        """STEPS_PER_PHASE steps of each rank under ``mode``; a line of any
+        other label (a step of a set-up, or one still queued from before)
+        is dropped."""
         with open(ctl, "w") as f:
             f.write(mode)
         seen = 0
         while seen < 2 * STEPS_PER_PHASE:
             _, parts = lines.get(timeout=300)
             if len(parts) == 4 and parts[0] == "step" and parts[2] == mode:
-                times[mode].append(float(parts[3]))
+                if mode != "settle":
+                    times[mode].append(float(parts[3]))
                 seen += 1
+
+    def settled(steps: int, setup: Callable[[], object] = lambda: None) -> None:
+        """``setup`` (a tracer starting, py-spy attaching) while the ranks
+        step as "settle", then ``steps`` more such steps: none of them is
+        measured, and nothing measured later comes from before."""
+        with open(ctl, "w") as f:
+            f.write("settle")
+        setup()
+        for _ in range(steps):
+            seen = 0
+            while seen < 2:
+                _, parts = lines.get(timeout=300)
+                seen += len(parts) == 4 and parts[2] == "settle"
 
     def wait_steps(n: int) -> None:
         for _ in range(n):
@@ -630,24 +648,34 @@ def traced_step() -> dict:  # type: ignore[type-arg]
         clients = [ProbeClient.for_pid(p.pid) for p in ranks]
         pyspy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         for _ in range(STEP_ROUNDS):
+            settled(3)
             phase("untraced")
-            for c in clients:
-                c.trace_start(["nccl", "cuda", "gloo"])
+            # the tracer attached and warm (first drain, sampler) before it is timed
+            settled(5, lambda: [c.trace_start(["nccl", "cuda", "gloo"]) for c in clients])
             phase("probing")
-            for c in clients:
-                c.trace_stop()
+            settled(3, lambda: [c.trace_stop() for c in clients])
             if os.access(pyspy, os.X_OK):
-                spies = [
-                    subprocess.Popen([pyspy, "record", "--pid", str(p.pid), "--rate", "100",
-                                      "--format", "raw", "-o", os.path.join(work, f"{p.pid}.txt")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    for p in ranks
-                ]  # fmt: skip
-                time.sleep(2)  # py-spy attached and sampling
+                spies: list[subprocess.Popen] = []  # type: ignore[type-arg]
+
+                def attach(spies: list[subprocess.Popen] = spies) -> None:  # type: ignore[type-arg]
+                    spies.extend(
+                        subprocess.Popen([pyspy, "record", "--pid", str(p.pid), "--rate", "100",
+                                          "--format", "raw", "-o",
+                                          os.path.join(work, f"{p.pid}.txt")],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        for p in ranks
+                    )  # fmt: skip
+                    time.sleep(2)  # py-spy attached and sampling
+
+                settled(3, attach)
                 phase("py_spy_record")
-                for spy in spies:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(timeout=60)
+
+                def detach(spies: list[subprocess.Popen] = spies) -> None:  # type: ignore[type-arg]
+                    for spy in spies:
+                        spy.send_signal(signal.SIGINT)
+                        spy.wait(timeout=60)
+
+                settled(3, detach)
             phase("torch_profiler")
         with open(ctl, "w") as f:
             f.write("quit")

@@ -456,8 +456,27 @@ def stacks(
     is told why. JSON all the way: no pyarrow here."""
     try:
         client = attach(pid, inject=inject, timeout=timeout, note=note)
-        info = json.loads(client.query_raw(INFO_SQL, "json"))[0]
-        frames = json.loads(client.query_raw(STACK_SQL, "json"))
+        import threading
+
+        # both asked at once: in a host whose thread spins in Python each
+        # answer waits for the GIL, and the waits overlap (101 -> 80 ms)
+        got: list[Any] = []
+
+        def ask_info() -> None:
+            try:
+                got.append(client.query_raw(INFO_SQL, "json"))
+            except Exception as err:  # noqa: BLE001 - handed on: raised below, in the caller's thread
+                got.append(err)
+
+        asked = threading.Thread(target=ask_info)
+        asked.start()
+        try:
+            frames = json.loads(client.query_raw(STACK_SQL, "json"))
+        finally:
+            asked.join()
+        if isinstance(got[0], Exception):
+            raise got[0]
+        info = json.loads(got[0])[0]
     except NoSuchProcess:
         raise
     except ProbingError as err:
