@@ -235,3 +235,34 @@ def test_output_schema_is_the_union_of_the_tables(tmp_path) -> None:  # type: ig
 def test_collectives_view_reads_both_backends() -> None:
     for table in ("nccl.calls", "nccl.inflight", "gloo.calls", "gloo.inflight"):
         assert f"FROM {table}" in COLLECTIVES_SQL
+
+
+def test_a_kernel_that_cannot_run_the_stage_flush_keeps_tracing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Before Linux 5.10 (no BPF_PROG_TEST_RUN on a CPU) or without the
+    sched_switch tracepoint, the staged family still traces: it says why
+    once, and its stages go out when full or with another event."""
+    import errno
+
+    from probing.bpf import kernel
+    from probing.bpf import tracer as tr
+
+    tried: list[int] = []
+
+    def refuse(fd: int, *rest: object) -> int:
+        tried.append(fd)
+        raise kernel.BPFError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(kernel, "run_on_cpu", refuse)
+    monkeypatch.setattr(kernel, "raw_tracepoint", refuse)
+
+    class Prog:
+        def prog_fd(self, name: str, prog_type: int) -> int:
+            assert (name, prog_type) == ("probing_flush", kernel.PROG_TYPE_RAW_TRACEPOINT)
+            return 7
+
+    cuda = tr._Live(fam.FAMILIES["cuda"], Prog(), None)  # type: ignore[arg-type]
+    assert "not sent at a CPU switch" in (cuda.flush_on_switch() or "")
+    assert "not sent before a drain" in (cuda.flush_stages() or "")
+    assert cuda.flush_stages() is None and tried == [7, 7]  # not asked again
+    gloo = tr._Live(fam.FAMILIES["gloo"], Prog(), None)  # type: ignore[arg-type]
+    assert gloo.flush_on_switch() is None and gloo.flush_stages() is None and tried == [7, 7]

@@ -49,6 +49,7 @@ DRAIN_SLICE = 16384  # events decoded at a time; the GIL is let go between slice
 BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
 REFILL_TO = 0.25  # the next drain comes when the fastest ring may be this full again
 RESCAN_EVERY_S = 0.5
+FLUSH_EVERY_S = 0.5  # the timer's drain sends every CPU's staged events this often
 RUNTIME_RANGES = 8  # libcudart copies the cuda program tells apart (bpf/cuda.bpf.c)
 
 
@@ -118,26 +119,42 @@ class _Live:
         self.next_id = 0
         self.libraries: set[str] = set()
         self._flush: int | None = None
+        self._flush_failed = False
 
     def _flush_prog(self) -> int:
         if self._flush is None:
             self._flush = self.bpf.prog_fd("probing_flush", kernel.PROG_TYPE_RAW_TRACEPOINT)
         return self._flush
 
-    def flush_on_switch(self) -> None:
+    def flush_on_switch(self) -> str | None:
         """A family that stages its events sends a CPU's stage when a thread
         leaves that CPU (``sched_switch``): a thread that moves to another
-        CPU has its earlier events in the ring before its later ones."""
-        if self.family.stage > 1:
+        CPU has its earlier events in the ring before its later ones. Why
+        not, where the kernel refuses (its events may then come out of order
+        across a migration, and later)."""
+        if self.family.stage <= 1:
+            return None
+        try:
             fd = kernel.raw_tracepoint(self._flush_prog(), "sched_switch")
-            self.bpf.keep(loader.Attached("sched_switch", [fd], []))
+        except (kernel.BPFError, ProbingError) as err:
+            return f"{self.family.name}: staged events not sent at a CPU switch: {err}"
+        self.bpf.keep(loader.Attached("sched_switch", [fd], []))
+        return None
 
-    def flush_stages(self) -> None:
+    def flush_stages(self) -> str | None:
         """Every CPU's staged events into the ring (bpf/preamble.c:
-        probing_flush), for a family that stages them."""
-        if self.family.stage > 1:
+        probing_flush), for a family that stages them; why not, where the
+        kernel cannot run it (before Linux 5.10), and then never again:
+        the stages go out when full, at a switch or with another event."""
+        if self.family.stage <= 1 or self._flush_failed:
+            return None
+        try:
             for cpu in kernel.online_cpus():
                 kernel.run_on_cpu(self._flush_prog(), cpu)
+        except (kernel.BPFError, ProbingError) as err:
+            self._flush_failed = True
+            return f"{self.family.name}: staged events not sent before a drain: {err}"
+        return None
 
     def read(self, events: int) -> np.ndarray:
         """At most about ``events`` events out of the ring."""
@@ -188,6 +205,7 @@ class Tracer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._drain_lock = threading.Lock()  # the timer thread, stop() and callers
+        self._flushed = 0.0  # when the timer's drain last sent every CPU's stage
         self._writer = OutputWriter(output) if output else None
         # the helper process that holds this tracer's links and perf events
         self.holder = loader.Holder()
@@ -239,7 +257,7 @@ class Tracer:
                         bpf.close()
                 self._live.append(_Live(f, bpf, reader))
                 self._all.append(self._live[-1])
-                self._live[-1].flush_on_switch()
+                self.last_error = self._live[-1].flush_on_switch() or self.last_error
             self.load_info["uprobe_multi"] = multi
             self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
@@ -442,18 +460,25 @@ class Tracer:
 
     # -- draining ---------------------------------------------------------------
     def drain(self) -> int:
-        """Move every committed event into the store; returns how many."""
+        """Move every event made so far into the store (staged ones too);
+        returns how many."""
         with self._drain_lock:
-            return self._drain_locked()
+            return self._drain_locked(flush=True)
 
     def _drain_backlog(self) -> float:
-        """Drain; how full the fullest ring was before it (0 to 1)."""
+        """Drain; how full the fullest ring was before it (0 to 1). The
+        stages are sent at most every FLUSH_EVERY_S here (an IPI per CPU
+        each time); a query's drain sends them every time."""
         with self._drain_lock:
             full = max((live.reader.pending() / live.reader.size for live in self._live), default=0)
-            self._drain_locked()
+            now = time.monotonic()
+            flush = now - self._flushed >= FLUSH_EVERY_S
+            if flush:
+                self._flushed = now
+            self._drain_locked(flush=flush)
         return full
 
-    def _drain_locked(self) -> int:
+    def _drain_locked(self, *, flush: bool) -> int:
         total = 0
         for live in self._live:
             table = self.store.table(live.family.table, "calls")
@@ -463,7 +488,8 @@ class Tracer:
             if dropped > live.drops_seen:
                 table.count_dropped(dropped - live.drops_seen)
                 live.drops_seen = dropped
-            live.flush_stages()  # what each CPU holds back goes in first
+            if flush:  # what each CPU holds back goes in first
+                self.last_error = live.flush_stages() or self.last_error
             # what the ring holds now, in slices (and no more: a producer as
             # fast as the drain never keeps a query's drain going)
             records = live.reader.pending() // live.reader.record_size
