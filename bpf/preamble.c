@@ -71,12 +71,12 @@ static __always_inline void output(void *rec, u64 size, u32 lost) {
         __sync_fetch_and_add(n, slot == SAVED ? 1 : lost);
 }
 
-#ifdef PROBING_STAGE
-/* Staged events (the cuda family: -DPROBING_STAGE=8). A ring-buffer record
+#ifdef STAGE_EVENTS
+/* Staged events (the cuda family: -DSTAGE_EVENTS=8). A ring-buffer record
  * costs a reserve and a submit, each taking the ring's lock: ~90 ns, most
  * of what a launch's probe adds to the bare uprobe. So the hot calls'
  * events are written in place in a per-CPU stage, and the stage goes to
- * the ring as one record of PROBING_STAGE events when full (a launch then
+ * the ring as one record of STAGE_EVENTS events when full (a launch then
  * costs 1.13x a bare uprobe, not 1.25x). Every record of the ring is a
  * stage, `n` of its events valid (bpf/ringbuf.py: unstage). A stage is
  * also sent whole, first, when an event of another kind is emitted or a
@@ -88,7 +88,7 @@ static __always_inline void output(void *rec, u64 size, u32 lost) {
 struct stage {
     u32 n;
     u32 busy;
-    EVENT ev[PROBING_STAGE];
+    EVENT ev[STAGE_EVENTS];
 };
 BPF_PERCPU_ARRAY(stage, struct stage, 1);
 
@@ -118,7 +118,7 @@ static __always_inline EVENT *reserve(void) {
     if (!st)
         return 0;
     u32 i = st->n;
-    if (i >= PROBING_STAGE) { /* never: a full stage is sent at once */
+    if (i >= STAGE_EVENTS) { /* never: a full stage is sent at once */
         stage_send(st);
         i = 0;
     }
@@ -131,7 +131,7 @@ static __always_inline void submit(EVENT *ev) {
         return;
     u32 i = st->n + 1;
     st->n = i;
-    if (i >= PROBING_STAGE)
+    if (i >= STAGE_EVENTS)
         stage_send(st);
     stage_close(st);
 }
@@ -141,7 +141,7 @@ static __always_inline void emit(EVENT *ev) {
     if (!st)
         return;
     u32 i = st->n;
-    if (i >= PROBING_STAGE) {
+    if (i >= STAGE_EVENTS) {
         stage_send(st);
         i = 0;
     }

@@ -68,7 +68,7 @@ class Family:
     decode: Callable[[np.ndarray, Decoded], dict[str, Any]]
     ringbuf_pages: int = 1024  # 4 MiB
     # events per ring record: >1 stages the hot calls' events per CPU and
-    # sends them together (bpf/preamble.c: PROBING_STAGE)
+    # sends them together (bpf/preamble.c: STAGE_EVENTS)
     stage: int = 1
     cflags: tuple[str, ...] = ()
     # exported symbols found by pattern rather than by exact name (C++):

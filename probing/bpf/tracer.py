@@ -233,7 +233,7 @@ class Tracer:
                 cflags = [
                     f"-DRINGBUF_PAGES={f.ringbuf_pages}",
                     "-Wno-unused-function",
-                    *([f"-DPROBING_STAGE={f.stage}"] if f.stage > 1 else []),
+                    *([f"-DSTAGE_EVENTS={f.stage}"] if f.stage > 1 else []),
                     *f.cflags,
                     *py_flags,
                 ]

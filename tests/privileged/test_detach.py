@@ -61,6 +61,24 @@ def _traced(spawn, mode: str):  # type: ignore[no-untyped-def]
     return t
 
 
+def _stage_flush_links() -> int:
+    """Raw-tracepoint links running probing's stage flush (``sched_switch``:
+    the cuda family sends a CPU's staged launches when a thread leaves it)."""
+    import json
+    import subprocess
+
+    def listed(what: str) -> list[dict]:  # type: ignore[type-arg]
+        out = subprocess.run(["bpftool", what, "show", "-j"], capture_output=True, text=True)
+        return json.loads(out.stdout or "[]") if out.returncode == 0 else []
+
+    flush = {p["id"] for p in listed("prog") if p.get("name") == "probing_flush"}
+    return sum(
+        1
+        for link in listed("link")
+        if link.get("tp_name") == "sched_switch" and link.get("prog_id") in flush
+    )
+
+
 def _no_uprobes_left(pid: int) -> None:
     assert perf_uprobes(pid) == []
     with open(os.path.join(checks.tracefs_dir() or "/sys/kernel/tracing", "uprobe_events")) as f:
@@ -69,12 +87,18 @@ def _no_uprobes_left(pid: int) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_stop_detaches_every_uprobe(spawn, mode: str) -> None:
+    before = _stage_flush_links()
     t = _traced(spawn, mode)
+    assert _stage_flush_links() == before + 1  # the cuda family's, held like the uprobes
     holder = ProbeClient.for_pid(t.pid).trace_status()["load"]["holder_pid"]
     stopped = cli("trace", "--pid", str(t.pid), "--stop")
     assert stopped.returncode == 0, stopped.stderr
     assert "every uprobe detached" in stopped.stdout
     _released(t.pid, holder)
+    deadline = time.monotonic() + 120
+    while _stage_flush_links() != before:
+        assert time.monotonic() < deadline, "the stage flush stayed attached to sched_switch"
+        time.sleep(0.1)
     assert t.proc.poll() is None  # the process goes on, untraced
     status = ProbeClient.for_pid(t.pid).trace_status()
     assert status["state"] == "stopped"

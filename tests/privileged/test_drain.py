@@ -96,3 +96,41 @@ def test_a_burst_drained_while_it_runs_loses_nothing(launches) -> None:  # type:
             hog.wait()
         tracer.stop()
         store.close()
+
+
+def test_staged_launches_of_threads_that_move_between_cpus_keep_their_order(launches) -> None:  # type: ignore[no-untyped-def]
+    """Launches are staged per CPU and sent 8 at a time: two threads that
+    launch in short bursts, sleep and move between CPUs get every launch
+    into the store, each thread's in the order it made them (a CPU's stage
+    is sent when a thread leaves it), with none held back at the end."""
+    import threading
+    import time
+
+    store = Store(chunk_rows=1 << 14)
+    tracer = Tracer(["cuda"], store=store)
+    tracer.start()
+    bursts, size = 150, 13  # 13: a burst leaves a stage part full
+    try:
+
+        def work() -> None:
+            for _ in range(bursts):
+                launches(size)
+                time.sleep(0.0005)  # off the CPU: it may come back on another
+
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows = Engine(store).sql("SELECT event_id, ts, tid FROM cuda.calls ORDER BY event_id")
+        assert rows.num_rows == 2 * bursts * size
+        tids = rows.column("tid").to_numpy()
+        ts = rows.column("ts").to_numpy()
+        assert len(set(tids.tolist())) == 2
+        for tid in set(tids.tolist()):
+            assert (np.diff(ts[tids == tid]) >= 0).all(), f"thread {tid}'s launches out of order"
+        cuda = tracer.status()["families"]["cuda"]
+        assert (cuda["events"], cuda["dropped"]) == (2 * bursts * size, 0)
+    finally:
+        tracer.stop()
+        store.close()
