@@ -77,14 +77,17 @@ static __always_inline void output(void *rec, u64 size, u32 lost) {
  * of what a launch's probe adds to the bare uprobe. So the hot calls'
  * events are written in place in a per-CPU stage, and the stage goes to
  * the ring as one record of STAGE_EVENTS events when full (a launch then
- * costs 1.13x a bare uprobe, not 1.25x). Every record of the ring is a
- * stage, `n` of its events valid (bpf/ringbuf.py: unstage). A stage is
- * also sent whole, first, when an event of another kind is emitted or a
- * blocking call is entered on that CPU (what ran before a wait is out
- * before the wait), and when the probe drains: it runs probing_flush on
- * every CPU (BPF_PROG_TEST_RUN), so a query sees every call made before
- * it. `busy`: a launch is filling the stage, which a flush that interrupts
- * it leaves alone (that launch sends it, or the next drain does). */
+ * costs ~1.17x a bare uprobe, not 1.25x: trace_bench calls). Every record
+ * of the ring is a stage, `n` of its events valid (bpf/ringbuf.py:
+ * unstage). A stage is also sent whole, first, when an event of another
+ * kind is emitted or a blocking call is entered on that CPU (what ran
+ * before a wait is out before the wait); when a thread leaves the CPU
+ * (probing_flush at sched_switch: a thread that moves keeps its order);
+ * and when the probe drains (probing_flush run on every CPU by
+ * BPF_PROG_TEST_RUN: for every query, at least every 0.5 s otherwise), so
+ * a query sees every call made before it. `busy`: a launch is filling the
+ * stage, which a flush that interrupts it leaves alone (that launch sends
+ * it, or the next flush does). */
 struct stage {
     u32 n;
     u32 busy;
@@ -157,7 +160,7 @@ static __always_inline void stage_flush(void) {
         stage_close(st);
     }
 }
-/* run by the probe on each CPU before it drains (BPF_PROG_TEST_RUN) */
+/* at sched_switch, and run by the probe on each CPU before it drains */
 int probing_flush(void *ctx) {
     int zero = 0;
     struct stage *st = stage.lookup(&zero);

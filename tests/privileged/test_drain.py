@@ -54,7 +54,7 @@ def test_a_burst_of_many_slices_reaches_the_store_whole(launches) -> None:  # ty
         table.flush()  # waits for the chunks the sealer thread compresses
         st = table.stats()
         assert st.rows == n and st.dropped_events == 0 and st.pending_rows == 0
-        assert st.chunks >= 3
+        assert st.chunks >= 2  # slices of up to a chunk each (stages sent part full make them less)
         rows = Engine(store).sql(
             "SELECT event_id, ts, api, kernel, grid, block FROM cuda.calls ORDER BY event_id"
         )
