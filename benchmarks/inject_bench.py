@@ -71,13 +71,19 @@ def _ms(xs: list[float]) -> dict[str, float]:
     }
 
 
-def _spawn(cwd: str, root: str | None = None) -> subprocess.Popen[bytes]:
-    """A target; ``root``: the checkout its injected probe imports (None:
-    the installed one)."""
+def _env(root: str | None) -> dict[str, str]:
+    """The environment of a process that imports ``root``'s probing (None:
+    the installed one), without a probe of its own at start-up."""
     env = {k: v for k, v in os.environ.items() if k not in ("PROBING", "PYTHONPATH")}
     if root:
         env["PYTHONPATH"] = root
-    return subprocess.Popen([sys.executable, "-c", TARGET], cwd=cwd, env=env)
+    return env
+
+
+def _spawn(cwd: str, root: str | None = None) -> subprocess.Popen[bytes]:
+    """A target; ``root``: the checkout its injected probe imports (None:
+    the installed one)."""
+    return subprocess.Popen([sys.executable, "-c", TARGET], cwd=cwd, env=_env(root))
 
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -130,15 +136,12 @@ class _Runs:
             c0 = _probe_cpu_s(proc.pid)
             # each tree injects with its own injector and asks with its own
             # client (a subprocess), so an older checkout is measured whole
-            env = {k: v for k, v in os.environ.items() if k not in ("PROBING", "PYTHONPATH")}
-            if root:
-                env["PYTHONPATH"] = root
             out = subprocess.run(
                 [sys.executable, "-c", _MEASURE, str(proc.pid)],
                 check=True,
                 capture_output=True,
                 cwd=cwd,
-                env=env,
+                env=_env(root),
                 text=True,
             ).stdout
             m = json.loads(out)

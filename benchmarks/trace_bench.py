@@ -608,19 +608,23 @@ def traced_step() -> dict:  # type: ignore[type-arg]
         threading.Thread(target=pump, daemon=True).start()
     times: dict[str, list[float]] = {m: [] for m in STEP_MODES}
 
+    def steps_of(label: str, n: int, record: bool) -> None:
+        """``n`` steps of each rank labelled ``label`` (their times kept
+        when ``record``); a line of any other label (a step of a set-up, or
+        one still queued from before) is dropped."""
+        seen = 0
+        while seen < 2 * n:
+            _, parts = lines.get(timeout=300)
+            if len(parts) == 4 and parts[0] == "step" and parts[2] == label:
+                if record:
+                    times[label].append(float(parts[3]))
+                seen += 1
+
     def phase(mode: str) -> None:
-        """STEPS_PER_PHASE steps of each rank under ``mode``; a line of any
-        other label (a step of a set-up, or one still queued from before)
-        is dropped."""
+        """STEPS_PER_PHASE steps of each rank under ``mode``, timed."""
         with open(ctl, "w") as f:
             f.write(mode)
-        seen = 0
-        while seen < 2 * STEPS_PER_PHASE:
-            _, parts = lines.get(timeout=300)
-            if len(parts) == 4 and parts[0] == "step" and parts[2] == mode:
-                if mode != "settle":
-                    times[mode].append(float(parts[3]))
-                seen += 1
+        steps_of(mode, STEPS_PER_PHASE, record=True)
 
     def settled(steps: int, setup: Callable[[], object] = lambda: None) -> None:
         """``setup`` (a tracer starting, py-spy attaching) while the ranks
@@ -629,11 +633,7 @@ def traced_step() -> dict:  # type: ignore[type-arg]
         with open(ctl, "w") as f:
             f.write("settle")
         setup()
-        for _ in range(steps):
-            seen = 0
-            while seen < 2:
-                _, parts = lines.get(timeout=300)
-                seen += len(parts) == 4 and parts[2] == "settle"
+        steps_of("settle", steps, record=False)
 
     def wait_steps(n: int) -> None:
         for _ in range(n):

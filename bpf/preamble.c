@@ -53,11 +53,12 @@ static __always_inline void hdr_init(struct probing_hdr *h, u16 fn) {
 
 #define DROPPED 0 /* the slots of `dropped` */
 #define SAVED 1
-static __always_inline void count(int slot) {
+static __always_inline void count_n(int slot, u64 k) {
     u64 *n = dropped.lookup(&slot);
     if (n)
-        __sync_fetch_and_add(n, 1);
+        __sync_fetch_and_add(n, k);
 }
+static __always_inline void count(int slot) { count_n(slot, 1); }
 static __always_inline void count_drop(void) { count(DROPPED); }
 /* output with no wake-up (the probe drains on a timer); one more try after
  * a failure (BCC has no ringbuf_query to tell a full ring from a busy lock:
@@ -65,10 +66,10 @@ static __always_inline void count_drop(void) { count(DROPPED); }
 static __always_inline void output(void *rec, u64 size, u32 lost) {
     if (events.ringbuf_output(rec, size, BPF_RB_NO_WAKEUP) == 0)
         return;
-    int slot = events.ringbuf_output(rec, size, BPF_RB_NO_WAKEUP) == 0 ? SAVED : DROPPED;
-    u64 *n = dropped.lookup(&slot);
-    if (n)
-        __sync_fetch_and_add(n, slot == SAVED ? 1 : lost);
+    if (events.ringbuf_output(rec, size, BPF_RB_NO_WAKEUP) == 0)
+        count(SAVED);
+    else
+        count_n(DROPPED, lost);
 }
 
 #ifdef STAGE_EVENTS
@@ -114,18 +115,23 @@ static __always_inline void stage_send(struct stage *st) {
         st->n = 0;
     }
 }
+/* the stage's next free slot (a full stage is sent at once, so it has one;
+ * the check is also the bound the verifier wants) */
+static __always_inline u32 stage_slot(struct stage *st) {
+    u32 i = st->n;
+    if (i >= STAGE_EVENTS) {
+        stage_send(st);
+        i = 0;
+    }
+    return i;
+}
 /* the hot calls' way: a slot of this CPU's stage, filled field by field,
  * then submit() */
 static __always_inline EVENT *reserve(void) {
     struct stage *st = stage_open();
     if (!st)
         return 0;
-    u32 i = st->n;
-    if (i >= STAGE_EVENTS) { /* never: a full stage is sent at once */
-        stage_send(st);
-        i = 0;
-    }
-    return &st->ev[i];
+    return &st->ev[stage_slot(st)];
 }
 static __always_inline void submit(EVENT *ev) {
     int zero = 0;
@@ -143,11 +149,7 @@ static __always_inline void emit(EVENT *ev) {
     struct stage *st = stage_open();
     if (!st)
         return;
-    u32 i = st->n;
-    if (i >= STAGE_EVENTS) {
-        stage_send(st);
-        i = 0;
-    }
+    u32 i = stage_slot(st);
     __builtin_memcpy(&st->ev[i], ev, sizeof(EVENT));
     st->n = i + 1;
     stage_send(st);
