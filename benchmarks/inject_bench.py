@@ -1,6 +1,6 @@
 """Attach cost: `probing inject` to the first answered query, and what the target feels.
 
-Ten fresh targets, each a plain `python -c` loop (not started with probing)
+Ten fresh targets (``BENCH_INJECT_RUNS``), each a plain `python -c` loop (not started with probing)
 that notes every pause longer than 2 ms between two ~0.1 ms iterations.
 For each: inject, then query; the borrowed thread's stop time comes from
 the injector. The target's pauses are read back through the probe itself
@@ -9,7 +9,8 @@ window. Then `probing query`, `stack` and `ps` side by side with `py-spy
 dump` (the bench extra installs it) and a bare `python -c pass`, wall and
 CPU time, on a target whose probe has answered once. With
 ``BENCH_BASELINE_PATH`` (an older checkout's root), its ``probing query``,
-``stack`` and ``ps`` are timed in the same rounds (``baseline_*``).
+``stack`` and ``ps`` are timed in the same rounds (``baseline_*``), and its
+targets are injected with its own injector and asked with its own client.
 
 Prints one JSON object. Needs root (ptrace).
 """

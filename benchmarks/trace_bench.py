@@ -14,7 +14,8 @@ Sections (all by default; name some to run only those):
   ``*_ratio_to_bare_uprobe``: the whole call with the probe over the whole
   call with the bare uprobe. ``*_cpu_ns``: the calling thread's CPU time per
   call (the uprobe runs there), steadier than wall time on a busy machine.
-  Every set-up, the baselines too, takes turns REPEATS times.
+  Every set-up, the baselines too, takes turns REPEATS times
+  (BENCH_REPEATS, default 3; 7 steadies the per-launch ratio).
 - drain: events/s drained from the ring buffer into the store (bulk numpy
   decode, Arrow batches, appends), the drain timer stopped so each round is
   timed; per wall second, per CPU second, and the CPU per event counting the
@@ -31,7 +32,9 @@ Sections (all by default; name some to run only those):
   and warm.
 - step: a real CPU training step (2-rank Gloo DDP), untraced, traced by
   probing (defaults), by `py-spy record` and by the torch profiler, in
-  interleaved phases: median, p10-p90, slowdown.
+  interleaved phases of BENCH_STEPS steps (25), BENCH_STEP_ROUNDS times (3):
+  median, p10-p90, slowdown. A tracer's start and py-spy's attach happen
+  while the ranks step unmeasured ("settle").
 """
 
 from __future__ import annotations
