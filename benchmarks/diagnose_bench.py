@@ -249,7 +249,9 @@ def noise_bench(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
                         "size": size, "kind": kind, "rank": rank, "ms": round(ms, 1),
                         "named": named, "why_top": funcs[0] if funcs else None,
                         "why_ok": bool(kind and funcs and funcs[0] == CAUSE[kind]),
+                        "why": [w["text"] for w in got["why"]][:4],
                         "late_pct": late_pct(got, rank),
+                        "late_all": {r: late_pct(got, r) for r in range(WORLD)},
                         "step_ms": (got.get("summary") or {}).get("step_ms"),
                         "load": round(os.getloadavg()[0], 1),
                         "verdict": got.get("verdict") or got.get("error"),
@@ -318,6 +320,15 @@ def noise_summary(
         }
     healthy = [r for r in runs if r["size"] is None]
     hits = [r for r in runs if r["size"] is not None and r["named"] == [r["rank"]]]
+    # by what the lateness cost (the rule: a rank costing >= 10 % of the
+    # step is always named), whatever made it late: an injected slowdown or the machine
+    costly = [(r, q) for r in runs for q, pct in r["late_all"].items() if (pct or 0) >= 10]
+    by_cost = {}
+    for lo, hi in ((0, 5), (5, 10), (10, 20), (20, 1e9)):
+        at = [r for r in runs if r["size"] is not None and lo <= (r["late_pct"] or 0) < hi]
+        by_cost[f"{lo}-{hi if hi < 1e9 else ''}%"] = (
+            f"{sum(r['named'] == [r['rank']] for r in at)}/{len(at)}"
+        )
     from_10 = [r for r in runs if r["size"] is not None and r["size"] >= 0.1]
     return {
         "job": job,
@@ -329,8 +340,16 @@ def noise_summary(
         )
         if from_10
         else None,  # fmt: skip
+        "detection_by_cost": by_cost,  # slowed rank's lateness, % of the step
+        "named_when_costing_10pct": f"{sum(q in r['named'] for r, q in costly)}/{len(costly)}",
         "healthy_runs": len(healthy),
         "false_alarms": sum(1 for r in healthy if r["named"]),
+        # a healthy run's named rank: how late it really was, and why (the machine?)
+        "false_alarm_detail": [
+            {"named": q, "late_pct": r["late_all"].get(q), "why": r["why"][:2]}
+            for r in healthy
+            for q in r["named"]
+        ],
         "why_accuracy": round(sum(r["why_ok"] for r in hits) / len(hits), 3) if hits else None,
         "misses": [
             r

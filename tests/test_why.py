@@ -102,6 +102,61 @@ def test_why_tells_cpu_starvation_from_a_slow_function() -> None:
     assert 1.7 < (first.slower or 0) < 2.3
 
 
+def _native(rows: pa.Table, runq_ms: dict[int, float]) -> pa.Table:
+    """``rows`` plus each rank's threads without Python waiting ``runq_ms`` for a CPU."""
+    extra = [{"kind": "runq", "file": None, "func": None, "line": None, "thread": "gloo_tcp_loop",
+              "dur_ns": int(ms * 1e6), "n": 1, "rank": r} for r, ms in runq_ms.items()]  # fmt: skip
+    return pa.Table.from_pylist(rows.to_pylist() + extra)
+
+
+def test_a_wait_for_a_cpu_that_accounts_for_the_lateness_is_starvation() -> None:
+    """A busy machine that favours the others: every rank waits for CPUs, rank 1's
+    functions only ~1.15x slower, but its threads (Gloo's too) wait ~30 ms/step
+    longer for a CPU: as long as it is late. The verdict says so."""
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {}
+    for r in range(4):
+        k = 1.15 if r == 1 else 1.0
+        per[r] = [
+            ("cpu", "/job/train.py", "forward", 30, 10.0 * steps),
+            ("runq", "/job/train.py", "forward", 30, 20.0 * k * steps),
+            ("cpu", "/job/train.py", "other_work", 50, 6.0 * steps),
+            ("runq", "/job/train.py", "other_work", 50, 12.0 * k * steps),
+        ]
+    native = {r: (40.0 if r == 1 else 15.0) * steps for r in range(4)}
+    samples = _native(_samples(per, span), native)
+    d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples)
+    first = d.why[0]
+    assert first.kind == "cpu_starvation", d.why
+    assert 25 < first.ms_per_step - first.others_ms_per_step < 40, first
+    assert 1.05 < (first.slower or 0) < 1.3
+    assert d.verdict.endswith("longer for a CPU than the others (what else runs on its node?)")
+    # without the threads' wait, the functions alone (~1.15x) do not make it starvation
+    bare = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=_samples(per, span))
+    assert not [w for w in bare.why if w.kind == "cpu_starvation"], bare.why
+    assert "CPU starvation" not in bare.verdict
+
+
+def test_extra_work_waiting_for_a_cpu_is_the_function_not_starvation() -> None:
+    """Rank 2 does 40 ms/step of extra work in ``augment`` on a busy machine, most of
+    it waiting for a CPU: the function is the cause, not the machine."""
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {}
+    for r in range(4):
+        per[r] = [
+            ("cpu", "/job/train.py", "forward", 30, 10.0 * steps),
+            ("runq", "/job/train.py", "forward", 30, 20.0 * steps),
+        ]
+        if r == 2:
+            per[r] += [("cpu", "/job/train.py", "augment", 52, 12.0 * steps),
+                       ("runq", "/job/train.py", "augment", 52, 28.0 * steps)]  # fmt: skip
+    samples = _native(_samples(per, span), {r: 15.0 * steps for r in range(4)})
+    d = analyze(job(straggler=2, lag_ms=30, seed=2), now_ns=T0, samples=samples)
+    assert d.why[0].kind == "function" and d.why[0].what == "augment", d.why
+    assert "mostly waiting for a CPU" in d.why[0].text
+    assert not [w for w in d.why if w.kind == "cpu_starvation"], d.why
+
+
 def test_a_hang_in_a_subgroup_names_only_that_groups_missing_rank() -> None:
     rows = []
     for r in (2, 3):  # a 2-rank tensor-parallel group; rank 3 never enters #10

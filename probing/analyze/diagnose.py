@@ -50,10 +50,10 @@ CALLSITES_SQL = (
 # and in CUDA calls: asked only when there is a straggler to explain
 SAMPLES_SQL = (
     "SELECT s.kind AS kind, c.file AS file, c.func AS func, c.line AS line, "
-    "sum(s.dur_ns) AS dur_ns, sum(s.count) AS n{tags} FROM python.samples s "
+    "s.thread AS thread, sum(s.dur_ns) AS dur_ns, sum(s.count) AS n{tags} FROM python.samples s "
     "LEFT JOIN python.callsites c ON s.stack_id = c.stack_id{same_rank} "
-    "WHERE s.ts >= {since_ns} GROUP BY s.kind, c.file, c.func, c.line{group}"
-)
+    "WHERE s.ts >= {since_ns} GROUP BY s.kind, c.file, c.func, c.line, s.thread{group}"
+)  # by thread too: the threads without Python (Gloo's, OpenMP's) wait for a CPU as well
 CUDA_SQL = (
     "SELECT api, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
     "WHERE ts >= {since_ns} GROUP BY api{group}"
@@ -177,6 +177,7 @@ def verdict(
     hangs: list[hg.Hang],
     summary: coll.Summary,
     window_s: float,
+    why: Sequence[wy.Why] = (),
 ) -> str:
     """One sentence: the worst finding first, or the figures that say it is healthy."""
     if hangs:
@@ -198,10 +199,17 @@ def verdict(
         since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
         node = f" on node {s.node}" if s.node else ""
         groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
+        starved = next((w for w in why if w.rank == s.rank and w.kind == "cpu_starvation"), None)
+        cause = (
+            f": CPU starvation, it waits {starved.ms_per_step - starved.others_ms_per_step:.0f} "
+            "ms/step longer for a CPU than the others (what else runs on its node?)"
+            if starved
+            else ""
+        )
         return (
             f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
             f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
-            f"~{100 * s.share_of_step:.0f} % of its step time"
+            f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
         )
     if slow_links:
         s = slow_links[0]
@@ -288,7 +296,7 @@ def analyze(
     ]
     return Diagnosis(
         healthy=not (hangs or strag or slow),
-        verdict=verdict(strag, slow, hangs, summary, window_s),
+        verdict=verdict(strag, slow, hangs, summary, window_s, why),
         stragglers=strag,
         slow_links=slow,
         hangs=hangs,
@@ -446,6 +454,7 @@ def diagnose(
             table, frames=frames, now_ns=now, window_s=window_s, hang_after_s=hang_after_s,
             samples=extra["samples"], cuda=extra["cuda"],
         ).why  # fmt: skip
+        d.verdict = verdict(d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why)
     if d.stragglers or d.hangs:
         try:
             since = now - int(window_s * 1e9)

@@ -29,6 +29,7 @@ MIN_DELTA_MS = 1.0  # a function's extra time per step worth naming ...
 MIN_DELTA_SHARE = 0.15  # ... and this share of the straggler's own excess
 TOP = 3  # functions named per straggler
 STARVED_SLOWER = 1.5  # starved: the other functions this many times slower, on average
+STARVED_SHARE = 0.5  # ... or its extra wait for a CPU is this share of its lateness
 
 
 @dataclasses.dataclass
@@ -69,24 +70,33 @@ def step_ms(collectives: list[Collective], comm: str) -> float | None:
     return float((starts[-1] - starts[0]) / 1e6 / ((len(starts) - 1) * per))
 
 
-def _profile(rows: list[dict[str, Any]]) -> tuple[dict[int, dict], dict[int, float]]:
-    """rank -> (file, func) -> kind -> ns, and rank -> the sampled span (ns)."""
+@dataclasses.dataclass
+class Profile:
+    funcs: dict[int, dict]  # rank -> (file, func) -> kind -> ns (and "line")
+    span: dict[int, float]  # rank -> the sampled wall time (ns)
+    native_runq: dict[int, float]  # rank -> ns its threads without Python waited for a CPU
+
+
+def _profile(rows: list[dict[str, Any]]) -> Profile:
     prof: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     lines: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     span: dict[int, float] = defaultdict(float)
+    native: dict[int, float] = defaultdict(float)
     for row in rows:
         r, kind, ns = row["rank"], row["kind"], float(row["dur_ns"] or 0)
         if kind == "tick":
             span[r] += ns
             continue
         key = (row.get("file"), row.get("func"))
-        if key == (None, None):  # threads without Python (pools, Gloo's): idle, or
-            continue  # working for a Python caller whose own time says as much
+        if key == (None, None):  # threads without Python (pools, Gloo's): idle, or working
+            if kind == "runq":  # for a Python caller, whose own time says as much; but
+                native[r] += ns  # their wait for a CPU delays that caller too
+            continue
         prof[r][key][kind] += ns
         lines[(r, *key)][row.get("line")] += ns
     for (r, *key), by_line in lines.items():
         prof[r][tuple(key)]["line"] = max(by_line, key=by_line.__getitem__) or 0
-    return prof, span
+    return Profile(prof, span, native)
 
 
 def _median(values: list[float]) -> float:
@@ -103,12 +113,12 @@ def explain(
     step = step_ms(collectives, s.comm)
     if not step:
         return []
-    prof, span = _profile(samples)
+    prof = _profile(samples)
     r = s.rank
-    others = [q for q in prof if q != r and span.get(q)]
+    others = [q for q in prof.funcs if q != r and prof.span.get(q)]
     out: list[Why] = []
-    if r in prof and span.get(r) and others:
-        out += _functions(s, prof, span, others, step)
+    if r in prof.funcs and prof.span.get(r) and others:
+        out += _functions(s, prof, others, step)
     out += _collectives(s, collectives, step)
     out += _cuda(s, cuda or [], step, collectives)
     return out
@@ -118,10 +128,8 @@ def _per_step(ns: float, span_ns: float, step: float) -> float:
     return ns / span_ns * step if span_ns else 0.0
 
 
-def _functions(
-    s: Straggler, prof: dict[int, dict], span: dict[int, float], others: list[int], step: float
-) -> list[Why]:
-    r = s.rank
+def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list[Why]:
+    r, prof, span = s.rank, p.funcs, p.span
     keys = set(prof[r]) | {k for q in others for k in prof[q]}
 
     def ms(q: int, key: tuple[Any, Any], kinds: tuple[str, ...]) -> float:
@@ -135,8 +143,16 @@ def _functions(
         theirs = _median([ms(q, key, every) for q in others])
         deltas.append((mine - theirs, key, mine, theirs))
     deltas.sort(key=lambda d: -d[0])
-    runq = sum(ms(r, k, ("runq",)) for k in prof[r])
-    runq_others = _median([sum(ms(q, k, ("runq",)) for k in prof[q]) for q in others])
+    # the function that differs most, where it is extra work (over twice the others'
+    # time), not the same code running slower: that work waits for a CPU as well
+    top = deltas[0][1] if deltas and deltas[0][3] < 0.5 * deltas[0][2] else None
+
+    def runq_of(q: int) -> float:
+        """Its wait for a CPU per step, every thread's, outside ``top``."""
+        py = sum(ms(q, k, ("runq",)) for k in prof[q] if k != top)
+        return py + _per_step(p.native_runq.get(q, 0.0), span[q], step)
+
+    runq, runq_others = runq_of(r), _median([runq_of(q) for q in others])
     out = []
     floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * max(s.excess_ms_median, 0.0))
     # starved: the functions that differ least run slower too (not one function's
@@ -149,7 +165,12 @@ def _functions(
             ratios.append(ms(r, key, ("cpu", "runq")) / theirs)
             weights.append(theirs)
     slower = float(np.average(ratios, weights=weights)) if ratios else None
-    if runq - runq_others >= floor and slower is not None and slower >= STARVED_SLOWER:
+    # every function slower, or a wait for a CPU that accounts for its lateness
+    # (the others wait for CPUs too: a busy machine that favours them)
+    starved = slower is not None and (
+        slower >= STARVED_SLOWER or runq - runq_others >= STARVED_SHARE * s.excess_ms_median
+    )
+    if runq - runq_others >= floor and starved:
         out.append(
             Why(
                 r, "cpu_starvation", "run queue", None, None, round(runq, 2),

@@ -12,7 +12,9 @@ thread's wait. The kernel keeps running totals per (thread, stack, kind); a
 thread of ours reads them every ``interval_s`` and appends the differences
 to ``python.samples``, plus one ``tick`` row per read (its ``dur_ns``: the
 wall time that read covers). Stacks resolve into ``python.stacks`` like the
-families' (``PyStacks``). The probe's own threads are left out.
+families' (``PyStacks``). The probe's own threads are left out (its Python
+threads by name, its query engine's native ones by ``ENGINE_THREADS``). A
+thread Python did not start (Gloo's, OpenMP's) is named by its kernel comm.
 ``PROBING_SAMPLE_HZ=0`` turns sampling off.
 """
 
@@ -34,6 +36,9 @@ SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
 DEFAULT_INTERVAL_S = 0.5
 KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
 SAMPLES_MAX = 16384
+# threads the probe's query engine (DataFusion's tokio runtime) starts in the host:
+# left out with the probe's own Python threads (a host running tokio would lose its own)
+ENGINE_THREADS = frozenset({"tokio-rt-worker"})
 
 SCHEMA = pa.schema(
     [
@@ -85,6 +90,7 @@ class Sampler:
         self._prev: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._last_read = 0
         self._ours: set[int] = set()  # the probe's own threads, left out
+        self._comms: dict[int, str | None] = {}  # threads without Python: the kernel's name
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -189,9 +195,11 @@ class Sampler:
         self.py.sync([bpf])
         now_mono = time.monotonic_ns()
         now = time.time_ns()
-        names = {t.native_id: t.name for t in threading.enumerate()}
-        self._ours |= {tid for tid, name in names.items() if name.startswith("probing")}
+        names: dict[int, str | None] = {t.native_id: t.name for t in threading.enumerate()}
+        self._ours |= {tid for tid, name in names.items() if (name or "").startswith("probing")}
         ours = self._ours
+        if len(self._comms) > SAMPLES_MAX:  # threads come and go: forget the old ones
+            self._comms.clear()
         m = bpf["samples"]
         rows: dict[str, list[Any]] = {f.name: [] for f in SCHEMA}
 
@@ -210,6 +218,11 @@ class Sampler:
         for key, (count, ns) in cur.items():
             pc, pn = self._prev.get(key, (0, 0))
             if count > pc and key[0] not in ours and key[2] < len(KINDS):
+                if key[0] not in names:  # a thread Python did not start: its comm
+                    names[key[0]] = self._comm(key[0])
+                    if names[key[0]] in ENGINE_THREADS:  # the probe's query engine
+                        ours.add(key[0])
+                        continue
                 put(key[0], key[1], KINDS[key[2]], count - pc, ns - pn)
         self._prev = cur
         if len(cur) > SAMPLES_MAX // 2:  # start over before the map fills
@@ -220,6 +233,17 @@ class Sampler:
         self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA))
         self.reads += 1
         return len(rows["ts"])
+
+    def _comm(self, tid: int) -> str | None:
+        """The kernel's name of thread ``tid`` of this process (``pt_gloo_runloop``,
+        an OpenMP worker's inherited ``python``), read once; None once it is gone."""
+        if tid not in self._comms:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    self._comms[tid] = f.read().strip() or None
+            except OSError:
+                self._comms[tid] = None
+        return self._comms[tid]
 
     def status(self) -> dict[str, Any]:
         return {"hz": self.hz, "reads": self.reads, "dropped": self.dropped,

@@ -120,3 +120,44 @@ def test_the_wait_for_a_cpu_after_a_wake_up_is_runq_not_blocked() -> None:
     waited = took[0] * 1e3 - ms["off"]
     assert ms["runq"] > 0.5 * waited - 10, (ms, took)
     assert sum(ms.values()) < took[0] * 1e3 * 1.2, (ms, took)  # nothing counted twice
+
+
+def _named_spinner(name: bytes, tids: list[int], stop: threading.Event) -> None:
+    """A thread ``threading`` does not know of (as Gloo's and OpenMP's are not),
+    called ``name`` by the kernel, spinning until ``stop``."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    tids.append(threading.get_native_id())
+    while not stop.is_set():
+        spin_here(0.01)
+
+
+def test_threads_python_did_not_start_are_named_by_the_kernel_and_the_engines_left_out() -> None:
+    import _thread
+
+    require_bpf()
+    store = Store()
+    s = smp.Sampler(store)
+    stop = threading.Event()
+    native: list[int] = []
+    engine: list[int] = []
+    s.start()
+    try:
+        _thread.start_new_thread(_named_spinner, (b"native-spin", native, stop))
+        _thread.start_new_thread(_named_spinner, (b"tokio-rt-worker", engine, stop))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the sampler has seen it spin
+            time.sleep(0.1)
+            s.read()
+            rows = store.table("python", "samples").to_arrow().to_pylist()
+            if native and any(r["tid"] == native[0] and r["kind"] == "cpu" for r in rows):
+                break
+    finally:
+        stop.set()
+        s.stop()
+    rows = store.table("python", "samples").to_arrow().to_pylist()
+    mine = [r for r in rows if native and r["tid"] == native[0]]
+    assert mine and {r["thread"] for r in mine} == {"native-spin"}, mine[:3]
+    assert engine and not [r for r in rows if r["tid"] == engine[0]]
+    assert not [r for r in rows if r["thread"] in smp.ENGINE_THREADS]
