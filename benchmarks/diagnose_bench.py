@@ -250,6 +250,8 @@ def noise_bench(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
                         "named": named, "why_top": funcs[0] if funcs else None,
                         "why_ok": bool(kind and funcs and funcs[0] == CAUSE[kind]),
                         "why": [w["text"] for w in got["why"]][:4],
+                        "starved": sorted({w["rank"] for w in got["why"]
+                                           if w["kind"] == "cpu_starvation"}),
                         "late_pct": late_pct(got, rank),
                         "late_all": {r: late_pct(got, r) for r in range(WORLD)},
                         "step_ms": (got.get("summary") or {}).get("step_ms"),
@@ -344,6 +346,14 @@ def noise_summary(
         "named_when_costing_10pct": f"{sum(q in r['named'] for r, q in costly)}/{len(costly)}",
         "healthy_runs": len(healthy),
         "false_alarms": sum(1 for r in healthy if r["named"]),
+        # of those, a rank the background load really starved: named as CPU starvation
+        # and late by >= 10 % of a step by its own figures (the rule above names it)
+        "false_alarms_but_starved": sum(
+            1
+            for r in healthy
+            if r["named"]
+            and all(q in r["starved"] and (r["late_all"].get(q) or 0) >= 10 for q in r["named"])
+        ),
         # a healthy run's named rank: how late it really was, and why (the machine?)
         "false_alarm_detail": [
             {"named": q, "late_pct": r["late_all"].get(q), "why": r["why"][:2]}

@@ -186,6 +186,52 @@ def test_repeated_diagnoses_of_one_hang_name_the_same_collective() -> None:
     assert first.verdict.split(" for ")[0] == again.verdict.split(" for ")[0]
 
 
+class _Rows:
+    """A job whose probes hold ``table``: each query's ``ts >= N`` window is applied
+    (and calls in flight are always returned); no stacks, no other table."""
+
+    remote = False
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+
+    def ask(self, sql: str) -> pa.Table:
+        import re
+
+        from probing.errors import ProbingError
+
+        if "FROM comm.collectives" in sql and "GROUP BY" not in sql:
+            since = int(re.search(r"ts >= (\d+)", sql).group(1))  # type: ignore[union-attr]
+            keep = [r for r in self.table.to_pylist() if r["ts"] >= since or r["dur_ns"] is None]
+            return pa.Table.from_pylist(keep, schema=self.table.schema)
+        if "FROM process.stacks" in sql:
+            return pa.table({"rank": pa.array([], pa.int64())})
+        raise ProbingError("no such table here\n")
+
+    def trace_starts_ns(self) -> list[int]:
+        return []
+
+
+def test_a_hang_that_began_just_inside_the_window_is_numbered_as_later() -> None:
+    """The window starts between the last completed collective and the hang: the
+    calls before it are fetched too, so each rank's numbers line up (without them,
+    no rank could be aligned) and the hang is named as it is a minute later."""
+    from probing.analyze import diagnose
+
+    t = job(hang_rank=1, hang_step=40, steps=60, seed=9)
+    rows = t.to_pylist()
+    began = min(r["ts"] for r in rows if r["dur_ns"] is None)
+    last_done = max(r["ts"] + r["dur_ns"] for r in rows if r["dur_ns"] is not None)
+    assert last_done < began
+    later = analyze(t, now_ns=began + 90 * 10**9, hang_after_s=5)
+    window_s = 30.0
+    since = (last_done + began) // 2  # just before the hang: no completed call in the window
+    d, _ = diagnose(_Rows(t), window_s=window_s, hang_after_s=5, now_ns=since + int(window_s * 1e9))
+    [h] = d.hangs
+    assert h.missing_ranks == [1] and h.waiting_ranks == [0, 2, 3], d.verdict
+    assert (h.comm, h.seq) == (later.hangs[0].comm, later.hangs[0].seq)
+
+
 def test_a_partner_released_late_by_a_subgroup_straggler_is_not_named() -> None:
     """2 x 2 groups: rank 2 works 60 ms before the tensor-parallel all-reduce with
     rank 3, so both reach the next world all-reduce late; only rank 2 is named."""

@@ -398,6 +398,7 @@ def diagnose(
     window_s: float = 60.0,
     hang_after_s: float = hg.HANG_AFTER_S,
     on_wait: Callable[[float], None] | None = None,
+    now_ns: int | None = None,
 ) -> tuple[Diagnosis, pa.Table]:
     """Ask every rank of ``job``, analyze, and return the diagnosis and the
     gathered collectives.
@@ -408,10 +409,10 @@ def diagnose(
     """
     t0 = time.perf_counter()
     ask = job.ask
-    now = time.time_ns()
+    now = now_ns or time.time_ns()  # (given: a test's clock)
     sql = queries(remote=job.remote)
     table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
-    table = _with_history(table, ask, sql["collectives"], now - int(window_s * 1e9), window_s)
+    table = _with_history(table, ask, sql["collectives"], now, window_s, hang_after_s)
     try:
         table = with_groups(table, ask(sql["groups"]))
     except ProbingError:  # a probe without comm.groups: communicators matched by size
@@ -466,16 +467,23 @@ def diagnose(
 
 
 def _with_history(
-    table: pa.Table, ask: Callable[[str], pa.Table], sql: str, since_ns: int, window_s: float
+    table: pa.Table,
+    ask: Callable[[str], pa.Table],
+    sql: str,
+    now_ns: int,
+    window_s: float,
+    hang_after_s: float,
 ) -> pa.Table:
     """``table`` again from ``window_s`` before its oldest call still in flight, where
-    that is older than ``since_ns``: the calls that came before a hang line each
-    rank's sequence numbers up (numbered alike however late it is asked)."""
+    that call may be a hang (in flight ``hang_after_s``): the calls that came before
+    a hang line each rank's sequence numbers up, so it is numbered alike however
+    late it is asked (a hang that began just inside the window has next to no
+    calls before it there, and a rank with none is left unaligned)."""
     if not table.num_rows:
         return table
     ts, dur = table.column("ts").to_pylist(), table.column("dur_ns").to_pylist()
-    oldest = min((t for t, d in zip(ts, dur, strict=True) if d is None), default=since_ns)
-    if oldest >= since_ns:
+    oldest = min((t for t, d in zip(ts, dur, strict=True) if d is None), default=now_ns)
+    if now_ns - oldest < hang_after_s * 1e9:
         return table
     return ask(sql.format(since_ns=oldest - int(window_s * 1e9)))
 
