@@ -70,9 +70,10 @@ def bpf_run_ns(bpf: object) -> int:
     """Kernel time spent in the sampler's BPF programs so far (``run_time_ns`` of
     each program's fdinfo; counted while ``kernel.bpf_stats_enabled`` is 1)."""
     total = 0
-    for fn in getattr(bpf, "funcs", {}).values():
+    fds = getattr(bpf, "_progs", {}).values()  # loader.Program: name -> program fd
+    for fd in fds:
         try:
-            with open(f"/proc/self/fdinfo/{fn.fd}") as f:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
                 for line in f:
                     if line.startswith("run_time_ns:"):
                         total += int(line.split()[1])

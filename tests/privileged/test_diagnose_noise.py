@@ -48,6 +48,8 @@ def _diagnose(job: NoisyJob, *extra: str) -> dict:  # type: ignore[type-arg]
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     print(out["verdict"], *(w["text"] for w in out["why"]), sep="\n")
+    if out["missing"]:
+        print("did not answer:", out["missing"])
     for h in out["hangs"]:  # all of them: a failure shows what else was found
         print({k: h[k] for k in ("comm", "seq", "missing_ranks", "waiting_ranks", "age_s")})
     return out
