@@ -137,6 +137,24 @@ def test_a_wait_for_a_cpu_that_accounts_for_the_lateness_is_starvation() -> None
     assert "CPU starvation" not in bare.verdict
 
 
+def test_starvation_is_told_with_a_single_function_sampled() -> None:
+    """No other function to compare (no "every function ~Nx slower"): the wait
+    for a CPU that accounts for the lateness says it alone."""
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {
+        r: [("cpu", "/job/train.py", "forward", 30, 10.0 * steps),
+            ("runq", "/job/train.py", "forward", 30, (23.0 if r == 1 else 20.0) * steps)]
+        for r in range(4)
+    }  # fmt: skip
+    samples = _native(
+        _samples(per, span), {r: (40.0 if r == 1 else 15.0) * steps for r in range(4)}
+    )
+    d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples)
+    [w] = [w for w in d.why if w.kind == "cpu_starvation"]
+    assert w.rank == 1 and w.slower is None and "every function" not in w.text, w
+    assert "CPU starvation, it waits 28 ms/step longer" in d.verdict, d.verdict
+
+
 def test_extra_work_waiting_for_a_cpu_is_the_function_not_starvation() -> None:
     """Rank 2 does 40 ms/step of extra work in ``augment`` on a busy machine, most of
     it waiting for a CPU: the function is the cause, not the machine."""

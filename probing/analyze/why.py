@@ -167,16 +167,18 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
     slower = float(np.average(ratios, weights=weights)) if ratios else None
     # every function slower, or a wait for a CPU that accounts for its lateness
     # (the others wait for CPUs too: a busy machine that favours them)
-    starved = slower is not None and (
-        slower >= STARVED_SLOWER or runq - runq_others >= STARVED_SHARE * s.excess_ms_median
+    starved = (slower or 0.0) >= STARVED_SLOWER or (
+        runq - runq_others >= STARVED_SHARE * s.excess_ms_median
     )
     if runq - runq_others >= floor and starved:
+        alike = f"; every function ~{slower:.1f}x slower" if slower is not None else ""
         out.append(
             Why(
                 r, "cpu_starvation", "run queue", None, None, round(runq, 2),
-                round(runq_others, 2), runq_ms=round(runq, 2), slower=round(slower, 2),
+                round(runq_others, 2), runq_ms=round(runq, 2),
+                slower=round(slower, 2) if slower is not None else None,
                 text=f"rank {r}: CPU starvation: waits {runq:.1f} ms/step for a CPU "
-                f"({runq_others:.1f} ms on the others); every function ~{slower:.1f}x slower",
+                f"({runq_others:.1f} ms on the others){alike}",
             )
         )  # fmt: skip
     for delta, key, mine, theirs in deltas[:TOP]:
