@@ -326,11 +326,10 @@ def noise_summary(
     # step is always named), whatever made it late: an injected slowdown or the machine
     costly = [(r, q) for r in runs for q, pct in r["late_all"].items() if (pct or 0) >= 10]
     by_cost = {}
-    for lo, hi in ((0, 5), (5, 10), (10, 20), (20, 1e9)):
+    for lo, hi in ((-1e9, 5), (5, 10), (10, 20), (20, 1e9)):  # below 5 %: early too
         at = [r for r in runs if r["size"] is not None and lo <= (r["late_pct"] or 0) < hi]
-        by_cost[f"{lo}-{hi if hi < 1e9 else ''}%"] = (
-            f"{sum(r['named'] == [r['rank']] for r in at)}/{len(at)}"
-        )
+        label = f"<{hi}%" if lo < 0 else f"{lo}-{hi}%" if hi < 1e9 else f">={lo}%"
+        by_cost[label] = f"{sum(r['named'] == [r['rank']] for r in at)}/{len(at)}"
     from_10 = [r for r in runs if r["size"] is not None and r["size"] >= 0.1]
     return {
         "job": job,
