@@ -284,16 +284,7 @@ def analyze(
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
         stacks.update(h.stacks)
-    why = [
-        w
-        for s in strag
-        for w in wy.explain(
-            s,
-            samples.to_pylist() if samples is not None else [],
-            matched,
-            cuda.to_pylist() if cuda is not None else [],
-        )
-    ]
+    why = explain_stragglers(strag, matched, samples, cuda)
     return Diagnosis(
         healthy=not (hangs or strag or slow),
         verdict=verdict(strag, slow, hangs, summary, window_s, why),
@@ -306,6 +297,19 @@ def analyze(
         window_s=window_s,
         why=why,
     )
+
+
+def explain_stragglers(
+    stragglers: list[coll.Straggler],
+    matched: list[coll.Collective],
+    samples: pa.Table | None,
+    cuda: pa.Table | None,
+) -> list[wy.Why]:
+    """What makes each straggler slow (``why.explain``), from SAMPLES_SQL and
+    CUDA_SQL rows (None: that part is left out)."""
+    rows = samples.to_pylist() if samples is not None else []
+    calls = cuda.to_pylist() if cuda is not None else []
+    return [w for s in stragglers for w in wy.explain(s, rows, matched, calls)]
 
 
 def _rank_rows(
@@ -451,10 +455,7 @@ def diagnose(
                 extra[name] = ask(sql[name].format(since_ns=since))
             except ProbingError:  # a probe without the table: that part is left out
                 extra[name] = None
-        d.why = analyze(
-            table, frames=frames, now_ns=now, window_s=window_s, hang_after_s=hang_after_s,
-            samples=extra["samples"], cuda=extra["cuda"],
-        ).why  # fmt: skip
+        d.why = explain_stragglers(d.stragglers, coll.match(table), extra["samples"], extra["cuda"])
         d.verdict = verdict(d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why)
     if d.stragglers or d.hangs:
         try:
