@@ -57,11 +57,12 @@ def cluster_node(ctx: ProbeContext) -> Any:
     start in the background."""
     from probing.cluster import identity
 
-    if not identity.cluster_wanted():
+    environ = ctx.target.environ()
+    if not identity.cluster_wanted(environ):
         return None
     from probing.cluster.node import ClusterNode
 
-    return ClusterNode(identity.from_env(), lambda: ctx.engine, pid=ctx.pid)
+    return ClusterNode(identity.from_env(environ), lambda: ctx.engine, pid=ctx.pid)
 
 
 def context() -> ProbeContext:

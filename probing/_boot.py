@@ -1,4 +1,5 @@
-"""Entry point of the ``probing.pth`` hook: ``PROBING=1`` starts the probe.
+"""Entry point of probing's own ``probing.pth`` hook: ``PROBING=1`` starts the
+guest (``probing.guest.hook``), with this Python as the engine's.
 
 Nothing here may raise into the interpreter that is starting up.
 """
@@ -9,23 +10,18 @@ import os
 import sys
 
 
-def wanted(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    from probing.config import from_env
-
-    return from_env(environ).probing
+def guest_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest")
 
 
 def boot() -> None:
-    if not wanted():
-        return
+    directory = guest_dir()
+    ns: dict[str, object] = {"__name__": "_probing_hook"}
     try:
-        import probing
-
-        probing.enable()
-    except Exception as err:  # noqa: BLE001 - never break the host's start-up
-        from probing.errors import ProbingError, log_unexpected
-
-        if isinstance(err, ProbingError | OSError):  # said in one line
-            print(f"probing: probe not started: {err}", file=sys.stderr)
-        else:  # a bug of ours: its traceback, so it is seen
-            log_unexpected("probe not started", err)
+        path = os.path.join(directory, "hook.py")
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), ns)  # noqa: S102 - our own file
+    except (OSError, SyntaxError) as err:
+        print(f"probing: probe not started: {err}", file=sys.stderr)
+        return
+    ns["boot"](directory, sys.executable)  # type: ignore[operator]

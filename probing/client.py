@@ -40,7 +40,9 @@ def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None)
         return
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     got_pid, got_uid, _ = struct.unpack("3i", raw)
-    if (pid is None or got_pid == pid) and (uid is None or got_uid == uid):
+    # the process itself, or the node's engine that serves its probe (its user's)
+    pid_ok = pid is None or got_pid == pid or is_engine(got_pid)
+    if pid_ok and (uid is None or got_uid == uid):
         return
     want = f"process {pid}" if pid is not None else "the probe"
     raise AccessDenied(
@@ -51,6 +53,16 @@ def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None)
         hint=f"another process may be impersonating the probe; remove {path} "
         f"if you trust its directory, then start the probe again with: probing inject --pid {pid}",
     )
+
+
+def is_engine(pid: int) -> bool:
+    """Whether ``pid`` runs probing's engine (``python -m probing.service``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"probing.service" in args[:4]
 
 
 class UnixTransport:
@@ -184,9 +196,11 @@ class ProbeClient:
                 pid=pid,
                 hint=f"start it with PROBING=1, or attach with: probing inject --pid {pid}",
             )
-        if not os.path.exists(f"/proc/{pid}"):
-            raise NoSuchProcess(f"process {pid} has exited (stale socket {path})", pid=pid)
         uid = paths.pid_owner(pid)
+        if uid is None:  # exited: only its engine may answer for it, with what it left
+            if not UnixTransport(path).answers():
+                raise NoSuchProcess(f"process {pid} has exited (stale socket {path})", pid=pid)
+            uid = os.getuid()
         return cls(UnixTransport(path, pid=pid, uid=uid, timeout=timeout))
 
     def _call(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probing.errors import ProbingError
+from probing.guest.place import RUNTIME_DEFAULT
 
 VERSION = "0.1.0"
 
@@ -50,7 +51,15 @@ class Config:
         "PROBING_FORK", "none", "`child`: a forked child serves a probe of its own (default: none)"
     )
     runtime_dir: str = _setting(
-        "PROBING_RUNTIME_DIR", "/tmp", "where `probing-<uid>/<pid>.sock` live"
+        "PROBING_RUNTIME_DIR", RUNTIME_DEFAULT, "where `probing-<uid>/<pid>.sock` live"
+    )
+    keep_dead_s: float = _setting(
+        "PROBING_KEEP_DEAD_S",
+        600.0,
+        "how long the engine answers for a process that died (what it left), seconds",
+    )
+    engine_idle_s: float = _setting(
+        "PROBING_ENGINE_IDLE_S", 60.0, "the engine exits this long after its last process"
     )
     nvml_interval: str = _setting(
         "PROBING_NVML_INTERVAL", "", "sample NVML from start-up at this interval (`100ms`)"

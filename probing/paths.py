@@ -18,15 +18,10 @@ import re
 import stat
 
 from probing import config
+from probing.guest import place
+from probing.guest.place import UnsafePath, ensure_private_dir  # noqa: F401 - used here and re-exported
 
 _SOCK = re.compile(r"^(\d+)\.sock$")
-
-
-_FIX = " (remove it if it is not yours, or point PROBING_RUNTIME_DIR elsewhere)"
-
-
-class UnsafePath(PermissionError):
-    """A runtime directory or socket that another user could control."""
 
 
 def runtime_root() -> str:
@@ -34,7 +29,7 @@ def runtime_root() -> str:
 
 
 def user_dir(uid: int | None = None) -> str:
-    return os.path.join(runtime_root(), f"probing-{os.getuid() if uid is None else uid}")
+    return place.user_dir(uid, runtime_root())
 
 
 def socket_path(pid: int, uid: int | None = None) -> str:
@@ -47,35 +42,6 @@ def pid_owner(pid: int) -> int | None:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
-
-
-def ensure_private_dir(directory: str) -> None:
-    """Create ``directory`` mode 0700, or accept it only if it is a real
-    directory of ours (its mode is then set to 0700); UnsafePath otherwise.
-
-    Opened with ``O_NOFOLLOW``: a symbolic link there (one another user could
-    re-point) is refused, never followed.
-    """
-    parent = os.path.dirname(directory.rstrip("/")) or "/"
-    os.makedirs(parent, exist_ok=True)
-    try:
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as err:
-        if os.path.islink(directory):
-            raise UnsafePath(f"{directory} is a symbolic link: not followed{_FIX}") from err
-        raise UnsafePath(f"{directory} is not a directory: {err.strerror}{_FIX}") from err
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid():
-            raise UnsafePath(f"{directory} belongs to uid {st.st_uid}, not to this user{_FIX}")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
 
 
 def check_dir(directory: str, uid: int) -> None:
@@ -109,11 +75,12 @@ def check_socket(path: str, uid: int) -> bool:
 
 def find_socket(pid: int) -> str | None:
     """The socket of ``pid``'s probe, in the directory of the uid that owns
-    ``pid``, or None (no such process, or no probe). UnsafePath when what is
-    there could have been put there by someone else."""
+    ``pid`` (ours when ``pid`` has exited: its engine may keep what it left),
+    or None. UnsafePath when what is there could have been put there by
+    someone else."""
     uid = pid_owner(pid)
-    if uid is None:
-        return None
+    if uid is None:  # exited: the engine may still answer for it, in our own directory
+        uid = os.getuid()
     directory = user_dir(uid)
     check_dir(directory, uid)
     path = os.path.join(directory, f"{pid}.sock")
@@ -130,7 +97,9 @@ def all_sockets() -> dict[int, str]:
             continue
         pid = int(m.group(1))
         uid = pid_owner(pid)
-        if uid is None or os.path.dirname(path) != user_dir(uid):
+        if uid is None:  # exited: kept by the engine, in our own directory only
+            uid = os.getuid()
+        if os.path.dirname(path) != user_dir(uid):
             continue
         try:
             check_dir(os.path.dirname(path), uid)

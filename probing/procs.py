@@ -10,6 +10,7 @@ from typing import NamedTuple
 import psutil
 
 from probing import paths
+from probing.guest.inside import task_stat, task_syscall  # noqa: F401 - procs is their home here
 
 _PY_EXE = re.compile(r"^python(\d+(\.\d+)*)?$")
 
@@ -19,26 +20,6 @@ class ProcInfo(NamedTuple):
     user: str
     probe: str  # "yes", "stale" (socket left, nothing answers) or "-"
     cmdline: str
-
-
-def task_stat(tid: int, pid: int | str = "self") -> tuple[str, int] | None:
-    """(state letter, utime + stime in clock ticks) of one thread, or None."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # comm may hold spaces and ")"
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[11]) + int(fields[12])
-
-
-def task_syscall(tid: int, pid: int | str = "self") -> int:
-    """The syscall a blocked (or ptrace-stopped) thread sits in; -1 for none."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
-            first = f.read().split()[0]
-    except (OSError, IndexError):
-        return -1
-    return -1 if first == "running" else int(first)
 
 
 def _maps_has_libpython(pid: int) -> bool:

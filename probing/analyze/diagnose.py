@@ -614,7 +614,6 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     from concurrent.futures import ThreadPoolExecutor
 
     from probing.analyze.gather import RANK_EXPR, tag
-    from probing.tables.python import eval_with_imports
 
     now = time.time_ns()
     sql = queries(remote=False)["collectives"].format(since_ns=now - int(window_s * 1e9))
@@ -622,10 +621,11 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     # on a thread of its own (DataFusion cannot block inside its runtime)
     with ThreadPoolExecutor(max_workers=1) as pool:
         rows = pool.submit(engine.sql, sql).result()
-    try:
-        rank = int(eval_with_imports(RANK_EXPR))
-    except (ValueError, TypeError, RuntimeError):  # a RANK that is no number; torch's refusal
-        rank = -1
+        try:  # the process's rank, as the process itself tells it
+            asked = pool.submit(engine.sql, f"SELECT value FROM python.`{RANK_EXPR}`").result()
+            rank = int(asked.column("value")[0].as_py())
+        except (ProbingError, ValueError, TypeError, IndexError):  # no number; torch's refusal
+            rank = -1
     rows = tag(rows, socket.gethostname(), rank if rank >= 0 else os.getpid())
     d = analyze(rows, now_ns=now, window_s=window_s)
     return sql_tables(d, rows)

@@ -616,10 +616,10 @@ import os, select, socket, sys, threading
 s = socket.socket(fileno=int(sys.argv[1]))
 poll = select.poll()
 poll.register(s, select.POLLIN)
-try:  # the traced process: once it is gone, however it died, let go
-    parent = os.pidfd_open(int(sys.argv[2]))
-    poll.register(parent, select.POLLIN)
-    alive = os.getppid() == int(sys.argv[2])
+try:  # the traced process and the probe's: once either is gone, however it died, let go
+    for pid in {int(sys.argv[2]), int(sys.argv[3])}:
+        poll.register(os.pidfd_open(pid), select.POLLIN)
+    alive = os.getppid() == int(sys.argv[3])
 except OSError:
     alive = False
 held = []
@@ -656,7 +656,8 @@ class Holder:
     it closes them from several threads at once; closed or orphaned, it
     exits. Started at the first ``give``; one per tracer."""
 
-    def __init__(self) -> None:
+    def __init__(self, traced: int | None = None) -> None:
+        self.traced = os.getpid() if traced is None else traced  # the traced process
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -673,7 +674,7 @@ class Holder:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", HOLDER_CODE, str(theirs.fileno()),
-                 str(os.getpid())],
+                 str(self.traced), str(os.getpid())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip

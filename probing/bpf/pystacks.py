@@ -51,13 +51,14 @@ FROM (
 _LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))})
 
 
-def is_user_file(path: str) -> bool:
-    """A file of the user's own code: not the standard library, not a package."""
+def is_user_file(path: str, library_dirs: tuple[str, ...] = _LIBRARY_DIRS) -> bool:
+    """A file of the user's own code: not the standard library (of the
+    traced process's Python: ``library_dirs``), not a package."""
     if path.startswith("<") or path == "?":
         return False
     if "/site-packages/" in path or "/dist-packages/" in path:
         return False
-    return not path.startswith(_LIBRARY_DIRS)
+    return not path.startswith(library_dirs)
 
 
 class PyStacks:
@@ -66,8 +67,14 @@ class PyStacks:
     by default read from the table, so a stack is stored once per store
     across tracers, and again once its rows were retired."""
 
-    def __init__(self, store: Any, known: set[int] | None = None) -> None:
-        self.interp = remote.this_interpreter()
+    def __init__(self, store: Any, known: set[int] | None = None, target: Any = None) -> None:
+        # the traced process (probing.target); None: this one
+        self.target = target
+        local = target is None or target.local
+        self.interp = remote.this_interpreter() if local else remote.locate(target.pid)
+        self.library_dirs = _LIBRARY_DIRS
+        if not local:
+            self.library_dirs = tuple(target.info().get("library_dirs", ())) or _LIBRARY_DIRS
         self.offsets = self.interp.offsets
         self.resolver = walker.Resolver(self.interp.mem, self.offsets)
         self.table = store.table("python", "stacks", STACKS_SCHEMA)
@@ -90,7 +97,7 @@ class PyStacks:
     def current_threads(self) -> dict[int, int]:
         """native tid -> PyThreadState* of every thread of every interpreter."""
         mem, off = self.interp.mem, self.offsets
-        natives = {t.ident: t.native_id for t in threading.enumerate()}  # 3.10 has no native id
+        natives = self._natives()  # 3.10's thread states have no native id
         out = {}
         for interp in walker.interpreters(mem, off, self.interp.runtime):
             for ts in walker.thread_states(mem, off, interp):
@@ -98,6 +105,17 @@ class PyStacks:
                 if tid:
                     out[tid] = ts.addr
         return out
+
+    def _natives(self) -> dict[int, int | None]:
+        """``threading`` ident -> native tid of the traced process's threads."""
+        if self.target is None or self.target.local:
+            return {t.ident: t.native_id for t in threading.enumerate() if t.ident}
+        if self.offsets.tstate_native_thread_id >= 0:  # the thread states say it
+            return {}
+        try:
+            return {t["ident"]: t["tid"] for t in self.target.info().get("threads", [])}
+        except Exception:  # noqa: BLE001 - a process gone or not answering: no names this tick
+            return {}
 
     def hook_threads(self, bpfs: Any) -> None:
         """Register each new ``threading.Thread`` from inside it as it starts
@@ -179,7 +197,9 @@ class PyStacks:
             ]
             for d, fr in enumerate(self.resolver.frames(raws)):
                 for k, v in zip(
-                    STACKS_SCHEMA.names, (sid, d, *fr, is_user_file(fr.file)), strict=True
+                    STACKS_SCHEMA.names,
+                    (sid, d, *fr, is_user_file(fr.file, self.library_dirs)),
+                    strict=True,
                 ):
                     rows[k].append(v)
             self.known.add(sid)

@@ -70,6 +70,7 @@ class Sampler:
         interval_s: float = DEFAULT_INTERVAL_S,
         holder: Any = None,
         known: set[int] | None = None,
+        target: Any = None,
     ) -> None:
         from probing.bpf.pystacks import PyStacks
 
@@ -79,9 +80,10 @@ class Sampler:
         self.hz = hz
         self.period_ns = 1_000_000_000 // max(hz, 1)
         self.interval_s = interval_s
-        self.pid = os.getpid()
+        self.target = target  # the sampled process (probing.target); None: this one
+        self.pid = target.pid if target is not None else os.getpid()
         self.table = store.table("python", "samples", SCHEMA)
-        self.py = PyStacks(store, known)
+        self.py = PyStacks(store, known, target)
         self.bpf: Any = None
         self.reads = 0
         self.dropped = 0
@@ -195,7 +197,7 @@ class Sampler:
         self.py.sync([bpf])
         now_mono = time.monotonic_ns()
         now = time.time_ns()
-        names: dict[int, str | None] = {t.native_id: t.name for t in threading.enumerate()}
+        names = self._names()
         self._ours |= {tid for tid, name in names.items() if (name or "").startswith("probing")}
         ours = self._ours
         if len(self._comms) > SAMPLES_MAX:  # threads come and go: forget the old ones
@@ -234,12 +236,21 @@ class Sampler:
         self.reads += 1
         return len(rows["ts"])
 
+    def _names(self) -> dict[int, str | None]:
+        """native tid -> ``threading`` name of the sampled process's threads."""
+        if self.target is None or self.target.local:
+            return {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+        try:
+            return {t["tid"]: t["name"] for t in self.target.info().get("threads", [])}
+        except Exception:  # noqa: BLE001 - a process gone or not answering: no names this read
+            return {}
+
     def _comm(self, tid: int) -> str | None:
         """The kernel's name of thread ``tid`` of this process (``pt_gloo_runloop``,
         an OpenMP worker's inherited ``python``), read once; None once it is gone."""
         if tid not in self._comms:
             try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
+                with open(f"/proc/{self.pid}/task/{tid}/comm") as f:
                     self._comms[tid] = f.read().strip() or None
             except OSError:
                 self._comms[tid] = None
@@ -260,7 +271,10 @@ def start_for(tracer: Any) -> Sampler | None:
     if not hz or not tracer.stacks or tracer._py is None:
         return None
     try:
-        s = Sampler(tracer.store, hz=hz, holder=tracer.holder, known=tracer._py.known)
+        s = Sampler(
+            tracer.store, hz=hz, holder=tracer.holder, known=tracer._py.known,
+            target=tracer.target,
+        )  # fmt: skip
         s.start()
         return s
     except ProbingError as err:

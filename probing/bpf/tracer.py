@@ -173,6 +173,7 @@ class Tracer:
         interval_s: float = DEFAULT_INTERVAL_S,
         stacks: bool = True,
         launch_stacks: bool = False,
+        target: Any = None,
     ) -> None:
         unknown = [f for f in families if f not in fam.FAMILIES]
         if unknown:
@@ -185,7 +186,9 @@ class Tracer:
         self.stacks = stacks
         self.launch_stacks = launch_stacks
         self._py: PyStacks | None = None
-        self.pid = os.getpid()
+        # the traced process (probing.target: this one, or a job's beside the engine)
+        self.target = target
+        self.pid = target.pid if target is not None else os.getpid()
         self.probes: list[Probe] = []
         self.state = TracerState.STOPPED
         self.started_ns = 0
@@ -195,7 +198,7 @@ class Tracer:
         self._live: list[_Live] = []
         self._all: list[_Live] = []  # every family loaded, for status after stop
         self._decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
-        self._symbolizer = Symbolizer()
+        self._symbolizer = Symbolizer(self.pid)
         self._runtime_names = RuntimeNames()
         self._runtime_ranges: list[tuple[int, ...]] = []
         self._cu_functions: dict[int, str | None] = {}
@@ -208,7 +211,7 @@ class Tracer:
         self._flushed = 0.0  # when the timer's drain last sent every CPU's stage
         self._writer = OutputWriter(output) if output else None
         # the helper process that holds this tracer's links and perf events
-        self.holder = loader.Holder()
+        self.holder = loader.Holder(self.pid)
         # how start() went: compiled or from the cache, seconds to load and to be ready
         self.load_info: dict[str, Any] = {"cached": {}}
         for f in self.families:
@@ -221,7 +224,7 @@ class Tracer:
         py_flags: list[str] = []
         if self.stacks:
             try:
-                self._py = PyStacks(self.store)
+                self._py = PyStacks(self.store, target=self.target)
                 py_flags = self._py.cflags(hot=self.launch_stacks)
             except ProbingError as err:  # an unsupported CPython: trace without stacks
                 self.last_error = f"no Python stacks: {err}"
@@ -261,7 +264,7 @@ class Tracer:
             self.load_info["uprobe_multi"] = multi
             self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
-            if self._py is not None:
+            if self._py is not None and (self.target is None or self.target.local):
                 self._py.hook_threads(lambda: [live.bpf for live in self._live])
             self.attach_new_libraries()
             self.holder.sync()  # what attached is held by the helper, not in flight
@@ -383,7 +386,7 @@ class Tracer:
     # -- attaching --------------------------------------------------------------
     def attach_new_libraries(self) -> None:
         """Attach to every matching library not attached yet (by inode)."""
-        maps = mapped_files()
+        maps = mapped_files(self.pid)
         self._mark_runtime_text(maps)
         paths = [m.path for m in maps]  # what the process has: a library it maps later
         # is found by the next scan (RESCAN_EVERY_S)
@@ -538,7 +541,7 @@ class Tracer:
             return f.schema.empty_table()
         ev = np.frombuffer(b"".join(raw), dtype=f.dtype)
         ev = ev[(ev["flags"] & fam.HAS_RET) == 0]  # returned calls stay until overwritten
-        ev = ev[[os.path.exists(f"/proc/self/task/{t}") for t in ev["tid"]]]
+        ev = ev[[os.path.exists(f"/proc/{self.pid}/task/{t}") for t in ev["tid"]]]
         batch = fam.to_batch(f, ev, self._decoded, -1)
         ids = pa.nulls(len(ev), pa.int64())
         return pa.Table.from_batches([batch]).set_column(0, "event_id", ids)
@@ -553,7 +556,7 @@ class Tracer:
         learnt = False
         for func, ptr in zip(ev["func"][got].tolist(), ev["ptr"][got].tolist(), strict=True):
             if func:
-                self._cu_functions[func] = read_cstring(ptr)
+                self._cu_functions[func] = read_cstring(ptr, self.pid)
                 learnt = True
         idx = np.flatnonzero(launch)
         if not idx.size:
@@ -681,14 +684,14 @@ PROBES_SCHEMA = pa.schema(
 )
 
 
-def read_cstring(addr: int, limit: int = 512) -> str | None:
-    """A NUL-terminated string in this process's memory, or None where it
-    cannot be read (through /proc/self/mem: a bad address is an error, not a
+def read_cstring(addr: int, pid: int | str = "self", limit: int = 512) -> str | None:
+    """A NUL-terminated string in process ``pid``'s memory, or None where it
+    cannot be read (through /proc/PID/mem: a bad address is an error, not a
     crash)."""
     if not addr:
         return None
     try:
-        fd = os.open("/proc/self/mem", os.O_RDONLY)
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         try:
             raw = os.pread(fd, limit, addr)
         finally:

@@ -2,10 +2,11 @@
 
 The injector sends this file's source with ``ARGS`` bound, executed in a
 fresh namespace (nothing lands in the target's ``__main__``) by the boot
-thread that holds the GIL. It makes ``probing`` importable without shadowing
-the target's own packages (the target's install wins; ours is *appended* to
-``sys.path`` only when the Python versions match), starts the probe as
-``PROBING=1`` would, and reports to a status file the injector waits on.
+thread that holds the GIL. It loads the guest (``probing/guest``) from its
+files under one private name, ``_probing_guest`` (never through
+``sys.path``: the target imports what it imported before), starts it, has
+it hand the process to the node's engine (started by probing's own Python
+when none runs), and reports to a status file the injector waits on.
 Every exception is caught and reported; nothing is printed in the target.
 """
 
@@ -17,7 +18,7 @@ LOAD_SWITCH_S = 0.00005  # probing.probe.imports.LOAD_SWITCH_INTERVAL_S
 # First of all, a short GIL switch interval (see
 # probing.probe.imports.SwitchInterval): in a host whose thread spins in
 # Python, each file read of an import waits a whole switch interval (5 ms)
-# to get the GIL back, and even json and typing took 150 ms at the host's.
+# to get the GIL back.
 HOST_SWITCH = sys.getswitchinterval()
 if __name__ == NAME:  # run in the target (the injector imports this file too)
     sys.setswitchinterval(min(HOST_SWITCH, LOAD_SWITCH_S))
@@ -29,26 +30,14 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def _import_probing(args: "dict[str, Any]") -> str:
-    try:
-        import probing  # noqa: F401  (the target's own install)
-
-        return "target"
-    except ImportError:
-        pass
-    mine = tuple(args["python"])
-    if tuple(sys.version_info[:2]) != mine:
-        raise ImportError(
-            f"probing is not installed for the target's Python "
-            f"{sys.version_info[0]}.{sys.version_info[1]} and the injector's install is for "
-            f"{mine[0]}.{mine[1]}: pip install probing in the target's environment"
-        )
-    for path in args["paths"]:
-        if path not in sys.path:
-            sys.path.append(path)
-    import probing  # noqa: F401,F811
-
-    return "appended"
+def load_guest(directory: str) -> "Any":
+    """The guest package at ``directory``, as ``_probing_guest``: loaded by
+    its own ``hook.load`` (the one loader the ``.pth`` hooks use too)."""
+    path = os.path.join(directory, "hook.py")
+    ns: "dict[str, Any]" = {"__name__": "_probing_hook"}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), ns)  # noqa: S102 - probing's own file
+    return ns["load"](directory)
 
 
 def _main_thread_fixed(had_threading: bool) -> None:
@@ -83,32 +72,19 @@ def _main_thread_fixed(had_threading: bool) -> None:
 
 def start(args: "dict[str, Any]") -> "dict[str, Any]":
     had_threading = "threading" in sys.modules
-    # the short switch interval set above is held in probing's count once
-    # probing is importable: the engine's preload, started here, goes on
-    # holding it after this thread lets go
-    switch = None
     try:
-        source = _import_probing(args)
-        import probing
-        from probing.probe import imports, runtime
-
-        switch = imports.SWITCH
-        switch.take(imports.LOAD_SWITCH_INTERVAL_S, host=HOST_SWITCH)
-        already = runtime.current() is not None
-        probe = probing.enable()
-        if not already and args.get("preload"):
-            probe.preload()
+        guest_pkg = load_guest(args["guest"])
+        already = guest_pkg.current() is not None
     finally:
-        if switch is None:
-            sys.setswitchinterval(HOST_SWITCH)
-        else:
-            switch.give(imports.LOAD_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(HOST_SWITCH)
         _main_thread_fixed(had_threading)
+    # the engine's start is waited for outside the short switch interval
+    answer = guest_pkg.start(args["engine_python"], wait=True).engine or {}
     return {
         "ok": True,
         "already": already,
-        "socket": probe.socket_path,
-        "import": source,
+        "socket": answer.get("socket", ""),
+        "engine_pid": answer.get("engine_pid"),
         "python": sys.version.split()[0],
     }
 

@@ -29,21 +29,21 @@ import shutil
 import signal
 import struct
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from probing import paths
+from probing import paths, pyframes
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
 from probing.inject import build, elf
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
 from probing.procs import task_stat, task_syscall
 
-SUPPORTED = ((3, 9), (3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
+# the CPython versions whose frames probing reads (one table: probing.pyframes)
+SUPPORTED = tuple(tuple(int(p) for p in v.split(".")) for v in pyframes.SUPPORTED)
 PAGE = 4096
 RTLD_NOW = 2
 PROT_READ, PROT_EXEC = 1, 4
@@ -80,7 +80,7 @@ class InjectResult:
     tid: int = 0
     stopped_s: float = 0.0  # how long the borrowed thread was stopped
     total_s: float = 0.0
-    imported: str = ""  # "target" (its own install) or "appended" (ours, appended)
+    engine_pid: int = 0  # the node's engine, which serves the probe's socket
 
 
 # --- 1. look before touching ---------------------------------------------------------
@@ -464,27 +464,22 @@ def _symbol_in(pid: int, lib: str, name: str) -> int:
 # --- 4. the bootstrap and its report ---------------------------------------------------------
 
 
-def probing_paths() -> list[str]:
-    """Where this probing and its dependencies are installed, to append in the target."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../probing
-    out = [os.path.dirname(package)]
-    sc = sysconfig.get_paths()
-    for key in ("purelib", "platlib"):
-        if sc[key] not in out:
-            out.append(sc[key])
-    return out
+def guest_dir() -> str:
+    """Where the guest's files are: the target loads them from there."""
+    from probing import guest
+
+    return os.path.dirname(os.path.abspath(guest.__file__))
 
 
-def bootstrap_source(status: str, *, preload: bool = True) -> str:
+def bootstrap_source(status: str) -> str:
     from probing.inject import bootstrap
 
     with open(bootstrap.__file__) as f:
         body = f.read()
     args = {
         "status": status,
-        "python": list(sys.version_info[:2]),
-        "paths": probing_paths(),
-        "preload": preload,
+        "guest": guest_dir(),
+        "engine_python": sys.executable,
     }
     namespace = f"{{'__name__': {bootstrap.NAME!r}, 'ARGS': {args!r}}}"
     return f"__import__('builtins').exec({body!r}, {namespace})\n"
@@ -538,10 +533,10 @@ def existing_probe(pid: int) -> str | None:
     return path if path and socket_alive(path) else None
 
 
-def inject(pid: int, *, timeout: float = 10.0, preload: bool = True) -> InjectResult:
-    """Start a probe in ``pid``; a no-op (``already=True``) when it has one.
-    ``preload``: the probe loads its SQL engine at once, in a thread of its
-    own, for the query that follows an injection (else on the first query)."""
+def inject(pid: int, *, timeout: float = 30.0) -> InjectResult:
+    """Start a probe in ``pid``: the guest inside it, handed to the node's
+    engine (started when none runs); a no-op (``already=True``) when it has
+    one. ``timeout`` covers the engine's start."""
     t0 = time.monotonic()
     found = existing_probe(pid)
     if found:
@@ -551,7 +546,7 @@ def inject(pid: int, *, timeout: float = 10.0, preload: bool = True) -> InjectRe
     status_dir = _status_dir(target)
     status = os.path.join(status_dir, "status.json")
     try:
-        source = bootstrap_source(status, preload=preload)
+        source = bootstrap_source(status)
         target.prepared = prepare(target, lib, source)
         with held_signals():
             tracee = _borrow(target)
@@ -580,5 +575,5 @@ def inject(pid: int, *, timeout: float = 10.0, preload: bool = True) -> InjectRe
         tid=tracee.tid,
         stopped_s=stopped,
         total_s=time.monotonic() - t0,
-        imported=report.get("import", ""),
+        engine_pid=int(report.get("engine_pid") or 0),
     )

@@ -26,6 +26,7 @@ class Probe(Protocol):
     cluster: Any
     engine: Any
     nvml: Any
+    target: Any  # probing.target: the process described
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -195,9 +196,8 @@ def tables(probe: Probe, req: Request) -> Response:
 
 
 def evaluate(probe: Probe, req: Request) -> Response:
-    """POST /eval {"code": ...}: local (unix socket) callers only."""
-    from probing.probe.evaluate import run
-
+    """POST /eval {"code": ...}: local (unix socket) callers only; the
+    process runs it (``probing.guest.inside.run``)."""
     if not _code_allowed(req):
         return Response.error(403, "eval is served on the local socket only", AccessDenied.__name__)
     try:
@@ -205,7 +205,7 @@ def evaluate(probe: Probe, req: Request) -> Response:
     except (ValueError, KeyError, TypeError):
         return Response.error(400, 'body must be JSON: {"code": "..."}')
     try:
-        return Response.json(run(code))
+        return Response.json(probe.target.eval(code))
     except EvalError as err:
         body = {"error": str(err), "type": wire_type(err), "detail": err.detail}
         return Response.json(body, http_status(err))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from probing import config, paths
 from probing.errors import ProbingError, log_unexpected
 from probing.probe.imports import quick_gil_handoff, settle
+from probing.target import Local, Target
 
 if TYPE_CHECKING:
     from probing.bpf.tracer import Tracer
@@ -60,8 +61,10 @@ class ProbeContext:
         cluster: ClusterFactory | None = None,
         store: Store | None = None,
         socket_path: str | None = None,
+        target: Target | None = None,
     ) -> None:
-        self.pid = os.getpid()
+        self.target: Target = target if target is not None else Local()
+        self.pid = self.target.pid
         self.started_ns = time.time_ns()
         self.installers = tuple(installers)
         self.cluster_factory = cluster
@@ -153,15 +156,15 @@ class ProbeContext:
             current = self.tracer
             if current is not None and current.state is TracerState.TRACING:
                 raise ProbingError(
-                    f"pid {os.getpid()} is already tracing "
+                    f"pid {self.pid} is already tracing "
                     f"({', '.join(f.name for f in current.families)}); stop it first",
-                    hint=f"probing trace --pid {os.getpid()} --stop",
+                    hint=f"probing trace --pid {self.pid} --stop",
                 )
             _ = self.engine  # the tables exist before the first event arrives
-            tracer = Tracer(families, store=self.store, **options)
+            tracer = Tracer(families, store=self.store, target=self.target, **options)
             tracer.start()
             self.tracer = tracer
-            if not self._stop_at_exit:  # detach before the interpreter goes
+            if self.target.local and not self._stop_at_exit:  # detach before the interpreter goes
                 atexit.register(self.stop_trace)
                 self._stop_at_exit = True
             return tracer
@@ -180,12 +183,18 @@ class ProbeContext:
     def describe(self) -> dict[str, Any]:
         from probing.config import VERSION
 
+        try:
+            about = self.target.info()
+        except ProbingError:
+            about = {}
         return {
             "pid": self.pid,
             "version": VERSION,
-            "python": sys.version.split()[0],
-            "executable": sys.executable,
-            "argv": list(sys.argv),
+            "python": about.get("python"),
+            "executable": about.get("executable"),
+            "argv": about.get("argv", []),
+            "alive": self.target.alive(),
+            "engine_pid": os.getpid(),
             "started_ns": self.started_ns,
             "socket": self.socket_path,
             "engine_loaded": self.engine_loaded,
@@ -256,7 +265,8 @@ class ProbeContext:
         pid (a DataLoader worker gets no probe by default). True if it does."""
         self._lock = threading.RLock()
         self._trace_lock = threading.Lock()
-        self.pid = os.getpid()
+        self.target = Local()
+        self.pid = self.target.pid
         if self._store is not None:
             self._store.reinit_after_fork()
         if self._engine is not None:

@@ -20,6 +20,7 @@ class Context(Protocol):
 
     tracer: Any  # a probing.bpf.tracer.Tracer, or None
     cluster: Any  # a ClusterNode in cluster mode, or None
+    target: Any  # the process described (probing.target: Local or Guest)
 
     @property
     def nvml(self) -> nvml.Sampler: ...
@@ -29,27 +30,29 @@ class Alone:
     """The ``Context`` of an engine outside a probe: no tracer, no peers."""
 
     def __init__(self, engine: Engine) -> None:
+        from probing.target import Local
+
         self.tracer = None
         self.cluster = None
+        self.target = Local()
         self.nvml = nvml.Sampler(engine.store)
 
 
 def install(engine: Engine, ctx: Context | None = None) -> None:
     """Register every built-in table with ``engine``."""
     probe: Context = ctx if ctx is not None else Alone(engine)
-    engine.register_table("process", "info", process.info)
-    engine.register_table("process", "threads", process.threads)
-    engine.register_table("process", "stacks", stacks.stacks)
+    target = probe.target
+    engine.register_table("process", "info", lambda: process.info(target))
+    engine.register_table("process", "threads", lambda: process.threads(target))
+    engine.register_table("process", "stacks", stacks.provider(target.stacks))
     engine.register_table("probing", "tables", lambda: meta.tables(engine.store))
     gpu = probe.nvml  # creates the (typed, maybe empty) nvml.gpu table
     engine.register_table("nvml", "status", gpu.status_table)
     engine.register_table("nvml", "devices", gpu.devices_table)
-    engine.register_resolver("python", python.evaluate)
+    engine.register_resolver("python", python.resolver(target.expr))
     trace.install(engine, lambda: probe.tracer)
     samples.install(engine)
-    engine.register_table(
-        "comm", "groups", lambda: groups.groups(groups.traced_gloo_contexts(engine.store))
-    )
+    engine.register_table("comm", "groups", groups.provider(target.groups, engine.store))
     engine.register_table("probing", "peers", lambda: _peers(probe.cluster))
 
 

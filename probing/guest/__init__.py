@@ -1,0 +1,17 @@
+"""The guest: the part of probing that lives inside the job (stdlib only).
+
+It is loaded into the target under one private name (``_probing_guest``),
+from its files, never through ``sys.path``: the job imports what it imported
+before and finds what it found before. It brings no compiled module, no
+numpy, no pyarrow, so the same source runs in any CPython 3.10-3.13.
+
+What it keeps in the process is what only the process knows (``inside``):
+its threads and stacks, ``python.`expr```, ``eval``, torch's process groups.
+Everything else (BPF, the store, SQL, NVML, the cluster) is the node's
+engine (``probing.service``), run by probing's own Python beside the job;
+the guest hands it the process at start (``agent``) over a unix socket.
+"""
+
+from .agent import Guest, current, start
+
+__all__ = ["Guest", "current", "start"]

@@ -1,0 +1,187 @@
+"""The guest's life in the host: serve, hand the process to the engine, fork.
+
+``start()`` opens ``<pid>.guest`` and registers the process with the node's
+engine (``probing.service``, run by probing's own Python), starting the
+engine when none answers. The engine then serves the pid's probe socket.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import os
+import threading
+import time
+
+from . import inside, place, wire
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+ENGINE_START_S = 20.0  # how long a guest waits for an engine it started
+PR_SET_PTRACER = 0x59616D61
+# what the engine takes from the host's environment: probing's settings
+# (PROBING itself would start a guest in the engine), where to find things
+KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "LOGNAME")
+
+
+class Guest:
+    def __init__(self, engine_python: str, environ: dict[str, str] | None = None) -> None:
+        self.engine_python = engine_python
+        self.environ = dict(os.environ if environ is None else environ)
+        self.directory = place.user_dir(root=place.runtime_root(self.environ))
+        self.pid = os.getpid()
+        self.server: wire.Server | None = None
+        self.engine: dict[str, Any] | None = None
+        self.last_error: str | None = None
+        self.traced: list[int] = []
+
+    # -- serving ---------------------------------------------------------------------
+
+    def routes(self) -> dict[str, Any]:
+        return {
+            "GET /info": lambda _: {**inside.info(), "threads": inside.threads()},
+            "POST /stacks": lambda a: inside.stacks(float(a.get("window_s", inside.WINDOW_S))),
+            "POST /expr": lambda a: inside.expr(str(a["expr"])),
+            "POST /eval": lambda a: inside.run(str(a["code"])),
+            "POST /groups": lambda a: inside.groups([int(c) for c in a.get("comms", [])]),
+        }
+
+    def serve(self) -> None:
+        place.ensure_private_dir(self.directory)
+        server = wire.Server(place.guest_path(self.pid, self.directory), self.routes())
+        server.start()
+        self.server = server
+
+    def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+    # -- the engine ------------------------------------------------------------------
+
+    def register(self, timeout: float = ENGINE_START_S) -> dict[str, Any]:
+        """Hand this process to the node's engine, starting it if none answers;
+        the engine's answer (its pid, the probe socket it serves)."""
+        payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
+        sock = place.engine_path(self.directory)
+        try:
+            answer = wire.request(sock, "POST", "/attach", payload, timeout=timeout)
+        except wire.WireError as err:
+            if err.status:
+                raise
+            answer = self._start_engine(sock, payload, timeout)
+        self.engine = answer
+        _allow_ptrace(int(answer.get("engine_pid", 0)))
+        return answer
+
+    def _start_engine(self, sock: str, payload: dict[str, Any], timeout: float) -> Any:
+        # one guest of the node starts it; the others wait on the lock, then find it
+        with open(os.path.join(self.directory, "engine.start.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return wire.request(sock, "POST", "/attach", payload, timeout=timeout)
+            except wire.WireError as err:
+                if err.status:
+                    raise
+            pid = os.posix_spawn(
+                self.engine_python,
+                [self.engine_python, "-m", "probing.service", "--daemon"],
+                self._engine_env(),
+            )
+            os.waitpid(pid, 0)  # it forks the engine and exits at once
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    return wire.request(sock, "POST", "/attach", payload, timeout=timeout)
+                except wire.WireError as err:
+                    if err.status or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.02)
+
+    def _engine_env(self) -> dict[str, str]:
+        env = {k: v for k, v in self.environ.items() if k in KEEP_ENV}
+        env.update((k, v) for k, v in self.environ.items() if k.startswith("PROBING_"))
+        return env
+
+
+def _allow_ptrace(engine_pid: int) -> None:
+    """Let the engine read this process's memory where Yama allows only
+    ancestors to (``ptrace_scope`` 1): it reads Python stacks from outside."""
+    if engine_pid <= 0:
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(engine_pid), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+_guest: Guest | None = None
+_lock = threading.Lock()
+
+
+def current() -> Guest | None:
+    return _guest
+
+
+def start(engine_python: str, *, wait: bool = True) -> Guest:
+    """The guest of this process, serving (idempotent); registered with the
+    engine now (``wait``) or from a thread of its own (a host starting up)."""
+    global _guest
+    with _lock:
+        guest = _guest
+        fresh = guest is None or guest.server is None
+        if fresh:
+            guest = Guest(engine_python)
+            guest.serve()
+            _guest = guest
+    assert guest is not None
+    if fresh:
+        atexit.register(guest.stop)
+    if wait:  # an engine that went meanwhile is started again; attaching twice is a no-op
+        guest.register()
+    else:
+        threading.Thread(
+            target=_register_quietly, args=(guest,), name="probing-guest-start", daemon=True
+        ).start()
+    return guest
+
+
+def _register_quietly(guest: Guest) -> None:
+    try:
+        guest.register()
+    except Exception as err:  # noqa: BLE001 - the top of a guest thread: said once, never raised
+        guest.last_error = f"{type(err).__name__}: {err}"
+        _say(f"probe not started: the engine did not answer ({guest.last_error})")
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets no probe (its parent's socket stays the parent's),
+    or its own with ``PROBING_FORK=child``."""
+    global _guest, _lock
+    _lock = threading.Lock()
+    parent, _guest = _guest, None
+    if parent is None or parent.server is None:
+        return
+    parent.server.abandon()
+    if os.environ.get("PROBING_FORK", "").strip().lower() == "child":
+        try:
+            start(parent.engine_python, wait=False)
+        except Exception as err:  # noqa: BLE001 - a fork handler in the host's child
+            _say(f"no probe in forked child {os.getpid()}: {err}")
+
+
+def _say(msg: str) -> None:
+    import sys
+
+    try:
+        print(f"probing: {msg}", file=sys.stderr)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,64 @@
+"""Where a user's probe sockets live (stdlib only: the guest uses it too).
+
+``$PROBING_RUNTIME_DIR`` (default ``/tmp``) holds one ``probing-<uid>``
+directory per user, mode 0700. In it: ``<pid>.sock``, the pid's probe (served
+by the node's engine, ``probing.service``); ``<pid>.guest``, the guest inside
+the pid; ``engine.sock`` and ``engine.lock``, the engine's own.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+RUNTIME_DEFAULT = "/tmp"
+_FIX = " (remove it if it is not yours, or point PROBING_RUNTIME_DIR elsewhere)"
+
+
+class UnsafePath(PermissionError):
+    """A runtime directory or socket that another user could control."""
+
+
+def runtime_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
+    return environ.get("PROBING_RUNTIME_DIR") or RUNTIME_DEFAULT
+
+
+def user_dir(uid: int | None = None, root: str | None = None) -> str:
+    return os.path.join(root or runtime_root(), f"probing-{os.getuid() if uid is None else uid}")
+
+
+def guest_path(pid: int, directory: str | None = None) -> str:
+    return os.path.join(directory or user_dir(), f"{pid}.guest")
+
+
+def engine_path(directory: str | None = None) -> str:
+    return os.path.join(directory or user_dir(), "engine.sock")
+
+
+def ensure_private_dir(directory: str) -> None:
+    """Create ``directory`` mode 0700, or accept it only if it is a real
+    directory of ours (its mode is then set to 0700); UnsafePath otherwise.
+
+    Opened with ``O_NOFOLLOW``: a symbolic link there (one another user could
+    re-point) is refused, never followed.
+    """
+    parent = os.path.dirname(directory.rstrip("/")) or "/"
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if os.path.islink(directory):
+            raise UnsafePath(f"{directory} is a symbolic link: not followed{_FIX}") from err
+        raise UnsafePath(f"{directory} is not a directory: {err.strerror}{_FIX}") from err
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise UnsafePath(f"{directory} belongs to uid {st.st_uid}, not to this user{_FIX}")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)

@@ -1,0 +1,221 @@
+"""The engine process: probes for the processes guests hand it, their deaths."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import select
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from probing import config
+from probing.errors import ProbingError, log_unexpected
+from probing.guest import place
+from probing.probe.context import ProbeContext
+from probing.probe.http import Request, Response
+from probing.target import Guest
+
+TICK_S = 1.0
+
+
+@dataclass
+class Entry:
+    ctx: ProbeContext
+    target: Guest
+    pidfd: int
+    died_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Service:
+    """The probes of one node's processes, in one engine process."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        env = config.load()
+        self.directory = directory or place.user_dir(root=env.runtime_dir)
+        self.keep_dead_s = env.keep_dead_s
+        self.idle_s = env.engine_idle_s
+        self.entries: dict[int, Entry] = {}
+        self._lock = threading.Lock()
+        self._empty_since = time.monotonic()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.server: Any = None
+
+    # -- the engine's own socket -------------------------------------------------------
+
+    def app(self, req: Request) -> Response:
+        if req.peer_uid not in (0, os.getuid()):
+            return Response.error(403, "not this engine's user", "AccessDenied")
+        try:
+            if (req.method, req.path) == ("POST", "/attach"):
+                args = json.loads(req.body)
+                return Response.json(self.attach(int(args["pid"]), str(args["guest"])))
+            if (req.method, req.path) == ("GET", "/health"):
+                return Response.json(self.describe())
+        except (ValueError, KeyError, TypeError) as err:
+            return Response.error(400, f"bad request: {err}")
+        except ProbingError as err:
+            return Response.error(500, str(err))
+        return Response.error(404, f"no {req.method} {req.path} on the engine")
+
+    def describe(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "engine_pid": os.getpid(),
+                "processes": {
+                    pid: {"alive": e.died_at is None, "socket": e.ctx.socket_path}
+                    for pid, e in self.entries.items()
+                },
+            }
+
+    def attach(self, pid: int, guest: str) -> dict[str, Any]:
+        """A probe for ``pid`` (whose guest listens at ``guest``), serving its socket."""
+        from probing import cluster_node, install_tables
+
+        with self._lock:
+            old = self.entries.get(pid)
+        if old is not None and old.died_at is None and old.target.socket == guest:
+            return {"engine_pid": os.getpid(), "socket": old.ctx.socket_path, "already": True}
+        if old is not None:  # a pid reused, or a guest started again: the old probe goes
+            self._retire(pid)
+        pidfd = os.pidfd_open(pid)
+        target = Guest(pid, guest)
+        ctx = ProbeContext(installers=(install_tables,), cluster=cluster_node, target=target)
+        try:
+            ctx.serve()
+        except BaseException:
+            os.close(pidfd)
+            raise
+        with self._lock:
+            self.entries[pid] = Entry(ctx, target, pidfd)
+        os.write(self._wake_w, b"x")
+        return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False}
+
+    # -- deaths and retirement ------------------------------------------------------
+
+    def watch(self) -> None:
+        """Until stopped: a process that dies stops tracing (what it left stays
+        queryable); one dead for ``keep_dead_s`` is retired; an engine with no
+        process for ``idle_s`` stops."""
+        while not self._stop.is_set():
+            with self._lock:
+                live = {e.pidfd: pid for pid, e in self.entries.items() if e.died_at is None}
+            poll = select.poll()
+            poll.register(self._wake_r, select.POLLIN)
+            for fd in live:
+                poll.register(fd, select.POLLIN)
+            for fd, _ in poll.poll(TICK_S * 1000):
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                elif fd in live:
+                    self._died(live[fd])
+            self._tidy()
+
+    def _died(self, pid: int) -> None:
+        with self._lock:
+            entry = self.entries.get(pid)
+        if entry is None or entry.died_at is not None:
+            return
+        entry.died_at = time.monotonic()
+        entry.target.died_ns = time.time_ns()
+        try:
+            entry.ctx.stop_trace()
+        except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
+            log_unexpected(f"tracing of exited pid {pid} not stopped", err)
+
+    def _tidy(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [p for p, e in self.entries.items()
+                   if e.died_at is not None and now - e.died_at > self.keep_dead_s]  # fmt: skip
+        for pid in old:
+            self._retire(pid)
+        with self._lock:
+            if self.entries:
+                self._empty_since = now
+            elif now - self._empty_since > self.idle_s:
+                self._stop.set()
+
+    def _retire(self, pid: int) -> None:
+        with self._lock:
+            entry = self.entries.pop(pid, None)
+        if entry is None:
+            return
+        with contextlib.suppress(Exception):
+            entry.ctx.stop_trace()
+        entry.ctx.stop()
+        with contextlib.suppress(OSError):
+            os.close(entry.pidfd)
+        if entry.ctx.cluster is not None:
+            with contextlib.suppress(Exception):
+                entry.ctx.cluster.stop()
+        with contextlib.suppress(Exception):
+            entry.ctx.store.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+
+    # -- running ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve ``engine.sock`` until idle (the caller holds ``engine.lock``)."""
+        from probing.probe.server import UnixHTTPServer
+
+        self.server = UnixHTTPServer(place.engine_path(self.directory), self.app)
+        self.server.start()
+        threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
+        try:
+            self.watch()
+        finally:
+            self.server.stop()
+            for pid in list(self.entries):
+                self._retire(pid)
+
+
+def _preload() -> None:
+    """The query engine's libraries, loaded once for every process of the
+    node before the first query needs them."""
+    try:
+        from probing.engine import Engine
+        from probing.store import Store
+
+        Engine(Store()).sql("SELECT 1")
+    except Exception as err:  # noqa: BLE001 - the first query says it again
+        log_unexpected("SQL engine not preloaded", err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m probing.service [--daemon]``: run the node's engine unless
+    one runs already (``engine.lock``); ``--daemon`` detaches first."""
+    args = sys.argv[1:] if argv is None else argv
+    directory = place.user_dir(root=config.load().runtime_dir)
+    place.ensure_private_dir(directory)
+    if "--daemon" in args and os.fork() != 0:
+        os._exit(0)  # the guest that started us reaps this parent at once
+    lock = open(os.path.join(directory, "engine.lock"), "a")  # noqa: SIM115 - held for life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another engine serves this node and user
+    if "--daemon" in args:
+        os.setsid()
+        _log_to(os.path.join(directory, "engine.log"))
+    Service(directory).run()
+
+
+def _log_to(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)

@@ -1,0 +1,135 @@
+"""The process a probe describes: this one, or a job's process beside us.
+
+A probe (``ProbeContext``) asks its target what only the process knows
+(``probing.guest.inside``): its Python, threads, stacks, ``python.`expr```,
+``eval``, torch's groups. ``Local`` calls those functions in this process;
+``Guest`` asks the guest inside another process over its socket, and keeps
+the last answer of ``info`` so a process that died is still described.
+Both answer with the same plain data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from probing.errors import ERRORS, EvalError, NoSuchProcess, ProbingError, QueryError
+from probing.guest import inside, wire
+
+
+class Target(Protocol):
+    pid: int
+    local: bool
+
+    def alive(self) -> bool: ...
+    def info(self) -> dict[str, Any]: ...
+    def environ(self) -> Mapping[str, str]: ...
+    def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]: ...
+    def expr(self, text: str) -> dict[str, list[Any]]: ...
+    def eval(self, code: str) -> dict[str, Any]: ...
+    def groups(self, comms: list[int]) -> list[dict[str, Any]]: ...
+
+
+def _raised(err: wire.GuestError | wire.WireError, pid: int | None = None) -> ProbingError:
+    """The probing error a guest's answer stands for (its ``type``)."""
+    kind = ERRORS.get(err.kind, QueryError)
+    if kind is EvalError:
+        return EvalError(str(err), pid=pid, detail=err.detail)
+    return kind(str(err), pid=pid)
+
+
+class Local:
+    """This process."""
+
+    local = True
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def alive(self) -> bool:
+        return True
+
+    def info(self) -> dict[str, Any]:
+        return {**inside.info(), "threads": inside.threads()}
+
+    def environ(self) -> Mapping[str, str]:
+        return os.environ
+
+    def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]:
+        return inside.stacks(window_s)
+
+    def expr(self, text: str) -> dict[str, list[Any]]:
+        try:
+            return inside.expr(text)
+        except wire.GuestError as err:
+            raise _raised(err) from None
+
+    def eval(self, code: str) -> dict[str, Any]:
+        try:
+            return inside.run(code)
+        except wire.GuestError as err:
+            raise _raised(err) from None
+
+    def groups(self, comms: list[int]) -> list[dict[str, Any]]:
+        return inside.groups(comms)
+
+
+class Guest:
+    """A process of the job, through the guest inside it (``socket``)."""
+
+    local = False
+
+    def __init__(self, pid: int, socket: str, timeout: float = 30.0) -> None:
+        self.pid = pid
+        self.socket = socket
+        self.timeout = timeout
+        self.last_info: dict[str, Any] = {}
+        self.died_ns: int | None = None  # set by the engine when the process exits
+
+    def alive(self) -> bool:
+        return self.died_ns is None and os.path.exists(f"/proc/{self.pid}")
+
+    def _ask(self, method: str, url: str, payload: Any = None) -> Any:
+        if not self.alive():
+            raise NoSuchProcess(
+                f"process {self.pid} has exited: only what it left is here", pid=self.pid
+            )
+        try:
+            return wire.request(self.socket, method, url, payload, timeout=self.timeout)
+        except wire.WireError as err:
+            if err.status == 0:
+                raise NoSuchProcess(
+                    f"the guest of process {self.pid} does not answer ({err})", pid=self.pid
+                ) from None
+            raise _raised(err, self.pid) from None
+
+    def info(self) -> dict[str, Any]:
+        """What the process says of itself; once it is gone, what it said last."""
+        try:
+            self.last_info = self._ask("GET", "/info")
+        except NoSuchProcess:
+            if not self.last_info:
+                raise
+        return self.last_info
+
+    def environ(self) -> Mapping[str, str]:
+        """The job's variables (``inside.ENV_PREFIXES``) as the host holds them now."""
+        env: dict[str, str] = self.info().get("environ", {})
+        return env
+
+    def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self._ask("POST", "/stacks", {"window_s": window_s})
+        return rows
+
+    def expr(self, text: str) -> dict[str, list[Any]]:
+        cols: dict[str, list[Any]] = self._ask("POST", "/expr", {"expr": text})
+        return cols
+
+    def eval(self, code: str) -> dict[str, Any]:
+        answer: dict[str, Any] = self._ask("POST", "/eval", {"code": code})
+        return answer
+
+    def groups(self, comms: list[int]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self._ask("POST", "/groups", {"comms": comms})
+        return rows
