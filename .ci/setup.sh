@@ -112,6 +112,9 @@ if ! "$VENV/bin/python" -c 'import bcc' 2>/dev/null; then
     say "WARNING: python3-bpfcc is not installed; BPF features are off"
   fi
 fi
+# --- job environments without probing (other numpy/pyarrow, other Pythons) -----------
+bash .ci/jobenvs.sh
+
 # --- the library `probing inject` loads into a target (built once per boot.c) ----------
 "$VENV/bin/python" -m probing.inject.build >/dev/null || say "WARNING: could not build the injection library"
 

@@ -8,20 +8,32 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 
 def guest_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest")
 
 
+def hook() -> dict[str, Any]:
+    """``probing.guest.hook``, run from its file (as every ``.pth`` hook runs it)."""
+    path = os.path.join(guest_dir(), "hook.py")
+    ns: dict[str, Any] = {"__name__": "_probing_hook"}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), ns)  # noqa: S102 - our own file
+    return ns
+
+
 def boot() -> None:
-    directory = guest_dir()
-    ns: dict[str, object] = {"__name__": "_probing_hook"}
+    """``PROBING=1``: start the guest unless it is off. Never raises."""
     try:
-        path = os.path.join(directory, "hook.py")
-        with open(path) as f:
-            exec(compile(f.read(), path, "exec"), ns)  # noqa: S102 - our own file
+        ns = hook()
     except (OSError, SyntaxError) as err:
         print(f"probing: probe not started: {err}", file=sys.stderr)
         return
-    ns["boot"](directory, sys.executable)  # type: ignore[operator]
+    ns["boot"](guest_dir(), sys.executable)
+
+
+def start(wait: bool = True) -> Any:
+    """The guest of this process, serving and handed to the engine."""
+    return hook()["load"](guest_dir()).start(sys.executable, wait=wait)

@@ -218,8 +218,9 @@ def _probe_client(pid: int, inject: bool, timeout: float | None = None):  # type
 def inject_cmd(
     pid: PidOpt,
     timeout: Annotated[
-        float, typer.Option(help="seconds to wait for the probe to start in the target")
-    ] = 10.0,
+        float,
+        typer.Option(help="seconds to wait for the probe to start (the engine's start too)"),
+    ] = 30.0,
 ) -> None:
     """Start a probe in a running Python process (ptrace; no restart, no code change)."""
     from probing.inject import inject
@@ -443,9 +444,9 @@ def run_script(argv: list[str]) -> int:
         return 2
     import runpy
 
-    import probing
+    from probing import _boot
 
-    probing.enable()
+    _boot.start(wait=False)
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -463,6 +464,31 @@ def run_script(argv: list[str]) -> int:
 def run(ctx: typer.Context, script: Annotated[str, typer.Argument(help="script to run")]) -> None:
     """Run a Python script with the probe enabled (like PROBING=1)."""
     raise typer.Exit(run_script([script, *ctx.args]))
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n  probing hook --python /opt/job-venv/bin/python\n\n"
+        "  PROBING=1 /opt/job-venv/bin/python train.py\n\n"
+        "  probing hook --python /opt/job-venv/bin/python --remove"
+    )
+)
+def hook(
+    python: Annotated[str, typer.Option(help="the job environment's Python")],
+    remove: Annotated[bool, typer.Option(help="take the hook out again")] = False,
+) -> None:
+    """Let PROBING=1 start the probe in a job environment that lacks probing:
+    a .pth line and the stdlib-only guest go in; nothing the job imports."""
+    from probing.inject import hookinstall
+
+    try:
+        done = hookinstall.remove(python) if remove else hookinstall.install(python)
+    except (ProbingError, OSError) as err:
+        raise _fail(err if isinstance(err, ProbingError) else str(err)) from None
+    if remove:
+        typer.echo(f"removed the probing hook from {done.site}")
+    else:
+        typer.echo(f"PROBING=1 now starts the probe in {python} ({done.pth}, {done.guest})")
 
 
 @app.command(

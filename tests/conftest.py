@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -34,12 +35,32 @@ def require_bpf() -> None:
         require(check.ok, f"{check.name}: {check.detail}; fix: {check.fix}")
 
 
+# the engines the tests start keep a dead process's probe 30 s, not 10 min,
+# and go 5 s after their last process (each test's runtime dir has its own)
+os.environ.setdefault("PROBING_KEEP_DEAD_S", "30")
+os.environ.setdefault("PROBING_ENGINE_IDLE_S", "5")
+
+
+def stop_engine(runtime_dir: Path) -> None:
+    """Stop the engines serving ``runtime_dir`` (their pids are in their locks)."""
+    for lock in (runtime_dir / f"probing-{os.getuid()}").glob("engine-*.lock"):
+        try:
+            pid = int(lock.read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"probing.service" in cmdline:
+            os.kill(pid, signal.SIGTERM)
+
+
 @pytest.fixture
-def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An isolated PROBING_RUNTIME_DIR for the probe sockets of one test."""
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An isolated PROBING_RUNTIME_DIR for the probe sockets of one test (and
+    the engine that serves them, stopped after the test)."""
     d = tmp_path_factory.mktemp("rt")
     monkeypatch.setenv("PROBING_RUNTIME_DIR", str(d))
-    return d
+    yield d
+    stop_engine(d)
 
 
 class Target:

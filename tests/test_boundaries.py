@@ -314,7 +314,7 @@ def test_the_join_loop_stays_local_on_a_bug_and_logs_it(capfd) -> None:
 
 
 def test_torch_groups_skip_what_torch_refuses(monkeypatch) -> None:
-    from probing.tables import groups
+    from probing.guest import inside as groups
 
     class Group:
         def __init__(self, backend: Any) -> None:

@@ -52,6 +52,7 @@ class DemoJob:
         job_args: Sequence[str] = (),
         rank_prefix: dict[int, list[str]] | None = None,
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
     ) -> None:
         self.world = world
         self.port = free_port()
@@ -61,7 +62,7 @@ class DemoJob:
         master = args[args.index("--master") + 1] if "--master" in args else "127.0.0.1"
         self.procs = []
         for r in range(world):
-            cmd = [sys.executable, str(JOB_SCRIPT), "--rank", str(r), "--world", str(world)]
+            cmd = [python, str(JOB_SCRIPT), "--rank", str(r), "--world", str(world)]
             cmd += ["--port", str(self.port), *job_args]
             prefix = (rank_prefix or {}).get(r, [])
             # what torchrun gives each rank (a probe attached later reads it)

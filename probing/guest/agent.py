@@ -65,7 +65,7 @@ class Guest:
         """Hand this process to the node's engine, starting it if none answers;
         the engine's answer (its pid, the probe socket it serves)."""
         payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
-        sock = place.engine_path(self.directory)
+        sock = place.engine_path(self.directory, place.engine_key(self.environ))
         try:
             answer = wire.request(sock, "POST", "/attach", payload, timeout=timeout)
         except wire.WireError as err:
@@ -78,7 +78,8 @@ class Guest:
 
     def _start_engine(self, sock: str, payload: dict[str, Any], timeout: float) -> Any:
         # one guest of the node starts it; the others wait on the lock, then find it
-        with open(os.path.join(self.directory, "engine.start.lock"), "a") as lock:
+        key = place.engine_key(self.environ)
+        with open(place.engine_path(self.directory, key, "start"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 return wire.request(sock, "POST", "/attach", payload, timeout=timeout)

@@ -3,7 +3,8 @@
 ``$PROBING_RUNTIME_DIR`` (default ``/tmp``) holds one ``probing-<uid>``
 directory per user, mode 0700. In it: ``<pid>.sock``, the pid's probe (served
 by the node's engine, ``probing.service``); ``<pid>.guest``, the guest inside
-the pid; ``engine.sock`` and ``engine.lock``, the engine's own.
+the pid; ``engine-<key>.sock``, ``.lock`` and ``.log``, an engine's own (one
+per set of ``PROBING_*`` settings: ``engine_key``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,30 @@ def guest_path(pid: int, directory: str | None = None) -> str:
     return os.path.join(directory or user_dir(), f"{pid}.guest")
 
 
-def engine_path(directory: str | None = None) -> str:
-    return os.path.join(directory or user_dir(), "engine.sock")
+# settings that differ between the ranks of one job: they reach the engine
+# through each process's own environment (probing.target), not the engine's
+PER_PROCESS = ("PROBING", "PROBING_RANK", "PROBING_PORT", "PROBING_FORK")
+
+
+def engine_settings(environ: dict[str, str]) -> dict[str, str]:
+    """The ``PROBING_*`` settings an engine runs with, from a host's environment."""
+    return {
+        k: v for k, v in environ.items() if k.startswith("PROBING_") and k not in PER_PROCESS
+    }
+
+
+def engine_key(environ: dict[str, str]) -> str:
+    """The name of the engine for a host with this environment: the ranks of a
+    job share one (same settings), a process set up otherwise gets its own."""
+    import hashlib
+
+    text = "\n".join(f"{k}={v}" for k, v in sorted(engine_settings(environ).items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def engine_path(directory: str | None = None, key: str = "", suffix: str = "sock") -> str:
+    """``engine-<key>.sock`` (or ``.lock``, ``.log``, ``.start``) in ``directory``."""
+    return os.path.join(directory or user_dir(), f"engine-{key}.{suffix}")
 
 
 def ensure_private_dir(directory: str) -> None:

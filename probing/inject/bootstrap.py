@@ -34,7 +34,7 @@ def load_guest(directory: str) -> "Any":
     """The guest package at ``directory``, as ``_probing_guest``: loaded by
     its own ``hook.load`` (the one loader the ``.pth`` hooks use too)."""
     path = os.path.join(directory, "hook.py")
-    ns: "dict[str, Any]" = {"__name__": "_probing_hook"}
+    ns: dict[str, Any] = {"__name__": "_probing_hook"}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), ns)  # noqa: S102 - probing's own file
     return ns["load"](directory)

@@ -35,15 +35,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from probing import paths, pyframes
+from probing import paths
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
 from probing.inject import build, elf
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
 from probing.procs import task_stat, task_syscall
 
-# the CPython versions whose frames probing reads (one table: probing.pyframes)
-SUPPORTED = tuple(tuple(int(p) for p in v.split(".")) for v in pyframes.SUPPORTED)
+# the CPython versions whose frames probing reads: probing.pyframes.SUPPORTED (its
+# generated table; pyframes imports this package, so a test keeps the two equal)
+SUPPORTED = ((3, 10), (3, 11), (3, 12), (3, 13))
 PAGE = 4096
 RTLD_NOW = 2
 PROT_READ, PROT_EXEC = 1, 4

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -35,9 +36,10 @@ class Entry:
 class Service:
     """The probes of one node's processes, in one engine process."""
 
-    def __init__(self, directory: str | None = None) -> None:
+    def __init__(self, directory: str | None = None, key: str | None = None) -> None:
         env = config.load()
         self.directory = directory or place.user_dir(root=env.runtime_dir)
+        self.key = place.engine_key(dict(os.environ)) if key is None else key
         self.keep_dead_s = env.keep_dead_s
         self.idle_s = env.engine_idle_s
         self.entries: dict[int, Entry] = {}
@@ -166,10 +168,10 @@ class Service:
     # -- running ---------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve ``engine.sock`` until idle (the caller holds ``engine.lock``)."""
+        """Serve ``engine-<key>.sock`` until idle (the caller holds its lock)."""
         from probing.probe.server import UnixHTTPServer
 
-        self.server = UnixHTTPServer(place.engine_path(self.directory), self.app)
+        self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
         self.server.start()
         threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
         try:
@@ -193,22 +195,29 @@ def _preload() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m probing.service [--daemon]``: run the node's engine unless
-    one runs already (``engine.lock``); ``--daemon`` detaches first."""
+    """``python -m probing.service [--daemon]``: run the node's engine for this
+    environment's settings unless one runs already (``engine-<key>.lock``);
+    ``--daemon`` detaches first."""
     args = sys.argv[1:] if argv is None else argv
     directory = place.user_dir(root=config.load().runtime_dir)
     place.ensure_private_dir(directory)
     if "--daemon" in args and os.fork() != 0:
         os._exit(0)  # the guest that started us reaps this parent at once
-    lock = open(os.path.join(directory, "engine.lock"), "a")  # noqa: SIM115 - held for life
+    key = place.engine_key(dict(os.environ))  # the guest gave us the settings it hashed
+    lock = open(place.engine_path(directory, key, "lock"), "a")  # noqa: SIM115 - held for life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return  # another engine serves this node and user
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")  # who serves: `probing ps`, tests
+    lock.flush()
     if "--daemon" in args:
         os.setsid()
-        _log_to(os.path.join(directory, "engine.log"))
-    Service(directory).run()
+        _log_to(place.engine_path(directory, key, "log"))
+    service = Service(directory, key)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    service.run()
 
 
 def _log_to(path: str) -> None:
