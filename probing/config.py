@@ -58,6 +58,12 @@ class Config:
         600.0,
         "how long the engine answers for a process that died (what it left), seconds",
     )
+    engine_env: str = _setting(
+        "PROBING_ENGINE_ENV",
+        "",
+        "more of the job's variables the engine runs with (`LD_LIBRARY_PATH` for an NVML "
+        "in a place of its own)",
+    )
     engine_idle_s: float = _setting(
         "PROBING_ENGINE_IDLE_S", 60.0, "the engine exits this long after its last process"
     )

@@ -124,6 +124,28 @@ def from_wire(
 _LOGGED_AT_MOST = 64  # distinct errors a ``seen`` set remembers; past it, they are only counted
 
 
+def tell(msg: str, pid: int | None = None) -> None:
+    """One ``probing: msg`` line where the process ``pid`` writes its errors
+    (its stderr, through ``/proc/PID/fd/2``: a probe served beside the job
+    speaks where the job's user looks), else on our own stderr. Never raises."""
+    import os
+    import sys
+
+    line = f"probing: {msg}\n"
+    if pid is not None and pid != os.getpid():
+        try:
+            with open(f"/proc/{pid}/fd/2", "a") as err:
+                err.write(line)
+            return
+        except OSError:  # gone, a socket, or not ours: the engine's log has it
+            pass
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
+        pass
+
+
 def log_unexpected(what: str, err: BaseException, seen: set[str] | None = None) -> None:
     """Write ``what``, ``err`` and its traceback to the probe's log (the host's
     stderr): for the boundaries that must catch everything (a probe thread's

@@ -24,11 +24,13 @@ class Target(Protocol):
 
     def alive(self) -> bool: ...
     def info(self) -> dict[str, Any]: ...
+    def about(self) -> dict[str, Any]: ...
     def environ(self) -> Mapping[str, str]: ...
     def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]: ...
     def expr(self, text: str) -> dict[str, list[Any]]: ...
     def eval(self, code: str) -> dict[str, Any]: ...
     def groups(self, comms: list[int]) -> list[dict[str, Any]]: ...
+    def external(self) -> dict[str, dict[str, Any]]: ...
 
 
 def _raised(err: wire.GuestError | wire.WireError, pid: int | None = None) -> ProbingError:
@@ -53,6 +55,9 @@ class Local:
     def info(self) -> dict[str, Any]:
         return {**inside.info(), "threads": inside.threads()}
 
+    def about(self) -> dict[str, Any]:
+        return inside.info()
+
     def environ(self) -> Mapping[str, str]:
         return os.environ
 
@@ -73,6 +78,9 @@ class Local:
 
     def groups(self, comms: list[int]) -> list[dict[str, Any]]:
         return inside.groups(comms)
+
+    def external(self) -> dict[str, dict[str, Any]]:
+        return {}  # this process's ExternalTables write to its store directly
 
 
 class Guest:
@@ -104,6 +112,10 @@ class Guest:
                 ) from None
             raise _raised(err, self.pid) from None
 
+    def about(self) -> dict[str, Any]:
+        """Its Python, executable and arguments: asked once (they do not change)."""
+        return self.last_info or self.info()
+
     def info(self) -> dict[str, Any]:
         """What the process says of itself; once it is gone, what it said last."""
         try:
@@ -133,3 +145,10 @@ class Guest:
     def groups(self, comms: list[int]) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = self._ask("POST", "/groups", {"comms": comms})
         return rows
+
+    def external(self) -> dict[str, dict[str, Any]]:
+        """The rows the process's ExternalTables took since the last call."""
+        if not self.alive():
+            return {}
+        tables: dict[str, dict[str, Any]] = self._ask("POST", "/external")
+        return tables

@@ -11,6 +11,7 @@ from probing.engine import Engine
 from probing.errors import QueryError
 from probing.store import Store
 from probing.tables import ExternalTable, install
+from probing.guest.inside import columns, expr
 from probing.tables.python import to_arrow
 
 
@@ -90,9 +91,19 @@ def test_python_expression_errors_are_query_errors(engine: Engine) -> None:
 
 
 def test_to_arrow_handles_odd_values() -> None:
-    assert to_arrow(object).column_names == ["value"]  # unconvertible -> repr
-    assert to_arrow(pa.table({"q": [1]})).column_names == ["q"]
-    assert to_arrow({"a": [1, 2], "b": 3}).num_rows == 1
+    assert to_arrow(columns(object)).column_names == ["value"]  # unconvertible -> repr
+    assert to_arrow(columns(pa.table({"q": [1]}))).column_names == ["q"]
+    assert to_arrow(columns({"a": [1, 2], "b": 3})).num_rows == 1
+    mixed = to_arrow({"v": [1, "a", object]})  # no one Arrow type: each value's repr
+    assert mixed.column("v").type == pa.string() and mixed.num_rows == 3
+
+
+def test_values_cross_as_plain_data() -> None:
+    """What the process evaluates crosses to the engine as JSON would carry it."""
+    assert expr("[{'a': 1}, {'b': 2}]") == {"a": [1, None], "b": [None, 2]}
+    assert expr("{'x': [1, 2], 'y': [3, 4]}") == {"x": [1, 2], "y": [3, 4]}
+    assert expr("(1, 2.5)") == {"value": [1, 2.5]}
+    assert expr("object")["value"][0].startswith("<class")
 
 
 def test_external_table_is_queryable(engine: Engine) -> None:

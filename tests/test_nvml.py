@@ -42,8 +42,11 @@ IDLE = "import time\nwhile True: time.sleep(0.05)\n"
 
 
 def _target(spawn, lib: Path | None, **env: str):  # type: ignore[no-untyped-def]
+    """A job whose engine samples the stand-in NVML with the job's script."""
     full = {"LD_LIBRARY_PATH": str(lib)} if lib else {}
     full.update(env)
+    passed = [k for k in full if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PROBING_")]
+    full["PROBING_ENGINE_ENV"] = ",".join(passed)
     return spawn(IDLE, env=full)
 
 

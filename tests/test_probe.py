@@ -104,10 +104,18 @@ def test_client_errors_are_precise(spawn) -> None:
         ProbeClient.for_pid(2**22 + 12345)
 
 
-def test_a_dead_process_gets_a_clear_message(spawn) -> None:
-    t = spawn(IDLE_LOOP)
+def test_a_dead_process_answers_with_what_it_left_then_is_retired(spawn) -> None:
+    """Killed, a process's probe still answers (its engine keeps it for
+    PROBING_KEEP_DEAD_S), marked as dead; once retired, the message is clear."""
+    t = spawn(IDLE_LOOP, env={"PROBING_KEEP_DEAD_S": "2"})
     t.proc.kill()
     t.proc.wait()
+    r = cli("query", "--pid", str(t.pid), "--format", "csv", "SELECT pid, alive FROM process.info")
+    assert r.returncode == 0 and f"{t.pid},false" in r.stdout, r.stderr
+    deadline = time.monotonic() + 30
+    while t.socket().exists():
+        assert time.monotonic() < deadline, "the dead process's probe was never retired"
+        time.sleep(0.1)
     r = cli("query", "--pid", str(t.pid), "SELECT 1")
     assert r.returncode == 1
     assert "exited" in r.stderr or "no process" in r.stderr

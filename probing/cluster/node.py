@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from probing.cluster.wire import (
     pack,
     unpack,
 )
-from probing.errors import PeerUnreachable, ProbingError, QueryError, log_unexpected
+from probing.errors import PeerUnreachable, ProbingError, QueryError, log_unexpected, tell
 from probing.probe.http import Request, Response, request_bytes
 
 if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
@@ -53,15 +52,6 @@ _RUNNING = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
 # waiting for the job's store: first retry after 50 ms, then doubling up to
 # 0.5 s, so a probe joins within half a second of the store appearing
 JOIN_BACKOFF_S = (0.05, 0.5)
-
-
-def _say(msg: str) -> None:
-    """One line on the host's stderr, never an exception."""
-    try:
-        sys.stderr.write(f"probing: {msg}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
-        pass
 
 
 MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds them anyway)
@@ -157,11 +147,16 @@ class ClusterNode:
             try:
                 if self.try_join(STORE_TIMEOUT_S):
                     if said:
-                        _say(f"cluster: joined the job as rank {self.rank} at {self.addr}")
+                        tell(
+                            f"cluster: joined the job as rank {self.rank} at {self.addr}", self.pid
+                        )
                     return
             except (ProbingError, ValueError, OSError) as err:  # no token, no address to bind
                 self.error = str(err)
-                _say(f"cluster mode off: {err}; this probe answers on its local socket only")
+                tell(
+                    f"cluster mode off: {err}; this probe answers on its local socket only",
+                    self.pid,
+                )
                 return
             except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
                 self.error = f"{type(err).__name__}: {err}"
@@ -171,9 +166,10 @@ class ClusterNode:
                 self.ready.set()  # the first attempt is over, whatever it gave
             if not said:
                 said = True
-                _say(
+                tell(
                     f"cluster: {self.error}; this probe keeps trying in the background "
-                    "and joins when the job's store answers (local queries work meanwhile)"
+                    "and joins when the job's store answers (local queries work meanwhile)",
+                    self.pid,
                 )
             time.sleep(delay)
             delay = min(delay * 2, JOIN_BACKOFF_S[1])

@@ -10,8 +10,23 @@ its threads and stacks, ``python.`expr```, ``eval``, torch's process groups.
 Everything else (BPF, the store, SQL, NVML, the cluster) is the node's
 engine (``probing.service``), run by probing's own Python beside the job;
 the guest hands it the process at start (``agent``) over a unix socket.
+Nothing starts on import: ``start()`` does.
 """
 
-from .agent import Guest, current, start
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-__all__ = ["Guest", "current", "start"]
+
+def start(engine_python: str, *, wait: bool = True) -> "Any":
+    """This process's guest, serving and handed to the engine (``agent.start``)."""
+    from .agent import start as _start
+
+    return _start(engine_python, wait=wait)
+
+
+def current() -> "Any":
+    """This process's guest, or None."""
+    from .agent import current as _current
+
+    return _current()

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from . import inside, place, wire
+from . import inside, outbox, place, wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class Guest:
             "POST /expr": lambda a: inside.expr(str(a["expr"])),
             "POST /eval": lambda a: inside.run(str(a["code"])),
             "POST /groups": lambda a: inside.groups([int(c) for c in a.get("comms", [])]),
+            "POST /external": lambda _: outbox.take(),
         }
 
     def serve(self) -> None:
@@ -77,10 +78,23 @@ class Guest:
         return answer
 
     def _start_engine(self, sock: str, payload: dict[str, Any], timeout: float) -> Any:
-        # one guest of the node starts it; the others wait on the lock, then find it
-        key = place.engine_key(self.environ)
-        with open(place.engine_path(self.directory, key, "start"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        # one guest of the node starts it; the others wait on the lock, then find
+        # it. A POSIX record lock (lockf): a child forked meanwhile does not hold it
+        deadline = time.monotonic() + timeout
+        fd = os.open(
+            place.engine_path(self.directory, place.engine_key(self.environ), "start"),
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+            0o600,
+        )
+        try:
+            while True:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise wire.WireError(0, "another guest is starting the engine") from None
+                    time.sleep(0.02)
             try:
                 return wire.request(sock, "POST", "/attach", payload, timeout=timeout)
             except wire.WireError as err:
@@ -92,7 +106,6 @@ class Guest:
                 self._engine_env(),
             )
             os.waitpid(pid, 0)  # it forks the engine and exits at once
-            deadline = time.monotonic() + timeout
             while True:
                 try:
                     return wire.request(sock, "POST", "/attach", payload, timeout=timeout)
@@ -100,10 +113,12 @@ class Guest:
                     if err.status or time.monotonic() > deadline:
                         raise
                 time.sleep(0.02)
+        finally:
+            os.close(fd)
 
     def _engine_env(self) -> dict[str, str]:
         env = {k: v for k, v in self.environ.items() if k in KEEP_ENV}
-        env.update((k, v) for k, v in self.environ.items() if k.startswith("PROBING_"))
+        env.update(place.engine_settings(self.environ))
         return env
 
 
@@ -145,7 +160,7 @@ def start(engine_python: str, *, wait: bool = True) -> Guest:
         atexit.register(guest.stop)
     if wait:  # an engine that went meanwhile is started again; attaching twice is a no-op
         guest.register()
-    else:
+    elif fresh:
         threading.Thread(
             target=_register_quietly, args=(guest,), name="probing-guest-start", daemon=True
         ).start()

@@ -65,6 +65,5 @@ def pth_line(directory: str, engine_python: str) -> str:
         f"ns['boot']({directory!r}, {engine_python!r})"
     )
     return (
-        "import os; os.environ.get('PROBING', '').strip().lower() in "
-        f"{TRUE!r} and exec({run!r})\n"
+        f"import os; os.environ.get('PROBING', '').strip().lower() in {TRUE!r} and exec({run!r})\n"
     )

@@ -38,9 +38,14 @@ PER_PROCESS = ("PROBING", "PROBING_RANK", "PROBING_PORT", "PROBING_FORK")
 
 
 def engine_settings(environ: dict[str, str]) -> dict[str, str]:
-    """The ``PROBING_*`` settings an engine runs with, from a host's environment."""
+    """What an engine runs with, from a host's environment: the ``PROBING_*``
+    settings, and the variables ``PROBING_ENGINE_ENV`` names (a stand-in NVML's
+    ``LD_LIBRARY_PATH``, say)."""
+    extra = {n.strip() for n in environ.get("PROBING_ENGINE_ENV", "").split(",") if n.strip()}
     return {
-        k: v for k, v in environ.items() if k.startswith("PROBING_") and k not in PER_PROCESS
+        k: v
+        for k, v in environ.items()
+        if (k.startswith("PROBING_") and k not in PER_PROCESS) or k in extra
     }
 
 

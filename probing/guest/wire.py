@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -155,11 +156,17 @@ class Server:
 
     def _accept(self) -> None:
         sock = self.sock
+        pause = 0.0
         while sock is not None and not self._stopped:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return
+                pause = 0.0
+            except OSError:  # closed (stop), or the host is out of descriptors: wait
+                if self._stopped or sock.fileno() < 0:
+                    return
+                pause = min(1.0, max(0.01, pause * 2))
+                time.sleep(pause)
+                continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="probing-guest-call", daemon=True
             ).start()

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from probing import config, paths
-from probing.errors import ProbingError, log_unexpected
+from probing.errors import ProbingError, log_unexpected, tell
 from probing.probe.imports import quick_gil_handoff, settle
 from probing.target import Local, Target
 
@@ -141,7 +140,7 @@ class ProbeContext:
                 if self._sampler is None:
                     from probing.tables.nvml import Sampler
 
-                    self._sampler = Sampler(self.store)
+                    self._sampler = Sampler(self.store, self.target.environ)
         return self._sampler
 
     # -- tracing ----------------------------------------------------------------------
@@ -184,7 +183,7 @@ class ProbeContext:
         from probing.config import VERSION
 
         try:
-            about = self.target.info()
+            about = self.target.about()
         except ProbingError:
             about = {}
         return {
@@ -236,7 +235,7 @@ class ProbeContext:
         try:
             return self.cluster_factory(self)
         except (ProbingError, ValueError, OSError) as err:  # a bad PROBING_PEERS, no port
-            _say(f"cluster mode off: {err}")
+            tell(f"cluster mode off: {err}", self.pid)
             return None
         except Exception as err:  # noqa: BLE001 - in the host's enable(): a bug is logged, not raised
             log_unexpected("cluster mode off", err)
@@ -249,7 +248,7 @@ class ProbeContext:
 
             self.nvml.start(parse_interval(interval))
         except ValueError as err:  # a bad PROBING_NVML_INTERVAL (NVML's own errors: nvml.status)
-            _say(f"NVML sampling not started: {err}")
+            tell(f"NVML sampling not started: {err}", self.pid)
         except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
             log_unexpected("NVML sampling not started", err)
 
@@ -291,10 +290,3 @@ class ProbeContext:
         self.socket_path = paths.socket_path(self.pid)
         self.serve()
         return True
-
-
-def _say(msg: str) -> None:
-    try:
-        print(f"probing: {msg}", file=sys.stderr)
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
-        pass

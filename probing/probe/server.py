@@ -38,6 +38,7 @@ are 400, and chunked bodies 501.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -46,6 +47,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from _operator import _compare_digest
 from collections import deque
 from collections.abc import Callable
@@ -382,6 +384,8 @@ class UnixHTTPServer:
         self._logged: set[str] = set()  # the errors the loop wrote to the log
         self._thread: threading.Thread | None = None
         self._workers = _Workers(self._serve, env.workers)
+        self._tcp_conns: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._drop_tcp = False  # close_tcp(): the loop closes the TCP listeners
 
     def start(self) -> None:
         if self.path is not None:
@@ -523,17 +527,38 @@ class UnixHTTPServer:
             (SWITCH.take if busy else SWITCH.give)(BUSY_SWITCH_S)
             self._switch_held = busy
 
+    def close_tcp(self) -> None:
+        """Leave the peers: the TCP port closes (a new caller is refused) and
+        every TCP connection, in flight or not, is cut; the unix socket stays."""
+        self._drop_tcp = True
+        for conn in list(self._tcp_conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._wake()
+
     def _drain_wake(self) -> None:
         try:
             os.read(self._wake_r, 4096)
         except OSError:
             pass
+        if self._drop_tcp:
+            self._close_tcp_listeners()
         with self._lock:
             new, self._new = self._new, []
         if not self._paused_until:
             for lst in new:
                 self._watch(lst)
         # a worker closed a connection: the end of _once lets capped listeners in again
+
+    def _close_tcp_listeners(self) -> None:
+        with self._lock:
+            tcp = [x for x in self._listeners if x.tcp]
+            self._listeners = [x for x in self._listeners if not x.tcp]
+            self._new = [x for x in self._new if not x.tcp]
+        for lst in tcp:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(lst.sock)  # type: ignore[union-attr]
+            lst.sock.close()
 
     def _watch(self, lst: _Listener) -> None:
         sel = self._sel
@@ -617,6 +642,7 @@ class UnixHTTPServer:
             conn.setblocking(False)
             if lst.tcp:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._tcp_conns.add(conn)
             c = _Conn(conn, lst, remote, peer_uid)
             c.deadline = c.opened + self.header_timeout
             self._sel.register(conn, selectors.EVENT_READ, c)  # type: ignore[union-attr]

@@ -87,6 +87,7 @@ class Service:
         if old is not None:  # a pid reused, or a guest started again: the old probe goes
             self._retire(pid)
         pidfd = os.pidfd_open(pid)
+        _say(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
         ctx = ProbeContext(installers=(install_tables,), cluster=cluster_node, target=target)
         try:
@@ -127,6 +128,10 @@ class Service:
             return
         entry.died_at = time.monotonic()
         entry.target.died_ns = time.time_ns()
+        _say(f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s")
+        server = entry.ctx.server
+        if server is not None:  # it leaves the job's peers; local queries go on
+            server.close_tcp()
         try:
             entry.ctx.stop_trace()
         except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
@@ -180,6 +185,11 @@ class Service:
             self.server.stop()
             for pid in list(self.entries):
                 self._retire(pid)
+
+
+def _say(msg: str) -> None:
+    print(f"probing engine {os.getpid()}: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 def _preload() -> None:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from probing.engine import Engine
 from probing.tables import groups, meta, nvml, process, python, samples, stacks, trace
-from probing.tables.external import ExternalTable
+from probing.tables.external import ExternalTable, Puller
 
 
 class Context(Protocol):
@@ -45,15 +45,22 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     engine.register_table("process", "info", lambda: process.info(target))
     engine.register_table("process", "threads", lambda: process.threads(target))
     engine.register_table("process", "stacks", stacks.provider(target.stacks))
-    engine.register_table("probing", "tables", lambda: meta.tables(engine.store))
+    engine.register_table("probing", "tables", lambda: _pulled(puller, engine))
     gpu = probe.nvml  # creates the (typed, maybe empty) nvml.gpu table
     engine.register_table("nvml", "status", gpu.status_table)
     engine.register_table("nvml", "devices", gpu.devices_table)
-    engine.register_resolver("python", python.resolver(target.expr))
+    puller = Puller(target.external, engine.store)
+    engine.register_resolver("python", python.resolver(target.expr, puller.pull, engine.store))
     trace.install(engine, lambda: probe.tracer)
     samples.install(engine)
     engine.register_table("comm", "groups", groups.provider(target.groups, engine.store))
     engine.register_table("probing", "peers", lambda: _peers(probe.cluster))
+
+
+def _pulled(puller: Any, engine: Engine) -> Any:
+    """``probing.tables``, with the process's ExternalTables taken first."""
+    puller.pull()
+    return meta.tables(engine.store)
 
 
 def _peers(node: Any) -> Any:

@@ -122,3 +122,59 @@ class ExternalTable:
             self._table.count_dropped(len(buf[0]))
             raise ValueError(f"rows do not fit python.{self.name}: {err}") from err
         self._table.append_batch(pa.Table.from_arrays(arrays, names=self.columns), since=since)
+
+
+class Puller:
+    """The ExternalTables of a process beside us: their rows taken from its
+    guest (``probing.guest.outbox``) into ``python.<name>`` of ``store``
+    before a query reads them. A table's types are the ones its code gave,
+    else taken from its first rows."""
+
+    def __init__(self, take: Any, store: Store) -> None:
+        self.take = take  # the target's ``external``
+        self.store = store
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+
+    def pull(self) -> None:
+        from probing.errors import ProbingError
+
+        with self._lock:
+            try:
+                tables = self.take()
+            except ProbingError:  # the process is gone: what was taken stays
+                return
+            for name, box in tables.items():
+                self._store_rows(name, box)
+
+    def _store_rows(self, name: str, box: dict[str, Any]) -> None:
+        columns, types, rows = box["columns"], box.get("types"), box["rows"]
+        schema = None
+        if types:
+            try:
+                schema = pa.schema(
+                    [(c, pa.type_for_alias(t)) for c, t in zip(columns, types, strict=True)]
+                )
+            except (ValueError, KeyError, TypeError):  # a type only the job's pyarrow names
+                schema = None
+        table = self.store.table(SCHEMA, name, schema)
+        if table.column_names is None:
+            table.column_names = list(columns)
+        if name not in self._known:
+            self._known.add(name)
+            table.add_before_read(self.pull)
+        if box.get("dropped"):
+            table.count_dropped(int(box["dropped"]))
+        if not rows:
+            return
+        cols = list(zip(*rows, strict=True))
+        target = table.schema or schema
+        try:
+            if target is None:
+                arrays = [pa.array(list(c)) for c in cols]
+            else:
+                arrays = [pa.array(list(c), type=f.type) for c, f in zip(cols, target, strict=True)]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            table.count_dropped(len(rows))
+            return
+        table.append_batch(pa.Table.from_arrays(arrays, names=list(columns)))

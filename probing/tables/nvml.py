@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from probing.config import parse_interval  # noqa: F401 - POST /nvml's interval
-from probing.errors import log_unexpected
+from probing.errors import ProbingError, log_unexpected
 from probing.store import Store
 
 SCHEMA = "nvml"
@@ -118,8 +118,9 @@ class Sampler:
     """One per probe (``ProbeContext.nvml``); ``start(interval)`` / ``stop()``;
     safe to call repeatedly."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, environ: Callable[[], Any] = lambda: os.environ) -> None:
         self.store = store
+        self.environ = environ  # the sampled process's (its CUDA_VISIBLE_DEVICES)
         self.table = store.table(SCHEMA, "gpu", GPU_SCHEMA)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -187,7 +188,7 @@ class Sampler:
         count = self._call(nv.nvmlDeviceGetCount, "count") or 0
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         uuids = [_text(self._call(nv.nvmlDeviceGetUUID, "uuid", h)) or "" for h in handles]
-        chosen = visible_indices(count, uuids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        chosen = visible_indices(count, uuids, self._visible())
         self.devices = [self._describe(i, uuids[i], h, i in chosen) for i, h in enumerate(handles)]
         self._handles = [(i, uuids[i], handles[i]) for i in chosen]
         if not self._handles:
@@ -311,6 +312,13 @@ class Sampler:
             idx = index_of.get(_addr(data.device), -1)
             out.setdefault(idx, []).append(int(data.eventData))
         return out
+
+    def _visible(self) -> str | None:
+        try:
+            visible: str | None = self.environ().get("CUDA_VISIBLE_DEVICES")
+            return visible
+        except ProbingError:  # the process is gone: every GPU, as CUDA would see
+            return None
 
     def _call(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
         """``fn(*args)``, or None: unsupported counters quietly, errors counted."""

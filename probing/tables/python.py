@@ -30,10 +30,20 @@ def _column(values: list[Any]) -> pa.Array:
         return pa.array([None if v is None else repr(v) for v in values], type=pa.string())
 
 
-def resolver(expr_of: Callable[[str], dict[str, list[Any]]]) -> Callable[[str], pa.Table]:
-    """``python.`expr``` over a target's ``expr`` (``probing.target``)."""
+def resolver(
+    expr_of: Callable[[str], dict[str, list[Any]]],
+    pull: Callable[[], None] = lambda: None,
+    store: Any = None,
+) -> Callable[[str], pa.Table]:
+    """``python.<name>`` not stored yet: an ExternalTable the process wrote
+    since the last query (``pull`` takes them into ``store``), else
+    ``python.`expr``` over the target's ``expr`` (``probing.target``)."""
 
     def evaluate(expr: str) -> pa.Table:
+        pull()
+        stored = store.get("python", expr) if store is not None else None
+        if stored is not None:
+            return stored.to_arrow()
         try:
             return to_arrow(expr_of(expr))
         except QueryError:
