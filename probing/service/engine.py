@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from probing import config
@@ -29,8 +29,7 @@ class Entry:
     ctx: ProbeContext
     target: Guest
     pidfd: int
-    died_at: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    died_at: float | None = None  # monotonic, once the process is gone
 
 
 class Service:
@@ -85,7 +84,7 @@ class Service:
         if old is not None and old.died_at is None and old.target.socket == guest:
             return {"engine_pid": os.getpid(), "socket": old.ctx.socket_path, "already": True}
         if old is not None:  # a pid reused, or a guest started again: the old probe goes
-            self._retire(pid)
+            self._retire(pid, guest_gone=False)
         pidfd = os.pidfd_open(pid)
         _say(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
@@ -150,21 +149,22 @@ class Service:
             elif now - self._empty_since > self.idle_s:
                 self._stop.set()
 
-    def _retire(self, pid: int) -> None:
+    def _retire(self, pid: int, guest_gone: bool = True) -> None:
         with self._lock:
             entry = self.entries.pop(pid, None)
         if entry is None:
             return
-        with contextlib.suppress(Exception):
+        try:
             entry.ctx.stop_trace()
+        except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
+            log_unexpected(f"tracing of pid {pid} not stopped", err)
         entry.ctx.stop()
+        if guest_gone:  # a killed process's guest left its socket behind
+            with contextlib.suppress(OSError):
+                os.unlink(entry.target.socket)
         with contextlib.suppress(OSError):
             os.close(entry.pidfd)
-        if entry.ctx.cluster is not None:
-            with contextlib.suppress(Exception):
-                entry.ctx.cluster.stop()
-        with contextlib.suppress(Exception):
-            entry.ctx.store.close()
+        entry.ctx.store.close()
 
     def stop(self) -> None:
         self._stop.set()

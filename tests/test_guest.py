@@ -1,0 +1,111 @@
+"""The guest: standard library only, in every CPython it supports, leaving
+the job's view of its environment as it was; and its answers, asked through
+its socket as the engine asks them (``probing.target.Guest``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from probing.errors import EvalError, QueryError
+from probing.guest import outbox, place
+from probing.target import Guest
+from tests.conftest import REPO, require
+
+GUEST_DIR = REPO / "probing" / "guest"
+
+LOAD_AND_LOOK = """
+import json, sys
+before_path, before_mods = list(sys.path), set(sys.modules)
+ns = {"__name__": "_probing_hook"}
+exec(compile(open(GUEST_DIR + "/hook.py").read(), "hook.py", "exec"), ns)
+guest = ns["load"](GUEST_DIR)
+from _probing_guest import inside, outbox, wire, agent
+info = inside.info()
+rows = inside.stacks(0.01)
+new = sorted(set(sys.modules) - before_mods)
+print(json.dumps({
+    "path_same": sys.path == before_path,
+    "foreign": [m for m in new if m.split(".")[0] not in sys.stdlib_module_names
+                and m.split(".")[0] != "_probing_guest"
+                and not m.startswith("_sysconfigdata_")],  # sysconfig's own data module
+    "python": info["python"], "frames": len(rows),
+    "expr": inside.expr("{'a': [1, 2], 'b': ['x', None]}"),
+}))
+"""
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.11", "3.12", "3.13"])
+def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version) -> None:
+    pythons = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python"))
+    require(bool(pythons), f"no CPython {version} here (pyenv)")
+    code = f"GUEST_DIR = {str(GUEST_DIR)!r}\n" + LOAD_AND_LOOK
+    out = subprocess.run(
+        [str(pythons[-1]), "-I", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["path_same"] and got["foreign"] == [], got
+    assert got["python"].startswith(version) and got["frames"] >= 1
+    assert got["expr"] == {"a": [1, 2], "b": ["x", None]}
+
+
+@pytest.fixture
+def guest(runtime_dir) -> Guest:  # type: ignore[no-untyped-def]
+    """This process's guest serving on its socket, asked as the engine asks."""
+    from probing.guest.agent import Guest as Agent
+
+    agent = Agent(sys.executable)
+    agent.serve()
+    yield Guest(os.getpid(), place.guest_path(os.getpid(), agent.directory))
+    agent.stop()
+
+
+def test_the_guest_answers_what_only_the_process_knows(guest: Guest) -> None:
+    about = guest.info()
+    assert about["pid"] == os.getpid() and about["python"] == sys.version.split()[0]
+    assert any(t["main"] for t in about["threads"])
+    assert guest.eval("6 * 7") == {"result": "42", "output": ""}
+    assert guest.eval("print('hi')")["output"] == "hi\n"
+    assert guest.expr("[{'a': 1}, {'a': 2}]") == {"a": [1, 2]}
+    assert any(r["func"] == "test_the_guest_answers_what_only_the_process_knows"
+               for r in guest.stacks(0.01))  # fmt: skip
+
+
+def test_errors_cross_the_socket_as_their_own_kind(guest: Guest) -> None:
+    with pytest.raises(EvalError) as err:
+        guest.eval("1 / 0")
+    assert "ZeroDivisionError" in str(err.value) and "Traceback" in err.value.detail
+    with pytest.raises(QueryError, match="NameError"):
+        guest.expr("no_such_name_here")
+
+
+def test_external_table_rows_wait_in_the_guest_until_taken(guest: Guest) -> None:
+    t = outbox.Table("guest_steps", [("step", "int64"), ("loss", "double")])
+    t.append([1, 0.5])
+    t.append({"step": 2, "loss": 0.25})
+    assert len(t) == 2
+    taken = guest.external()["guest_steps"]
+    assert taken["columns"] == ["step", "loss"] and taken["types"] == ["int64", "double"]
+    assert taken["rows"] == [[1, 0.5], [2, 0.25]]
+    assert guest.external()["guest_steps"]["rows"] == []  # taken once
+    with pytest.raises(ValueError, match="already exists"):
+        outbox.Table("guest_steps", ["other"])
+
+
+def test_only_the_users_own_uid_is_answered(guest: Guest) -> None:
+    mode = os.stat(guest.socket).st_mode & 0o777
+    assert mode == 0o600 and (os.stat(os.path.dirname(guest.socket)).st_mode & 0o777) == 0o700
+
+
+def test_the_engine_is_named_by_the_settings_a_job_shares() -> None:
+    ranks = [{"PROBING_TOKEN": "t", "PROBING_RANK": str(r), "RANK": str(r)} for r in range(4)]
+    assert len({place.engine_key(e) for e in ranks}) == 1
+    assert place.engine_key({"PROBING_STORE_BYTES": "1"}) != place.engine_key({})
+    passed = {"PROBING_ENGINE_ENV": "LD_LIBRARY_PATH", "LD_LIBRARY_PATH": "/x", "HOME": "/h"}
+    assert place.engine_settings(passed) == {k: passed[k] for k in passed if k != "HOME"}
