@@ -54,7 +54,9 @@ def stop_engine(runtime_dir: Path) -> None:
 
 
 @pytest.fixture
-def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def runtime_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Path]:
     """An isolated PROBING_RUNTIME_DIR for the probe sockets of one test (and
     the engine that serves them, stopped after the test)."""
     d = tmp_path_factory.mktemp("rt")

@@ -9,9 +9,9 @@ import pytest
 
 from probing.engine import Engine
 from probing.errors import QueryError
+from probing.guest.inside import columns, expr
 from probing.store import Store
 from probing.tables import ExternalTable, install
-from probing.guest.inside import columns, expr
 from probing.tables.python import to_arrow
 
 

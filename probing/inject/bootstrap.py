@@ -75,8 +75,8 @@ def start(args: "dict[str, Any]") -> "dict[str, Any]":
     try:
         guest_pkg = load_guest(args["guest"])
         already = guest_pkg.current() is not None
-    finally:
-        sys.setswitchinterval(HOST_SWITCH)
+    finally:  # exact: the interpreter keeps whole microseconds, truncating
+        sys.setswitchinterval((round(HOST_SWITCH * 1e6) + 0.25) / 1e6)
         _main_thread_fixed(had_threading)
     # the engine's start is waited for outside the short switch interval
     answer = guest_pkg.start(args["engine_python"], wait=True).engine or {}
