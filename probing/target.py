@@ -31,6 +31,7 @@ class Target(Protocol):
     def eval(self, code: str) -> dict[str, Any]: ...
     def groups(self, comms: list[int]) -> list[dict[str, Any]]: ...
     def external(self) -> dict[str, dict[str, Any]]: ...
+    def hook_threads(self, on: bool) -> None: ...
 
 
 def _raised(err: wire.GuestError | wire.WireError, pid: int | None = None) -> ProbingError:
@@ -39,6 +40,17 @@ def _raised(err: wire.GuestError | wire.WireError, pid: int | None = None) -> Pr
     if kind is EvalError:
         return EvalError(str(err), pid=pid, detail=err.detail)
     return kind(str(err), pid=pid)
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with; empty when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 class Local:
@@ -81,6 +93,9 @@ class Local:
 
     def external(self) -> dict[str, dict[str, Any]]:
         return {}  # this process's ExternalTables write to its store directly
+
+    def hook_threads(self, on: bool) -> None:
+        pass  # the tracer hooks this process's threads itself (PyStacks.hook_threads)
 
 
 class Guest:
@@ -126,8 +141,12 @@ class Guest:
         return self.last_info
 
     def environ(self) -> Mapping[str, str]:
-        """The job's variables (``inside.ENV_PREFIXES``) as the host holds them now."""
-        env: dict[str, str] = self.info().get("environ", {})
+        """The job's variables (``inside.ENV_PREFIXES``): as the process started
+        (``/proc/P/environ``: no need for it to answer), overlaid with what it
+        last told (``info``: what it set since)."""
+        env = {k: v for k, v in proc_environ(self.pid).items()
+               if k.startswith(inside.ENV_PREFIXES)}  # fmt: skip
+        env.update(self.last_info.get("environ", {}))
         return env
 
     def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]:
@@ -152,3 +171,8 @@ class Guest:
             return {}
         tables: dict[str, dict[str, Any]] = self._ask("POST", "/external")
         return tables
+
+    def hook_threads(self, on: bool) -> None:
+        """New threads tell the probe their state as they start (or no more)."""
+        if self.alive():
+            self._ask("POST", "/threads", {"on": on})

@@ -151,7 +151,10 @@ class PyStacks:
         """Put the calling thread (which holds the GIL) into the maps."""
         get = ctypes.pythonapi.PyThreadState_Get
         get.restype = ctypes.c_void_p
-        tid, tstate = threading.get_native_id(), get()
+        self.register(threading.get_native_id(), get(), bpfs)
+
+    def register(self, tid: int, tstate: int, bpfs: Iterable[Any]) -> None:
+        """Thread ``tid``'s state is at ``tstate``: into every program's map."""
         for bpf in bpfs:
             m = bpf["py_threads"]
             m[m.Key(tid)] = m.Leaf(tstate)

@@ -264,8 +264,8 @@ class Tracer:
             self.load_info["uprobe_multi"] = multi
             self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
-            if self._py is not None and (self.target is None or self.target.local):
-                self._py.hook_threads(lambda: [live.bpf for live in self._live])
+            if self._py is not None:
+                self._hook_threads()
             self.attach_new_libraries()
             self.holder.sync()  # what attached is held by the helper, not in flight
             self.load_info["ready_s"] = time.perf_counter() - t0
@@ -290,6 +290,33 @@ class Tracer:
         # a host calling into libnccl at that moment (seen in test_trace)
         self.sampler = None
         self._start_sampler()
+
+    def _hook_threads(self) -> None:
+        """New threads get into the maps as they start: this process's by a
+        hook here, a process beside us by its guest telling ``register_thread``."""
+        assert self._py is not None
+        if self.target is None or self.target.local:
+            self._py.hook_threads(lambda: [live.bpf for live in self._live])
+            return
+        try:
+            self.target.hook_threads(True)
+        except ProbingError as err:  # picked up by the drain's sync instead
+            self.last_error = f"new threads wait for the next sync: {err}"
+
+    def _unhook_threads(self) -> None:
+        assert self._py is not None
+        if self.target is None or self.target.local:
+            self._py.unhook_threads()
+            return
+        try:
+            self.target.hook_threads(False)
+        except ProbingError:  # gone: nothing hooked any more
+            pass
+
+    def register_thread(self, tid: int, tstate: int) -> None:
+        """A new thread of the traced process, told by its guest as it starts."""
+        if self._py is not None and self.state is TracerState.TRACING:
+            self._py.register(tid, tstate, [live.bpf for live in self._live])
 
     def _start_sampler(self) -> None:
         from probing.bpf import sampler
@@ -333,7 +360,7 @@ class Tracer:
 
     def _detach(self) -> None:
         if self._py is not None:
-            self._py.unhook_threads()
+            self._unhook_threads()
         with self._drain_lock:
             live_families, self._live = self._live, []
         # every family's uprobes released at once: each release waits for an

@@ -35,7 +35,7 @@ class Guest:
         self.server: wire.Server | None = None
         self.engine: dict[str, Any] | None = None
         self.last_error: str | None = None
-        self.traced: list[int] = []
+        self.ptracer = 0  # the engine allowed to read this process (PR_SET_PTRACER)
 
     # -- serving ---------------------------------------------------------------------
 
@@ -47,13 +47,44 @@ class Guest:
             "POST /eval": lambda a: inside.run(str(a["code"])),
             "POST /groups": lambda a: inside.groups([int(c) for c in a.get("comms", [])]),
             "POST /external": lambda _: outbox.take(),
+            "POST /threads": self._hook_threads,
         }
+
+    def _hook_threads(self, args: dict[str, Any]) -> dict[str, Any]:
+        """While traced: each new thread's state goes to the probe's socket
+        (``POST /trace/thread``) as it starts; ``{"on": false}`` stops it."""
+        if not args.get("on"):
+            inside.unhook_threads()
+            return {"hooked": False}
+        probe = os.path.join(self.directory, f"{self.pid}.sock")
+
+        def tell(tid: int, tstate: int) -> None:
+            wire.request(probe, "POST", "/trace/thread", {"tid": tid, "tstate": tstate}, 5.0)
+
+        inside.hook_threads(tell)
+        return {"hooked": True}
 
     def serve(self) -> None:
         place.ensure_private_dir(self.directory)
-        server = wire.Server(place.guest_path(self.pid, self.directory), self.routes())
+        server = wire.Server(
+            place.guest_path(self.pid, self.directory), self.routes(), self._caller
+        )
         server.start()
         self.server = server
+
+    def _caller(self, pid: int) -> None:
+        """The engine asking (a ``probing.service`` process): let it read this
+        process's memory where Yama allows only ancestors to (once per engine)."""
+        if pid == self.ptracer or pid <= 0:
+            return
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                engine = b"probing.service" in f.read().split(b"\0")[:4]
+        except OSError:
+            return
+        if engine:
+            self.ptracer = pid
+            _allow_ptrace(pid)
 
     def stop(self) -> None:
         server, self.server = self.server, None
@@ -74,8 +105,33 @@ class Guest:
                 raise
             answer = self._start_engine(sock, payload, timeout)
         self.engine = answer
-        _allow_ptrace(int(answer.get("engine_pid", 0)))
+        self._caller(int(answer.get("engine_pid", 0)))
         return answer
+
+    def announce(self) -> None:
+        """Hand this process to the engine without waiting for anything (a host
+        starting up, which may never let go of the GIL again): the attach is
+        sent to a running engine, else an engine is started, which finds this
+        guest's socket itself (``Service.adopt``)."""
+        payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
+        try:
+            wire.send(place.engine_path(self.directory, place.engine_key(self.environ)),
+                      "POST", "/attach", payload)  # fmt: skip
+            return
+        except OSError:
+            pass
+        pid = self._spawn_engine()
+        threading.Thread(target=os.waitpid, args=(pid, 0), name="probing-guest-reap",
+                         daemon=True).start()  # fmt: skip
+
+    def _spawn_engine(self) -> int:
+        """The engine, started by probing's Python; it forks itself away and
+        exits at once (reap the pid returned)."""
+        return os.posix_spawn(
+            self.engine_python,
+            [self.engine_python, "-m", "probing.service", "--daemon"],
+            self._engine_env(),
+        )
 
     def _start_engine(self, sock: str, payload: dict[str, Any], timeout: float) -> Any:
         # one guest of the node starts it; the others wait on the lock, then find
@@ -100,12 +156,7 @@ class Guest:
             except wire.WireError as err:
                 if err.status:
                     raise
-            pid = os.posix_spawn(
-                self.engine_python,
-                [self.engine_python, "-m", "probing.service", "--daemon"],
-                self._engine_env(),
-            )
-            os.waitpid(pid, 0)  # it forks the engine and exits at once
+            os.waitpid(self._spawn_engine(), 0)
             while True:
                 try:
                     return wire.request(sock, "POST", "/attach", payload, timeout=timeout)
@@ -146,7 +197,8 @@ def current() -> Guest | None:
 
 def start(engine_python: str, *, wait: bool = True) -> Guest:
     """The guest of this process, serving (idempotent); registered with the
-    engine now (``wait``) or from a thread of its own (a host starting up)."""
+    engine now (``wait``: the engine's answer is in ``guest.engine``) or
+    announced to it without waiting (a host starting up)."""
     global _guest
     with _lock:
         guest = _guest
@@ -161,18 +213,8 @@ def start(engine_python: str, *, wait: bool = True) -> Guest:
     if wait:  # an engine that went meanwhile is started again; attaching twice is a no-op
         guest.register()
     elif fresh:
-        threading.Thread(
-            target=_register_quietly, args=(guest,), name="probing-guest-start", daemon=True
-        ).start()
+        guest.announce()
     return guest
-
-
-def _register_quietly(guest: Guest) -> None:
-    try:
-        guest.register()
-    except Exception as err:  # noqa: BLE001 - the top of a guest thread: said once, never raised
-        guest.last_error = f"{type(err).__name__}: {err}"
-        _say(f"probe not started: the engine did not answer ({guest.last_error})")
 
 
 def _after_fork_in_child() -> None:

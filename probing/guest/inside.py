@@ -122,6 +122,41 @@ def threads() -> list[dict[str, Any]]:
     ]
 
 
+# -- new threads, while traced --------------------------------------------------------
+
+
+def hook_threads(tell: Any) -> None:
+    """Call ``tell(native tid, PyThreadState address)`` from inside each new
+    ``threading.Thread`` as it starts, before its target runs
+    (``Thread._set_native_id``, which every 3.10-3.13 thread calls first and
+    which returns at once: no frame of ours stays on its stack). A thread
+    that issues a collective at once then has its Python stack. ``tell``
+    failing never reaches the thread: it is picked up at the next sync."""
+    import ctypes
+
+    original = getattr(threading.Thread._set_native_id, "__probing_original__", None)
+    original = original or threading.Thread._set_native_id  # type: ignore[attr-defined]
+    get = ctypes.pythonapi.PyThreadState_Get
+    get.restype = ctypes.c_void_p
+
+    def _set_native_id(thread: threading.Thread) -> None:
+        original(thread)
+        try:
+            tell(threading.get_native_id(), get())
+        except Exception:  # noqa: BLE001 - in the user's new thread: never raise there
+            pass
+
+    _set_native_id.__probing_original__ = original  # type: ignore[attr-defined]
+    threading.Thread._set_native_id = _set_native_id  # type: ignore[attr-defined]
+
+
+def unhook_threads() -> None:
+    current = threading.Thread._set_native_id  # type: ignore[attr-defined]
+    original = getattr(current, "__probing_original__", None)
+    if original is not None:
+        threading.Thread._set_native_id = original  # type: ignore[attr-defined]
+
+
 # -- stacks ---------------------------------------------------------------------------
 
 

@@ -109,10 +109,28 @@ def request(path: str, method: str, url: str, payload: Any = None, timeout: floa
     return answer
 
 
-def _peer_allowed(conn: socket.socket) -> bool:
+def send(path: str, method: str, url: str, payload: Any = None) -> None:
+    """``payload`` sent to ``url`` without waiting for the answer (a host
+    starting up must not wait on anyone). OSError when nothing listens."""
+    body = b"" if payload is None else json.dumps(payload).encode()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(1.0)
+    try:
+        sock.connect(path)
+        sock.sendall(
+            f"{method} {url} HTTP/1.0\r\nHost: probing\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    finally:
+        sock.close()
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end (``SO_PEERCRED``)."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", raw)
-    return uid in (0, os.getuid())
+    pid, uid, _ = struct.unpack("3i", raw)
+    return pid, uid
 
 
 def _answer(conn: socket.socket, status: int, obj: Any) -> None:
@@ -133,9 +151,12 @@ class Server:
     500. One daemon thread accepts, one daemon thread answers each request:
     the process's exit never waits for either."""
 
-    def __init__(self, path: str, routes: dict[str, Handler]) -> None:
+    def __init__(
+        self, path: str, routes: dict[str, Handler], on_peer: Callable[[int], None] | None = None
+    ) -> None:
         self.path = path
         self.routes = routes
+        self.on_peer = on_peer  # told each caller's pid (the guest lets its engine ptrace)
         self.sock: socket.socket | None = None
         self._stopped = False
 
@@ -174,9 +195,12 @@ class Server:
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(60)
-            if not _peer_allowed(conn):
+            pid, uid = _peer(conn)
+            if uid not in (0, os.getuid()):
                 _answer(conn, 403, {"error": "not this process's user", "type": "AccessDenied"})
                 return
+            if self.on_peer is not None:
+                self.on_peer(pid)
             head, rest = _read_head(conn)
             lines = head.split(b"\r\n")
             method, url = lines[0].decode("latin-1").split()[:2]

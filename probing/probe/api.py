@@ -253,6 +253,22 @@ def trace_stop(probe: Probe, req: Request) -> Response:
     return Response.json(current.status())
 
 
+def trace_thread(probe: Probe, req: Request) -> Response:
+    """POST /trace/thread {"tid", "tstate"}: a new thread of the traced process,
+    told by its guest as it starts (local socket only)."""
+    if req.remote is not None:
+        return Response.error(403, "served on the local socket only", AccessDenied.__name__)
+    try:
+        payload = json.loads(req.body)
+        tid, tstate = int(payload["tid"]), int(payload["tstate"])
+    except (ValueError, KeyError, TypeError) as err:
+        return Response.error(400, f"bad /trace/thread request: {err}")
+    current = probe.tracer
+    if current is not None:
+        current.register_thread(tid, tstate)
+    return Response.json({"ok": True})
+
+
 def trace_status(probe: Probe, req: Request) -> Response:
     current = probe.tracer
     return Response.json(current.status() if current else {"state": "stopped", "families": {}})
@@ -319,6 +335,7 @@ ROUTES = {
     ("POST", "/trace/start"): trace_start,
     ("POST", "/trace/stop"): trace_stop,
     ("GET", "/trace/status"): trace_status,
+    ("POST", "/trace/thread"): trace_thread,
     ("GET", "/peers"): peers,
     ("POST", "/cluster/query"): cluster_query,
     ("POST", "/cluster/gather"): cluster_gather,

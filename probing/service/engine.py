@@ -19,7 +19,7 @@ from probing.errors import ProbingError, log_unexpected
 from probing.guest import place
 from probing.probe.context import ProbeContext
 from probing.probe.http import Request, Response
-from probing.target import Guest
+from probing.target import Guest, proc_environ
 
 TICK_S = 1.0
 
@@ -43,6 +43,7 @@ class Service:
         self.idle_s = env.engine_idle_s
         self.entries: dict[int, Entry] = {}
         self._lock = threading.Lock()
+        self._attaching = threading.Lock()
         self._empty_since = time.monotonic()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -77,6 +78,10 @@ class Service:
 
     def attach(self, pid: int, guest: str) -> dict[str, Any]:
         """A probe for ``pid`` (whose guest listens at ``guest``), serving its socket."""
+        with self._attaching:  # one at a time: a guest may announce itself twice
+            return self._attach(pid, guest)
+
+    def _attach(self, pid: int, guest: str) -> dict[str, Any]:
         from probing import cluster_node, install_tables
 
         with self._lock:
@@ -98,6 +103,23 @@ class Service:
             self.entries[pid] = Entry(ctx, target, pidfd)
         os.write(self._wake_w, b"x")
         return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False}
+
+    def adopt(self) -> None:
+        """Attach every live guest of this directory whose process runs with
+        our settings: the guests that started this engine without waiting."""
+        for name in os.listdir(self.directory):
+            if not name.endswith(".guest") or not name[:-6].isdigit():
+                continue
+            pid = int(name[:-6])
+            env = proc_environ(pid)
+            with self._lock:
+                known = pid in self.entries
+            if known or not env or place.engine_key(env) != self.key:
+                continue
+            try:
+                self.attach(pid, os.path.join(self.directory, name))
+            except (ProbingError, OSError) as err:  # gone meanwhile, or not ours
+                _say(f"guest of pid {pid} not adopted: {err}")
 
     # -- deaths and retirement ------------------------------------------------------
 
@@ -178,6 +200,7 @@ class Service:
 
         self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
         self.server.start()
+        self.adopt()
         threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
         try:
             self.watch()
