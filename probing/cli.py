@@ -401,6 +401,7 @@ def trace(
         pass
     if monitor.status.get("state") != "tracing":  # the target is exiting: its probe stopped
         monitor.wait_exit()
+        monitor.wait_stopped(client.trace_status)
         typer.echo(monitor.target_exited(out), err=True)
         return
     try:

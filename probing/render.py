@@ -163,6 +163,22 @@ class TraceMonitor:
             out += f"\nlast error: {status['last_error']}"
         return out
 
+    def wait_stopped(self, poll: Any, timeout: float = 10.0) -> None:
+        """Until the probe says the trace stopped (its output file closed):
+        the engine beside an exited process stops it right after the exit."""
+        import time
+
+        from probing.errors import ProbingError
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if poll().get("state") == "stopped":
+                    return
+            except ProbingError:  # no probe left to ask: nothing more will be written
+                return
+            time.sleep(0.05)
+
     def wait_exit(self, timeout: float = 10.0) -> None:
         import time
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from probing.errors import ProbingError
 from probing.pyframes import remote, walker
 
 STACKS_SCHEMA = pa.schema(
@@ -162,7 +163,7 @@ class PyStacks:
     def sync(self, bpfs: Iterable[Any]) -> None:
         try:
             now = self.current_threads()
-        except OSError:  # the list changed under us: next tick
+        except (OSError, ProbingError):  # the list changed under us (next tick), or it exited
             return
         if now == self.threads:
             return
@@ -198,7 +199,11 @@ class PyStacks:
                 for i in range(depth)
                 if st.code[i]  # 0: a frame owned by C (3.12+ shim)
             ]
-            for d, fr in enumerate(self.resolver.frames(raws)):
+            try:
+                frames = self.resolver.frames(raws)
+            except ProbingError:  # the process exited: its code objects went with it
+                break
+            for d, fr in enumerate(frames):
                 for k, v in zip(
                     STACKS_SCHEMA.names,
                     (sid, d, *fr, is_user_file(fr.file, self.library_dirs)),
