@@ -20,7 +20,7 @@ _boxes: dict[str, dict[str, Any]] = {}
 _lock = threading.Lock()
 
 
-def _spec(columns: Any) -> tuple[list[str], list[str] | None]:
+def spec(columns: Any) -> tuple[list[str], list[str] | None]:
     """Column names, and type names where given: names, ``(name, type)``
     pairs, or a schema (anything with ``names`` and ``types``)."""
     if hasattr(columns, "names") and hasattr(columns, "types"):
@@ -46,7 +46,7 @@ class Table:
         if not name or not isinstance(name, str):
             raise ValueError("an ExternalTable needs a name")
         self.name = name
-        self.columns, types = _spec(columns)
+        self.columns, types = spec(columns)
         with _lock:
             box = _boxes.get(name)
             if box is None:
@@ -79,18 +79,23 @@ class Table:
         """Nothing to do: the engine takes the rows at its next query."""
 
     def _values(self, row: Any) -> list[Any]:
-        if isinstance(row, dict):
-            unknown = set(row) - set(self.columns)
-            if unknown:
-                raise ValueError(f"python.{self.name} has no column(s) {sorted(unknown)}")
-            return [row.get(c) for c in self.columns]
-        values = list(row)
-        if len(values) != len(self.columns):
-            raise ValueError(
-                f"python.{self.name} has {len(self.columns)} columns {self.columns}, "
-                f"got a row of {len(values)}"
-            )
-        return values
+        return row_values(self.name, self.columns, row)
+
+
+def row_values(name: str, columns: list[str], row: Any) -> list[Any]:
+    """One row's values in column order: a sequence in that order, or a
+    mapping by column name (``probing.ExternalTable.append``'s two forms)."""
+    if isinstance(row, dict) or (hasattr(row, "keys") and hasattr(row, "get")):
+        unknown = set(row) - set(columns)
+        if unknown:
+            raise ValueError(f"python.{name} has no column(s) {sorted(unknown)}")
+        return [row.get(c) for c in columns]
+    values = list(row)
+    if len(values) != len(columns):
+        raise ValueError(
+            f"python.{name} has {len(columns)} columns {columns}, got a row of {len(values)}"
+        )
+    return values
 
 
 def take() -> dict[str, dict[str, Any]]:

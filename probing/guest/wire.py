@@ -72,6 +72,14 @@ def _length(lines: list[bytes]) -> int | None:
     return None
 
 
+def _request(method: str, url: str, body: bytes) -> bytes:
+    return (
+        f"{method} {url} HTTP/1.0\r\nHost: probing\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
 def request(path: str, method: str, url: str, payload: Any = None, timeout: float = 30.0) -> Any:
     """``payload`` sent as JSON to ``url`` on the unix socket ``path``; the
     JSON answer. WireError for an answer other than 200 or none at all."""
@@ -81,11 +89,7 @@ def request(path: str, method: str, url: str, payload: Any = None, timeout: floa
     try:
         try:
             sock.connect(path)
-            sock.sendall(
-                f"{method} {url} HTTP/1.0\r\nHost: probing\r\nContent-Type: application/json"
-                f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+            sock.sendall(_request(method, url, body))
             head, rest = _read_head(sock)
             lines = head.split(b"\r\n")
             status = int(lines[0].split()[1])
@@ -117,11 +121,7 @@ def send(path: str, method: str, url: str, payload: Any = None) -> None:
     sock.settimeout(1.0)
     try:
         sock.connect(path)
-        sock.sendall(
-            f"{method} {url} HTTP/1.0\r\nHost: probing\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        sock.sendall(_request(method, url, body))
     finally:
         sock.close()
 

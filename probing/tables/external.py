@@ -9,6 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from probing.guest.outbox import row_values, spec
 from probing.store import EventTable, Store
 
 SCHEMA = "python"
@@ -18,22 +19,10 @@ ColumnSpec = Sequence[str] | Sequence[tuple[str, pa.DataType]] | pa.Schema
 
 
 def _parse_columns(columns: ColumnSpec) -> tuple[list[str], pa.Schema | None]:
+    names, types = spec(columns)  # checked as the guest's tables check them
     if isinstance(columns, pa.Schema):
-        return list(columns.names), columns
-    cols = list(columns)
-    if not cols:
-        raise ValueError("an ExternalTable needs at least one column")
-    if all(isinstance(c, str) for c in cols):
-        names = list(cols)
-        schema = None
-    elif all(isinstance(c, tuple) and len(c) == 2 for c in cols):
-        schema = pa.schema([(n, t) for n, t in cols])
-        names = list(schema.names)
-    else:
-        raise TypeError("columns are names, (name, pyarrow type) pairs, or a pyarrow.Schema")
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate column names in {names}")
-    return names, schema
+        return names, columns
+    return names, None if types is None else pa.schema(list(columns))  # type: ignore[arg-type]
 
 
 class ExternalTable:
@@ -92,18 +81,7 @@ class ExternalTable:
             self.append(row)
 
     def _row_values(self, row: Sequence[Any] | Mapping[str, Any]) -> list[Any]:
-        if isinstance(row, Mapping):
-            unknown = set(row) - set(self.columns)
-            if unknown:
-                raise ValueError(f"python.{self.name} has no column(s) {sorted(unknown)}")
-            return [row.get(c) for c in self.columns]
-        values = list(row)
-        if len(values) != len(self.columns):
-            raise ValueError(
-                f"python.{self.name} has {len(self.columns)} columns {self.columns}, "
-                f"got a row of {len(values)}"
-            )
-        return values
+        return row_values(self.name, self.columns, row)
 
     def flush(self) -> None:
         """Hand buffered rows to the store now (queries call this themselves)."""
