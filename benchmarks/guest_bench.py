@@ -67,8 +67,10 @@ class Tree:
         return env
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        # from the tree's root: `-m` puts the working directory first on sys.path
         return subprocess.run([sys.executable, "-m", "probing", *args], env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                              cwd=self.root, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
 
     def engines(self) -> list[int]:
         out = []
@@ -139,7 +141,7 @@ def bench_rss_cpu(tree: Tree) -> dict[str, float]:
 
 
 def bench_inject(tree: Tree) -> float:
-    proc = subprocess.Popen([sys.executable, "-c", IDLE], env=tree.env())
+    proc = subprocess.Popen([sys.executable, "-c", IDLE], env=tree.env(), cwd=tree.root)
     try:
         time.sleep(1)
         t0 = time.monotonic()

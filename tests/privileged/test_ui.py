@@ -51,8 +51,11 @@ def live(fake_nvml: Path) -> Iterator[Live]:  # noqa: F811
     require(find_chromium() is not None, "needs chromium (.ci/setup.sh installs it)")
     slow = random.randrange(WORLD)
     print(f"straggler: rank {slow}")
-    env = {"LD_LIBRARY_PATH": str(fake_nvml), "FAKE_NVML_GPUS": "1",
-           "PROBING_ENGINE_ENV": "LD_LIBRARY_PATH,FAKE_NVML_GPUS"}  # the engine samples NVML
+    env = {
+        "LD_LIBRARY_PATH": str(fake_nvml),
+        "FAKE_NVML_GPUS": "1",
+        "PROBING_ENGINE_ENV": "LD_LIBRARY_PATH,FAKE_NVML_GPUS",
+    }  # the engine samples NVML
     job = DemoJob(WORLD, job_args=["--slow-rank", str(slow), "--slow-ms", "40"], env=env)
     ui = None
     try:
