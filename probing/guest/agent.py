@@ -1,8 +1,9 @@
 """The guest's life in the host: serve, hand the process to the engine, fork.
 
-``start()`` opens ``<pid>.guest`` and registers the process with the node's
-engine (``probing.service``, run by probing's own Python), starting the
-engine when none answers. The engine then serves the pid's probe socket.
+``start()`` opens ``<pid>.guest`` and hands the process to the node's engine
+(``probing.service``, run by probing's own Python), starting the engine when
+none answers: ``probing inject`` waits for its answer, a host starting up
+(``PROBING=1``) does not. The engine then serves the pid's probe socket.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "LOGNAME")
 
 
 class Guest:
+    """This process's guest: its socket (``serve``), its hand-over to the
+    engine (``register``, waited for; ``announce``, not), its thread hook."""
+
     def __init__(self, engine_python: str, environ: dict[str, str] | None = None) -> None:
         self.engine_python = engine_python
         self.environ = dict(os.environ if environ is None else environ)
