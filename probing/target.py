@@ -25,6 +25,7 @@ class Target(Protocol):
     def alive(self) -> bool: ...
     def info(self) -> dict[str, Any]: ...
     def about(self) -> dict[str, Any]: ...
+    def threads(self) -> list[dict[str, Any]]: ...
     def environ(self) -> Mapping[str, str]: ...
     def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]: ...
     def expr(self, text: str) -> dict[str, list[Any]]: ...
@@ -69,6 +70,9 @@ class Local:
 
     def about(self) -> dict[str, Any]:
         return inside.info()
+
+    def threads(self) -> list[dict[str, Any]]:
+        return inside.threads()
 
     def environ(self) -> Mapping[str, str]:
         return os.environ
@@ -139,6 +143,11 @@ class Guest:
             if not self.last_info:
                 raise
         return self.last_info
+
+    def threads(self) -> list[dict[str, Any]]:
+        """Its ``threading`` threads (tid, ident, name, daemon, main)."""
+        rows: list[dict[str, Any]] = self._ask("GET", "/threads")
+        return rows
 
     def environ(self) -> Mapping[str, str]:
         """The job's variables (``inside.ENV_PREFIXES``): as the process started

@@ -114,7 +114,7 @@ class PyStacks:
         if self.offsets.tstate_native_thread_id >= 0:  # the thread states say it
             return {}
         try:
-            return {t["ident"]: t["tid"] for t in self.target.info().get("threads", [])}
+            return {t["ident"]: t["tid"] for t in self.target.threads()}
         except Exception:  # noqa: BLE001 - a process gone or not answering: no names this tick
             return {}
 

@@ -241,7 +241,7 @@ class Sampler:
         if self.target is None or self.target.local:
             return {t.native_id: t.name for t in threading.enumerate() if t.native_id}
         try:
-            return {t["tid"]: t["name"] for t in self.target.info().get("threads", [])}
+            return {t["tid"]: t["name"] for t in self.target.threads()}
         except Exception:  # noqa: BLE001 - a process gone or not answering: no names this read
             return {}
 

@@ -46,6 +46,7 @@ class Guest:
     def routes(self) -> dict[str, Any]:
         return {
             "GET /info": lambda _: {**inside.info(), "threads": inside.threads()},
+            "GET /threads": lambda _: inside.threads(),
             "POST /stacks": lambda a: inside.stacks(float(a.get("window_s", inside.WINDOW_S))),
             "POST /expr": lambda a: inside.expr(str(a["expr"])),
             "POST /eval": lambda a: inside.run(str(a["code"])),

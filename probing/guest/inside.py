@@ -43,18 +43,28 @@ ENV_PREFIXES = (
 # -- the process ---------------------------------------------------------------------
 
 
+_LIBRARY_DIRS: list[str] = []
+
+
+def library_dirs() -> list[str]:
+    """Where this Python's standard library is (asked of sysconfig once)."""
+    if not _LIBRARY_DIRS:
+        import sysconfig
+
+        paths = sysconfig.get_paths()
+        _LIBRARY_DIRS.extend(sorted({p for k in ("stdlib", "platstdlib") if (p := paths.get(k))}))
+    return list(_LIBRARY_DIRS)
+
+
 def info() -> dict[str, Any]:
     """Who the process is: its Python, its arguments, where its libraries are."""
-    import sysconfig
-
-    paths = sysconfig.get_paths()
     return {
         "pid": os.getpid(),
         "python": sys.version.split()[0],
         "version": list(sys.version_info[:2]),
         "executable": sys.executable,
         "argv": list(getattr(sys, "argv", [])),
-        "library_dirs": sorted({p for k in ("stdlib", "platstdlib") if (p := paths.get(k))}),
+        "library_dirs": library_dirs(),
         "probe_started_ns": STARTED_NS,
         "distributed": distributed(),
         "environ": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
