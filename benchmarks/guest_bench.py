@@ -75,12 +75,14 @@ class Tree:
     def engines(self) -> list[int]:
         out = []
         for lock in (self.runtime / f"probing-{os.getuid()}").glob("engine-*.lock"):
+            from probing.guest.place import is_engine
+
             try:
                 pid = int(lock.read_text().split()[0])
-                if b"probing.service" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.append(pid)
             except (OSError, ValueError, IndexError):
-                pass
+                continue
+            if is_engine(pid):
+                out.append(pid)
         return out
 
     def stop_engines(self) -> None:

@@ -24,6 +24,7 @@ from probing.errors import (
     QueryError,
     from_wire,
 )
+from probing.guest import place
 from probing.probe import http
 
 
@@ -41,7 +42,7 @@ def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None)
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     got_pid, got_uid, _ = struct.unpack("3i", raw)
     # the process itself, or the node's engine that serves its probe (its user's)
-    pid_ok = pid is None or got_pid == pid or is_engine(got_pid)
+    pid_ok = pid is None or got_pid == pid or place.is_engine(got_pid)
     if pid_ok and (uid is None or got_uid == uid):
         return
     want = f"process {pid}" if pid is not None else "the probe"
@@ -53,16 +54,6 @@ def check_peer(sock: socket.socket, path: str, pid: int | None, uid: int | None)
         hint=f"another process may be impersonating the probe; remove {path} "
         f"if you trust its directory, then start the probe again with: probing inject --pid {pid}",
     )
-
-
-def is_engine(pid: int) -> bool:
-    """Whether ``pid`` runs probing's engine (``python -m probing.service``)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"probing.service" in args[:4]
 
 
 class UnixTransport:

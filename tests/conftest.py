@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from probing.guest import place
+
 REPO = Path(__file__).resolve().parent.parent
 # how much slower than this host the tests run (make vm-test sets 10 in a
 # TCG-emulated guest): every wait on a process's start or answer stretches by it
@@ -46,10 +48,9 @@ def stop_engine(runtime_dir: Path) -> None:
     for lock in (runtime_dir / f"probing-{os.getuid()}").glob("engine-*.lock"):
         try:
             pid = int(lock.read_text().split()[0])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if b"probing.service" in cmdline:
+        if place.is_engine(pid):
             os.kill(pid, signal.SIGTERM)
 
 

@@ -35,10 +35,10 @@ class Guest:
         self.engine_python = engine_python
         self.environ = dict(os.environ if environ is None else environ)
         self.directory = place.user_dir(root=place.runtime_root(self.environ))
+        self.key = place.engine_key(self.environ)  # the engine of this environment's settings
         self.pid = os.getpid()
         self.server: wire.Server | None = None
         self.engine: dict[str, Any] | None = None
-        self.last_error: str | None = None
         self.ptracer = 0  # the engine allowed to read this process (PR_SET_PTRACER)
 
     # -- serving ---------------------------------------------------------------------
@@ -80,14 +80,7 @@ class Guest:
     def _caller(self, pid: int) -> None:
         """The engine asking (a ``probing.service`` process): let it read this
         process's memory where Yama allows only ancestors to (once per engine)."""
-        if pid == self.ptracer or pid <= 0:
-            return
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                engine = b"probing.service" in f.read().split(b"\0")[:4]
-        except OSError:
-            return
-        if engine:
+        if pid != self.ptracer and pid > 0 and place.is_engine(pid):
             self.ptracer = pid
             _allow_ptrace(pid)
 
@@ -102,7 +95,7 @@ class Guest:
         """Hand this process to the node's engine, starting it if none answers;
         the engine's answer (its pid, the probe socket it serves)."""
         payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
-        sock = place.engine_path(self.directory, place.engine_key(self.environ))
+        sock = place.engine_path(self.directory, self.key)
         try:
             answer = wire.request(sock, "POST", "/attach", payload, timeout=timeout)
         except wire.WireError as err:
@@ -120,8 +113,7 @@ class Guest:
         guest's socket itself (``Service.adopt``)."""
         payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
         try:
-            wire.send(place.engine_path(self.directory, place.engine_key(self.environ)),
-                      "POST", "/attach", payload)  # fmt: skip
+            wire.send(place.engine_path(self.directory, self.key), "POST", "/attach", payload)
             return
         except OSError:
             pass
@@ -143,7 +135,7 @@ class Guest:
         # it. A POSIX record lock (lockf): a child forked meanwhile does not hold it
         deadline = time.monotonic() + timeout
         fd = os.open(
-            place.engine_path(self.directory, place.engine_key(self.environ), "start"),
+            place.engine_path(self.directory, self.key, "start"),
             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
             0o600,
         )

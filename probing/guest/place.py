@@ -63,6 +63,16 @@ def engine_path(directory: str | None = None, key: str = "", suffix: str = "sock
     return os.path.join(directory or user_dir(), f"engine-{key}.{suffix}")
 
 
+def is_engine(pid: int) -> bool:
+    """Whether ``pid`` runs probing's engine (``python -m probing.service``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"probing.service" in args[:4]
+
+
 def ensure_private_dir(directory: str) -> None:
     """Create ``directory`` mode 0700, or accept it only if it is a real
     directory of ours (its mode is then set to 0700); UnsafePath otherwise.

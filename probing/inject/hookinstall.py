@@ -16,9 +16,9 @@ import sys
 from typing import NamedTuple
 
 from probing.errors import ProbingError
+from probing.guest import hook
 
 PTH = "_probing_hook.pth"
-GUEST = "_probing_guest"
 
 
 class Installed(NamedTuple):
@@ -44,26 +44,20 @@ def site_packages(python: str) -> str:
 
 def install(python: str, engine_python: str = sys.executable) -> Installed:
     """The hook and the guest into ``python``'s environment (again: replaced)."""
-    from probing import guest
-
     site = site_packages(python)
-    source = os.path.dirname(os.path.abspath(guest.__file__))
-    target = os.path.join(site, GUEST)
+    source = os.path.dirname(os.path.abspath(hook.__file__))
+    target = os.path.join(site, hook.GUEST)
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-    ns: dict[str, object] = {}
-    hook = os.path.join(target, "hook.py")
-    with open(hook) as f:
-        exec(compile(f.read(), hook, "exec"), ns)  # noqa: S102 - our own file
     pth = os.path.join(site, PTH)
     with open(pth, "w") as f:
-        f.write(ns["pth_line"](target, engine_python))  # type: ignore[operator]
+        f.write(hook.pth_line(target, engine_python))
     return Installed(site, pth, target)
 
 
 def remove(python: str) -> Installed:
     site = site_packages(python)
-    pth, target = os.path.join(site, PTH), os.path.join(site, GUEST)
+    pth, target = os.path.join(site, PTH), os.path.join(site, hook.GUEST)
     if os.path.exists(pth):
         os.unlink(pth)
     shutil.rmtree(target, ignore_errors=True)

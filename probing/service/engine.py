@@ -89,7 +89,7 @@ class Service:
         if old is not None and old.died_at is None and old.target.socket == guest:
             return {"engine_pid": os.getpid(), "socket": old.ctx.socket_path, "already": True}
         if old is not None:  # a pid reused, or a guest started again: the old probe goes
-            self._retire(pid, guest_gone=False)
+            self._retire(pid)
         pidfd = os.pidfd_open(pid)
         _say(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
@@ -153,10 +153,7 @@ class Service:
         server = entry.ctx.server
         if server is not None:  # it leaves the job's peers; local queries go on
             server.close_tcp()
-        try:
-            entry.ctx.stop_trace()
-        except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
-            log_unexpected(f"tracing of exited pid {pid} not stopped", err)
+        _stop_tracing(entry)
 
     def _tidy(self) -> None:
         now = time.monotonic()
@@ -164,29 +161,29 @@ class Service:
             old = [p for p, e in self.entries.items()
                    if e.died_at is not None and now - e.died_at > self.keep_dead_s]  # fmt: skip
         for pid in old:
-            self._retire(pid)
+            entry = self._retire(pid)
+            if entry is not None:  # the killed process's guest left its socket behind
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.target.socket)
         with self._lock:
             if self.entries:
                 self._empty_since = now
             elif now - self._empty_since > self.idle_s:
                 self._stop.set()
 
-    def _retire(self, pid: int, guest_gone: bool = True) -> None:
+    def _retire(self, pid: int) -> Entry | None:
+        """Its probe closed and its data dropped; the guest's socket is left
+        alone (a live process, or a reused pid's new guest, still has it)."""
         with self._lock:
             entry = self.entries.pop(pid, None)
         if entry is None:
-            return
-        try:
-            entry.ctx.stop_trace()
-        except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
-            log_unexpected(f"tracing of pid {pid} not stopped", err)
+            return None
+        _stop_tracing(entry)
         entry.ctx.stop()
-        if guest_gone:  # a killed process's guest left its socket behind
-            with contextlib.suppress(OSError):
-                os.unlink(entry.target.socket)
         with contextlib.suppress(OSError):
             os.close(entry.pidfd)
         entry.ctx.store.close()
+        return entry
 
     def stop(self) -> None:
         self._stop.set()
@@ -208,6 +205,13 @@ class Service:
             self.server.stop()
             for pid in list(self.entries):
                 self._retire(pid)
+
+
+def _stop_tracing(entry: Entry) -> None:
+    try:
+        entry.ctx.stop_trace()
+    except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
+        log_unexpected(f"tracing of pid {entry.target.pid} not stopped", err)
 
 
 def _say(msg: str) -> None:
