@@ -53,17 +53,21 @@ def _install_analyze(engine: Engine) -> None:
 
 
 def cluster_node(ctx: ProbeContext) -> Any:
-    """The cluster node of a rank of a multi-process job, or of a process
-    given ``PROBING_PEERS``; None otherwise. Its TCP port and publication
-    start in the background."""
+    """The cluster node of a process: a rank of a multi-process job, a
+    process given ``PROBING_PEERS``, or one that may become a rank once it
+    calls ``init_process_group`` (Lightning, ``mp.spawn``: the node waits
+    for it); None with ``PROBING_CLUSTER=off``. Its TCP port and
+    publication start in the background."""
+    from probing import config
     from probing.cluster import identity
 
     environ = ctx.target.environ()
-    if not identity.cluster_wanted(environ):
+    if config.from_env(environ).cluster_off:
         return None
     from probing.cluster.node import ClusterNode
 
-    return ClusterNode(identity.from_env(environ), lambda: ctx.engine, pid=ctx.pid)
+    ident = identity.from_env(environ)
+    return ClusterNode(ident, lambda: ctx.engine, pid=ctx.pid, learn=ctx.target.distributed)
 
 
 def context() -> ProbeContext:

@@ -27,6 +27,7 @@ class Target(Protocol):
     def about(self) -> dict[str, Any]: ...
     def threads(self) -> list[dict[str, Any]]: ...
     def environ(self) -> Mapping[str, str]: ...
+    def distributed(self) -> dict[str, Any] | None: ...
     def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]: ...
     def expr(self, text: str) -> dict[str, list[Any]]: ...
     def eval(self, code: str) -> dict[str, Any]: ...
@@ -76,6 +77,9 @@ class Local:
 
     def environ(self) -> Mapping[str, str]:
         return os.environ
+
+    def distributed(self) -> dict[str, Any] | None:
+        return inside.distributed()
 
     def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]:
         return inside.stacks(window_s)
@@ -148,6 +152,11 @@ class Guest:
         """Its ``threading`` threads (tid, ident, name, daemon, main)."""
         rows: list[dict[str, Any]] = self._ask("GET", "/threads")
         return rows
+
+    def distributed(self) -> dict[str, Any] | None:
+        """Its default process group (rank, world, store), None until torch has one."""
+        got: dict[str, Any] | None = self._ask("GET", "/distributed")
+        return got
 
     def environ(self) -> Mapping[str, str]:
         """The job's variables (``inside.ENV_PREFIXES``): as the process started

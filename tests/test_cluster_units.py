@@ -31,18 +31,27 @@ def test_identity_from_torchrun_env() -> None:
         "TORCHELASTIC_RUN_ID": "job42",
         "PROBING_NODE": "gpu-07",
     }
-    assert identity.cluster_wanted(env)
     ident = identity.from_env(env)
+    assert identity.known(ident)
     assert (ident.rank, ident.world_size, ident.local_rank, ident.group_rank) == (5, 8, 1, 2)
     assert ident.master == ("10.1.0.1", 29500) and ident.run_id == "job42"
     assert ident.node == "gpu-07" and ident.source == "torchrun" and ident.port == 0
 
 
-def test_cluster_mode_only_for_jobs() -> None:
-    assert not identity.cluster_wanted({})
-    assert not identity.cluster_wanted({"WORLD_SIZE": "1", "RANK": "0"})
-    assert identity.cluster_wanted({"PROBING_PEERS": "a:1,b:2"})
-    assert not identity.cluster_wanted({"WORLD_SIZE": "4", "PROBING_CLUSTER": "off"})
+def test_a_rank_the_environment_does_not_name_is_learned_from_torch() -> None:
+    assert not identity.known(identity.from_env({}))
+    assert not identity.known(identity.from_env({"WORLD_SIZE": "1", "RANK": "0"}))
+    assert identity.known(identity.from_env({"PROBING_PEERS": "a:1,b:2"}))
+    # Lightning's ranks 1-3: a size and a store, but no RANK
+    lightning = {"WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7"}
+    ident = identity.from_env(lightning)
+    assert not identity.known(ident) and ident.master == ("h", 7)
+    # what torch's default group says wins, its store included
+    got = identity.learned(ident, {"rank": 2, "world": 4, "store": ["10.0.0.1", 29500]})
+    assert identity.known(got)
+    assert (got.rank, got.world_size, got.master, got.local_rank) == (2, 4, ("10.0.0.1", 29500), 2)
+    # a file store: the environment's store stays, if it named one
+    assert identity.learned(ident, {"rank": 1, "world": 4}).master == ("h", 7)
 
 
 def test_peer_list_from_string_and_file(tmp_path) -> None:

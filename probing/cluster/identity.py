@@ -1,4 +1,5 @@
-"""Who this probe is in the job, read from the environment torchrun sets.
+"""Who this probe is in the job: from the environment torchrun sets, then
+from the job's own default process group once it has one (``learned``).
 
 Everything here is pure (an ``environ`` mapping in, dataclasses out), so it
 is tested on canned environments. A probe injected into a running job reads
@@ -10,7 +11,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from probing import config
 from probing.errors import ProbingError
@@ -75,14 +77,6 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
         raise ProbingError(f"{name}={raw!r} is not an integer") from err
 
 
-def cluster_wanted(environ: Mapping[str, str] = os.environ) -> bool:
-    """Cluster mode: a rank of a multi-process job, or an explicit peer list."""
-    env = config.from_env(environ)
-    if env.cluster_off:
-        return False
-    return (_int(environ, "WORLD_SIZE") or 1) > 1 or bool(env.peers.strip())
-
-
 def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
     """This process's identity. With ``PROBING_PEERS``, a process that sets no
     ``RANK`` takes the index of the first listed address it can bind."""
@@ -109,6 +103,23 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
         peers=peers,
         port=DEFAULT_PORT if port is None else port,
     )
+
+
+def known(ident: Identity) -> bool:
+    """Whether the environment said enough to join: a rank of a job of
+    several with its store, or an explicit peer list."""
+    return bool(ident.peers) or (
+        ident.rank >= 0 and ident.world_size > 1 and ident.master is not None
+    )
+
+
+def learned(ident: Identity, dist: Mapping[str, Any]) -> Identity:
+    """``ident`` corrected by the job's default process group (``inside.distributed``):
+    its rank, size and store are what the job runs on, whatever the
+    environment said (Lightning's rank 0 has no ``RANK`` nor ``WORLD_SIZE``)."""
+    store = dist.get("store")
+    master = (str(store[0]), int(store[1])) if store else ident.master
+    return replace(ident, rank=int(dist["rank"]), world_size=int(dist["world"]), master=master)
 
 
 def job_address(master: tuple[str, int] | None) -> str:

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,14 @@ from probing.cluster.discovery import (
     static_peers,
 )
 from probing.cluster.exchange import Exchange, Reply
-from probing.cluster.identity import Identity, job_address, split_addr, token_from_env
+from probing.cluster.identity import (
+    Identity,
+    job_address,
+    known,
+    learned,
+    split_addr,
+    token_from_env,
+)
 from probing.cluster.wire import (
     CLUSTER_CONTENT_TYPE,
     MissingPeer,
@@ -52,6 +59,11 @@ _RUNNING = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
 # waiting for the job's store: first retry after 50 ms, then doubling up to
 # 0.5 s, so a probe joins within half a second of the store appearing
 JOIN_BACKOFF_S = (0.05, 0.5)
+# waiting for the job's default process group (a rank the environment does
+# not name): asked after 50 ms, then doubling up to 2 s; one small request
+# to the guest each time, nothing while the answer is known
+LEARN_BACKOFF_S = (0.05, 2.0)
+WAITING = "waiting for the job's default process group (torch's init_process_group)"
 
 
 MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds them anyway)
@@ -99,8 +111,12 @@ class ClusterNode:
         *,
         token: bytes | None = None,
         pid: int | None = None,
+        learn: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.ident = ident
+        # where rank, size and store come from when the environment does not
+        # say (``Target.distributed``): None once known
+        self.learn = None if known(ident) else learn
         self.engine = engine
         self.token = token
         self.pid = pid if pid is not None else os.getpid()
@@ -115,6 +131,8 @@ class ClusterNode:
         self._join_lock = threading.Lock()
         self._columns: dict[str, list[str]] = {}
         self._rewritten: dict[str, str] = {}  # agg SQL -> what I run over my tagged tables
+        if self.learn is not None:
+            self.error = WAITING
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -133,7 +151,50 @@ class ClusterNode:
         self._server = server
         threading.Thread(target=self._join_loop, name="probing-cluster", daemon=True).start()
 
+    @property
+    def learning(self) -> bool:
+        """Still waiting for the job to say who this process is."""
+        return self.learn is not None
+
+    def _learn_loop(self) -> bool:
+        """Ask the process for its default process group until it has one
+        (backoff ``LEARN_BACKOFF_S``); then this node is that rank. False
+        when it never will be a peer: a job of one process, or gone."""
+        delay = LEARN_BACKOFF_S[0]
+        while self.learn is not None:
+            try:
+                dist = self.learn()
+            except ProbingError as err:  # the process exited while we waited
+                self.error = f"{WAITING}: {err}"
+                return False
+            if dist is not None:
+                if int(dist["world"]) <= 1:
+                    self.error = "the job's default process group has one process: no peers"
+                    return False
+                self.ident = learned(self.ident, dist)
+                self.rank = self.ident.rank
+                if self.ident.master is not None:
+                    self.directory = StoreDirectory(self.ident)
+                self.learn = None
+                return True
+            self.ready.set()  # queries meanwhile say that this probe is waiting
+            time.sleep(delay)
+            delay = min(delay * 2, LEARN_BACKOFF_S[1])
+        return True
+
     def _join_loop(self) -> None:
+        try:
+            if not self._learn_loop():
+                self.ready.set()
+                return
+        except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+            self.error = f"{type(err).__name__}: {err}"
+            log_unexpected("cluster mode off (local socket only)", err)
+            self.ready.set()
+            return
+        self._join_store()
+
+    def _join_store(self) -> None:
         """Try to join until it works, with backoff (``JOIN_BACKOFF_S``), then end.
 
         In an srun/mpirun-style job the store appears only when rank 0 calls

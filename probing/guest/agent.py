@@ -47,6 +47,7 @@ class Guest:
         return {
             "GET /info": lambda _: {**inside.info(), "threads": inside.threads()},
             "GET /threads": lambda _: inside.threads(),
+            "GET /distributed": lambda _: inside.distributed(),
             "POST /stacks": lambda a: inside.stacks(float(a.get("window_s", inside.WINDOW_S))),
             "POST /expr": lambda a: inside.expr(str(a["expr"])),
             "POST /eval": lambda a: inside.run(str(a["code"])),

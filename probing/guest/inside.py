@@ -71,8 +71,14 @@ def info() -> dict[str, Any]:
     }
 
 
+STORE_LAYERS = 4  # prefix stores wrapped around the job's TCPStore, at most
+
+
 def distributed() -> dict[str, Any] | None:
-    """The job's default process group once torch has it: rank, size, store."""
+    """The job's default process group once torch has it: rank, size, and the
+    host and port of its TCPStore (none for a file or hash store). Lightning,
+    ``mp.spawn`` and accelerate pass rank and size to ``init_process_group``
+    themselves: this is where a probe learns them."""
     dist = _torch_distributed()
     if dist is None:
         return None
@@ -81,9 +87,12 @@ def distributed() -> dict[str, Any] | None:
             return None
         out: dict[str, Any] = {"rank": int(dist.get_rank()), "world": int(dist.get_world_size())}
         store = getattr(dist.distributed_c10d, "_get_default_store", lambda: None)()
-        host, port = getattr(store, "host", None), getattr(store, "port", None)
-        if host and port:
-            out["store"] = [str(host), int(port)]
+        for _ in range(STORE_LAYERS):  # PrefixStore("default_pg", ...) around the TCPStore
+            host, port = getattr(store, "host", None), getattr(store, "port", None)
+            if host and port:
+                out["store"] = [str(host), int(port)]
+                break
+            store = getattr(store, "underlying_store", None)
         return out
     except Exception:  # noqa: BLE001 - torch internals moved, or not initialised yet
         return None

@@ -282,6 +282,12 @@ def _cluster(probe: Probe):  # type: ignore[no-untyped-def]
             hint="it turns on in a rank of a torchrun job (WORLD_SIZE > 1) or with PROBING_PEERS",
         )
     node.ready.wait(5.0)
+    if node.learning:
+        raise ProbingError(
+            f"this probe is not in cluster mode: {node.error}",
+            hint="it joins once the job calls torch.distributed.init_process_group; "
+            "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or PROBING_PEERS",
+        )
     return node
 
 
