@@ -33,10 +33,117 @@ int gloo_execute(struct pt_regs *ctx) {
     return 0;
 }
 
+/* Point-to-point. ProcessGroupGloo::send(tensors, dstRank, tag) posts the
+ * transfer and returns its work; the caller (dist.send, a pipeline's
+ * batch_isend_irecv) then blocks in the work's wait(). One event per
+ * transfer: ts when posted, dur_ns until its wait returned, wait_ns the
+ * part blocked in wait(). The post is parked like any call; at its return
+ * the event moves to p2p_work under the work's address; wait() parks it
+ * again (in flight: a pipeline hang shows there) and its return emits it.
+ * send and recv return a c10::intrusive_ptr<Work> (a non-trivial class)
+ * through a hidden pointer: the first argument on x86_64, x8 on aarch64. */
+BPF_HASH(p2p_work, u64, EVENT, 4096);   /* SendWork/RecvWork* -> its posted event */
+BPF_HASH(p2p_ret, u32, u64, 4096);      /* tid -> where its post's work pointer goes */
+struct p2p_key {
+    u64 pg;
+    s32 peer;
+    s32 tag;
+    u32 fn;
+    u32 pad;
+};
+BPF_HASH(p2p_seq, struct p2p_key, u64, 4096);
+
+static __always_inline int p2p_post(struct pt_regs *ctx, u16 fn) {
+#if defined(__x86_64__)
+    u64 ret = arg(ctx, 1), pg = arg(ctx, 2);
+    s32 peer = (s32)arg(ctx, 4), tag = (s32)arg(ctx, 5);
+#else
+    u64 ret = ctx->regs[8], pg = arg(ctx, 1);
+    s32 peer = (s32)arg(ctx, 3), tag = (s32)arg(ctx, 4);
+#endif
+    EVENT ev = {};
+    hdr_init(&ev.hdr, fn);
+    ev.context = pg;
+    ev.peer = peer;
+    ev.tag = tag;
+    struct p2p_key key = {.pg = pg, .peer = peer, .tag = tag, .fn = fn};
+    u64 zero = 0;
+    u64 *seq = p2p_seq.lookup_or_try_init(&key, &zero);
+    if (seq)
+        ev.seq = __sync_fetch_and_add(seq, 1);
+    u32 tid = ev.hdr.tid;
+    p2p_ret.update(&tid, &ret);
+    park(&ev);
+    return 0;
+}
+static __always_inline int p2p_posted(struct pt_regs *ctx, u16 fn) {
+    struct inflight_key key;
+    EVENT *ev = unpark(ctx, fn, &key);
+    u64 *ret = p2p_ret.lookup(&key.tid);
+    if (!ev || !ret)
+        return 0;
+    u64 work = read_u64(*ret);
+    p2p_ret.delete(&key.tid);
+    if (work)
+        p2p_work.update(&work, ev);
+    return 0;
+}
+/* the size of the posted transfer, from the unbound buffer it posts */
+static __always_inline int p2p_size(struct pt_regs *ctx, u16 fn) {
+    struct inflight_key key;
+    inflight_key_of(&key, fn);
+    EVENT *ev = inflight.lookup(&key);
+    if (!ev || (ev->hdr.flags & PROBING_HAS_RET))
+        return 0; /* a collective's own transfers: no post of ours is open */
+    u64 nbytes = arg(ctx, 5);
+    if (nbytes == ~0ULL)
+        nbytes = read_u64(arg(ctx, 1) + GLOO_UB_SIZE_OFF);
+    ev->elements = nbytes;
+    ev->elem_size = 1;
+    return 0;
+}
+static __always_inline int p2p_wait(struct pt_regs *ctx) {
+    u64 work = arg(ctx, 1);
+    EVENT *posted = p2p_work.lookup(&work);
+    if (!posted)
+        return 0;
+    EVENT ev = {};
+    __builtin_memcpy(&ev, posted, sizeof(ev));
+    p2p_work.delete(&work);
+    ev.hdr.tid = (u32)bpf_get_current_pid_tgid();
+    ev.hdr.flags &= ~PROBING_HAS_RET;
+    ev.hdr.dur_ns = 0;
+    ev.wait_ns = bpf_ktime_get_ns(); /* when the wait began, until it returns */
+    park(&ev);
+    return 0;
+}
+static __always_inline int p2p_waited(struct pt_regs *ctx, u16 fn) {
+    struct inflight_key key;
+    inflight_key_of(&key, fn);
+    EVENT *ev = inflight.lookup(&key);
+    if (!ev || (ev->hdr.flags & PROBING_HAS_RET) || !ev->wait_ns)
+        return 0;
+    complete(ctx, &ev->hdr);
+    ev->wait_ns = bpf_ktime_get_ns() - ev->wait_ns;
+    emit(ev);
+    return 0;
+}
+int gloo_send(struct pt_regs *ctx) { return p2p_post(ctx, GLOO_SEND); }
+int gloo_recv(struct pt_regs *ctx) { return p2p_post(ctx, GLOO_RECV); }
+int gloo_ret_GLOO_SEND(struct pt_regs *ctx) { return p2p_posted(ctx, GLOO_SEND); }
+int gloo_ret_GLOO_RECV(struct pt_regs *ctx) { return p2p_posted(ctx, GLOO_RECV); }
+int gloo_ubsend(struct pt_regs *ctx) { return p2p_size(ctx, GLOO_SEND); }
+int gloo_ubrecv(struct pt_regs *ctx) { return p2p_size(ctx, GLOO_RECV); }
+int gloo_sendwait(struct pt_regs *ctx) { return p2p_wait(ctx); }
+int gloo_recvwait(struct pt_regs *ctx) { return p2p_wait(ctx); }
+int gloo_ret_GLOO_SENDWAIT(struct pt_regs *ctx) { return p2p_waited(ctx, GLOO_SEND); }
+int gloo_ret_GLOO_RECVWAIT(struct pt_regs *ctx) { return p2p_waited(ctx, GLOO_RECV); }
+
 /* every gloo::<collective>(Options&) takes one reference to its options */
 static __always_inline int collective(struct pt_regs *ctx, u16 fn) {
     EVENT ev = {};
     hdr_init(&ev.hdr, fn);
+    ev.peer = -1;
     if (!ev.hdr.stack_id) {
         u32 *w = worker_stack.lookup(&ev.hdr.tid);
         if (w)

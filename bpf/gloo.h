@@ -16,7 +16,21 @@ enum gloo_fn {
     GLOO_BARRIER = 9,
     GLOO_ENQUEUE = 10, /* c10d::ProcessGroupGloo::enqueue: no event (see gloo.bpf.c) */
     GLOO_EXECUTE = 11, /* c10d::ProcessGroupGloo::AsyncWork::execute: no event */
+    GLOO_SEND = 12,    /* c10d::ProcessGroupGloo::send: one event when its work is waited */
+    GLOO_RECV = 13,    /* c10d::ProcessGroupGloo::recv: the same */
+    GLOO_SENDWAIT = 14, /* c10d::ProcessGroupGloo::SendWork::wait: completes GLOO_SEND */
+    GLOO_RECVWAIT = 15, /* c10d::ProcessGroupGloo::RecvWork::wait: completes GLOO_RECV */
+    GLOO_UBSEND = 16,  /* gloo::transport::tcp::UnboundBuffer::send: the size, no event */
+    GLOO_UBRECV = 17,  /* gloo::transport::tcp::UnboundBuffer::recv: the same */
 };
+
+/* gloo::transport::UnboundBuffer {vtable; void* const ptr; const size_t size}
+ * (gloo/transport/unbound_buffer.h, unchanged from gloo's 2018 introduction of
+ * unbound buffers through the revision torch 2.13 vendors): send/recv with
+ * nbytes == kUnsetNbytes (~0) move the whole buffer. */
+#ifndef GLOO_UB_SIZE_OFF
+#define GLOO_UB_SIZE_OFF 16
+#endif
 
 /* Where gloo::AllreduceOptions keeps the element count and size: its only
  * member is detail::AllreduceOptionsImpl {shared_ptr<Context> context;
@@ -37,6 +51,9 @@ struct gloo_event {
     u64 elem_size;
     u64 ctx_head[2]; /* the Context's first 16 bytes: rank and size, decoded by the
                         probe (with or without a vtable pointer in front) */
+    s32 peer;        /* send/recv: the other rank (in the group), else -1 */
+    s32 tag;         /* send/recv: the tag */
+    u64 wait_ns;     /* send/recv: time blocked in the work's wait() (dur_ns: since posted) */
 };
 
 /* the event struct bpf/preamble.c builds its maps and helpers on */

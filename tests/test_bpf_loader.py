@@ -37,6 +37,9 @@ GLOO_DESC = [
         ["elements", "unsigned long long"],
         ["elem_size", "unsigned long long"],
         ["ctx_head", "unsigned long long", [2]],
+        ["peer", "int"],
+        ["tag", "int"],
+        ["wait_ns", "unsigned long long"],
     ],
     "struct_packed",
 ]
@@ -44,10 +47,10 @@ GLOO_DESC = [
 
 def test_a_c_struct_from_bccs_description_flattens_to_the_events_fields() -> None:
     ctype = loader.ctype_of(GLOO_DESC)
-    assert ctypes.sizeof(ctype) == fam.GLOO_EVENT.itemsize == 80
+    assert ctypes.sizeof(ctype) == fam.GLOO_EVENT.itemsize == 96
     fields = loader.c_fields(ctype)
     assert fields[:3] == [("ts", 0, 8), ("dur_ns", 8, 8), ("tid", 16, 4)]
-    assert fields[-1] == ("ctx_head", 64, 16)
+    assert fields[-1] == ("wait_ns", 88, 8)
     assert fields == loader.dtype_fields(fam.GLOO_EVENT)
     loader.check_dtype("gloo event", fam.GLOO_EVENT, ctype)  # the real mirror passes
 

@@ -83,7 +83,7 @@ def test_event_sizes_follow_c_layout() -> None:
     # struct sizes with natural alignment, as the C compiler lays them out
     assert fam.NCCL_EVENT.itemsize == 88
     assert fam.CUDA_EVENT.itemsize == 96
-    assert fam.GLOO_EVENT.itemsize == 80
+    assert fam.GLOO_EVENT.itemsize == 96
 
 
 def _events(event_type: np.dtype, **cols: list) -> np.ndarray:  # type: ignore[type-arg]

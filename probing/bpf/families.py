@@ -414,11 +414,37 @@ GLOO_FUNCS = tuple(
     # the thread that enqueued a collective to the worker thread that runs it
     Func("GLOO_ENQUEUE", ("c10d::ProcessGroupGloo::enqueue",), "gloo_enqueue"),
     Func("GLOO_EXECUTE", ("c10d::ProcessGroupGloo::AsyncWork::execute",), "gloo_execute"),
+    # point-to-point: the post (one event each, emitted when its work's
+    # wait returns), the waits that complete it, and the unbound buffer
+    # transfers that give its size (bpf/gloo.bpf.c)
+    Func("GLOO_SEND", ("c10d::ProcessGroupGloo::send",), "gloo_send", "gloo_ret_GLOO_SEND", "send"),
+    Func("GLOO_RECV", ("c10d::ProcessGroupGloo::recv",), "gloo_recv", "gloo_ret_GLOO_RECV", "recv"),
+    Func(
+        "GLOO_SENDWAIT",
+        ("c10d::ProcessGroupGloo::SendWork::wait",),
+        "gloo_sendwait",
+        "gloo_ret_GLOO_SENDWAIT",
+    ),
+    Func(
+        "GLOO_RECVWAIT",
+        ("c10d::ProcessGroupGloo::RecvWork::wait",),
+        "gloo_recvwait",
+        "gloo_ret_GLOO_RECVWAIT",
+    ),
+    Func("GLOO_UBSEND", ("gloo::transport::tcp::UnboundBuffer::send",), "gloo_ubsend"),
+    Func("GLOO_UBRECV", ("gloo::transport::tcp::UnboundBuffer::recv",), "gloo_ubrecv"),
 )
+GLOO_P2P = ("GLOO_SEND", "GLOO_RECV")
 _GLOO_ENTRY = re.compile(r"^gloo::(\w+)\(gloo::(\w+)Options( const)?&\)$")
 _GLOO_HELPERS = {
     "c10d::ProcessGroupGloo::enqueue(c10::intrusive_ptr<": "GLOO_ENQUEUE",
     "c10d::ProcessGroupGloo::AsyncWork::execute(c10::intrusive_ptr<": "GLOO_EXECUTE",
+    "c10d::ProcessGroupGloo::send(std::vector<at::Tensor": "GLOO_SEND",
+    "c10d::ProcessGroupGloo::recv(std::vector<at::Tensor": "GLOO_RECV",
+    "c10d::ProcessGroupGloo::SendWork::wait(": "GLOO_SENDWAIT",
+    "c10d::ProcessGroupGloo::RecvWork::wait(": "GLOO_RECVWAIT",
+    "gloo::transport::tcp::UnboundBuffer::send(int,": "GLOO_UBSEND",
+    "gloo::transport::tcp::UnboundBuffer::recv(int,": "GLOO_UBRECV",
 }
 
 
@@ -440,6 +466,9 @@ GLOO_EVENT = event_dtype(
         ("elements", "<u8"),
         ("elem_size", "<u8"),
         ("ctx_head", "<u8", (2,)),
+        ("peer", "<i4"),
+        ("tag", "<i4"),
+        ("wait_ns", "<u8"),
     ]
 )
 GLOO_SCHEMA = pa.schema(
@@ -452,6 +481,9 @@ GLOO_SCHEMA = pa.schema(
         ("nranks", pa.int32()),
         ("elements", pa.int64()),
         ("bytes", pa.int64()),
+        ("peer", pa.int32()),  # send/recv: the other rank, in the group
+        ("tag", pa.int32()),
+        ("wait_ns", pa.int64()),  # send/recv: blocked in wait() (dur_ns: since posted)
     ]
 )
 
@@ -480,13 +512,17 @@ def decode_gloo(ev: np.ndarray, d: Decoded) -> dict[str, Any]:
     cols = header_columns(ev, d, GLOO_FUNCS)
     rank, size = gloo_rank_size(ev["ctx_head"])
     sized = ev["elem_size"] > 0
+    p2p = fn_mask(ev, GLOO_FUNCS, GLOO_P2P, cols["_fn"])
     cols.update(
         comm=_masked(ev["context"], ev["context"] != 0, pa.uint64()),
         seq=_masked(ev["seq"].astype(np.int64), ev["context"] != 0, pa.int64()),
         rank=_masked(rank.astype(np.int32), rank >= 0, pa.int32()),
         nranks=_masked(size.astype(np.int32), size > 0, pa.int32()),
-        elements=_masked(ev["elements"].astype(np.int64), sized, pa.int64()),
+        elements=_masked(ev["elements"].astype(np.int64), sized & ~p2p, pa.int64()),
         bytes=_masked((ev["elements"] * ev["elem_size"]).astype(np.int64), sized, pa.int64()),
+        peer=_masked(ev["peer"], p2p, pa.int32()),
+        tag=_masked(ev["tag"], p2p, pa.int32()),
+        wait_ns=_masked(ev["wait_ns"].astype(np.int64), p2p & cols["_has_ret"], pa.int64()),
     )
     return cols
 

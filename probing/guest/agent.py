@@ -11,10 +11,11 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import signal
 import threading
 import time
 
-from . import inside, outbox, place, wire
+from . import flight, inside, outbox, place, wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class Guest:
         return {
             "GET /info": lambda _: {**inside.info(), "threads": inside.threads()},
             "GET /threads": lambda _: inside.threads(),
+            "GET /flight": lambda _: flight.flight(),
             "GET /distributed": lambda _: inside.distributed(),
             "POST /stacks": lambda a: inside.stacks(float(a.get("window_s", inside.WINDOW_S))),
             "POST /expr": lambda a: inside.expr(str(a["expr"])),
@@ -125,10 +127,15 @@ class Guest:
     def _spawn_engine(self) -> int:
         """The engine, started by probing's Python; it forks itself away and
         exits at once (reap the pid returned)."""
+        # the engine starts with no signal blocked and the usual dispositions,
+        # whatever the job's thread that starts it blocks or ignores (else
+        # SIGTERM would never stop it)
         return os.posix_spawn(
             self.engine_python,
             [self.engine_python, "-m", "probing.service", "--daemon"],
             self._engine_env(),
+            setsigmask=(),
+            setsigdef=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
         )
 
     def _start_engine(self, sock: str, payload: dict[str, Any], timeout: float) -> Any:

@@ -17,15 +17,23 @@ from probing.bpf import families
 from probing.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
 from probing.engine import Engine
 
-_COLLECTIVE_COLUMNS = "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id"
-_COMM = {"nccl": "COALESCE(comm_id, comm)", "gloo": "comm"}
+_COLLECTIVE_COLUMNS = (
+    "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id, {p2p}"
+)
+# send/recv: the peer rank (in the group), the tag and the time blocked in
+# wait() where the backend has them (NCCL's peer column holds a root too)
+_COMM = {
+    "nccl": ("COALESCE(comm_id, comm)", "CASE WHEN op IN ('send', 'recv') THEN peer END AS peer, "
+             "CAST(NULL AS INT) AS tag, CAST(NULL AS BIGINT) AS wait_ns"),
+    "gloo": ("comm", "peer, tag, wait_ns"),
+}  # fmt: skip
 
 # every collective and point-to-point call of every backend, finished or not
 # (a call still in flight has a NULL dur_ns: where a hang shows)
 COLLECTIVES_SQL = "\nUNION ALL\n".join(
-    f"SELECT '{backend}' AS backend, {_COLLECTIVE_COLUMNS.format(comm=comm)} "
+    f"SELECT '{backend}' AS backend, {_COLLECTIVE_COLUMNS.format(comm=comm, p2p=p2p)} "
     f"FROM {backend}.{table} WHERE op IS NOT NULL"
-    for backend, comm in _COMM.items()
+    for backend, (comm, p2p) in _COMM.items()
     for table in ("calls", "inflight")
 )
 
