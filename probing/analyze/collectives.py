@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+P2P_OPS = ("send", "recv")
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
 MIN_COLLECTIVES = 5  # fewer complete collectives than this: no verdict
 # a straggler is last more often than chance (1/nranks per collective) and later than
@@ -128,7 +129,7 @@ def _rows(table: pa.Table) -> list[dict[str, Any]]:
     return table.select(have).to_pylist()
 
 
-def _global_rank(r: dict[str, Any]) -> int:
+def global_rank(r: dict[str, Any]) -> int:
     rank = r.get("rank")
     if rank is None or rank < 0:
         rank = r.get("comm_rank")
@@ -181,13 +182,18 @@ def _offset(seq: np.ndarray, t: np.ndarray, ref_seq: np.ndarray, ref_t: np.ndarr
 
 def match(table: pa.Table) -> list[Collective]:
     """Every collective, matched across ranks by communicator and aligned sequence."""
-    rows = [r for r in _rows(table) if r.get("op") and r.get("ts") is not None]
+    # point-to-point transfers pair two ranks, not a group: analyze.pipeline's
+    rows = [
+        r
+        for r in _rows(table)
+        if r.get("op") and r["op"] not in P2P_OPS and r.get("ts") is not None
+    ]
     if not rows:
         return []
     keys = comm_keys(rows)
     per: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for key, r in zip(keys, rows, strict=True):
-        per[key][_global_rank(r)].append(r)
+        per[key][global_rank(r)].append(r)
     out: list[Collective] = []
     for key, by_rank in per.items():
         # the lowest rank numbers the collectives: the same numbers in every

@@ -482,7 +482,9 @@ def groups(traced: list[int], find: Any = None) -> list[dict[str, Any]]:
             head = mem.words(id(backend) + PYOBJECT_HEAD, 1)
             if not head:
                 continue
-            for ctx in sorted(contexts_of(mem, head[0], wanted)):
+            # its send/recv name the backend itself, its collectives its contexts
+            own = {head[0]} & wanted
+            for ctx in sorted(own | contexts_of(mem, head[0], wanted)):
                 rows.append(
                     {
                         "backend": "gloo",
