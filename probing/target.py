@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from probing.errors import ERRORS, EvalError, NoSuchProcess, ProbingError, QueryError
-from probing.guest import inside, wire
+from probing.guest import flight, inside, wire
 
 
 class Target(Protocol):
@@ -34,6 +34,7 @@ class Target(Protocol):
     def groups(self, comms: list[int]) -> list[dict[str, Any]]: ...
     def external(self) -> dict[str, dict[str, Any]]: ...
     def hook_threads(self, on: bool) -> None: ...
+    def flight(self) -> dict[str, Any]: ...
 
 
 def _raised(err: wire.GuestError | wire.WireError, pid: int | None = None) -> ProbingError:
@@ -104,6 +105,9 @@ class Local:
 
     def hook_threads(self, on: bool) -> None:
         pass  # the tracer hooks this process's threads itself (PyStacks.hook_threads)
+
+    def flight(self) -> dict[str, Any]:
+        return flight.flight()
 
 
 class Guest:
@@ -194,3 +198,10 @@ class Guest:
         """New threads tell the probe their state as they start (or no more)."""
         if self.alive():
             self._ask("POST", "/threads", {"on": on})
+
+    def flight(self) -> dict[str, Any]:
+        """Its Flight Recorder (``probing.guest.flight``): state, reason, rows."""
+        if not self.alive():
+            return {"state": "off", "reason": "the process has exited", "rows": []}
+        answer: dict[str, Any] = self._ask("GET", "/flight")
+        return answer

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from probing.analyze import collectives as coll
+from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze import why as wy
 from probing.analyze.gather import missing_ranks
@@ -117,6 +118,7 @@ class Diagnosis:
     missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
     callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
     why: list[wy.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
+    flight: str = ""  # the ranks whose Flight Recorder is off, and why ("" where all have one)
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -152,6 +154,7 @@ class Diagnosis:
                     "op": h.op,
                     "age_s": h.age_s,
                     "evidence": h.evidence,
+                    "detail": h.detail,
                 }
                 for h in self.hangs
             ],
@@ -160,6 +163,7 @@ class Diagnosis:
             "missing": self.missing,
             "callsites": {str(r): c for r, c in self.callsites.items()},
             "why": [dataclasses.asdict(w) for w in self.why],
+            "flight": self.flight,
         }
 
 
@@ -184,15 +188,16 @@ def verdict(
         h = hangs[0]
         what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
         where = f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
+        said = f" ({h.detail})" if h.detail else ""
         if not h.missing_ranks:
             return (
                 f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {where} "
                 f"for {h.age_s:g}+ s and none returns: the collective itself "
-                "is stuck (network, or a peer's transport)"
+                f"is stuck (network, or a peer's transport){said}"
             )
         return (
             f"hang: {_ranks_text(h.waiting_ranks)} wait in {where} for "
-            f"{h.age_s:g}+ s; {_ranks_text(h.missing_ranks)} never entered it"
+            f"{h.age_s:g}+ s; {_ranks_text(h.missing_ranks)} never entered it{said}"
         )
     if stragglers:
         s = stragglers[0]
@@ -261,9 +266,11 @@ def analyze(
     hang_after_s: float = hg.HANG_AFTER_S,
     samples: pa.Table | None = None,
     cuda: pa.Table | None = None,
+    recorded: fl.Gathered | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
-    ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow."""
+    ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
+    ``recorded`` (every rank's Flight Recorder) tells a hang nothing traced."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table)
@@ -275,6 +282,8 @@ def analyze(
         nodes.setdefault(s.rank, s.node)
     ranks = sorted(set(nodes) | set(frames))
     hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
+    if not hangs and recorded is not None:
+        hangs = hg.recorded_hangs(recorded, now_ns, hang_after_s, frames)
     if not hangs and states:
         hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
     strag = [] if hangs else coll.stragglers(matched, nodes)
@@ -285,7 +294,7 @@ def analyze(
     for h in hangs:
         stacks.update(h.stacks)
     why = explain_stragglers(strag, matched, samples, cuda)
-    return Diagnosis(
+    d = Diagnosis(
         healthy=not (hangs or strag or slow),
         verdict=verdict(strag, slow, hangs, summary, window_s, why),
         stragglers=strag,
@@ -297,6 +306,19 @@ def analyze(
         window_s=window_s,
         why=why,
     )
+    return _flight_noted(d, recorded, traced=bool(matched))
+
+
+def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> Diagnosis:
+    """``d`` with the ranks whose Flight Recorder is off (``flight``), said in the
+    verdict too where the recorder would have told what nothing traced did."""
+    if recorded is None:
+        return d
+    d.flight = fl.off_note(recorded.status)
+    by_trace = traced and all(h.evidence == "traced" for h in d.hangs)
+    if d.flight and not by_trace:
+        d.verdict = f"{d.verdict}; {d.flight}"
+    return d
 
 
 def explain_stragglers(
@@ -423,10 +445,11 @@ def diagnose(
         pass
     frames = _frames_by_rank(ask(sql["stacks"]))
     states = _states(ask, frames, sql)
+    recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
     stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
-        window_s=window_s, hang_after_s=hang_after_s,
+        window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
     )  # fmt: skip
     progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
@@ -444,7 +467,7 @@ def diagnose(
             d = analyze(
                 table, frames=frames, states=states, now_ns=time.time_ns(),
                 stalled_s=round(stalled + time.monotonic() - watched, 1),
-                window_s=window_s, hang_after_s=hang_after_s,
+                window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
             )  # fmt: skip
     d.missing = missing_ranks(table)
     if d.stragglers:
@@ -536,7 +559,7 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
         {
             "comm": h.comm, "seq": h.seq, "op": h.op, "missing_ranks": h.missing_ranks,
             "waiting_ranks": h.waiting_ranks, "age_s": h.age_s, "evidence": h.evidence,
-            "stacks": json.dumps({str(r): v for r, v in h.stacks.items()}),
+            "stacks": json.dumps({str(r): v for r, v in h.stacks.items()}), "detail": h.detail,
         }
         for h in d.hangs
     ]  # fmt: skip
@@ -596,6 +619,7 @@ HANGS_SCHEMA = pa.schema(
         ("comm", pa.string()), ("seq", pa.int64()), ("op", pa.string()),
         ("missing_ranks", pa.list_(pa.int64())), ("waiting_ranks", pa.list_(pa.int64())),
         ("age_s", pa.float64()), ("evidence", pa.string()), ("stacks", pa.string()),
+        ("detail", pa.string()),
     ]
 )  # fmt: skip
 RANKS_SCHEMA = pa.schema(

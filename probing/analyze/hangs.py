@@ -1,6 +1,6 @@
 """Hangs: a collective some ranks entered and others have not, for N seconds.
 
-Two kinds of evidence, both pure functions here:
+Three kinds of evidence, all pure functions here:
 
 * traced: a call still in flight (``<family>.inflight``, NULL ``dur_ns``)
   in some ranks, its matched k-th collective absent in others, entered at
@@ -10,7 +10,10 @@ Two kinds of evidence, both pure functions here:
   collective count per process group (torch's own sequence numbers) and its
   current Python stacks. Ranks whose count is ahead entered a collective
   the others never reached; the counts must not have moved for
-  ``hang_after_s`` (the caller observes that).
+  ``hang_after_s`` (the caller observes that);
+* recorded, traced or not: PyTorch's Flight Recorder (``comm.flight``)
+  of every rank, its own sequence numbers, ops and sizes, stamped with
+  when each collective was issued (``probing.analyze.flight``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from probing.analyze import flight
 from probing.analyze.collectives import Collective
 
 HANG_AFTER_S = 10.0
@@ -39,8 +43,9 @@ class Hang:
     missing_ranks: list[int]
     waiting_ranks: list[int]
     age_s: float  # how long the first waiting rank has waited (a lower bound)
-    evidence: str  # "traced" or "stacks and counts"
+    evidence: str  # "traced", "flight recorder", "stacks and counts" or "stacks"
     stacks: dict[int, list[str]]  # rank -> its main thread, innermost frame first
+    detail: str = ""  # what else the evidence says (the recorder's tensors, last ops)
 
 
 @dataclasses.dataclass
@@ -141,6 +146,24 @@ def snapshot_hangs(
         if inside and outside:
             out.append(Hang("?", -1, None, outside, inside, stalled_s, "stacks", {}))
     return _with_stacks(out, {s.rank: s.frames for s in states})
+
+
+def recorded_hangs(
+    recorded: flight.Gathered,
+    now_ns: int,
+    hang_after_s: float = HANG_AFTER_S,
+    frames: dict[int, list[dict[str, Any]]] | None = None,
+) -> list[Hang]:
+    """From every rank's Flight Recorder: ranks behind in a group never entered
+    the collective the others wait in (or all wait in it and none leaves)."""
+    out = [
+        Hang(
+            flight.group_name(s.pg, s.desc), s.seq, s.op, s.missing_ranks, s.waiting_ranks,
+            s.age_s, "flight recorder", {}, flight.detail(s),
+        )
+        for s in flight.stalls(recorded.rows, recorded.status, now_ns, hang_after_s)
+    ]  # fmt: skip
+    return _with_stacks(out, frames or {})
 
 
 def _with_stacks(hangs: list[Hang], frames: dict[int, list[dict[str, Any]]]) -> list[Hang]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from probing.engine import Engine
-from probing.tables import groups, meta, nvml, process, python, samples, stacks, trace
+from probing.tables import flight, groups, meta, nvml, process, python, samples, stacks, trace
 from probing.tables.external import ExternalTable, Puller
 
 
@@ -54,6 +54,8 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     trace.install(engine, lambda: probe.tracer)
     samples.install(engine)
     engine.register_table("comm", "groups", groups.provider(target.groups, engine.store))
+    engine.register_table("comm", "flight", flight.provider(target.flight))
+    engine.register_table("comm", "flight_status", flight.status_provider(target.flight))
     engine.register_table("probing", "peers", lambda: _peers(probe.cluster))
 
 

@@ -169,7 +169,8 @@ def test_a_hang_after_the_fact_names_the_missing_rank(job) -> None:  # type: ign
     rank = random.randrange(WORLD)
     print(f"hang: rank {rank}")
     # never traced: diagnose injects a probe into every rank; counts and stacks tell
-    j = job("--hang-rank", str(rank), "--hang-step", "5")
+    # (with torch's Flight Recorder off: it would tell first, tests/privileged/test_flight.py)
+    j = job("--hang-rank", str(rank), "--hang-step", "5", env={"TORCH_FR_BUFFER_SIZE": "0"})
     out = _diagnose(j, "--hang-after", "2s", seconds=0.5, trace=False)
     assert not out["healthy"], out["verdict"]
     [h] = out["hangs"]
