@@ -14,6 +14,7 @@ import pyarrow as pa
 from probing.analyze import collectives as coll
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
+from probing.analyze import pipeline as pp
 from probing.analyze import why as wy
 from probing.analyze.gather import missing_ranks
 from probing.errors import ProbingError
@@ -22,10 +23,10 @@ from probing.errors import ProbingError
 # where those are the peer's tags and the view's own ``rank`` is ``table_rank``
 COLLECTIVES_SQL = (
     "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
-    "pid{tags} FROM comm.collectives WHERE ts >= {since_ns} OR dur_ns IS NULL"
+    "pid, peer, tag, wait_ns{tags} FROM comm.collectives WHERE ts >= {since_ns} OR dur_ns IS NULL"
 )  # calls still in flight however long ago they began: a hang older than the window
 # each traced Gloo context's torch process group, named the same in every rank
-GROUPS_SQL = "SELECT backend, comm, pg{tags} FROM comm.groups"
+GROUPS_SQL = "SELECT backend, comm, pg, ranks{tags} FROM comm.groups"
 STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
 # torch's own count of collectives issued per process group (no tracing needed)
 COUNTS_EXPR = (
@@ -119,6 +120,7 @@ class Diagnosis:
     callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
     why: list[wy.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
     flight: str = ""  # the ranks whose Flight Recorder is off, and why ("" where all have one)
+    pipeline: pp.Pipeline | None = None  # the stages, where the ranks send and receive
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -164,6 +166,7 @@ class Diagnosis:
             "callsites": {str(r): c for r, c in self.callsites.items()},
             "why": [dataclasses.asdict(w) for w in self.why],
             "flight": self.flight,
+            "pipeline": dataclasses.asdict(self.pipeline) if self.pipeline else None,
         }
 
 
@@ -182,8 +185,15 @@ def verdict(
     summary: coll.Summary,
     window_s: float,
     why: Sequence[wy.Why] = (),
+    pipe: pp.Pipeline | None = None,
 ) -> str:
     """One sentence: the worst finding first, or the figures that say it is healthy."""
+    if hangs and hangs[0].op == "recv" and hangs[0].missing_ranks:  # a pipeline's
+        h = hangs[0]
+        return (
+            f"hang: {_ranks_text(h.waiting_ranks)} wait to receive for {h.age_s:g}+ s; "
+            f"{_ranks_text(h.missing_ranks)} never sent ({h.detail})"
+        )
     if hangs:
         h = hangs[0]
         what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
@@ -216,6 +226,8 @@ def verdict(
             f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
             f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
         )
+    if pipe is not None and pipe.slow is not None:
+        return pipe.text()
     if slow_links:
         s = slow_links[0]
         return (
@@ -224,6 +236,8 @@ def verdict(
             f"({s.skew_ms_median:.1f} ms); ~{100 * s.share_of_step:.0f} % of the job's "
             f"time since {_hms(s.since_ns)}"
         )
+    if not summary.collectives and pipe is not None:
+        return pipe.text()
     if not summary.collectives:
         return (
             f"no verdict: no complete collective traced in the last {window_s:g} s "
@@ -267,10 +281,12 @@ def analyze(
     samples: pa.Table | None = None,
     cuda: pa.Table | None = None,
     recorded: fl.Gathered | None = None,
+    ranks_of: dict[str, list[int]] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
-    ``recorded`` (every rank's Flight Recorder) tells a hang nothing traced."""
+    ``recorded`` (every rank's Flight Recorder) tells a hang nothing traced;
+    ``ranks_of`` (each group's global ranks) names a transfer's peer."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table)
@@ -282,6 +298,9 @@ def analyze(
         nodes.setdefault(s.rank, s.node)
     ranks = sorted(set(nodes) | set(frames))
     hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
+    rows = pp.p2p_rows(table.to_pylist()) if "peer" in table.column_names else []
+    if not hangs:
+        hangs = pipeline_hangs(rows, now_ns, hang_after_s, ranks_of or {}, frames)
     if not hangs and recorded is not None:
         hangs = hg.recorded_hangs(recorded, now_ns, hang_after_s, frames)
     if not hangs and states:
@@ -294,9 +313,10 @@ def analyze(
     for h in hangs:
         stacks.update(h.stacks)
     why = explain_stragglers(strag, matched, samples, cuda)
+    pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
     d = Diagnosis(
-        healthy=not (hangs or strag or slow),
-        verdict=verdict(strag, slow, hangs, summary, window_s, why),
+        healthy=not (hangs or strag or slow or (pipe is not None and pipe.slow is not None)),
+        verdict=verdict(strag, slow, hangs, summary, window_s, why, pipe),
         stragglers=strag,
         slow_links=slow,
         hangs=hangs,
@@ -305,6 +325,7 @@ def analyze(
         stacks=stacks,
         window_s=window_s,
         why=why,
+        pipeline=pipe,
     )
     return _flight_noted(d, recorded, traced=bool(matched))
 
@@ -319,6 +340,32 @@ def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> D
     if d.flight and not by_trace:
         d.verdict = f"{d.verdict}; {d.flight}"
     return d
+
+
+def pipeline_hangs(
+    rows: list[dict[str, Any]],
+    now_ns: int,
+    after_s: float,
+    ranks_of: dict[str, list[int]],
+    frames: dict[int, list[dict[str, Any]]],
+) -> list[hg.Hang]:
+    """A pipeline's hang: stages blocked receiving, followed upstream to the
+    stage that never sent (``pipeline.culprit``)."""
+    waits = pp.blocked(rows, now_ns, after_s, ranks_of)
+    found = pp.culprit(waits)
+    if found is None:
+        return []
+    root, waiting = found
+    first = max((b for b in waits if b.rank in waiting), key=lambda b: b.age_s)
+    stacks = {r: hg.main_stack(frames[r]) for r in (root, *waiting) if frames.get(r)}
+    chain = ", ".join(f"rank {b.rank} from rank {b.peer}" for b in waits if b.rank in waiting)
+    return [
+        hg.Hang(
+            comm=first.pg, seq=-1 if first.seq is None else int(first.seq), op="recv",
+            missing_ranks=[root], waiting_ranks=waiting, age_s=first.age_s,
+            evidence="traced", stacks=stacks, detail=f"point-to-point: {chain}",
+        )
+    ]  # fmt: skip
 
 
 def explain_stragglers(
@@ -439,8 +486,11 @@ def diagnose(
     sql = queries(remote=job.remote)
     table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
     table = _with_history(table, ask, sql["collectives"], now, window_s, hang_after_s)
+    ranks_of: dict[str, list[int]] = {}
     try:
-        table = with_groups(table, ask(sql["groups"]))
+        groups = ask(sql["groups"])
+        table = with_groups(table, groups)
+        ranks_of = {g["pg"]: g["ranks"] for g in groups.to_pylist() if g.get("ranks")}
     except ProbingError:  # a probe without comm.groups: communicators matched by size
         pass
     frames = _frames_by_rank(ask(sql["stacks"]))
@@ -449,7 +499,7 @@ def diagnose(
     stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
-        window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
+        window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
     )  # fmt: skip
     progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
@@ -468,6 +518,7 @@ def diagnose(
                 table, frames=frames, states=states, now_ns=time.time_ns(),
                 stalled_s=round(stalled + time.monotonic() - watched, 1),
                 window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
+                ranks_of=ranks_of,
             )  # fmt: skip
     d.missing = missing_ranks(table)
     if d.stragglers:
