@@ -327,7 +327,7 @@ def analyze(
         why=why,
         pipeline=pipe,
     )
-    return _flight_noted(d, recorded, traced=bool(matched))
+    return _flight_noted(d, recorded, traced=bool(matched) or pipe is not None)
 
 
 def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> Diagnosis:

@@ -65,7 +65,7 @@ def flight() -> dict[str, Any]:
         version = version or answer.get("version")
         rows += records(answer)
     if not rows:
-        why = "no collective yet"
+        why = "no collective yet (Gloo's send and recv are not recorded)"
         if size is None:  # torch's default: 2000 in 2.13, older releases may keep none
             why += f", or off by default in this torch ({TURN_ON})"
         return {**_status("empty", why, size), "version": version}

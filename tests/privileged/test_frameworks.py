@@ -1,0 +1,185 @@
+"""Real frameworks from PyPI, launched their own way (``tests/jobs/frameworks``,
+environment ``frameworks`` from ``.ci/jobenvs.sh``: no probing in it).
+
+For each: one rank, drawn at random, is slowed in a function of the user's
+own file; probes start with ``PROBING=1`` (the hook installed in the job's
+environment) or are injected later; ``query --cluster`` lists every rank
+and ``diagnose --cluster`` names the slowed rank (for a pipeline: the stage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from probing.demo import free_port, trace_all
+from tests.conftest import REPO, SLOWDOWN, cli, require, require_bpf
+
+pytestmark = pytest.mark.privileged
+
+ENV = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "frameworks"
+JOBS = REPO / "tests" / "jobs" / "frameworks"
+WORLD = 4
+READY = re.compile(r"ready rank=(\d+) pid=(\d+)")
+ALL_RANKS = "SELECT rank FROM process.info ORDER BY rank"
+
+
+def python() -> str:
+    py = ENV / "bin" / "python"
+    require(py.exists(), f"job env {ENV.name} missing: run .ci/jobenvs.sh (make setup)")
+    return str(py)
+
+
+class Job:
+    """A framework job started as its users start it; ``ranks``: rank -> pid."""
+
+    def __init__(self, argv: list[str], tmp: Path, env: dict[str, str]) -> None:
+        self.out = tmp / "job.out"
+        full = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "RANK"))}
+        full.update(PROBING_RUNTIME_DIR=os.environ["PROBING_RUNTIME_DIR"], STEPS="0", **env)
+        with open(self.out, "wb") as out:  # not from the checkout: probing is not importable
+            self.proc = subprocess.Popen(
+                argv, env=full, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.ranks: dict[int, int] = {}
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180) -> dict[int, int]:
+        deadline = time.monotonic() + timeout * SLOWDOWN
+        while len(self.ranks) < WORLD:
+            self.ranks = {int(r): int(p) for r, p in READY.findall(self.text())}
+            assert self.proc.poll() is None, f"the job ended:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"ranks never ready:\n{self.text()[-3000:]}"
+            time.sleep(0.2)
+        return self.ranks
+
+    def stop(self) -> None:
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hooked() -> Iterator[str]:
+    """The frameworks environment with probing's start-up hook (for ``PROBING=1``)."""
+    py = python()
+    r = cli("hook", "--python", py)
+    assert r.returncode == 0, r.stderr
+    yield py
+    cli("hook", "--python", py, "--remove")
+
+
+def torchrun(py: str, script: str) -> list[str]:
+    run = str(Path(py).parent / "torchrun")
+    return [run, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), script]
+
+
+LAUNCH = {
+    "hf_trainer": lambda py: torchrun(py, str(JOBS / "hf_trainer.py")),
+    "fsdp2": lambda py: torchrun(py, str(JOBS / "fsdp2.py")),
+    "lightning_ddp": lambda py: [py, str(JOBS / "lightning_job.py")],
+    "lightning_ddp_spawn": lambda py: [py, str(JOBS / "lightning_job.py")],
+    "mp_spawn": lambda py: [py, str(JOBS / "mp_spawn.py")],
+    "pipeline": lambda py: torchrun(py, str(JOBS / "pipeline.py")),
+}
+ENVS = {
+    "lightning_ddp": {"STRATEGY": "ddp"},
+    "lightning_ddp_spawn": {"STRATEGY": "ddp_spawn"},
+}
+SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60"}
+
+
+def start(name: str, py: str, tmp: Path, probing: bool, slow: int) -> Job:
+    env = {"SLOW_RANK": str(slow), "SLOW_MS": SLOW_MS.get(name, "60"), **ENVS.get(name, {})}
+    if probing:
+        env["PROBING"] = "1"
+    return Job(LAUNCH[name](py), tmp, env)
+
+
+def diagnosed(job: Job, rank: int, pipeline: bool, timeout: float = 60) -> dict:
+    """``diagnose --cluster`` (JSON) until it names ``rank``; its last answer."""
+    deadline = time.monotonic() + timeout * SLOWDOWN
+    pid = job.ranks[0 if rank else 1]  # asked through another rank's probe
+    while True:
+        r = cli("diagnose", "--pid", str(pid), "--cluster", "--window", "15", "--format", "json",
+                timeout=120)  # fmt: skip
+        assert r.returncode in (0, 2), r.stderr
+        got = json.loads(r.stdout)
+        if named(got, pipeline) == rank or time.monotonic() > deadline:
+            return got
+        time.sleep(1)
+
+
+def named(d: dict, pipeline: bool) -> int | None:
+    if pipeline:
+        return (d.get("pipeline") or {}).get("slow")
+    return d["stragglers"][0]["rank"] if d["stragglers"] else None
+
+
+@pytest.mark.parametrize(
+    ("name", "probing"),
+    [
+        ("lightning_ddp", True),
+        ("lightning_ddp", False),
+        ("lightning_ddp_spawn", True),
+        ("lightning_ddp_spawn", False),
+        ("mp_spawn", True),
+        ("hf_trainer", False),
+        ("fsdp2", False),
+        ("pipeline", False),
+    ],
+)
+def test_a_framework_job_forms_a_cluster_and_its_slow_rank_is_named(
+    name: str, probing: bool, hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    require_bpf()
+    slow = random.Random(f"{name}{probing}{time.time_ns()}").randrange(WORLD)
+    job = start(name, hooked, tmp_path, probing, slow)
+    try:
+        ranks = job.wait_ready()
+        assert not trace_all(list(ranks.values()), ["gloo"])
+        r = cli("query", "--pid", str(ranks[3]), "--cluster", "--format", "json", ALL_RANKS)
+        assert r.returncode == 0, r.stderr
+        assert [row["rank"] for row in json.loads(r.stdout)] == list(range(WORLD))
+        d = diagnosed(job, slow, pipeline=name == "pipeline")
+        assert named(d, name == "pipeline") == slow, d["verdict"]
+        assert f"rank {slow}" in d["verdict"] and not d["healthy"]
+        if name == "pipeline":  # the others wait on it: victims, not stragglers
+            assert sorted(d["pipeline"]["victims"]) == sorted(set(range(WORLD)) - {slow})
+            assert not d["stragglers"] and "slow stage" in d["verdict"]
+    finally:
+        job.stop()
+
+
+def test_python_is_what_the_job_runs() -> None:
+    """The job environment is its own: another numpy than probing's, no probing."""
+    py = python()
+    got = subprocess.run(
+        [py, "-c", "import numpy, importlib.util as u; print(numpy.__version__, "
+         "u.find_spec('probing') is None)"],
+        capture_output=True, text=True, cwd="/", check=True,
+    )  # fmt: skip
+    assert got.stdout.split() == ["1.26.4", "True"]
+    assert sys.executable != py
