@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Job environments that do not have probing (tests/privileged/test_guest_envs.py):
 # other numpy and pyarrow versions, other Python minors (pyenv's CPython
-# 3.10-3.13 where the machine has them). Idempotent: each env once.
+# 3.10-3.13 where the machine has them), and real frameworks for the jobs in
+# tests/jobs/frameworks/ (versions pinned as pip resolved them). Idempotent:
+# each env once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${PROBING_JOB_ENVS:-.venv-jobs}
@@ -32,3 +34,6 @@ make_env py313 3.13
 make_env py310 3.10
 make_env hook312 3.12 "numpy==1.26.4"
 make_env torch-np126 3.11 "numpy==1.26.4" "torch==${PROBING_TORCH_VERSION:-2.13.0}"
+make_env frameworks 3.11 "numpy==1.26.4" "torch==${PROBING_TORCH_VERSION:-2.13.0}" \
+  "transformers==5.24.0" "huggingface-hub==2.4.0" "tokenizers==0.23.3" "safetensors==0.8.0" \
+  "accelerate==1.15.0" "pytorch-lightning==2.6.6" "lightning-utilities==0.15.3" "torchmetrics==1.9.0"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ SHARE_ALWAYS = 0.10  # ... and either costs the job this share of its step time
 MIN_LAG_MS = 2.0  # ... or is this much later than the others' median (median excess)
 MIN_EXCESS = 0.03  # ... and this share of a step later
 SHARE_MIN = 0.01  # ... and costs at least this share
+SHARE_SPARSE = 0.20  # last more often than chance and costing this share: named
 NOISY_SKEW = 0.35  # arrival skew above this share of a step with no straggler: noisy
 SLOW_LINK_MIN_MS = 5.0  # a collective's transfer time above this and ...
 SLOW_LINK_FACTOR = 4.0  # ... this many times the modelled time, and ...
@@ -317,8 +319,15 @@ class Evidence:
         than chance with p < ``P_VALUE``/nranks and later than the others'
         median by ``MIN_EXCESS`` of a step (by ``MIN_LAG_STRONG_MS`` where
         p < ``P_STRONG``/nranks). A rank whose median excess alone is
-        ``SHARE_ALWAYS`` of a step needs only the order test (p < ``P_VALUE``/nranks)."""
+        ``SHARE_ALWAYS`` of a step needs only the order test (p < ``P_VALUE``/nranks).
+        One last more often than chance that costs ``SHARE_SPARSE`` of the
+        step time is named whatever its median excess."""
         n = max(nranks, 1)  # one test per rank
+        # late by a lot at a few collectives of each step (FSDP gathers a block's
+        # weights many times a step; the slow code runs before one of them): its
+        # median excess is nothing, but the others wait for it alone that long
+        if self.share_of_step >= SHARE_SPARSE and self.p_last < P_LAST / n:
+            return True
         if self.p_excess >= P_LAST / n:
             return False
         # late by a tenth of a step at the typical collective, beyond chance: under noise
@@ -419,7 +428,10 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             if ev is None:
                 continue
             k0 = k0 if k0 and began else 0
-            if released_late(cs[k0:], r, ev.excess_ms_median):
+            # late by a lot at a few collectives: its mean excess, not its median
+            sparse = ev.excess_ms_median < 0.5 * float(np.mean(excess[k0:]))
+            typical = np.mean if sparse else np.median
+            if released_late(cs[k0:], r, float(typical(excess[k0:])), typical):
                 continue
             lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
             groups[r].append(comm)
@@ -470,10 +482,13 @@ def rank_evidence(collectives: list[Collective]) -> dict[int, Evidence]:
     return out
 
 
-def released_late(cs: list[Collective], rank: int, excess_ms: float) -> bool:
+def released_late(
+    cs: list[Collective], rank: int, excess_ms: float, typical: Callable[..., Any] = np.median
+) -> bool:
     """Whether ``rank`` arrives late only because the previous collective let it
     go late (a rank behind a slow link), not because of its own work between
-    collectives. Needs return times (synchronous backends); else False."""
+    collectives: its ``typical`` own time between them against its ``typical``
+    lateness ``excess_ms``. Needs return times (synchronous backends); else False."""
     own = []  # its time from a return to its next arrival, minus the others' median
     for prev, c in zip(cs, cs[1:], strict=False):
         if c.seq != prev.seq + 1 or any(prev.end.get(o) is None for o in c.ts):
@@ -484,7 +499,7 @@ def released_late(cs: list[Collective], rank: int, excess_ms: float) -> bool:
             own.append((gaps[rank] - float(np.median(others))) / 1e6)
     if len(own) < MIN_COLLECTIVES:
         return False
-    return float(np.median(own)) < 0.5 * excess_ms
+    return float(typical(own)) < 0.5 * excess_ms
 
 
 # -- slow links -------------------------------------------------------------------------

@@ -214,7 +214,10 @@ def verdict(
         since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
         node = f" on node {s.node}" if s.node else ""
         groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
-        starved = next((w for w in why if w.rank == s.rank and w.kind == "cpu_starvation"), None)
+        # starvation heads the verdict only where it explains more than any one function
+        mine = [w for w in why if w.rank == s.rank and w.kind in ("cpu_starvation", "function")]
+        top = max(mine, key=lambda w: w.ms_per_step - w.others_ms_per_step, default=None)
+        starved = top if top is not None and top.kind == "cpu_starvation" else None
         cause = (
             f": CPU starvation, it waits {starved.ms_per_step - starved.others_ms_per_step:.0f} "
             "ms/step longer for a CPU than the others (what else runs on its node?)"

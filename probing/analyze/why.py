@@ -103,6 +103,13 @@ def _median(values: list[float]) -> float:
     return float(np.median(values)) if values else 0.0
 
 
+def lateness_ms(s: Straggler, step: float) -> float:
+    """How late the straggler makes each step: its typical excess, or what
+    the job waits for it per step where it is late at a few collectives only
+    (FSDP's gathers: a median excess of nothing)."""
+    return max(s.excess_ms_median, s.share_of_step * step, 0.0)
+
+
 def explain(
     s: Straggler,
     samples: list[dict[str, Any]],
@@ -154,7 +161,7 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
 
     runq, runq_others = runq_of(r), _median([runq_of(q) for q in others])
     out = []
-    floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * max(s.excess_ms_median, 0.0))
+    floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * lateness_ms(s, step))
     # starved: the functions that differ least run slower too (not one function's
     # extra work waiting for a CPU on a busy machine): their on-CPU + run-queue
     # time against the others', weighted by the others' time, leaving out the top one
@@ -168,7 +175,7 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
     # every function slower, or a wait for a CPU that accounts for its lateness
     # (the others wait for CPUs too: a busy machine that favours them)
     starved = (slower or 0.0) >= STARVED_SLOWER or (
-        runq - runq_others >= STARVED_SHARE * s.excess_ms_median
+        runq - runq_others >= STARVED_SHARE * lateness_ms(s, step)
     )
     if runq - runq_others >= floor and starved:
         alike = f"; every function ~{slower:.1f}x slower" if slower is not None else ""
@@ -246,7 +253,7 @@ def _cuda(
     for row in rows:
         by[str(row.get("api"))][row["rank"]] += float(row.get("dur_ns") or 0) / 1e6
     out = []
-    floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * max(s.excess_ms_median, 0.0))
+    floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * lateness_ms(s, step))
     for api, per_rank in by.items():
         if not steps.get(s.rank):
             continue
