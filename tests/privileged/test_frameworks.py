@@ -98,6 +98,24 @@ def torchrun(py: str, script: str) -> list[str]:
 
 LAUNCH = {
     "hf_trainer": lambda py: torchrun(py, str(JOBS / "hf_trainer.py")),
+    # accelerate on a machine without GPUs: --multi_gpu is its torchrun (the
+    # Trainer asks for the CPU); --cpu would start one process
+    "accelerate": lambda py: [
+        str(Path(py).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(WORLD),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(JOBS / "hf_trainer.py"),
+    ],  # fmt: skip
     "fsdp2": lambda py: torchrun(py, str(JOBS / "fsdp2.py")),
     "lightning_ddp": lambda py: [py, str(JOBS / "lightning_job.py")],
     "lightning_ddp_spawn": lambda py: [py, str(JOBS / "lightning_job.py")],
@@ -147,6 +165,7 @@ def named(d: dict, pipeline: bool) -> int | None:
         ("lightning_ddp_spawn", False),
         ("mp_spawn", True),
         ("hf_trainer", False),
+        ("accelerate", True),
         ("fsdp2", False),
         ("pipeline", False),
     ],
@@ -183,3 +202,32 @@ def test_python_is_what_the_job_runs() -> None:
     )  # fmt: skip
     assert got.stdout.split() == ["1.26.4", "True"]
     assert sys.executable != py
+
+
+def test_a_hung_pipeline_names_the_stage_that_never_sent(
+    hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    require_bpf()
+    stuck = random.randrange(WORLD)
+    flag = tmp_path / "hang"
+    job = Job(torchrun(hooked, str(JOBS / "pipeline.py")), tmp_path,
+              {"HANG_RANK": str(stuck), "HANG_FILE": str(flag)})  # fmt: skip
+    try:
+        ranks = job.wait_ready()
+        assert not trace_all(list(ranks.values()), ["gloo"])
+        flag.touch()  # traced first: the neighbours' waits begin under the probes
+        deadline = time.monotonic() + 60 * SLOWDOWN
+        while True:
+            r = cli("diagnose", "--pid", str(ranks[(stuck + 1) % WORLD]), "--cluster",
+                    "--hang-after", "2s", "--format", "json", timeout=120)  # fmt: skip
+            d = json.loads(r.stdout)
+            if d["hangs"] or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        [h] = d["hangs"]
+        assert h["missing_ranks"] == [stuck] and h["op"] == "recv", d["verdict"]
+        assert h["waiting_ranks"] and stuck not in h["waiting_ranks"]
+        assert f"rank {stuck} never sent" in d["verdict"]
+        assert any("stage_work" in line for line in h["stacks"][str(stuck)])
+    finally:
+        job.stop()

@@ -11,7 +11,8 @@ and ``SLOW_KIND`` (``sleep``: off CPU, ``cpu``: a busy loop) slow it on one
 stage (by 4 x SLOW_MS a step: once per microbatch), ``LOSS_FILE`` gets
 ``step <n> loss <mean over microbatches>`` lines from the last stage, the
 only one with a loss (``{rank}`` in the name becomes 3). Each rank prints
-``ready rank=<r> pid=<pid>`` once its process group is up.
+``ready rank=<r> pid=<pid>`` once its process group is up. ``HANG_RANK``
+stops for good in ``stage_work`` once the file ``HANG_FILE`` exists.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
 SLOW_MS = float(os.environ.get("SLOW_MS", "0"))
 SLOW_KIND = os.environ.get("SLOW_KIND", "sleep")
 RANK = int(os.environ.get("RANK", "0"))
+HANG_RANK = int(os.environ.get("HANG_RANK", "-1"))
+HANG_FILE = os.environ.get("HANG_FILE", "")
 STAGES, DIM = 4, 256
 
 
 def stage_work(x: torch.Tensor) -> torch.Tensor:
-    """The user's per-stage code: slowed by SLOW_MS on SLOW_RANK."""
+    """The user's per-stage code: slowed by SLOW_MS on SLOW_RANK; stuck for
+    good on HANG_RANK once the file HANG_FILE exists (its neighbours wait)."""
+    while RANK == HANG_RANK and HANG_FILE and os.path.exists(HANG_FILE):
+        time.sleep(1)
     if RANK == SLOW_RANK and SLOW_MS > 0:
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000
