@@ -328,10 +328,14 @@ def test_torch_groups_skip_what_torch_refuses(monkeypatch) -> None:
         def rank(self) -> int:
             return 0
 
+    class MeshGroup(Group):
+        group_desc = "mesh_dp"
+
     ProcessGroupGloo = type("ProcessGroupGloo", (), {})  # noqa: N806 - the name torch gives it
-    gloo, nccl = Group(ProcessGroupGloo()), Group(None)
+    gloo, nccl, mesh = Group(ProcessGroupGloo()), Group(None), MeshGroup(ProcessGroupGloo())
     world = types.SimpleNamespace(
-        pg_names={gloo: "gloo", nccl: "nccl"}, pg_group_ranks={gloo: {0: 0, 1: 1}, nccl: {}}
+        pg_names={gloo: "gloo", nccl: "nccl", mesh: "3"},
+        pg_group_ranks={gloo: {0: 0, 1: 1}, nccl: {}, mesh: {2: 0, 3: 1}},
     )
     dist = types.ModuleType("torch.distributed")
     dist.is_initialized = lambda: True  # type: ignore[attr-defined]
@@ -341,7 +345,10 @@ def test_torch_groups_skip_what_torch_refuses(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setitem(sys.modules, "torch.distributed", dist)
     found = groups.torch_groups()
-    assert [(name, ranks, rank) for name, ranks, rank, _ in found] == [("gloo", [0, 1], 0)]
+    assert [(name, ranks, rank) for name, ranks, rank, _ in found] == [
+        ("gloo", [0, 1], 0),
+        ("3 (mesh_dp)", [2, 3], 0),  # a device mesh's dimension says which it is
+    ]
     del dist.distributed_c10d  # type: ignore[attr-defined]  # torch internals moved
     assert groups.torch_groups() == []
 

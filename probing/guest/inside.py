@@ -442,9 +442,14 @@ def contexts_of(mem: Any, obj: int, wanted: set[int]) -> set[int]:
     return found
 
 
+PLAIN = ("", "default_pg", "undefined")  # group descriptions that say nothing
+
+
 def torch_groups() -> list[tuple[str, list[int], int, Any]]:
     """(name, global ranks, my group rank, Gloo backend object) of each group
-    in this process; none unless the host has torch.distributed up."""
+    in this process; none unless the host has torch.distributed up. The name
+    is torch's, the same in every rank, with the group's description where
+    it has one (``1 (mesh_dp)``: a device mesh's dimension)."""
     dist = _torch_distributed()
     torch = sys.modules.get("torch")
     if dist is None or torch is None:
@@ -462,7 +467,9 @@ def torch_groups() -> list[tuple[str, list[int], int, Any]]:
                 continue
             if type(backend).__name__ != "ProcessGroupGloo":
                 continue
-            out.append((str(name), ranks, int(pg.rank()), backend))
+            desc = getattr(pg, "group_desc", "")  # a device mesh's dimension: "mesh_dp"
+            said = f"{name} ({desc})" if isinstance(desc, str) and desc not in PLAIN else name
+            out.append((str(said), ranks, int(pg.rank()), backend))
         return out
     except (AttributeError, KeyError, TypeError, RuntimeError):  # torch internals moved: none
         return []

@@ -117,6 +117,7 @@ LAUNCH = {
         str(JOBS / "hf_trainer.py"),
     ],  # fmt: skip
     "fsdp2": lambda py: torchrun(py, str(JOBS / "fsdp2.py")),
+    "fsdp2_tp": lambda py: torchrun(py, str(JOBS / "fsdp2.py")),
     "lightning_ddp": lambda py: [py, str(JOBS / "lightning_job.py")],
     "lightning_ddp_spawn": lambda py: [py, str(JOBS / "lightning_job.py")],
     "mp_spawn": lambda py: [py, str(JOBS / "mp_spawn.py")],
@@ -125,6 +126,7 @@ LAUNCH = {
 ENVS = {
     "lightning_ddp": {"STRATEGY": "ddp"},
     "lightning_ddp_spawn": {"STRATEGY": "ddp_spawn"},
+    "fsdp2_tp": {"MESH": "2d"},  # FSDP on a "dp" dimension, tensor parallel on "tp"
 }
 SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60"}
 
@@ -167,6 +169,7 @@ def named(d: dict, pipeline: bool) -> int | None:
         ("hf_trainer", False),
         ("accelerate", True),
         ("fsdp2", False),
+        ("fsdp2_tp", False),
         ("pipeline", False),
     ],
 )
@@ -185,6 +188,11 @@ def test_a_framework_job_forms_a_cluster_and_its_slow_rank_is_named(
         d = diagnosed(job, slow, pipeline=name == "pipeline")
         assert named(d, name == "pipeline") == slow, d["verdict"]
         assert f"rank {slow}" in d["verdict"] and not d["healthy"]
+        if name == "fsdp2_tp":  # named with the groups it slows, one per mesh dimension
+            groups = d["stragglers"][0]["groups"]
+            assert len(groups) == 2 and {"mesh_dp", "mesh_tp"} == {
+                g.split("(")[-1].rstrip(")") for g in groups
+            }, groups
         if name == "pipeline":  # the others wait on it: victims, not stragglers
             assert sorted(d["pipeline"]["victims"]) == sorted(set(range(WORLD)) - {slow})
             assert not d["stragglers"] and "slow stage" in d["verdict"]
