@@ -46,7 +46,8 @@ class Job:
     def __init__(self, argv: list[str], tmp: Path, env: dict[str, str]) -> None:
         self.out = tmp / "job.out"
         full = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "RANK"))}
-        full.update(PROBING_RUNTIME_DIR=os.environ["PROBING_RUNTIME_DIR"], STEPS="0", **env)
+        full.update(PROBING_RUNTIME_DIR=os.environ["PROBING_RUNTIME_DIR"], STEPS="0")
+        full.update(env)
         with open(self.out, "wb") as out:  # not from the checkout: probing is not importable
             self.proc = subprocess.Popen(
                 argv, env=full, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
@@ -131,8 +132,9 @@ ENVS = {
 SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60"}
 
 
-def start(name: str, py: str, tmp: Path, probing: bool, slow: int) -> Job:
+def start(name: str, py: str, tmp: Path, probing: bool, slow: int, **more: str) -> Job:
     env = {"SLOW_RANK": str(slow), "SLOW_MS": SLOW_MS.get(name, "60"), **ENVS.get(name, {})}
+    env.update(more)
     if probing:
         env["PROBING"] = "1"
     return Job(LAUNCH[name](py), tmp, env)
@@ -239,3 +241,40 @@ def test_a_hung_pipeline_names_the_stage_that_never_sent(
         assert any("stage_work" in line for line in h["stacks"][str(stuck)])
     finally:
         job.stop()
+
+
+def _losses(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("name", ["pipeline", "lightning_ddp"])
+def test_a_traced_framework_job_trains_with_the_losses_of_an_untraced_one(
+    name: str, hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    require_bpf()
+    traced, untraced = tmp_path / "traced", tmp_path / "untraced"
+    traced.mkdir()
+    untraced.mkdir()
+    job = start(name, hooked, traced, True, -1, LOSS_FILE=str(traced / "loss"))
+    try:
+        ranks = job.wait_ready()
+        assert not trace_all(list(ranks.values()), ["gloo"])
+        start_step = len(_losses(traced / "loss"))
+        deadline = time.monotonic() + 120 * SLOWDOWN
+        while len(_losses(traced / "loss")) < start_step + 30:
+            assert time.monotonic() < deadline, job.text()[-3000:]
+            time.sleep(0.2)
+        r = cli("query", "--pid", str(ranks[1]), "--format", "json",
+                "SELECT count(*) AS n FROM comm.collectives")  # fmt: skip
+        assert json.loads(r.stdout)[0]["n"] > 0, r.stderr  # the steps compared were traced
+    finally:
+        job.stop()
+    got = _losses(traced / "loss")
+    ref = start(name, hooked, untraced, False, -1, LOSS_FILE=str(untraced / "loss"),
+                STEPS=str(len(got)))  # fmt: skip
+    try:
+        assert ref.proc.wait(timeout=300 * SLOWDOWN) == 0, ref.text()[-3000:]
+    finally:
+        ref.stop()
+    want = _losses(untraced / "loss")
+    assert len(got) > start_step + 20 and got == want[: len(got)]
