@@ -19,11 +19,14 @@ def gpipe(compute_ms: list[float], steps: int = 6, micro: int = 4) -> list[dict]
     sent: dict[tuple[str, int, int, int], float] = {}  # (dir, from stage, step, mb) -> time
     rows: list[dict] = []
 
+    count: dict[tuple[str, int, int], int] = {}
+
     def transfer(op: str, stage: int, peer: int, ts: float, dur: float, wait: float) -> None:
+        seq = count[(op, stage, peer)] = count.get((op, stage, peer), -1) + 1  # as BPF counts
         rows.append(
             {"op": op, "rank": stage, "comm_rank": stage, "peer": peer, "tag": 0,
              "ts": int(ts * MS), "dur_ns": int(dur * MS), "wait_ns": int(wait * MS),
-             "backend": "gloo", "seq": len(rows)}
+             "backend": "gloo", "seq": seq, "bytes": 4096}
         )  # fmt: skip
 
     for step in range(steps):
@@ -100,3 +103,30 @@ def test_waits_in_a_circle_blame_nobody() -> None:
     rows = [_waiting(0, "recv", 1, 30), _waiting(1, "recv", 0, 30)]
     assert pp.culprit(pp.blocked(rows, now, after_s=10)) is None
     assert pp.culprit([]) is None
+
+
+def test_sends_meet_their_receives_though_the_ranks_began_tracing_apart() -> None:
+    rows = gpipe([10, 10, 10, 10], steps=3)
+    # rank 2 was traced later: its first 5 receives from rank 1 are not there,
+    # and it numbers the rest from 0
+    late = sorted((r for r in rows if r["rank"] == 2 and r["op"] == "recv" and r["peer"] == 1),
+                  key=lambda r: r["ts"])  # fmt: skip
+    for r in late[:5]:
+        rows.remove(r)
+    for r in late[5:]:
+        r["seq"] -= 5
+    pairs = [t for t in pp.match_transfers(rows) if (t.src, t.dst) == (1, 2)]
+    assert len(pairs) == 12  # 3 steps x 4 micro-batches forward
+    got = [t for t in pairs if t.received_ns is not None]
+    assert len(got) == 7 and all(t.seq >= 5 for t in got)  # the receiver's count shifted
+    # each receive returned after its send was posted, before the next one was
+    for t, after in zip(got, got[1:], strict=False):
+        assert t.sent_ns is not None and t.sent_ns <= t.received_ns < after.sent_ns + 60 * MS
+    assert {(t.src, t.dst) for t in pp.match_transfers(rows)} == {
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 2),
+        (2, 1),
+        (1, 0),
+    }

@@ -10,7 +10,9 @@ from typing import Any
 
 from probing.analyze.diagnose import Diagnosis, Job, analyze, diagnose, local_tables
 
-SQL_TABLES = ("stragglers", "slow_links", "hangs", "ranks", "collectives", "why")
+SQL_TABLES = (
+    "stragglers", "slow_links", "hangs", "ranks", "collectives", "why", "stages", "transfers",
+)  # fmt: skip
 
 
 def install(engine: Any) -> None:

@@ -168,7 +168,7 @@ def comm_keys(rows: list[dict[str, Any]]) -> list[str]:
     return keys
 
 
-def _offset(seq: np.ndarray, t: np.ndarray, ref_seq: np.ndarray, ref_t: np.ndarray) -> int:
+def seq_offset(seq: np.ndarray, t: np.ndarray, ref_seq: np.ndarray, ref_t: np.ndarray) -> int:
     """The shift of ``seq`` that lines its times up with the reference's (the mode)."""
     if len(t) == 0 or len(ref_t) == 0:
         return 0
@@ -218,7 +218,7 @@ def match(table: pa.Table) -> list[Collective]:
         ref_s, ref_t = series(by_rank[ref], synchronous)
         merged: dict[int, Collective] = {}
         for rank, rs in by_rank.items():
-            shift = 0 if rank == ref else _offset(*series(rs, synchronous), ref_s, ref_t)
+            shift = 0 if rank == ref else seq_offset(*series(rs, synchronous), ref_s, ref_t)
             for r in rs:
                 if r.get("seq") is None:
                     continue

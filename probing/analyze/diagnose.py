@@ -121,6 +121,7 @@ class Diagnosis:
     why: list[wy.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
     flight: str = ""  # the ranks whose Flight Recorder is off, and why ("" where all have one)
     pipeline: pp.Pipeline | None = None  # the stages, where the ranks send and receive
+    transfers: list[pp.Transfer] = dataclasses.field(default_factory=list)  # sends met
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -329,6 +330,7 @@ def analyze(
         window_s=window_s,
         why=why,
         pipeline=pipe,
+        transfers=pp.match_transfers(rows, ranks_of),
     )
     return _flight_noted(d, recorded, traced=bool(matched) or pipe is not None)
 
@@ -607,7 +609,8 @@ def _stalled_s(table: pa.Table, now_ns: int, trace_starts: Callable[[], list[int
 
 def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
     """``analyze.stragglers``, ``analyze.slow_links``, ``analyze.hangs``,
-    ``analyze.ranks``, ``analyze.collectives`` (the gathered rows)."""
+    ``analyze.ranks``, ``analyze.collectives`` (the gathered rows),
+    ``analyze.why``, ``analyze.stages`` and ``analyze.transfers`` (pipelines)."""
     strag = [_since_columns(s) for s in d.stragglers]
     hangs = [
         {
@@ -627,6 +630,11 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
         "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
         "collectives": table,
         "why": _table([dataclasses.asdict(w) for w in d.why], WHY_SCHEMA),
+        "stages": _table(
+            [dataclasses.asdict(st) for st in d.pipeline.stages] if d.pipeline else [],
+            STAGES_SCHEMA,
+        ),
+        "transfers": _table([dataclasses.asdict(t) for t in d.transfers], TRANSFERS_SCHEMA),
     }
 
 
@@ -649,6 +657,21 @@ STRAGGLERS_SCHEMA = pa.schema(
         ("since_utc", pa.string()), ("since_start", pa.bool_()), ("comm", pa.string()),
         ("op", pa.string()), ("collectives", pa.int64()), ("p_value", pa.float64()),
         ("groups", pa.list_(pa.string())),
+    ]
+)  # fmt: skip
+STAGES_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int64()), ("node", pa.string()), ("transfers", pa.int64()),
+        ("busy_share", pa.float64()), ("recv_wait_share", pa.float64()),
+        ("send_wait_share", pa.float64()), ("peers", pa.list_(pa.int64())),
+    ]
+)  # fmt: skip
+TRANSFERS_SCHEMA = pa.schema(
+    [
+        ("pg", pa.string()), ("src", pa.int64()), ("dst", pa.int64()), ("tag", pa.int64()),
+        ("seq", pa.int64()), ("bytes", pa.int64()), ("sent_ns", pa.int64()),
+        ("received_ns", pa.int64()), ("send_wait_ms", pa.float64()),
+        ("recv_wait_ms", pa.float64()),
     ]
 )  # fmt: skip
 WHY_SCHEMA = pa.schema(

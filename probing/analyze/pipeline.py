@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from probing.analyze.collectives import P2P_OPS, global_rank
+from probing.analyze.collectives import P2P_OPS, global_rank, seq_offset
 
 MIN_TRANSFERS = 8  # complete transfers per stage for a verdict
 SLOW_GAP = 0.15  # the slow stage is busy this share of the window more than the others' median
@@ -199,3 +199,70 @@ def culprit(waits: list[Blocked]) -> tuple[int, list[int]] | None:
         votes[q] += 1
     root = max(votes, key=lambda q: (votes[q], -q))
     return root, sorted(s for s, q in ends.items() if q == root)
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One send matched with its receive: the k-th from ``src`` to ``dst``
+    with ``tag`` in group ``pg``."""
+
+    pg: str
+    src: int
+    dst: int
+    tag: int | None
+    seq: int  # the sender's count of such transfers since it was traced
+    bytes: int | None
+    sent_ns: int | None  # the send posted (None: not traced at the sender)
+    received_ns: int | None  # the receive returned (None: in flight, or not traced)
+    send_wait_ms: float | None
+    recv_wait_ms: float | None
+
+
+def match_transfers(
+    rows: list[dict[str, Any]], ranks_of: dict[str, list[int]] | None = None
+) -> list[Transfer]:
+    """Every traced send paired with the receive it feeds, across ranks. Each
+    side counts its transfers since its own trace began, so the receiver's
+    count is shifted onto the sender's where their completions line up."""
+    ranks_of = ranks_of or {}
+    sides: dict[tuple[str, int, int, Any], dict[str, list[dict[str, Any]]]] = defaultdict(
+        lambda: {"send": [], "recv": []}
+    )
+    for r in p2p_rows(rows):
+        if r.get("peer") is None or r.get("seq") is None:
+            continue
+        me, peer = global_rank(r), peer_rank(r, ranks_of)
+        src, dst = (me, peer) if r["op"] == "send" else (peer, me)
+        sides[(str(r.get("pg") or r.get("comm") or ""), src, dst, r.get("tag"))][r["op"]].append(r)
+    out = []
+    for (pg, src, dst, tag), side in sorted(sides.items(), key=lambda kv: kv[0][1:3]):
+        sends, recvs = side["send"], side["recv"]
+
+        def ends(rs: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+            done = [r for r in rs if r.get("dur_ns") is not None]
+            return (
+                np.array([r["seq"] for r in done], dtype=np.int64),
+                np.array([r["ts"] + r["dur_ns"] for r in done], dtype=np.int64),
+            )
+
+        shift = seq_offset(*ends(recvs), *ends(sends)) if sends and recvs else 0
+        by_seq: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+        for r in sends:
+            by_seq[int(r["seq"])]["send"] = r
+        for r in recvs:
+            by_seq[int(r["seq"]) + shift]["recv"] = r
+        for k in sorted(by_seq):
+            s, v = by_seq[k].get("send"), by_seq[k].get("recv")
+            done = v is not None and v.get("dur_ns") is not None
+            out.append(
+                Transfer(
+                    pg, src, dst, tag, k, (s or v or {}).get("bytes"),
+                    s["ts"] if s else None, v["ts"] + v["dur_ns"] if done else None,  # type: ignore[index]
+                    _ms(s.get("wait_ns")) if s else None, _ms(v.get("wait_ns")) if v else None,
+                )
+            )  # fmt: skip
+    return out
+
+
+def _ms(ns: Any) -> float | None:
+    return None if ns is None else round(ns / 1e6, 3)
