@@ -308,7 +308,7 @@ def test_the_join_loop_stays_local_on_a_bug_and_logs_it(capfd) -> None:
         raise IndexError("a bug in joining")
 
     node = types.SimpleNamespace(try_join=try_join, ready=threading.Event(), error=None)
-    ClusterNode._join_loop(node)  # type: ignore[arg-type]
+    ClusterNode._join_store(node)  # type: ignore[arg-type]  # the rank is known: the store
     assert node.ready.is_set() and node.error == "IndexError: a bug in joining"
     assert "Traceback" in capfd.readouterr().err
 
