@@ -338,9 +338,20 @@ def test_a_slowed_function_heads_the_verdict_with_its_share_not_a_busy_machine()
         + ([("off", "/job/train.py", "collate_tokens", 29, 30.0 * steps)] if r == 2 else [])
         for r in range(4)
     }  # fmt: skip
-    d = analyze(job(straggler=2, lag_ms=30, seed=2), now_ns=T0, samples=_samples(per, span))
+    samples = _samples(per, span).to_pylist()
+    for row in samples:  # transformers' Trainer called it
+        row.update(via_file=None, via_func=None)
+        if row["func"] == "collate_tokens":
+            row.update(via_file="/venv/lib/python3.11/site-packages/transformers/trainer.py",
+                       via_func="Trainer.get_batch_samples")  # fmt: skip
+    d = analyze(
+        job(straggler=2, lag_ms=30, seed=2), now_ns=T0, samples=pa.Table.from_pylist(samples)
+    )
     head = d.why[0]
     assert head.kind == "function" and head.what == "collate_tokens", d.why
+    assert "collate_tokens (/job/train.py:29) via transformers Trainer.get_batch_samples " in (
+        head.text
+    )
     assert head.share is not None and head.share >= 0.9
     assert not [w for w in d.why if w.kind == "cpu_starvation"], d.why
     assert "collate_tokens (/job/train.py:29)" in d.verdict and "% of its lateness" in d.verdict
@@ -419,3 +430,22 @@ def test_extra_cpu_work_heads_the_verdict_over_a_throttled_gpu() -> None:
                 samples=_samples(per, span), nvml=_gpus(2))  # fmt: skip
     assert "heavy_features (/job/train.py:61)" in d.verdict, d.verdict
     assert [w for w in d.why if w.kind == "gpu"]  # still told, below
+
+
+def test_a_rank_waiting_for_a_slow_dataloader_worker_says_so() -> None:
+    span, steps = 60 / STEPS_PER_S, 60
+    rows = _samples(
+        {r: [("cpu", "/job/train.py", "forward", 30, 10.0 * steps)] for r in range(4)}, span
+    ).to_pylist()
+    for row in rows:
+        row["loader"] = False
+    for r in range(4):  # every rank waits on its loader; rank 1 ~30 ms a step longer
+        rows.append({"kind": "off", "file": "/venv/lib/python3.11/site-packages/torch/utils/"
+                     "data/dataloader.py", "func": "_MultiProcessingDataLoaderIter._get_data",
+                     "line": 1440, "loader": True, "n": 1, "rank": r,
+                     "dur_ns": int((31.0 if r == 1 else 1.0) * steps * 1e6)})  # fmt: skip
+    d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=pa.Table.from_pylist(rows))
+    head = d.why[0]
+    assert head.text.startswith("rank 1: waits for its DataLoader's worker processes "), head
+    assert head.text.endswith("(mostly off CPU): one of its workers is slow")
+    assert "its DataLoader's worker processes" in d.verdict

@@ -49,13 +49,19 @@ CALLSITES_SQL = (
 )
 
 
-# where each rank spent its time (python.samples, by the innermost user frame)
-# and in CUDA calls: asked only when there is a straggler to explain
+# where each rank spent its time (python.samples, by the innermost user frame,
+# and whether it waited for its DataLoader's worker processes) and in CUDA
+# calls: asked only when there is a straggler to explain
 SAMPLES_SQL = (
     "SELECT s.kind AS kind, c.file AS file, c.func AS func, c.line AS line, "
+    "c.via_file AS via_file, c.via_func AS via_func, l.stack_id IS NOT NULL AS loader, "
     "s.thread AS thread, sum(s.dur_ns) AS dur_ns, sum(s.count) AS n{tags} FROM python.samples s "
     "LEFT JOIN python.callsites c ON s.stack_id = c.stack_id{same_rank} "
-    "WHERE s.ts >= {since_ns} GROUP BY s.kind, c.file, c.func, c.line, s.thread{group}"
+    "LEFT JOIN (SELECT DISTINCT stack_id{ltags} FROM python.stacks "
+    "WHERE file LIKE '%torch/utils/data/dataloader.py' AND func LIKE '%._get_data') l "
+    "ON s.stack_id = l.stack_id{loader_rank} WHERE s.ts >= {since_ns} "
+    "GROUP BY s.kind, c.file, c.func, c.line, c.via_file, c.via_func, l.stack_id IS NOT NULL, "
+    "s.thread{group}"
 )  # by thread too: the threads without Python (Gloo's, OpenMP's) wait for a CPU as well
 CUDA_SQL = (
     "SELECT api, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
@@ -92,6 +98,8 @@ def queries(remote: bool) -> dict[str, str]:
         "samples": SAMPLES_SQL.format(
             tags=", s.node AS node, s.rank AS rank" if remote else "",
             same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
+            ltags=", node, rank" if remote else "",
+            loader_rank=" AND l.node = s.node AND l.rank = s.rank" if remote else "",
             group=", s.node, s.rank" if remote else "",
             since_ns="{since_ns}",
         ),  # fmt: skip

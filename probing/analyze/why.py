@@ -86,6 +86,7 @@ class Profile:
 def _profile(rows: list[dict[str, Any]]) -> Profile:
     prof: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     lines: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
+    vias: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     span: dict[int, float] = defaultdict(float)
     native: dict[int, float] = defaultdict(float)
     for row in rows:
@@ -94,14 +95,20 @@ def _profile(rows: list[dict[str, Any]]) -> Profile:
             span[r] += ns
             continue
         key = (row.get("file"), row.get("func"))
-        if key == (None, None):  # threads without Python (pools, Gloo's): idle, or working
+        if row.get("loader"):  # waiting for its DataLoader's workers: their slowness
+            key = LOADER
+        elif key == (None, None):  # threads without Python (pools, Gloo's): idle, or working
             if kind == "runq":  # for a Python caller, whose own time says as much; but
                 native[r] += ns  # their wait for a CPU delays that caller too
             continue
         prof[r][key][kind] += ns
         lines[(r, *key)][row.get("line")] += ns
+        if row.get("via_func"):
+            vias[(r, *key)][(row.get("via_file"), row["via_func"])] += ns
     for (r, *key), by_line in lines.items():
         prof[r][tuple(key)]["line"] = max(by_line, key=by_line.__getitem__) or 0
+    for (r, *key), by_via in vias.items():
+        prof[r][tuple(key)]["via"] = max(by_via, key=by_via.__getitem__)
     return Profile(prof, span, native)
 
 
@@ -239,6 +246,19 @@ def _gpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
     return out
 
 
+LOADER = (None, "its DataLoader's worker processes")  # the key of time waiting for them
+
+
+def via_text(via: tuple[str | None, str] | None) -> str:
+    """`` via transformers Trainer._get_batch``: the library frame that called
+    the user's function (its package, then its function)."""
+    if not via:
+        return ""
+    file, func = via
+    package = short_path(file).split("/", 1)[0] if file else ""
+    return f" via {package} {func}" if package and not package.endswith(".py") else f" via {func}"
+
+
 def _per_step(ns: float, span_ns: float, step: float) -> float:
     return ns / span_ns * step if span_ns else 0.0
 
@@ -305,6 +325,7 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
         parts = {k: ms(r, key, (k,)) for k in every}
         line = int(prof[r].get(key, {}).get("line", 0) or 0) or None
         where = f" ({short_path(file)}:{line})" if file else ""
+        where += via_text(prof[r].get(key, {}).get("via"))
         top = max(parts, key=parts.__getitem__)
         how = {"cpu": "on CPU", "off": "off CPU", "runq": "waiting for a CPU"}[top]
         out.append(
@@ -312,8 +333,9 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
                 r, "function", str(func), file, line, round(mine, 2), round(theirs, 2),
                 on_cpu_ms=round(parts["cpu"], 2), off_cpu_ms=round(parts["off"], 2),
                 runq_ms=round(parts["runq"], 2),
-                text=f"rank {r}: {func}{where} {mine:.1f} ms/step vs {theirs:.1f} ms "
-                f"on the others (mostly {how})",
+                text=f"rank {r}: {'waits for ' if key == LOADER else ''}{func}{where} "
+                f"{mine:.1f} ms/step vs {theirs:.1f} ms on the others (mostly {how})"
+                + (": one of its workers is slow" if key == LOADER else ""),
             )
         )  # fmt: skip
     return out
