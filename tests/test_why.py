@@ -449,3 +449,45 @@ def test_a_rank_waiting_for_a_slow_dataloader_worker_says_so() -> None:
     assert head.text.startswith("rank 1: waits for its DataLoader's worker processes "), head
     assert head.text.endswith("(mostly off CPU): one of its workers is slow")
     assert "its DataLoader's worker processes" in d.verdict
+
+
+def _cpus(rank: int, **mine: float) -> pa.Table:
+    """CPU_SQL rows: every rank's CPU at 2.1 GHz, its node 2 % stolen."""
+    rows = [{"cpu": r % 2, "mhz": 2100.0, "max_mhz": None, "steal_pct": 2.0, "busy_pct": 90.0,
+             "rank": r} for r in range(4)]  # fmt: skip
+    rows[rank].update(mine)
+    return pa.Table.from_pylist(rows)
+
+
+def test_a_hypervisors_steal_heads_the_starvation_it_causes() -> None:
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {
+        r: [("cpu", "/job/train.py", "forward", 30, 10.0 * steps),
+            ("runq", "/job/train.py", "forward", 30, 20.0 * steps)]
+        for r in range(4)
+    }  # fmt: skip
+    samples = _native(
+        _samples(per, span), {r: (45.0 if r == 1 else 15.0) * steps for r in range(4)}
+    )
+    d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples,
+                cpu=_cpus(1, steal_pct=31.0))  # fmt: skip
+    assert [w.kind for w in d.why][:2] == ["cpu_starvation", "cpu"], d.why
+    assert "a hypervisor takes 31 % of its node's CPU time (2 % on the others'), " in d.verdict
+    # the same wait for a CPU with nothing stolen is starvation, said as such
+    plain = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples,
+                    cpu=_cpus(1))  # fmt: skip
+    assert "CPU starvation, it waits" in plain.verdict
+
+
+def test_a_slower_cpu_clock_heads_the_same_code_running_slower() -> None:
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {r: [("cpu", "/job/train.py", "forward", 30, (26.0 if r == 3 else 10.0) * steps)]
+           for r in range(4)}  # fmt: skip
+    d = analyze(job(straggler=3, lag_ms=16, seed=3), now_ns=T0, samples=_samples(per, span),
+                cpu=_cpus(3, mhz=800.0))  # fmt: skip
+    assert "its CPU runs at 0.80 GHz vs 2.10 GHz on the others, " in d.verdict, d.verdict
+    # extra work on a slower CPU is still the work's
+    per[3].append(("cpu", "/job/train.py", "augment", 40, 30.0 * steps))
+    d = analyze(job(straggler=3, lag_ms=40, seed=3), now_ns=T0, samples=_samples(per, span),
+                cpu=_cpus(3, mhz=800.0))  # fmt: skip
+    assert ": augment (/job/train.py:40)" in d.verdict, d.verdict

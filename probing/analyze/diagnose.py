@@ -80,6 +80,10 @@ NVML_SQL = (
 )
 
 
+# the CPU each rank runs on: its clock, its node's steal (asked with NVML_SQL)
+CPU_SQL = "SELECT cpu, mhz, max_mhz, steal_pct, busy_pct{tags} FROM process.cpu"
+
+
 def queries(remote: bool) -> dict[str, str]:
     """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
     tags = {"tags": ", node, rank" if remote else "", "since_ns": "{since_ns}"}
@@ -108,6 +112,7 @@ def queries(remote: bool) -> dict[str, str]:
             group=", node, rank" if remote else "",
             since_ns="{since_ns}",
         ),
+        "cpu": CPU_SQL.format(tags=", node, rank" if remote else ""),
         "nvml": NVML_SQL.format(
             tags=", node, rank" if remote else "",
             group=", node, rank" if remote else "",
@@ -205,7 +210,7 @@ def cause_text(w: wy.Why | None) -> str:
     if w is None:
         return ""
     what = w.text.split(": ", 1)[-1]  # "rank 2: load_batch (...) ..." -> "load_batch (...) ..."
-    if w.kind == "gpu" and w.share is None:  # its GPU is slower; no wait says how much
+    if w.kind in wy.HARDWARE and w.share is None:  # slower hardware; no wait says how much
         return f": {what}"
     if w.share is None:
         return ""
@@ -325,6 +330,7 @@ def analyze(
     samples: pa.Table | None = None,
     cuda: pa.Table | None = None,
     nvml: pa.Table | None = None,
+    cpu: pa.Table | None = None,
     recorded: fl.Gathered | None = None,
     ranks_of: dict[str, list[int]] | None = None,
 ) -> Diagnosis:
@@ -358,7 +364,8 @@ def analyze(
     for h in hangs:
         stacks.update(h.stacks)
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
-    why = explain_stragglers(strag, matched, samples, cuda, nvml) + explain_stage(pipe, samples)
+    why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
+    why += explain_stage(pipe, samples)
     d = Diagnosis(
         healthy=not (hangs or strag or slow or (pipe is not None and pipe.slow is not None)),
         verdict=verdict(strag, slow, hangs, summary, window_s, why, pipe),
@@ -437,13 +444,17 @@ def explain_stragglers(
     samples: pa.Table | None,
     cuda: pa.Table | None,
     nvml: pa.Table | None = None,
+    cpu: pa.Table | None = None,
 ) -> list[wy.Why]:
     """What makes each straggler slow (``why.explain``), from SAMPLES_SQL,
-    CUDA_SQL and NVML_SQL rows (None: that part is left out)."""
+    CUDA_SQL, NVML_SQL and CPU_SQL rows (None: that part is left out)."""
     rows = samples.to_pylist() if samples is not None else []
     calls = cuda.to_pylist() if cuda is not None else []
     gpus = nvml.to_pylist() if nvml is not None else []
-    return [w for s in stragglers for w in wy.explain(s, rows, matched, calls, gpus=gpus)]
+    cpus = cpu.to_pylist() if cpu is not None else []
+    return [
+        w for s in stragglers for w in wy.explain(s, rows, matched, calls, gpus=gpus, cpus=cpus)
+    ]
 
 
 def _rank_rows(
@@ -590,14 +601,15 @@ def diagnose(
     if d.stragglers or slow_stage:
         since = now - int(window_s * 1e9)
         extra: dict[str, pa.Table | None] = {}
-        for name in ("samples", "cuda", "nvml"):
+        for name in ("samples", "cuda", "nvml", "cpu"):
             try:
                 extra[name] = ask(sql[name].format(since_ns=since))
             except ProbingError:  # a probe without the table: that part is left out
                 extra[name] = None
         d.why = explain_stragglers(
-            d.stragglers, coll.match(table), extra["samples"], extra["cuda"], extra["nvml"]
-        )
+            d.stragglers, coll.match(table), extra["samples"], extra["cuda"], extra["nvml"],
+            extra["cpu"],
+        )  # fmt: skip
         d.why += explain_stage(d.pipeline, extra["samples"])
         d.verdict = verdict(
             d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why, d.pipeline

@@ -31,6 +31,7 @@ TOP = 3  # functions named per straggler
 STARVED_SHARE = 0.5  # starved: its extra wait for a CPU is this share of its lateness ...
 STARVED_NOISE = 2.0  # ... and this many times the spread of the others' waits
 CAUSES = ("function", "cpu_starvation", "cuda", "gpu", "cpu")  # what a verdict may blame
+HARDWARE = ("gpu", "cpu")  # causes told by their figures, not by time per step
 
 
 @dataclasses.dataclass
@@ -132,11 +133,13 @@ def explain(
     step: float | None = None,
     unit: str = "step",
     gpus: list[dict[str, Any]] | None = None,
+    cpus: list[dict[str, Any]] | None = None,
 ) -> list[Why]:
     """What makes ``s.rank`` slow: the causes by how much of its lateness each
     explains (``share``), the largest first, then the collectives. ``step``
     (ms): the job's step, else from its collectives; ``unit`` names it;
-    ``gpus``: NVML's figures per rank and GPU over the window (``NVML_SQL``)."""
+    ``gpus``: NVML's figures per rank and GPU over the window (``NVML_SQL``);
+    ``cpus``: the CPU each rank runs on, its clock and its node's steal (``CPU_SQL``)."""
     step = step or step_ms(collectives, s.comm)
     if not step:
         return []
@@ -148,9 +151,10 @@ def explain(
         out += _functions(s, prof, others, step)
     out += _cuda(s, cuda or [], step, collectives)
     out += _gpu(s, gpus or [])
+    out += _cpu(s, cpus or [])
     late = lateness_ms(s, step)
     for w in out:  # the GPU's share is that of what it makes the rank wait in (headline)
-        if late > 0 and w.kind != "gpu":
+        if late > 0 and w.kind not in HARDWARE:
             w.share = round(min(1.0, max(0.0, w.extra_ms) / late), 2)
         if unit != "step":
             w.text = w.text.replace("ms/step", f"ms/{unit}")
@@ -160,18 +164,33 @@ def explain(
 
 def headline(why: list[Why], rank: int) -> Why | None:
     """The cause that explains most of ``rank``'s lateness (None: no cause found).
-    Its own GPU running slower heads whatever it makes the rank wait in: a
-    CUDA call, or a function blocked off CPU; not a function's CPU work."""
-    mine = [w for w in why if w.rank == rank and w.kind in CAUSES and w.kind != "gpu"]
+    Slower hardware heads what it makes longer: its GPU the CUDA waits (and
+    the functions whose time is in them), its CPU a wait for a CPU or the
+    same code running slower; never a function's extra work."""
+    mine = [w for w in why if w.rank == rank and w.kind in CAUSES and w.kind not in HARDWARE]
     top = max(mine, key=lambda w: w.extra_ms, default=None)
     gpu = next((w for w in why if w.rank == rank and w.kind == "gpu"), None)
-    if gpu is not None and (
-        top is None
-        or top.kind == "cuda"
-        or (top.kind == "function" and (top.off_cpu_ms or 0) >= (top.on_cpu_ms or 0))
+    cpu = next((w for w in why if w.rank == rank and w.kind == "cpu"), None)
+    if top is None:
+        return gpu or cpu
+    in_cuda = top.kind == "cuda" or any(
+        w.kind == "cuda" and w.extra_ms >= 0.5 * top.extra_ms for w in mine
+    )
+    extra_work = top.kind == "function" and top.others_ms_per_step < 0.5 * top.ms_per_step
+    off_cpu = (top.off_cpu_ms or 0) >= (top.on_cpu_ms or 0)
+    # the same code on a slower CPU: the function slower by no more than the clock
+    clocked = (
+        cpu is not None and cpu.slower is not None and top.kind == "function" and not off_cpu
+        and top.others_ms_per_step > 0
+        and top.ms_per_step / top.others_ms_per_step <= 1.25 * cpu.slower
+    )  # fmt: skip
+    for hw, heads in (
+        (gpu, in_cuda or (top.kind == "function" and off_cpu and not extra_work)),
+        (cpu, top.kind == "cpu_starvation" or clocked),
     ):
-        gpu.share = top.share if top is not None else None
-        return gpu
+        if hw is not None and heads:
+            hw.share = top.share
+            return hw
     return top
 
 
@@ -182,6 +201,43 @@ THROTTLE = {  # nvmlClocksEventReason* bits: why a GPU runs below its clock
 GPU_EMPTY: dict[str, Any] = {"reasons": 0, "xids": 0, "ecc": 0, "xid": None}
 GPU_SLOWER = 0.9  # its SM clock below this share of the others': the GPU is slower
 LINK_SLOWER = 0.5  # its PCIe or NVLink rate below this share of the others'
+
+
+CPU_SLOWER = 0.85  # its CPU's clock below this share of the others': a slower CPU
+STEAL_MORE = 10.0  # points of steal above the others' that make a hypervisor the cause
+
+
+def _cpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
+    """The CPU the straggler runs on against the others': a lower clock, or
+    more of its node's time taken by a hypervisor (steal)."""
+    per = {row["rank"]: row for row in rows}
+    r = s.rank
+    others = [per[q] for q in per if q != r]
+    if r not in per or not others:
+        return []
+    me, said = per[r], []
+
+    def theirs(key: str) -> float | None:
+        got = [float(o[key]) for o in others if o.get(key) is not None]
+        return _median(got) if got else None
+
+    mhz = theirs("mhz")
+    slower = None
+    if me.get("mhz") and mhz and me["mhz"] < CPU_SLOWER * mhz:
+        slower = round(mhz / me["mhz"], 2)
+        said.append(
+            f"its CPU runs at {me['mhz'] / 1000:.2f} GHz vs {mhz / 1000:.2f} GHz on the others"
+        )
+    steal = theirs("steal_pct")
+    if me.get("steal_pct") is not None and me["steal_pct"] >= (steal or 0.0) + STEAL_MORE:
+        said.append(
+            f"a hypervisor takes {me['steal_pct']:.0f} % of its node's CPU time "
+            f"({steal or 0.0:.0f} % on the others')"
+        )
+    if not said:
+        return []
+    return [Why(r, "cpu", said[0].split(" vs ")[0].split(" (")[0], None, None, 0.0, 0.0,
+                slower=slower, text=f"rank {r}: " + "; ".join(said))]  # fmt: skip
 
 
 def _gpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
