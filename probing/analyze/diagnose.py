@@ -758,7 +758,7 @@ WHY_SCHEMA = pa.schema(
         ("file", pa.string()), ("line", pa.int64()), ("ms_per_step", pa.float64()),
         ("others_ms_per_step", pa.float64()), ("on_cpu_ms", pa.float64()),
         ("off_cpu_ms", pa.float64()), ("runq_ms", pa.float64()), ("slower", pa.float64()),
-        ("text", pa.string()),
+        ("text", pa.string()), ("share", pa.float64()),
     ]
 )  # fmt: skip
 SLOW_LINKS_SCHEMA = pa.schema(
