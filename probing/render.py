@@ -218,8 +218,32 @@ def diagnosis(d: Diagnosis) -> str:
         out[1:1] = [textwrap.fill("not heard from: " + "; ".join(d.missing), 80), ""]
     cols = ["rank", "node", "collectives", "last_pct", "lag_ms_mean", "lag_ms_p99", "count"]
     head = ["RANK", "NODE", "COLL", "LAST %", "LAG MS", "P99 MS", "COUNT", "IN COLL"]
-    rows = [[r[c] for c in cols] + [_yes(r["in_collective"])] for r in d.ranks]
-    out.append(format_rows(head, rows))
+    rows = [[r[c] for c in cols] + [r["in_collective"]] for r in d.ranks]
+    # a column no rank has a value for says nothing (torch's counts over TCP)
+    keep = [i for i in range(len(head)) if i == 0 or any(row[i] is not None for row in rows)]
+    out.append(
+        format_rows(
+            [head[i] for i in keep],
+            [[_yes(row[i]) if head[i] == "IN COLL" else row[i] for i in keep] for row in rows],
+        )
+    )
+    if d.pipeline is not None:
+        out.append("")
+        out.append(
+            format_rows(
+                ["STAGE RANK", "BUSY %", "RECV WAIT %", "SEND WAIT %", "PEERS"],
+                [
+                    [
+                        st.rank,
+                        round(100 * st.busy_share),
+                        round(100 * st.recv_wait_share),
+                        round(100 * st.send_wait_share),
+                        ", ".join(map(str, st.peers)),
+                    ]
+                    for st in d.pipeline.stages
+                ],  # fmt: skip
+            )
+        )
     for s in d.slow_links:
         out.append(
             f"\n{s.comm}: transfer median {s.transfer_ms_median} ms (model "

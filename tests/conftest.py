@@ -19,6 +19,18 @@ REPO = Path(__file__).resolve().parent.parent
 SLOWDOWN = float(os.environ.get("PROBING_TEST_SLOWDOWN", "1"))
 
 
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def build_lib(src: str, out: Path, *flags: str) -> str:
+    """A stand-in library built from ``tests/fixtures/<src>`` (make setup installs cc)."""
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-O1", "-Wall", "-o", str(out), str(FIXTURES / src), *flags],
+        check=True,
+    )
+    return str(out)
+
+
 def require(condition: bool, reason: str) -> None:
     """Skip with ``reason`` unless PROBING_REQUIRE_PRIVILEGED=1 makes it a failure."""
     if condition:

@@ -8,9 +8,7 @@ is found by pynvml's own ``CDLL("libnvidia-ml.so.1")`` through the target's
 from __future__ import annotations
 
 import ctypes.util
-import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,23 +16,15 @@ import pytest
 
 from probing.client import ProbeClient
 from probing.tables.nvml import parse_interval, visible_indices
-from tests.conftest import cli
+from tests.conftest import build_lib, cli
 
-FAKE = Path(__file__).parent / "fixtures" / "fake_nvml.c"
 GIB, MIB = 1 << 30, 1 << 20
 
 
 @pytest.fixture(scope="session")
 def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.fail("make setup installs gcc; the NVML stand-in needs it")
     d = tmp_path_factory.mktemp("fake-nvml")
-    subprocess.run(
-        [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(d / "libnvidia-ml.so.1"),
-         str(FAKE)],
-        check=True,
-    )  # fmt: skip
+    build_lib("fake_nvml.c", d / "libnvidia-ml.so.1", "-Werror")
     return d
 
 

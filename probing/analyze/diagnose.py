@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from probing.analyze import collectives as coll
@@ -48,18 +49,39 @@ CALLSITES_SQL = (
 )
 
 
-# where each rank spent its time (python.samples, by the innermost user frame)
-# and in CUDA calls: asked only when there is a straggler to explain
+# where each rank spent its time (python.samples, by the innermost user frame,
+# and whether it waited for its DataLoader's worker processes) and in CUDA
+# calls: asked only when there is a straggler to explain
 SAMPLES_SQL = (
     "SELECT s.kind AS kind, c.file AS file, c.func AS func, c.line AS line, "
+    "c.via_file AS via_file, c.via_func AS via_func, l.stack_id IS NOT NULL AS loader, "
     "s.thread AS thread, sum(s.dur_ns) AS dur_ns, sum(s.count) AS n{tags} FROM python.samples s "
     "LEFT JOIN python.callsites c ON s.stack_id = c.stack_id{same_rank} "
-    "WHERE s.ts >= {since_ns} GROUP BY s.kind, c.file, c.func, c.line, s.thread{group}"
+    "LEFT JOIN (SELECT DISTINCT stack_id{ltags} FROM python.stacks "
+    "WHERE file LIKE '%torch/utils/data/dataloader.py' AND func LIKE '%._get_data') l "
+    "ON s.stack_id = l.stack_id{loader_rank} WHERE s.ts >= {since_ns} "
+    "GROUP BY s.kind, c.file, c.func, c.line, c.via_file, c.via_func, l.stack_id IS NOT NULL, "
+    "s.thread{group}"
 )  # by thread too: the threads without Python (Gloo's, OpenMP's) wait for a CPU as well
 CUDA_SQL = (
     "SELECT api, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
     "WHERE ts >= {since_ns} GROUP BY api{group}"
 )
+
+
+# each rank's GPUs over the window (NVML, when sampled): asked only when
+# there is a straggler to explain
+NVML_SQL = (
+    "SELECT gpu, avg(sm_clock_mhz) AS sm_mhz, bit_or(throttle_reasons) AS reasons, "
+    "avg(power_w) AS power_w, max(temp_c) AS temp_c, sum(xid_count) AS xids, max(xid) AS xid, "
+    "max(ecc_uncorrected) AS ecc, avg(pcie_tx_kbs + pcie_rx_kbs) AS pcie_kbs, "
+    "max(nvlink_tx_kib + nvlink_rx_kib) - min(nvlink_tx_kib + nvlink_rx_kib) AS nvlink_kib, "
+    "max(ts) - min(ts) AS span_ns{tags} FROM nvml.gpu WHERE ts >= {since_ns} GROUP BY gpu{group}"
+)
+
+
+# the CPU each rank runs on: its clock, its node's steal (asked with NVML_SQL)
+CPU_SQL = "SELECT cpu, mhz, max_mhz, steal_pct, busy_pct{tags} FROM process.cpu"
 
 
 def queries(remote: bool) -> dict[str, str]:
@@ -80,10 +102,18 @@ def queries(remote: bool) -> dict[str, str]:
         "samples": SAMPLES_SQL.format(
             tags=", s.node AS node, s.rank AS rank" if remote else "",
             same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
+            ltags=", node, rank" if remote else "",
+            loader_rank=" AND l.node = s.node AND l.rank = s.rank" if remote else "",
             group=", s.node, s.rank" if remote else "",
             since_ns="{since_ns}",
         ),  # fmt: skip
         "cuda": CUDA_SQL.format(
+            tags=", node, rank" if remote else "",
+            group=", node, rank" if remote else "",
+            since_ns="{since_ns}",
+        ),
+        "cpu": CPU_SQL.format(tags=", node, rank" if remote else ""),
+        "nvml": NVML_SQL.format(
             tags=", node, rank" if remote else "",
             group=", node, rank" if remote else "",
             since_ns="{since_ns}",
@@ -171,6 +201,30 @@ class Diagnosis:
         }
 
 
+MOST = 0.5  # a cause that explains this share of the lateness heads the verdict
+
+
+def cause_text(w: wy.Why | None) -> str:
+    """The verdict's cause: the one that explains most of the lateness, with
+    that share, or that none explains most of it."""
+    if w is None:
+        return ""
+    what = w.text.split(": ", 1)[-1]  # "rank 2: load_batch (...) ..." -> "load_batch (...) ..."
+    if w.kind in wy.HARDWARE and w.share is None:  # slower hardware; no wait says how much
+        return f": {what}"
+    if w.share is None:
+        return ""
+    pct = f"{100 * w.share:.0f} % of its lateness"
+    if w.share < MOST:
+        return f"; no single cause explains most of its lateness (the largest: {what}, {pct})"
+    if w.kind == "cpu_starvation":
+        return (
+            f": CPU starvation, it waits {w.extra_ms:.0f} ms/step longer for a CPU than the "
+            f"others, {pct} (what else runs on its node?)"
+        )
+    return f": {what}, {pct}"
+
+
 def _hms(ns: int) -> str:
     return coll.iso(ns)[11:19] + " UTC"
 
@@ -215,23 +269,14 @@ def verdict(
         since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
         node = f" on node {s.node}" if s.node else ""
         groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
-        # starvation heads the verdict only where it explains more than any one function
-        mine = [w for w in why if w.rank == s.rank and w.kind in ("cpu_starvation", "function")]
-        top = max(mine, key=lambda w: w.ms_per_step - w.others_ms_per_step, default=None)
-        starved = top if top is not None and top.kind == "cpu_starvation" else None
-        cause = (
-            f": CPU starvation, it waits {starved.ms_per_step - starved.others_ms_per_step:.0f} "
-            "ms/step longer for a CPU than the others (what else runs on its node?)"
-            if starved
-            else ""
-        )
+        cause = cause_text(wy.headline(why, s.rank))
         return (
             f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
             f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
             f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
         )
     if pipe is not None and pipe.slow is not None:
-        return pipe.text()
+        return pipe.text() + cause_text(wy.headline(why, pipe.slow)).replace("/step", "/s")
     if slow_links:
         s = slow_links[0]
         return (
@@ -284,6 +329,8 @@ def analyze(
     hang_after_s: float = hg.HANG_AFTER_S,
     samples: pa.Table | None = None,
     cuda: pa.Table | None = None,
+    nvml: pa.Table | None = None,
+    cpu: pa.Table | None = None,
     recorded: fl.Gathered | None = None,
     ranks_of: dict[str, list[int]] | None = None,
 ) -> Diagnosis:
@@ -316,8 +363,9 @@ def analyze(
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
         stacks.update(h.stacks)
-    why = explain_stragglers(strag, matched, samples, cuda)
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
+    why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
+    why += explain_stage(pipe, samples)
     d = Diagnosis(
         healthy=not (hangs or strag or slow or (pipe is not None and pipe.slow is not None)),
         verdict=verdict(strag, slow, hangs, summary, window_s, why, pipe),
@@ -373,17 +421,40 @@ def pipeline_hangs(
     ]  # fmt: skip
 
 
+def explain_stage(pipe: pp.Pipeline | None, samples: pa.Table | None) -> list[wy.Why]:
+    """What keeps a pipeline's slow stage busy: its functions against the
+    other stages', per second of the window (a pipeline has no step the
+    collectives would give)."""
+    if pipe is None or pipe.slow is None or samples is None:
+        return []
+    st = pipe.stage(pipe.slow)
+    others = [t.busy_share for t in pipe.stages if t.rank != st.rank]
+    extra = (st.busy_share - float(np.median(others))) * 1000.0  # ms of work per second
+    stage = coll.Straggler(
+        rank=st.rank, node=st.node, lag_ms_mean=0.0, lag_ms_p99=0.0, excess_ms_median=extra,
+        last_share=0.0, share_of_step=0.0, since="", since_ns=0, since_start=True,
+        comm="", op="send/recv", collectives=0, p_value=0.0,
+    )  # fmt: skip
+    return wy.explain(stage, samples.to_pylist(), [], step=1000.0, unit="s")
+
+
 def explain_stragglers(
     stragglers: list[coll.Straggler],
     matched: list[coll.Collective],
     samples: pa.Table | None,
     cuda: pa.Table | None,
+    nvml: pa.Table | None = None,
+    cpu: pa.Table | None = None,
 ) -> list[wy.Why]:
-    """What makes each straggler slow (``why.explain``), from SAMPLES_SQL and
-    CUDA_SQL rows (None: that part is left out)."""
+    """What makes each straggler slow (``why.explain``), from SAMPLES_SQL,
+    CUDA_SQL, NVML_SQL and CPU_SQL rows (None: that part is left out)."""
     rows = samples.to_pylist() if samples is not None else []
     calls = cuda.to_pylist() if cuda is not None else []
-    return [w for s in stragglers for w in wy.explain(s, rows, matched, calls)]
+    gpus = nvml.to_pylist() if nvml is not None else []
+    cpus = cpu.to_pylist() if cpu is not None else []
+    return [
+        w for s in stragglers for w in wy.explain(s, rows, matched, calls, gpus=gpus, cpus=cpus)
+    ]
 
 
 def _rank_rows(
@@ -526,16 +597,23 @@ def diagnose(
                 ranks_of=ranks_of,
             )  # fmt: skip
     d.missing = missing_ranks(table)
-    if d.stragglers:
+    slow_stage = d.pipeline is not None and d.pipeline.slow is not None
+    if d.stragglers or slow_stage:
         since = now - int(window_s * 1e9)
         extra: dict[str, pa.Table | None] = {}
-        for name in ("samples", "cuda"):
+        for name in ("samples", "cuda", "nvml", "cpu"):
             try:
                 extra[name] = ask(sql[name].format(since_ns=since))
             except ProbingError:  # a probe without the table: that part is left out
                 extra[name] = None
-        d.why = explain_stragglers(d.stragglers, coll.match(table), extra["samples"], extra["cuda"])
-        d.verdict = verdict(d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why)
+        d.why = explain_stragglers(
+            d.stragglers, coll.match(table), extra["samples"], extra["cuda"], extra["nvml"],
+            extra["cpu"],
+        )  # fmt: skip
+        d.why += explain_stage(d.pipeline, extra["samples"])
+        d.verdict = verdict(
+            d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why, d.pipeline
+        )
     if d.stragglers or d.hangs:
         try:
             since = now - int(window_s * 1e9)
@@ -680,7 +758,7 @@ WHY_SCHEMA = pa.schema(
         ("file", pa.string()), ("line", pa.int64()), ("ms_per_step", pa.float64()),
         ("others_ms_per_step", pa.float64()), ("on_cpu_ms", pa.float64()),
         ("off_cpu_ms", pa.float64()), ("runq_ms", pa.float64()), ("slower", pa.float64()),
-        ("text", pa.string()),
+        ("text", pa.string()), ("share", pa.float64()),
     ]
 )  # fmt: skip
 SLOW_LINKS_SCHEMA = pa.schema(

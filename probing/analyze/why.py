@@ -28,8 +28,10 @@ from probing.analyze.hangs import short_path
 MIN_DELTA_MS = 1.0  # a function's extra time per step worth naming ...
 MIN_DELTA_SHARE = 0.15  # ... and this share of the straggler's own excess
 TOP = 3  # functions named per straggler
-STARVED_SLOWER = 1.5  # starved: the other functions this many times slower, on average
-STARVED_SHARE = 0.5  # ... or its extra wait for a CPU is this share of its lateness
+STARVED_SHARE = 0.5  # starved: its extra wait for a CPU is this share of its lateness ...
+STARVED_NOISE = 2.0  # ... and this many times the spread of the others' waits
+CAUSES = ("function", "cpu_starvation", "cuda", "gpu", "cpu")  # what a verdict may blame
+HARDWARE = ("gpu", "cpu")  # causes told by their figures, not by time per step
 
 
 @dataclasses.dataclass
@@ -46,6 +48,11 @@ class Why:
     runq_ms: float | None = None  # runnable, waiting for a CPU
     slower: float | None = None  # cpu_starvation: the functions' typical slowdown
     text: str = ""
+    share: float | None = None  # of the straggler's lateness per step, what this explains
+
+    @property
+    def extra_ms(self) -> float:
+        return self.ms_per_step - self.others_ms_per_step
 
 
 def steps_per_collective(cs: list[Collective]) -> float:
@@ -80,6 +87,7 @@ class Profile:
 def _profile(rows: list[dict[str, Any]]) -> Profile:
     prof: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     lines: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
+    vias: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     span: dict[int, float] = defaultdict(float)
     native: dict[int, float] = defaultdict(float)
     for row in rows:
@@ -88,14 +96,20 @@ def _profile(rows: list[dict[str, Any]]) -> Profile:
             span[r] += ns
             continue
         key = (row.get("file"), row.get("func"))
-        if key == (None, None):  # threads without Python (pools, Gloo's): idle, or working
+        if row.get("loader"):  # waiting for its DataLoader's workers: their slowness
+            key = LOADER
+        elif key == (None, None):  # threads without Python (pools, Gloo's): idle, or working
             if kind == "runq":  # for a Python caller, whose own time says as much; but
                 native[r] += ns  # their wait for a CPU delays that caller too
             continue
         prof[r][key][kind] += ns
         lines[(r, *key)][row.get("line")] += ns
+        if row.get("via_func"):
+            vias[(r, *key)][(row.get("via_file"), row["via_func"])] += ns
     for (r, *key), by_line in lines.items():
         prof[r][tuple(key)]["line"] = max(by_line, key=by_line.__getitem__) or 0
+    for (r, *key), by_via in vias.items():
+        prof[r][tuple(key)]["via"] = max(by_via, key=by_via.__getitem__)
     return Profile(prof, span, native)
 
 
@@ -115,9 +129,18 @@ def explain(
     samples: list[dict[str, Any]],
     collectives: list[Collective],
     cuda: list[dict[str, Any]] | None = None,
+    *,
+    step: float | None = None,
+    unit: str = "step",
+    gpus: list[dict[str, Any]] | None = None,
+    cpus: list[dict[str, Any]] | None = None,
 ) -> list[Why]:
-    """What makes ``s.rank`` slow, largest difference first."""
-    step = step_ms(collectives, s.comm)
+    """What makes ``s.rank`` slow: the causes by how much of its lateness each
+    explains (``share``), the largest first, then the collectives. ``step``
+    (ms): the job's step, else from its collectives; ``unit`` names it;
+    ``gpus``: NVML's figures per rank and GPU over the window (``NVML_SQL``);
+    ``cpus``: the CPU each rank runs on, its clock and its node's steal (``CPU_SQL``)."""
+    step = step or step_ms(collectives, s.comm)
     if not step:
         return []
     prof = _profile(samples)
@@ -126,9 +149,170 @@ def explain(
     out: list[Why] = []
     if r in prof.funcs and prof.span.get(r) and others:
         out += _functions(s, prof, others, step)
-    out += _collectives(s, collectives, step)
     out += _cuda(s, cuda or [], step, collectives)
+    out += _gpu(s, gpus or [])
+    out += _cpu(s, cpus or [])
+    late = lateness_ms(s, step)
+    for w in out:  # the GPU's share is that of what it makes the rank wait in (headline)
+        if late > 0 and w.kind not in HARDWARE:
+            w.share = round(min(1.0, max(0.0, w.extra_ms) / late), 2)
+        if unit != "step":
+            w.text = w.text.replace("ms/step", f"ms/{unit}")
+    out.sort(key=lambda w: -w.extra_ms)
+    return out + _collectives(s, collectives, step)
+
+
+def headline(why: list[Why], rank: int) -> Why | None:
+    """The cause that explains most of ``rank``'s lateness (None: no cause found).
+    Slower hardware heads what it makes longer: its GPU the CUDA waits (and
+    the functions whose time is in them), its CPU a wait for a CPU or the
+    same code running slower; never a function's extra work."""
+    mine = [w for w in why if w.rank == rank and w.kind in CAUSES and w.kind not in HARDWARE]
+    top = max(mine, key=lambda w: w.extra_ms, default=None)
+    gpu = next((w for w in why if w.rank == rank and w.kind == "gpu"), None)
+    cpu = next((w for w in why if w.rank == rank and w.kind == "cpu"), None)
+    if top is None:
+        return gpu or cpu
+    in_cuda = top.kind == "cuda" or any(
+        w.kind == "cuda" and w.extra_ms >= 0.5 * top.extra_ms for w in mine
+    )
+    extra_work = top.kind == "function" and top.others_ms_per_step < 0.5 * top.ms_per_step
+    off_cpu = (top.off_cpu_ms or 0) >= (top.on_cpu_ms or 0)
+    # the same code on a slower CPU: the function slower by no more than the clock
+    clocked = (
+        cpu is not None and cpu.slower is not None and top.kind == "function" and not off_cpu
+        and top.others_ms_per_step > 0
+        and top.ms_per_step / top.others_ms_per_step <= 1.25 * cpu.slower
+    )  # fmt: skip
+    for hw, heads in (
+        (gpu, in_cuda or (top.kind == "function" and off_cpu and not extra_work)),
+        (cpu, top.kind == "cpu_starvation" or clocked),
+    ):
+        if hw is not None and heads:
+            hw.share = top.share
+            return hw
+    return top
+
+
+THROTTLE = {  # nvmlClocksEventReason* bits: why a GPU runs below its clock
+    0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal slowdown",
+    0x40: "hardware thermal slowdown", 0x80: "power brake", 0x2: "application clocks",
+}  # fmt: skip
+GPU_EMPTY: dict[str, Any] = {"reasons": 0, "xids": 0, "ecc": 0, "xid": None}
+GPU_SLOWER = 0.9  # its SM clock below this share of the others': the GPU is slower
+LINK_SLOWER = 0.5  # its PCIe or NVLink rate below this share of the others'
+
+
+CPU_SLOWER = 0.85  # its CPU's clock below this share of the others': a slower CPU
+STEAL_MORE = 10.0  # points of steal above the others' that make a hypervisor the cause
+
+
+def _cpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
+    """The CPU the straggler runs on against the others': a lower clock, or
+    more of its node's time taken by a hypervisor (steal)."""
+    per = {row["rank"]: row for row in rows}
+    r = s.rank
+    others = [per[q] for q in per if q != r]
+    if r not in per or not others:
+        return []
+    me, said = per[r], []
+
+    def theirs(key: str) -> float | None:
+        got = [float(o[key]) for o in others if o.get(key) is not None]
+        return _median(got) if got else None
+
+    mhz = theirs("mhz")
+    slower = None
+    if me.get("mhz") and mhz and me["mhz"] < CPU_SLOWER * mhz:
+        slower = round(mhz / me["mhz"], 2)
+        said.append(
+            f"its CPU runs at {me['mhz'] / 1000:.2f} GHz vs {mhz / 1000:.2f} GHz on the others"
+        )
+    steal = theirs("steal_pct")
+    if me.get("steal_pct") is not None and me["steal_pct"] >= (steal or 0.0) + STEAL_MORE:
+        said.append(
+            f"a hypervisor takes {me['steal_pct']:.0f} % of its node's CPU time "
+            f"({steal or 0.0:.0f} % on the others')"
+        )
+    if not said:
+        return []
+    return [Why(r, "cpu", said[0].split(" vs ")[0].split(" (")[0], None, None, 0.0, 0.0,
+                slower=slower, text=f"rank {r}: " + "; ".join(said))]  # fmt: skip
+
+
+def _gpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
+    """The straggler's GPU against the others' (NVML over the window): a
+    lower SM clock (and the throttle reasons only it has), XID or
+    uncorrected ECC errors only it has, a slower PCIe or NVLink."""
+    per: dict[int, dict[str, Any]] = {}
+    for row in rows:  # several GPUs per rank: their mean clock, every reason and error
+        p = per.setdefault(row["rank"], dict(GPU_EMPTY, mhz=[], pcie=[], nvlink=[], temp=[]))
+        if row.get("sm_mhz") is not None:
+            p["mhz"].append(float(row["sm_mhz"]))
+        p["reasons"] |= int(row.get("reasons") or 0)
+        p["xids"] += int(row.get("xids") or 0)
+        p["xid"] = row.get("xid") or p["xid"]
+        p["ecc"] = max(p["ecc"], int(row.get("ecc") or 0))
+        if row.get("pcie_kbs") is not None:
+            p["pcie"].append(float(row["pcie_kbs"]))
+        if row.get("nvlink_kib") is not None and row.get("span_ns"):
+            p["nvlink"].append(float(row["nvlink_kib"]) / (row["span_ns"] / 1e9))
+        if row.get("temp_c") is not None:
+            p["temp"].append(float(row["temp_c"]))
+    r = s.rank
+    others = [q for q in per if q != r]
+    if r not in per or not others:
+        return []
+    me = per[r]
+
+    def theirs(key: str) -> float:
+        return _median([float(np.mean(per[q][key])) for q in others if per[q][key]])
+
+    out = []
+    said: list[str] = []
+    if me["mhz"] and theirs("mhz") > 0 and np.mean(me["mhz"]) < GPU_SLOWER * theirs("mhz"):
+        common = -1
+        for q in others:
+            common &= per[q]["reasons"]
+        only = [name for bit, name in THROTTLE.items() if me["reasons"] & bit & ~common]
+        if me["temp"] and any("thermal" in name for name in only):
+            only.append(f"{np.mean(me['temp']):.0f} C")
+        why = f" ({', '.join(only)})" if only else ""
+        said.append(
+            f"its GPU runs at {np.mean(me['mhz']) / 1000:.2f} GHz vs "
+            f"{theirs('mhz') / 1000:.2f} GHz on the others{why}"
+        )
+    if me["xids"] and not any(per[q]["xids"] for q in others):
+        said.append(f"its GPU reported {me['xids']} XID error(s) (last: XID {me['xid']})")
+    if me["ecc"] > max(per[q]["ecc"] for q in others):
+        said.append(f"its GPU has {me['ecc']} uncorrected ECC error(s)")
+    for key, name in (("pcie", "PCIe"), ("nvlink", "NVLink")):
+        if me[key] and theirs(key) > 0 and np.mean(me[key]) < LINK_SLOWER * theirs(key):
+            said.append(
+                f"its {name} moves {np.mean(me[key]) / 1024:.0f} MB/s vs "
+                f"{theirs(key) / 1024:.0f} MB/s on the others"
+            )
+    if said:
+        out.append(
+            Why(
+                r, "gpu", said[0].split(" vs ")[0], None, None, 0.0, 0.0,
+                text=f"rank {r}: " + "; ".join(said),
+            )
+        )  # fmt: skip
     return out
+
+
+LOADER = (None, "its DataLoader's worker processes")  # the key of time waiting for them
+
+
+def via_text(via: tuple[str | None, str] | None) -> str:
+    """`` via transformers Trainer._get_batch``: the library frame that called
+    the user's function (its package, then its function)."""
+    if not via:
+        return ""
+    file, func = via
+    package = short_path(file).split("/", 1)[0] if file else ""
+    return f" via {package} {func}" if package and not package.endswith(".py") else f" via {func}"
 
 
 def _per_step(ns: float, span_ns: float, step: float) -> float:
@@ -159,7 +343,9 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
         py = sum(ms(q, k, ("runq",)) for k in prof[q] if k != top)
         return py + _per_step(p.native_runq.get(q, 0.0), span[q], step)
 
-    runq, runq_others = runq_of(r), _median([runq_of(q) for q in others])
+    theirs_runq = [runq_of(q) for q in others]
+    runq, runq_others = runq_of(r), _median(theirs_runq)
+    spread = max(theirs_runq) - min(theirs_runq) if theirs_runq else 0.0
     out = []
     floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * lateness_ms(s, step))
     # starved: the functions that differ least run slower too (not one function's
@@ -172,11 +358,11 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
             ratios.append(ms(r, key, ("cpu", "runq")) / theirs)
             weights.append(theirs)
     slower = float(np.average(ratios, weights=weights)) if ratios else None
-    # every function slower, or a wait for a CPU that accounts for its lateness
-    # (the others wait for CPUs too: a busy machine that favours them)
-    starved = (slower or 0.0) >= STARVED_SLOWER or (
-        runq - runq_others >= STARVED_SHARE * lateness_ms(s, step)
-    )
+    # a wait for a CPU that accounts for most of its lateness, well beyond how
+    # the others' waits differ among themselves (a busy machine that favours
+    # them, a hog on its CPU); ``slower`` (every function slower) says it too
+    extra = runq - runq_others
+    starved = extra >= STARVED_SHARE * lateness_ms(s, step) and extra >= STARVED_NOISE * spread
     if runq - runq_others >= floor and starved:
         alike = f"; every function ~{slower:.1f}x slower" if slower is not None else ""
         out.append(
@@ -195,6 +381,7 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
         parts = {k: ms(r, key, (k,)) for k in every}
         line = int(prof[r].get(key, {}).get("line", 0) or 0) or None
         where = f" ({short_path(file)}:{line})" if file else ""
+        where += via_text(prof[r].get(key, {}).get("via"))
         top = max(parts, key=parts.__getitem__)
         how = {"cpu": "on CPU", "off": "off CPU", "runq": "waiting for a CPU"}[top]
         out.append(
@@ -202,8 +389,9 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
                 r, "function", str(func), file, line, round(mine, 2), round(theirs, 2),
                 on_cpu_ms=round(parts["cpu"], 2), off_cpu_ms=round(parts["off"], 2),
                 runq_ms=round(parts["runq"], 2),
-                text=f"rank {r}: {func}{where} {mine:.1f} ms/step vs {theirs:.1f} ms "
-                f"on the others (mostly {how})",
+                text=f"rank {r}: {'waits for ' if key == LOADER else ''}{func}{where} "
+                f"{mine:.1f} ms/step vs {theirs:.1f} ms on the others (mostly {how})"
+                + (": one of its workers is slow" if key == LOADER else ""),
             )
         )  # fmt: skip
     return out

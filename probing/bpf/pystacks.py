@@ -38,15 +38,20 @@ STACKS_SCHEMA = pa.schema(
 PY_STACKS_MAX = 8192  # entries of each program's py_stacks map (bpf/pyframes.h)
 
 # python.callsites: the one-line "file:line func" of each stack's innermost
-# user frame (the innermost frame where the stack has no user frame)
+# user frame (the innermost frame where the stack has no user frame), and the
+# library frame that called it, if one did (a framework calling the user's
+# code: transformers' Trainer, torch's DataLoader)
 CALLSITES_SQL = """
-SELECT stack_id, CAST(file || ':' || CAST(line AS VARCHAR) || ' ' || func AS VARCHAR)
-         AS callsite,
-       file, line, func
+SELECT u.stack_id AS stack_id,
+       CAST(u.file || ':' || CAST(u.line AS VARCHAR) || ' ' || u.func AS VARCHAR) AS callsite,
+       u.file AS file, u.line AS line, u.func AS func, v.file AS via_file, v.func AS via_func
 FROM (
   SELECT *, row_number() OVER (PARTITION BY stack_id ORDER BY user DESC, depth) AS rn
   FROM python.stacks
-) WHERE rn = 1
+) u
+LEFT JOIN python.stacks v
+  ON v.stack_id = u.stack_id AND v.depth = u.depth + 1 AND u.user AND NOT v.user
+WHERE u.rn = 1
 """
 
 _LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))})

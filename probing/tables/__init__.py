@@ -44,6 +44,7 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     target = probe.target
     engine.register_table("process", "info", lambda: process.info(target))
     engine.register_table("process", "threads", lambda: process.threads(target))
+    engine.register_table("process", "cpu", lambda: process.cpu(target))
     engine.register_table("process", "stacks", stacks.provider(target.stacks))
     engine.register_table("probing", "tables", lambda: _pulled(puller, engine))
     gpu = probe.nvml  # creates the (typed, maybe empty) nvml.gpu table

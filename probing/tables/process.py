@@ -8,6 +8,7 @@ has exited still has its last ``info``; its ``threads`` are none.
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
 import psutil
@@ -141,3 +142,73 @@ def threads(target: Any) -> pa.Table:
             }
         )
     return pa.Table.from_pylist(rows, schema=THREAD_SCHEMA)
+
+
+CPU_SCHEMA = pa.schema(
+    [
+        ("cpu", pa.int32()),  # the CPU its main thread last ran on
+        ("mhz", pa.float64()),  # that CPU's clock now (cpufreq, else /proc/cpuinfo)
+        ("max_mhz", pa.float64()),  # its highest clock (cpufreq; NULL where not exposed)
+        ("steal_pct", pa.float64()),  # the node's CPU time the hypervisor took, over STEAL_S
+        ("busy_pct", pa.float64()),  # the node's CPUs busy over the same time
+    ]
+)
+STEAL_S = 0.1  # /proc/stat is read twice, this far apart
+
+
+def cpu(target: Any, wait_s: float = STEAL_S) -> pa.Table:
+    """The CPU the process runs on (one row): its clock, and the node's steal
+    (time a hypervisor gave to other guests) and busy shares now, from /proc
+    and /sys where the kernel exposes them (NULL where it does not)."""
+    try:
+        with open(f"/proc/{target.pid}/stat") as f:
+            on = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39: processor
+    except (OSError, IndexError, ValueError):
+        return CPU_SCHEMA.empty_table()
+    first = _cpu_times()
+    time.sleep(wait_s)
+    second = _cpu_times()
+    steal = busy = None
+    if first and second and len(first) == len(second):
+        delta = [b - a for a, b in zip(first, second, strict=True)]
+        total = sum(delta)
+        if total > 0:  # user nice system idle iowait irq softirq steal
+            steal = 100.0 * delta[7] / total if len(delta) > 7 else None
+            busy = 100.0 * (total - delta[3] - delta[4]) / total
+    row = {"cpu": on, "mhz": _cpu_mhz(on), "max_mhz": _khz(on, "cpuinfo_max_freq"),
+           "steal_pct": steal, "busy_pct": busy}  # fmt: skip
+    return pa.Table.from_pylist([row], schema=CPU_SCHEMA)
+
+
+def _cpu_times() -> list[int]:
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def _khz(cpu_id: int, name: str) -> float | None:
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu_id}/cpufreq/{name}") as f:
+            return int(f.read()) / 1000.0
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_mhz(cpu_id: int) -> float | None:
+    """CPU ``cpu_id``'s clock: cpufreq's, else what /proc/cpuinfo says of it."""
+    got = _khz(cpu_id, "scaling_cur_freq")
+    if got is not None:
+        return got
+    try:
+        with open("/proc/cpuinfo") as f:
+            blocks = f.read().split("\n\n")
+    except OSError:
+        return None
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if fields.get("processor") == str(cpu_id) and "cpu MHz" in fields:
+            return float(fields["cpu MHz"])
+    return None

@@ -10,27 +10,21 @@ and ``diagnose --cluster`` names the slowed rank (for a pipeline: the stage).
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from probing.demo import free_port, trace_all
-from tests.conftest import REPO, SLOWDOWN, cli, require, require_bpf
+from probing.demo import trace_all
+from tests.conftest import SLOWDOWN, cli, require, require_bpf
+from tests.jobs.framework import ENV, JOBS, WORLD, Job, start, starve, torchrun
 
 pytestmark = pytest.mark.privileged
 
-ENV = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "frameworks"
-JOBS = REPO / "tests" / "jobs" / "frameworks"
-WORLD = 4
-READY = re.compile(r"ready rank=(\d+) pid=(\d+)")
 ALL_RANKS = "SELECT rank FROM process.info ORDER BY rank"
 
 
@@ -38,48 +32,6 @@ def python() -> str:
     py = ENV / "bin" / "python"
     require(py.exists(), f"job env {ENV.name} missing: run .ci/jobenvs.sh (make setup)")
     return str(py)
-
-
-class Job:
-    """A framework job started as its users start it; ``ranks``: rank -> pid."""
-
-    def __init__(self, argv: list[str], tmp: Path, env: dict[str, str]) -> None:
-        self.out = tmp / "job.out"
-        full = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "RANK"))}
-        full.update(PROBING_RUNTIME_DIR=os.environ["PROBING_RUNTIME_DIR"], STEPS="0")
-        full.update(env)
-        with open(self.out, "wb") as out:  # not from the checkout: probing is not importable
-            self.proc = subprocess.Popen(
-                argv, env=full, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        self.ranks: dict[int, int] = {}
-
-    def text(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 180) -> dict[int, int]:
-        deadline = time.monotonic() + timeout * SLOWDOWN
-        while len(self.ranks) < WORLD:
-            self.ranks = {int(r): int(p) for r, p in READY.findall(self.text())}
-            assert self.proc.poll() is None, f"the job ended:\n{self.text()[-3000:]}"
-            assert time.monotonic() < deadline, f"ranks never ready:\n{self.text()[-3000:]}"
-            time.sleep(0.2)
-        return self.ranks
-
-    def stop(self) -> None:
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -90,54 +42,6 @@ def hooked() -> Iterator[str]:
     assert r.returncode == 0, r.stderr
     yield py
     cli("hook", "--python", py, "--remove")
-
-
-def torchrun(py: str, script: str) -> list[str]:
-    run = str(Path(py).parent / "torchrun")
-    return [run, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), script]
-
-
-LAUNCH = {
-    "hf_trainer": lambda py: torchrun(py, str(JOBS / "hf_trainer.py")),
-    # accelerate on a machine without GPUs: --multi_gpu is its torchrun (the
-    # Trainer asks for the CPU); --cpu would start one process
-    "accelerate": lambda py: [
-        str(Path(py).parent / "accelerate"),
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(WORLD),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        str(JOBS / "hf_trainer.py"),
-    ],  # fmt: skip
-    "fsdp2": lambda py: torchrun(py, str(JOBS / "fsdp2.py")),
-    "fsdp2_tp": lambda py: torchrun(py, str(JOBS / "fsdp2.py")),
-    "lightning_ddp": lambda py: [py, str(JOBS / "lightning_job.py")],
-    "lightning_ddp_spawn": lambda py: [py, str(JOBS / "lightning_job.py")],
-    "mp_spawn": lambda py: [py, str(JOBS / "mp_spawn.py")],
-    "pipeline": lambda py: torchrun(py, str(JOBS / "pipeline.py")),
-}
-ENVS = {
-    "lightning_ddp": {"STRATEGY": "ddp"},
-    "lightning_ddp_spawn": {"STRATEGY": "ddp_spawn"},
-    "fsdp2_tp": {"MESH": "2d"},  # FSDP on a "dp" dimension, tensor parallel on "tp"
-}
-SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60"}
-
-
-def start(name: str, py: str, tmp: Path, probing: bool, slow: int, **more: str) -> Job:
-    env = {"SLOW_RANK": str(slow), "SLOW_MS": SLOW_MS.get(name, "60"), **ENVS.get(name, {})}
-    env.update(more)
-    if probing:
-        env["PROBING"] = "1"
-    return Job(LAUNCH[name](py), tmp, env)
 
 
 def diagnosed(job: Job, rank: int, pipeline: bool, timeout: float = 60) -> dict:
@@ -278,3 +182,44 @@ def test_a_traced_framework_job_trains_with_the_losses_of_an_untraced_one(
         ref.stop()
     want = _losses(untraced / "loss")
     assert len(got) > start_step + 20 and got == want[: len(got)]
+
+
+# what makes a rank slow, and what the verdict's headline names for it
+CAUSES = {
+    "collate_off_cpu": ("hf_trainer", {"SLOW_KIND": "sleep"}, "collate_tokens"),
+    "cpu_in_forward": ("fsdp2", {"SLOW_KIND": "cpu"}, "heavy_features"),
+    "loader_worker": ("hf_trainer", {"SLOW_KIND": "sleep", "WORKERS": "2"},
+                      "its DataLoader's worker processes"),
+    "cpu_hog": ("lightning_ddp", {"SLOW_MS": "0"}, "CPU starvation"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cause", sorted(CAUSES))
+def test_the_verdict_blames_the_real_cause(
+    cause: str, hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    require_bpf()
+    name, env, blamed = CAUSES[cause]
+    slow = random.randrange(WORLD)
+    job = start(name, hooked, tmp_path, False, slow, **env)
+    hogs = []
+    try:
+        ranks = job.wait_ready()
+        if cause == "cpu_hog":  # the rank shares its core with two busy processes
+            hogs = [starve(ranks[slow], 1) for _ in range(2)]
+        assert not trace_all(list(ranks.values()), ["gloo"])
+        deadline = time.monotonic() + 90 * SLOWDOWN
+        while True:
+            d = diagnosed(job, slow, pipeline=False, timeout=30)
+            if blamed in d["verdict"] or time.monotonic() > deadline:
+                break
+        assert named(d, False) == slow, d["verdict"]
+        head = d["verdict"].split(" of its step time", 1)[-1]
+        assert blamed in head, d["verdict"]
+        if cause != "cpu_hog":
+            assert "CPU starvation" not in d["verdict"]
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait(timeout=10)
+        job.stop()

@@ -25,11 +25,9 @@ from probing.bpf.tracer import Tracer, installed_libraries
 from probing.client import ProbeClient
 from probing.engine import Engine
 from probing.store import Store
-from tests.conftest import SLOWDOWN, cli, require, require_bpf
+from tests.conftest import SLOWDOWN, build_lib, cli, require, require_bpf
 
 pytestmark = pytest.mark.privileged
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def _privileged() -> None:
@@ -71,23 +69,14 @@ def no_uprobes_left(pid: int, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
-    d = tmp_path_factory.mktemp("fake-cuda")
-    out = d / "libcuda.so.1"
-    subprocess.run(
-        ["cc", "-shared", "-fPIC", "-O1", "-o", str(out), str(FIXTURES / "fake_libcuda.c")],
-        check=True,
-    )
-    return str(out)
+    return build_lib("fake_libcuda.c", tmp_path_factory.mktemp("fake-cuda") / "libcuda.so.1")
 
 
 @pytest.fixture(scope="module")
 def fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A stripped stand-in runtime that launches through the driver."""
-    d = tmp_path_factory.mktemp("fake-cudart")
-    out = d / "libcudart.so.99"
-    src = str(FIXTURES / "fake_cudart.c")
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-s", "-o", str(out), src, "-ldl"], check=True)
-    return str(out)
+    out = tmp_path_factory.mktemp("fake-cudart") / "libcudart.so.99"
+    return build_lib("fake_cudart.c", out, "-s", "-ldl")
 
 
 class _Traced:
