@@ -10,7 +10,8 @@ draws a rank and a size and one cause:
 * ``cpu``: the user's function does extra CPU work (in forward);
 * ``loader_worker``: the collate sleeps in the DataLoader's worker processes
   (HF with 2 workers a rank);
-* ``cpu_hog``: two busy processes share the rank's core (``taskset``);
+* ``cpu_hog``: a busy process shares the rank's core (``taskset``), in a
+  job that leaves CPUs free (Lightning, every rank waiting 30 ms a step);
 * ``healthy``: nothing.
 
 A run is *detected* when the verdict names the drawn rank (for the pipeline,
@@ -51,8 +52,11 @@ def blamed(framework: str, cause: str) -> str:
     return FUNCTION[framework]
 
 
+ONLY = {"loader_worker": "hf_trainer", "cpu_hog": "lightning_ddp"}  # the jobs that have it
+
+
 def applies(framework: str, cause: str) -> bool:
-    return cause != "loader_worker" or framework == "hf_trainer"
+    return ONLY.get(cause, framework) == framework
 
 
 def diagnose(pid: int, window: float) -> dict:  # type: ignore[type-arg]
@@ -77,16 +81,18 @@ def one_run(framework: str, cause: str, rng: random.Random, window: float) -> di
     ms = rng.choice(SIZES_MS)
     env = {"SLOW_MS": "0" if cause in ("healthy", "cpu_hog") else str(ms)}
     env["SLOW_KIND"] = "cpu" if cause == "cpu" else "sleep"
-    if cause == "loader_worker":
-        env["WORKERS"] = "2"
+    if cause == "loader_worker":  # 2 workers prefetch: a batch must take longer to show
+        env.update(WORKERS="2", SLOW_MS=str(4 * ms))
+    if cause == "cpu_hog":  # every rank waits 30 ms a step: CPUs are free but one
+        env["PACE_MS"] = "30"
     with tempfile.TemporaryDirectory() as tmp:
         job = start(framework, str(ENV / "bin" / "python"), Path(tmp), False, slow, **env)
         hogs = []
         try:
             ranks = job.wait_ready()
-            if cause == "cpu_hog":
-                hogs = [starve(ranks[slow], 1) for _ in range(2)]
             errors = trace_all(list(ranks.values()), ["gloo"])
+            if cause == "cpu_hog":
+                hogs = [starve(ranks[slow], 1)]
             time.sleep(window + 2)
             d = diagnose(ranks[(slow + 1) % WORLD], window)
         finally:

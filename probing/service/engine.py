@@ -219,6 +219,19 @@ def _say(msg: str) -> None:
           flush=True)  # fmt: skip
 
 
+def _unpin() -> None:
+    """Run on any CPU the node lets us use, not on the core of the rank whose
+    guest started us (a job that pins each rank to its cores would otherwise
+    have the node's engine share one rank's core)."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            spans = [part.split("-") for part in f.read().strip().split(",") if part]
+        cpus = {c for span in spans for c in range(int(span[0]), int(span[-1]) + 1)}
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError):  # a cpuset narrower than the node: keep what we were given
+        pass
+
+
 def _preload() -> None:
     """The query engine's libraries, loaded once for every process of the
     node before the first query needs them."""
@@ -252,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--daemon" in args:
         os.setsid()
         _log_to(place.engine_path(directory, key, "log"))
+        _unpin()
     service = Service(directory, key)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     service.run()

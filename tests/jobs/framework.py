@@ -114,12 +114,16 @@ def start(name: str, py: str, tmp: Path, probing: bool, slow: int, **more: str) 
 
 def starve(pid: int, cpu: int) -> subprocess.Popen[bytes]:
     """A CPU hog on ``cpu``, with every thread of ``pid`` pinned there too
-    (``taskset``: what a stray process on a rank's core does to it)."""
+    (``taskset``: what a stray process on a rank's core does to it). It runs
+    at real-time priority (``chrt -f 1``, held to 95 % of the core by the
+    kernel's RT throttling): the scheduler favours a rank that was waiting
+    over a plain busy loop, so one at nice 0 or -10 barely delays it."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), {cpu})
         except OSError:  # a thread that ended meanwhile
             continue
     return subprocess.Popen(
-        ["taskset", "-c", str(cpu), "python3", "-c", "while True: pass"], start_new_session=True
+        ["chrt", "-f", "1", "taskset", "-c", str(cpu), "python3", "-c", "while True: pass"],
+        start_new_session=True,
     )

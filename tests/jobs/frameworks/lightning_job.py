@@ -8,7 +8,8 @@ ranks 1-3 (rank 0 is the process started), ``ddp_spawn`` spawns 4 children of
 it. The user's code is ``heavy_features``, called in the model's forward.
 Environment: ``STEPS`` (20; 0 runs until killed), ``SLOW_RANK``, ``SLOW_MS``
 and ``SLOW_KIND`` (``sleep``: off CPU, ``cpu``: a busy loop) slow it on one
-rank, ``LOSS_FILE`` gets ``step <n> loss <rank's loss>`` lines (from rank 0,
+rank, ``PACE_MS`` makes every rank wait that long a step (a job that is
+not CPU-bound), ``LOSS_FILE`` gets ``step <n> loss <rank's loss>`` lines (from rank 0,
 or from every rank where the name holds ``{rank}``). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its process group is up.
 """
@@ -28,6 +29,7 @@ STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
 SLOW_MS = float(os.environ.get("SLOW_MS", "0"))
 SLOW_KIND = os.environ.get("SLOW_KIND", "sleep")
+PACE_MS = float(os.environ.get("PACE_MS", "0"))  # every rank waits this long a step
 
 
 class Batches(Dataset):
@@ -72,6 +74,8 @@ class Classifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
         x, y = batch
+        if PACE_MS > 0:  # a job that waits for its input too: not every CPU is busy
+            time.sleep(PACE_MS / 1000)
         loss = nn.functional.cross_entropy(self(x), y)
         if self.out:
             self.out.write(f"step {self.global_step + 1} loss {loss.item()!r}\n")
