@@ -98,6 +98,13 @@ def test_a_hang_names_the_stage_that_never_sent() -> None:
     assert pp.culprit(waits) == (1, [0, 2, 3])
 
 
+def test_a_stage_waiting_to_send_leads_to_the_stage_that_never_received() -> None:
+    now = 100 * 10**9
+    # the last stage is stuck: rank 2's send to it waits, ranks 0 and 1 wait upstream
+    rows = [_waiting(0, "recv", 1, 30), _waiting(1, "recv", 2, 31), _waiting(2, "send", 3, 32)]
+    assert pp.culprit(pp.blocked(rows, now, after_s=10)) == (3, [0, 1, 2])
+
+
 def test_waits_in_a_circle_blame_nobody() -> None:
     now = 100 * 10**9
     rows = [_waiting(0, "recv", 1, 30), _waiting(1, "recv", 0, 30)]

@@ -246,8 +246,9 @@ def verdict(
     if hangs and hangs[0].op == "recv" and hangs[0].missing_ranks:  # a pipeline's
         h = hangs[0]
         return (
-            f"hang: {_ranks_text(h.waiting_ranks)} wait to receive for {h.age_s:g}+ s; "
-            f"{_ranks_text(h.missing_ranks)} never sent ({h.detail})"
+            f"hang: {_ranks_text(h.waiting_ranks)} wait in send/recv for {h.age_s:g}+ s; "
+            f"{_ranks_text(h.missing_ranks)} never sent or received what they wait for "
+            f"({h.detail})"
         )
     if hangs:
         h = hangs[0]
@@ -380,7 +381,7 @@ def analyze(
         pipeline=pipe,
         transfers=pp.match_transfers(rows, ranks_of),
     )
-    return _flight_noted(d, recorded, traced=bool(matched) or pipe is not None)
+    return _flight_noted(d, recorded, traced=bool(matched) or bool(rows))
 
 
 def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> Diagnosis:
@@ -411,7 +412,11 @@ def pipeline_hangs(
     root, waiting = found
     first = max((b for b in waits if b.rank in waiting), key=lambda b: b.age_s)
     stacks = {r: hg.main_stack(frames[r]) for r in (root, *waiting) if frames.get(r)}
-    chain = ", ".join(f"rank {b.rank} from rank {b.peer}" for b in waits if b.rank in waiting)
+    chain = ", ".join(
+        f"rank {b.rank} {'from' if b.op == 'recv' else 'to'} rank {b.peer}"
+        for b in waits
+        if b.rank in waiting
+    )
     return [
         hg.Hang(
             comm=first.pg, seq=-1 if first.seq is None else int(first.seq), op="recv",

@@ -13,8 +13,9 @@ gradients go the other way. Gloo's ``send``/``recv`` rows of
   window, averaged over the stages. Over a window of several steps it is
   the bubble's share of a step.
 * A hang: a stage blocked in a ``recv`` from a peer for long. Following
-  each waiting stage to the peer it waits for ends at the stage that never
-  sent (one not itself waiting on a receive).
+  each waiting stage to the peer it waits for (through sends waiting
+  for their receive too) ends at the stage that is in no transfer: the one
+  that never sent, or never received, what the others wait for.
 
 Pure functions over gathered rows, like ``collectives``.
 """
@@ -175,13 +176,14 @@ def blocked(
 
 
 def culprit(waits: list[Blocked]) -> tuple[int, list[int]] | None:
-    """The stage that never sent, and the stages waiting on it: from each
-    rank blocked in a ``recv``, follow the peer it waits for until a rank
-    that is not itself waiting to receive. None when no rank waits to receive
-    or the waits go round in a circle (each waits on the next)."""
-    recv = {b.rank: b.peer for b in waits if b.op == "recv"}
-    if not recv:
+    """The stage the others wait for, and the stages waiting on it: from each
+    rank blocked in a transfer, follow the peer it waits for (a ``recv`` for
+    the sender, a ``send`` for the receiver, Gloo's sends waiting for the
+    receive) until a rank that is not in a transfer itself. None when no
+    rank waits to receive, or the waits go round in a circle."""
+    if not any(b.op == "recv" for b in waits):
         return None
+    recv = {b.rank: b.peer for b in waits}
     ends: dict[int, int] = {}
     for start in recv:
         seen, q = {start}, recv[start]

@@ -50,18 +50,27 @@ class Job:
         return self.ranks
 
     def stop(self) -> None:
+        kill_trees([self.proc])
+
+
+def kill_trees(launchers: list[subprocess.Popen[bytes]]) -> None:
+    """Kill each launcher and every process under it (torchrun's workers and
+    ``mp.spawn``'s children outlive a killed parent), and reap the launchers."""
+    procs = []
+    for launcher in launchers:
         try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
+            root = psutil.Process(launcher.pid)
+            procs += [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            procs = []
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
-        self.proc.wait(timeout=30)
+            continue
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    for launcher in launchers:
+        launcher.wait(timeout=30)
 
 
 def torchrun(py: str, script: str) -> list[str]:

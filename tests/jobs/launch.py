@@ -15,6 +15,7 @@ import psutil
 
 from probing.demo import free_port
 from tests.conftest import REPO
+from tests.jobs.framework import kill_trees
 
 JOB = REPO / "tests" / "jobs" / "ddp_job.py"
 WORLD = 4
@@ -120,21 +121,7 @@ class Launch:
     def stop(self) -> None:
         """Kill the launchers and every process under them: torchrun's workers
         run in sessions of their own and outlive a killed agent."""
-        procs = []
-        for p in self.procs:
-            try:
-                root = psutil.Process(p.pid)
-                procs += [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
-        for p in self.procs:
-            p.wait(timeout=30)
+        kill_trees(self.procs)
 
 
 def uprobe_pids() -> set[int]:

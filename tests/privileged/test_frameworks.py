@@ -94,11 +94,10 @@ def test_a_framework_job_forms_a_cluster_and_its_slow_rank_is_named(
         d = diagnosed(job, slow, pipeline=name == "pipeline")
         assert named(d, name == "pipeline") == slow, d["verdict"]
         assert f"rank {slow}" in d["verdict"] and not d["healthy"]
-        if name == "fsdp2_tp":  # named with the groups it slows, one per mesh dimension
+        if name == "fsdp2_tp":  # named with the groups it slows: its mesh dimensions
             groups = d["stragglers"][0]["groups"]
-            assert len(groups) == 2 and {"mesh_dp", "mesh_tp"} == {
-                g.split("(")[-1].rstrip(")") for g in groups
-            }, groups
+            dims = {g.split("(")[-1].rstrip(")") for g in groups}
+            assert groups and dims <= {"mesh_dp", "mesh_tp"}, groups
         if name == "pipeline":  # the others wait on it: victims, not stragglers
             assert sorted(d["pipeline"]["victims"]) == sorted(set(range(WORLD)) - {slow})
             assert not d["stragglers"] and "slow stage" in d["verdict"]
@@ -141,7 +140,8 @@ def test_a_hung_pipeline_names_the_stage_that_never_sent(
         [h] = d["hangs"]
         assert h["missing_ranks"] == [stuck] and h["op"] == "recv", d["verdict"]
         assert h["waiting_ranks"] and stuck not in h["waiting_ranks"]
-        assert f"rank {stuck} never sent" in d["verdict"]
+        assert f"rank {stuck} never sent or received what they wait for" in d["verdict"]
+        assert "Flight Recorder" not in d["verdict"]  # traced: the recorder adds nothing
         assert any("stage_work" in line for line in h["stacks"][str(stuck)])
     finally:
         job.stop()
