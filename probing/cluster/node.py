@@ -184,12 +184,12 @@ class ClusterNode:
 
     def _join_loop(self) -> None:
         try:
-            if not self._learn_loop():
-                self.ready.set()
-                return
+            rank_known = self._learn_loop()
         except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
             self.error = f"{type(err).__name__}: {err}"
             log_unexpected("cluster mode off (local socket only)", err)
+            rank_known = False
+        if not rank_known:
             self.ready.set()
             return
         self._join_store()

@@ -279,7 +279,8 @@ def _cluster(probe: Probe):  # type: ignore[no-untyped-def]
     if node is None:
         raise ProbingError(
             "this probe is not in cluster mode",
-            hint="it turns on in a rank of a torchrun job (WORLD_SIZE > 1) or with PROBING_PEERS",
+            hint="PROBING_CLUSTER=off, or its cluster settings were refused (the job's stderr "
+            "says why)",
         )
     node.ready.wait(5.0)
     if node.learning:
