@@ -350,7 +350,7 @@ def analyze(
         nodes.setdefault(s.rank, s.node)
     ranks = sorted(set(nodes) | set(frames))
     hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
-    rows = pp.p2p_rows(table.to_pylist()) if "peer" in table.column_names else []
+    rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
     if not hangs:
         hangs = pipeline_hangs(rows, now_ns, hang_after_s, ranks_of or {}, frames)
     if not hangs and recorded is not None:
@@ -394,6 +394,14 @@ def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> D
     if d.flight and not by_trace:
         d.verdict = f"{d.verdict}; {d.flight}"
     return d
+
+
+def _p2p_only(table: pa.Table) -> pa.Table:
+    """The send/recv rows, filtered in Arrow: the collectives (most rows) are
+    not turned into Python objects a second time (``coll.match`` does)."""
+    import pyarrow.compute as pc
+
+    return table.filter(pc.is_in(table.column("op"), pa.array(coll.P2P_OPS)))
 
 
 def pipeline_hangs(
