@@ -4,21 +4,16 @@
 Jobs from PyPI (``tests/jobs/frameworks/``: HF ``Trainer``, FSDP2, Lightning
 ``ddp``, a ``torch.distributed.pipelining`` GPipe), 4 ranks on Gloo, each run
 a fresh job started without probing and traced later on every rank. Each run
-draws a rank and a size and one cause:
-
-* ``off_cpu``: the user's function sleeps (a slow collate, a slow read);
-* ``cpu``: the user's function does extra CPU work (in forward);
-* ``loader_worker``: the collate sleeps in the DataLoader's worker processes
-  (HF with 2 workers a rank);
-* ``cpu_hog``: a busy process shares the rank's core (``taskset``), in a
-  job that leaves CPUs free (Lightning, every rank waiting 30 ms a step);
-* ``healthy``: nothing.
+draws a rank, a size and one cause (``tests.jobs.framework.Slowed``: the
+user's function sleeps or computes; a slow DataLoader worker; a CPU hog on
+the rank's core; a throttled stand-in GPU; nothing).
 
 A run is *detected* when the verdict names the drawn rank (for the pipeline,
 as its slow stage), *headline right* when the cause the verdict gives after
 "of its step time" names the cause (the function, "its DataLoader's worker
-processes", "CPU starvation"), a *false alarm* when a healthy run names a
-rank. ``starvation_wrong``: CPU starvation headlined for another cause.
+processes", "CPU starvation", the GPU's clocks), a *false alarm* when a
+healthy run names a rank. ``starvation_wrong``: CPU starvation headlined for
+another cause.
 """
 
 from __future__ import annotations
@@ -36,27 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probing.demo import trace_all  # noqa: E402 - after the path for tests.jobs
-from tests.jobs.framework import ENV, WORLD, start, starve  # noqa: E402
+from tests.jobs.framework import CAUSES, ENV, FUNCTION, WORLD, Slowed, applies  # noqa: E402
 
-FUNCTION = {"hf_trainer": "collate_tokens", "fsdp2": "heavy_features",
-            "lightning_ddp": "heavy_features", "pipeline": "stage_work"}  # fmt: skip
-CAUSES = ("off_cpu", "cpu", "loader_worker", "cpu_hog", "healthy")
 SIZES_MS = (30, 60, 100)
-
-
-def blamed(framework: str, cause: str) -> str:
-    if cause == "loader_worker":
-        return "its DataLoader's worker processes"
-    if cause == "cpu_hog":
-        return "CPU starvation"
-    return FUNCTION[framework]
-
-
-ONLY = {"loader_worker": "hf_trainer", "cpu_hog": "lightning_ddp"}  # the jobs that have it
-
-
-def applies(framework: str, cause: str) -> bool:
-    return ONLY.get(cause, framework) == framework
 
 
 def diagnose(pid: int, window: float) -> dict:  # type: ignore[type-arg]
@@ -77,38 +54,27 @@ def named(d: dict, framework: str) -> int | None:  # type: ignore[type-arg]
 
 
 def one_run(framework: str, cause: str, rng: random.Random, window: float) -> dict:  # type: ignore[type-arg]
-    slow = rng.randrange(WORLD)
-    ms = rng.choice(SIZES_MS)
-    env = {"SLOW_MS": "0" if cause in ("healthy", "cpu_hog") else str(ms)}
-    env["SLOW_KIND"] = "cpu" if cause == "cpu" else "sleep"
-    if cause == "loader_worker":  # 2 workers prefetch: a batch must take longer to show
-        env.update(WORKERS="2", SLOW_MS=str(4 * ms))
-    if cause == "cpu_hog":  # every rank waits 30 ms a step: CPUs are free but one
-        env["PACE_MS"] = "30"
+    slow, ms = rng.randrange(WORLD), rng.choice(SIZES_MS)
     with tempfile.TemporaryDirectory() as tmp:
-        job = start(framework, str(ENV / "bin" / "python"), Path(tmp), False, slow, **env)
-        hogs = []
+        job = Slowed(framework, cause, slow, ms, Path(tmp))
         try:
-            ranks = job.wait_ready()
-            errors = trace_all(list(ranks.values()), ["gloo"])
-            if cause == "cpu_hog":
-                hogs = [starve(ranks[slow], 1)]
+            ranks = job.ready()
+            errors = trace_all(list(ranks.values()), job.families())
+            job.traced()
             time.sleep(window + 2)
             d = diagnose(ranks[(slow + 1) % WORLD], window)
         finally:
-            for h in hogs:
-                h.kill()
-                h.wait(timeout=10)
             job.stop()
     got = named(d, framework)
     verdict = d.get("verdict", "")
     head = verdict.split(" of its step time", 1)[-1] if framework != "pipeline" else verdict
     return {
         "framework": framework, "cause": cause, "rank": slow, "ms": ms, "named": got,
-        "detected": got == slow, "headline_right": got == slow and blamed(framework, cause) in head,
+        "detected": got == slow, "headline_right": got == slow and job.blamed in head,
         "false_alarm": cause == "healthy" and got is not None,
         "starvation_wrong": cause != "cpu_hog" and "CPU starvation" in head,
-        "verdict": verdict, "errors": errors or d.get("error"),
+        "verdict": verdict, "why": [w["text"] for w in d.get("why", [])][:4],
+        "errors": errors or d.get("error"),
     }  # fmt: skip
 
 

@@ -35,7 +35,8 @@ def _target(spawn, lib: Path | None, **env: str):  # type: ignore[no-untyped-def
     """A job whose engine samples the stand-in NVML with the job's script."""
     full = {"LD_LIBRARY_PATH": str(lib)} if lib else {}
     full.update(env)
-    passed = [k for k in full if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PROBING_")]
+    job_only = ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK")  # the job's, read by the engine from it
+    passed = [k for k in full if k not in job_only and not k.startswith("PROBING_")]
     full["PROBING_ENGINE_ENV"] = ",".join(passed)
     return spawn(IDLE, env=full)
 
@@ -136,6 +137,33 @@ def test_only_visible_gpus_start_stop_and_join(spawn, fake_nvml: Path) -> None:
         """,
     )
     assert [j["sample_ts"] for j in joined] == [s["ts"] for s in samples[1:]]
+
+
+def _own(pid: int, want: set[int], timeout: float = 20) -> None:
+    """Wait until the newest sample marks exactly ``want`` as the job's GPUs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _rows(pid, "SELECT gpu, own FROM nvml.gpu WHERE ts = (SELECT max(ts) FROM nvml.gpu)")
+        own = {r["gpu"] for r in rows if r["own"]}
+        if own == want and len(rows) == 4:
+            return
+        assert time.monotonic() < deadline, f"own {own}, not {want}: {rows}"
+        time.sleep(0.1)
+
+
+def test_the_gpu_a_rank_works_on_among_every_visible_one(
+    spawn, fake_nvml: Path, tmp_path: Path
+) -> None:
+    """Every GPU visible, one a rank (torchrun, Lightning): NVML's process list
+    says which it works on; before it made a CUDA context, its LOCAL_RANK."""
+    procs = tmp_path / "procs"
+    t = _target(spawn, fake_nvml, PROBING_NVML_INTERVAL="50ms", FAKE_NVML_GPUS="4",
+                FAKE_NVML_PROCS=str(procs), LOCAL_RANK="1")  # fmt: skip
+    _own(t.pid, {1})
+    procs.write_text(f"0 {t.pid + 100000}\n2 {t.pid}\n3 {t.pid + 100001}\n")
+    _own(t.pid, {2})
+    bare = _target(spawn, fake_nvml, PROBING_NVML_INTERVAL="50ms", FAKE_NVML_GPUS="4")
+    _own(bare.pid, {0, 1, 2, 3})  # nothing tells: every visible one is its own
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,45 @@ def test_extra_work_waiting_for_a_cpu_is_the_function_not_starvation() -> None:
     assert not [w for w in d.why if w.kind == "cpu_starvation"], d.why
 
 
+def test_a_hog_that_makes_a_function_3x_slower_is_starvation_not_the_function() -> None:
+    """Rank 3 shares its core with a hog: ``forward`` takes 3x as long there,
+    all of it waiting for a CPU (its own work is the others'). That is the
+    machine's doing, and the verdict says starvation."""
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {
+        r: [("cpu", "/job/train.py", "forward", 30, 10.0 * steps),
+            ("runq", "/job/train.py", "forward", 30, (22.0 if r == 3 else 2.0) * steps)]
+        for r in range(4)
+    }  # fmt: skip
+    d = analyze(job(straggler=3, lag_ms=30, seed=4), now_ns=T0, samples=_samples(per, span))
+    assert d.why[0].kind == "cpu_starvation" and d.why[0].rank == 3, d.why
+    assert "CPU starvation, it waits 20 ms/step longer" in d.verdict, d.verdict
+
+
+def _threads(rows: pa.Table, thread: dict[str, str]) -> pa.Table:
+    """``rows`` with each function's thread (``MainThread`` where not named)."""
+    out = [{**row, "thread": thread.get(row["func"], "MainThread")} for row in rows.to_pylist()]
+    return pa.Table.from_pylist(out)
+
+
+def test_an_idle_thread_of_one_rank_only_is_not_its_cause() -> None:
+    """Rank 0 alone runs a thread that sleeps (Lightning's child observer):
+    its time off CPU delays nothing. The function that is slow in the thread
+    that trains is named."""
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {
+        r: [("off", "/job/train.py", "load_batch", 41, (40.0 if r == 0 else 0.3) * steps),
+            ("cpu", "/job/train.py", "step", 12, 5.0 * steps)]
+        for r in range(4)
+    }  # fmt: skip
+    per[0].append(("off", "/lib/lightning/launch.py", "Observer.run", 205, 110.0 * steps))
+    samples = _threads(_samples(per, span), {"Observer.run": "Thread-1"})
+    d = analyze(job(straggler=0, lag_ms=30, seed=3), now_ns=T0, samples=samples)
+    fn = [w for w in d.why if w.kind == "function"]
+    assert [w.what for w in fn] == ["load_batch"], d.why
+    assert "load_batch" in d.verdict and "Observer" not in d.verdict, d.verdict
+
+
 def test_a_hang_in_a_subgroup_names_only_that_groups_missing_rank() -> None:
     rows = []
     for r in (2, 3):  # a 2-rank tensor-parallel group; rank 3 never enters #10
@@ -447,7 +486,9 @@ def test_a_rank_waiting_for_a_slow_dataloader_worker_says_so() -> None:
     d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=pa.Table.from_pylist(rows))
     head = d.why[0]
     assert head.text.startswith("rank 1: waits for its DataLoader's worker processes "), head
-    assert head.text.endswith("(mostly off CPU): one of its workers is slow")
+    assert head.text.endswith(
+        "(mostly off CPU): its workers take longer for a batch than the others'"
+    )
     assert "its DataLoader's worker processes" in d.verdict
 
 

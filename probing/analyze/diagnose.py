@@ -69,14 +69,15 @@ CUDA_SQL = (
 )
 
 
-# each rank's GPUs over the window (NVML, when sampled): asked only when
-# there is a straggler to explain
+# each rank's GPUs over the window (NVML, when sampled), those it works on
+# (``own``): asked only when there is a straggler to explain
 NVML_SQL = (
     "SELECT gpu, avg(sm_clock_mhz) AS sm_mhz, bit_or(throttle_reasons) AS reasons, "
     "avg(power_w) AS power_w, max(temp_c) AS temp_c, sum(xid_count) AS xids, max(xid) AS xid, "
     "max(ecc_uncorrected) AS ecc, avg(pcie_tx_kbs + pcie_rx_kbs) AS pcie_kbs, "
     "max(nvlink_tx_kib + nvlink_rx_kib) - min(nvlink_tx_kib + nvlink_rx_kib) AS nvlink_kib, "
-    "max(ts) - min(ts) AS span_ns{tags} FROM nvml.gpu WHERE ts >= {since_ns} GROUP BY gpu{group}"
+    "max(ts) - min(ts) AS span_ns{tags} FROM nvml.gpu WHERE ts >= {since_ns} AND own "
+    "GROUP BY gpu{group}"
 )
 
 

@@ -77,6 +77,9 @@ def step_ms(collectives: list[Collective], comm: str) -> float | None:
     return float((starts[-1] - starts[0]) / 1e6 / ((len(starts) - 1) * per))
 
 
+MAIN_THREAD = "MainThread"  # Python's name for the thread that trains
+
+
 @dataclasses.dataclass
 class Profile:
     funcs: dict[int, dict]  # rank -> (file, func) -> kind -> ns (and "line")
@@ -90,10 +93,16 @@ def _profile(rows: list[dict[str, Any]]) -> Profile:
     vias: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     span: dict[int, float] = defaultdict(float)
     native: dict[int, float] = defaultdict(float)
+    # a Python thread other than the one that trains is off CPU while it idles
+    # (Lightning's child observer, a pin-memory or logger thread): only its
+    # work and its waits for a CPU can delay the rank, not its sleep
+    main = {row["rank"] for row in rows if row.get("thread") == MAIN_THREAD}
     for row in rows:
         r, kind, ns = row["rank"], row["kind"], float(row["dur_ns"] or 0)
         if kind == "tick":
             span[r] += ns
+            continue
+        if kind == "off" and r in main and row.get("thread") != MAIN_THREAD:
             continue
         key = (row.get("file"), row.get("func"))
         if row.get("loader"):  # waiting for its DataLoader's workers: their slowness
@@ -149,7 +158,7 @@ def explain(
     out: list[Why] = []
     if r in prof.funcs and prof.span.get(r) and others:
         out += _functions(s, prof, others, step)
-    out += _cuda(s, cuda or [], step, collectives)
+    out += _cuda(s, cuda or [], step, collectives, prof.span)
     out += _gpu(s, gpus or [])
     out += _cpu(s, cpus or [])
     late = lateness_ms(s, step)
@@ -158,8 +167,28 @@ def explain(
             w.share = round(min(1.0, max(0.0, w.extra_ms) / late), 2)
         if unit != "step":
             w.text = w.text.replace("ms/step", f"ms/{unit}")
-    out.sort(key=lambda w: -w.extra_ms)
-    return out + _collectives(s, collectives, step)
+    return by_share(out) + _collectives(s, collectives, step)
+
+
+def _waited(w: Why) -> bool:
+    """A function slower by its wait for a CPU, not by more work: its time
+    on and off CPU within twice the others' whole time, and less than its wait."""
+    work = (w.on_cpu_ms or 0) + (w.off_cpu_ms or 0)
+    return w.kind == "function" and work <= 2 * w.others_ms_per_step and (w.runq_ms or 0) > work
+
+
+def by_share(why: list[Why]) -> list[Why]:
+    """The causes, the one that explains most first; where the rank is starved,
+    a function slower by its wait for a CPU comes after the starvation (that
+    wait is the starvation's, told function by function)."""
+    starved = {w.rank: w.extra_ms for w in why if w.kind == "cpu_starvation"}
+
+    def key(w: Why) -> float:
+        if w.rank in starved and _waited(w):
+            return -min(w.extra_ms, starved[w.rank]) + 1e-6
+        return -w.extra_ms
+
+    return sorted(why, key=key)
 
 
 def headline(why: list[Why], rank: int) -> Why | None:
@@ -167,8 +196,9 @@ def headline(why: list[Why], rank: int) -> Why | None:
     Slower hardware heads what it makes longer: its GPU the CUDA waits (and
     the functions whose time is in them), its CPU a wait for a CPU or the
     same code running slower; never a function's extra work."""
-    mine = [w for w in why if w.rank == rank and w.kind in CAUSES and w.kind not in HARDWARE]
-    top = max(mine, key=lambda w: w.extra_ms, default=None)
+    mine = by_share([w for w in why if w.rank == rank and w.kind in CAUSES])
+    mine = [w for w in mine if w.kind not in HARDWARE]
+    top = mine[0] if mine else None
     gpu = next((w for w in why if w.rank == rank and w.kind == "gpu"), None)
     cpu = next((w for w in why if w.rank == rank and w.kind == "cpu"), None)
     if top is None:
@@ -303,6 +333,7 @@ def _gpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
 
 
 LOADER = (None, "its DataLoader's worker processes")  # the key of time waiting for them
+LOADER_SLOW = ": its workers take longer for a batch than the others'"
 
 
 def via_text(via: tuple[str | None, str] | None) -> str:
@@ -335,8 +366,14 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
         deltas.append((mine - theirs, key, mine, theirs))
     deltas.sort(key=lambda d: -d[0])
     # the function that differs most, where it is extra work (over twice the others'
-    # time), not the same code running slower: that work waits for a CPU as well
-    top = deltas[0][1] if deltas and deltas[0][3] < 0.5 * deltas[0][2] else None
+    # time on and off CPU), not the same code waiting longer for a CPU: that work
+    # waits for a CPU as well, and it is the function's, not the machine's fault
+    top = None
+    if deltas:
+        key = deltas[0][1]
+        work = ("cpu", "off")
+        if _median([ms(q, key, work) for q in others]) < 0.5 * ms(r, key, work):
+            top = key
 
     def runq_of(q: int) -> float:
         """Its wait for a CPU per step, every thread's, outside ``top``."""
@@ -391,7 +428,7 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
                 runq_ms=round(parts["runq"], 2),
                 text=f"rank {r}: {'waits for ' if key == LOADER else ''}{func}{where} "
                 f"{mine:.1f} ms/step vs {theirs:.1f} ms on the others (mostly {how})"
-                + (": one of its workers is slow" if key == LOADER else ""),
+                + (LOADER_SLOW if key == LOADER else ""),
             )
         )  # fmt: skip
     return out
@@ -426,9 +463,15 @@ def _collectives(s: Straggler, collectives: list[Collective], step: float) -> li
 
 
 def _cuda(
-    s: Straggler, rows: list[dict[str, Any]], step: float, collectives: list[Collective]
+    s: Straggler,
+    rows: list[dict[str, Any]],
+    step: float,
+    collectives: list[Collective],
+    span: dict[int, float],
 ) -> list[Why]:
-    """CUDA call time (launches, copies, synchronisation) per API, per step."""
+    """CUDA call time (launches, copies, synchronisation) per API, per step:
+    over the time sampled where the sampler ran (``span``, ns: as the
+    functions' time), else over the steps its collectives count."""
     if not rows:
         return []
     steps: dict[int, float] = defaultdict(float)
@@ -437,6 +480,9 @@ def _cuda(
     for c in done:
         for q in c.ts:
             steps[q] += per
+    for q, ns in span.items():
+        if ns and q in steps:
+            steps[q] = ns / 1e6 / step
     by: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for row in rows:
         by[str(row.get("api"))][row["rank"]] += float(row.get("dur_ns") or 0) / 1e6

@@ -140,7 +140,7 @@ class ProbeContext:
                 if self._sampler is None:
                     from probing.tables.nvml import Sampler
 
-                    self._sampler = Sampler(self.store, self.target.environ)
+                    self._sampler = Sampler(self.store, self.target.environ, self.target.pid)
         return self._sampler
 
     # -- tracing ----------------------------------------------------------------------

@@ -50,6 +50,7 @@ GPU_SCHEMA = pa.schema(
         ("ecc_uncorrected", pa.int64()),  # volatile, since the driver loaded
         ("xid", pa.int64()),  # last XID / critical event since the previous sample
         ("xid_count", pa.int32()),
+        ("own", pa.bool_()),  # the GPU the process works on (``owned``)
     ]
 )
 
@@ -103,6 +104,14 @@ def visible_indices(count: int, uuids: list[str], env: str | None) -> list[int]:
     return out
 
 
+OWN_EVERY_S = 2.0  # how often the GPUs a process works on are learned again
+
+
+def _local_rank(env: Any) -> int | None:
+    value = str(env.get("LOCAL_RANK", ""))
+    return int(value) if value.isdigit() else None
+
+
 def unavailable_reason(err: Exception) -> str:
     name = type(err).__name__
     if "LibraryNotFound" in name:
@@ -118,9 +127,16 @@ class Sampler:
     """One per probe (``ProbeContext.nvml``); ``start(interval)`` / ``stop()``;
     safe to call repeatedly."""
 
-    def __init__(self, store: Store, environ: Callable[[], Any] = lambda: os.environ) -> None:
+    def __init__(
+        self,
+        store: Store,
+        environ: Callable[[], Any] = lambda: os.environ,
+        pid: int | None = None,
+    ) -> None:
         self.store = store
         self.environ = environ  # the sampled process's (its CUDA_VISIBLE_DEVICES)
+        self.pid = pid  # the sampled process (None: not one process, every GPU its own)
+        self._own: tuple[float, set[int]] = (0.0, set())  # when learned, the indices
         self.table = store.table(SCHEMA, "gpu", GPU_SCHEMA)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -246,6 +262,7 @@ class Sampler:
             nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
             nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
         ]
+        own = self._owned()
         for index, uuid, h in self._handles:
             util = self._call(nv.nvmlDeviceGetUtilizationRates, "utilization", h)
             mem = self._call(nv.nvmlDeviceGetMemoryInfo, "memory", h)
@@ -288,12 +305,42 @@ class Sampler:
                 ),
                 "xid": seen[-1] if seen else None,
                 "xid_count": len(seen),
+                "own": index in own,
             }
             for name, value in row.items():
                 cols[name].append(value)
         self.table.append_batch(pa.RecordBatch.from_pydict(cols, schema=GPU_SCHEMA))
         self.samples += 1
         return len(self._handles)
+
+    def _owned(self) -> set[int]:
+        """The sampled GPUs the process works on, learned again every
+        ``OWN_EVERY_S``: those whose NVML process list has its pid (once it
+        made a CUDA context); else the ``LOCAL_RANK``-th (torchrun, Lightning:
+        every GPU visible, one per rank); else every one."""
+        at, own = self._own
+        now = time.monotonic()
+        if own and now - at < OWN_EVERY_S:
+            return own
+        sampled = [i for i, _, _ in self._handles]
+        own = set()
+        if self.pid is not None:
+            for index, _, h in self._handles:
+                procs = self._call(self._nvml.nvmlDeviceGetComputeRunningProcesses, "procs", h)
+                if any(p.pid == self.pid for p in procs or ()):
+                    own.add(index)
+            if not own:
+                local = _local_rank(self._environ())
+                if local is not None and local < len(sampled):
+                    own = {sampled[local]}
+        self._own = (now, own or set(sampled))
+        return self._own[1]
+
+    def _environ(self) -> Any:
+        try:
+            return self.environ()
+        except ProbingError:  # the process is gone
+            return {}
 
     def _drain_xids(self) -> dict[int, list[int]]:
         if self._events is None:
@@ -314,11 +361,8 @@ class Sampler:
         return out
 
     def _visible(self) -> str | None:
-        try:
-            visible: str | None = self.environ().get("CUDA_VISIBLE_DEVICES")
-            return visible
-        except ProbingError:  # the process is gone: every GPU, as CUDA would see
-            return None
+        visible: str | None = self._environ().get("CUDA_VISIBLE_DEVICES")
+        return visible  # gone: every GPU, as CUDA would see
 
     def _call(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
         """``fn(*args)``, or None: unsupported counters quietly, errors counted."""

@@ -6,6 +6,7 @@ and ``benchmarks/why_bench.py``."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import time
@@ -121,18 +122,103 @@ def start(name: str, py: str, tmp: Path, probing: bool, slow: int, **more: str) 
     return Job(LAUNCH[name](py), tmp, env)
 
 
-def starve(pid: int, cpu: int) -> subprocess.Popen[bytes]:
-    """A CPU hog on ``cpu``, with every thread of ``pid`` pinned there too
-    (``taskset``: what a stray process on a rank's core does to it). It runs
-    at real-time priority (``chrt -f 1``, held to 95 % of the core by the
-    kernel's RT throttling): the scheduler favours a rank that was waiting
-    over a plain busy loop, so one at nice 0 or -10 barely delays it."""
+def starve(pid: int, cpu: int, busy: int = 4) -> list[subprocess.Popen[bytes]]:
+    """A CPU hog on ``cpu``: ``busy`` spinning processes (a stray preprocessing
+    or build job), with every thread of ``pid`` pinned there too (``taskset``:
+    what a stray job on a rank's core does to it). Each spins in a session of
+    its own: with autogroup scheduling a session shares a CPU as one task, and
+    the job's ranks share one session."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), {cpu})
         except OSError:  # a thread that ended meanwhile
             continue
-    return subprocess.Popen(
-        ["chrt", "-f", "1", "taskset", "-c", str(cpu), "python3", "-c", "while True: pass"],
-        start_new_session=True,
-    )
+    spin = ["taskset", "-c", str(cpu), "python3", "-c", "while True: pass"]
+    return [subprocess.Popen(spin, start_new_session=True) for _ in range(busy)]
+
+
+# what the user's own code is called in each job (where a rank is slowed)
+FUNCTION = {"hf_trainer": "collate_tokens", "fsdp2": "heavy_features",
+            "lightning_ddp": "heavy_features", "pipeline": "stage_work"}  # fmt: skip
+# the causes a job has: every job, but these
+ONLY = {"loader_worker": "hf_trainer", "cpu_hog": "lightning_ddp", "gpu": "lightning_ddp"}
+CAUSES = ("off_cpu", "cpu", "loader_worker", "cpu_hog", "gpu", "healthy")
+# what the stand-in NVML says of a rank's GPU held by its power cap, against the others
+THROTTLED = "its GPU runs at 1.21 GHz vs 1.98 GHz on the others (power cap)"
+
+
+def applies(framework: str, cause: str) -> bool:
+    return ONLY.get(cause, framework) == framework
+
+
+class Slowed:
+    """A 4-rank ``framework`` job, started without probing, whose rank ``slow``
+    is slowed by ``cause`` (``CAUSES``) by about ``ms`` a step:
+
+    * ``off_cpu``: the user's function sleeps (a slow collate, a slow read);
+    * ``cpu``: the user's function computes that long more;
+    * ``loader_worker``: the collate sleeps 4x that in the DataLoader's 2
+      worker processes of that rank (HF; they prefetch, so it must be longer);
+    * ``cpu_hog``: 4 busy processes on the rank's core (``starve``), in a
+      Lightning job that computes 10 ms and waits 60 ms a step (CPUs to spare);
+    * ``gpu``: every rank's GPU is the stand-in NVML's (``FAKE_NVML_PROCS``
+      says which is whose, as NVML's process list does), the rank's is held by
+      its power cap, and its step's stream sync waits that long (Lightning);
+    * ``healthy``: nothing.
+
+    ``blamed``: what the verdict's headline should name. ``ready()`` waits for
+    the ranks, ``traced()`` is called once they are traced, ``stop()`` ends
+    it all."""
+
+    def __init__(self, framework: str, cause: str, slow: int, ms: int, tmp: Path) -> None:
+        assert applies(framework, cause), (framework, cause)
+        self.cause, self.slow, self.tmp = cause, slow, tmp
+        env = {"SLOW_MS": str(ms), "SLOW_KIND": "cpu" if cause == "cpu" else "sleep"}
+        self.blamed = FUNCTION[framework]
+        if cause == "loader_worker":
+            env.update(WORKERS="2", SLOW_MS=str(4 * ms))
+            self.blamed = "its DataLoader's worker processes"
+        elif cause == "cpu_hog":
+            env.update(SLOW_MS="0", PACE_MS="60", WORK_MS="10")
+            self.blamed = "CPU starvation"
+        elif cause == "gpu":
+            env.update(self._stand_in_gpus(), SLOW_KIND="gpu")
+            self.blamed = THROTTLED
+        elif cause == "healthy":
+            env["SLOW_MS"] = "0"
+        self.job = start(framework, str(ENV / "bin" / "python"), tmp, False, slow, **env)
+        self.hogs: list[subprocess.Popen[bytes]] = []
+
+    def _stand_in_gpus(self) -> dict[str, str]:
+        from tests.conftest import build_lib
+
+        nvml = self.tmp / "nvml"
+        nvml.mkdir()
+        build_lib("fake_nvml.c", nvml / "libnvidia-ml.so.1", "-Werror")
+        engine = {"LD_LIBRARY_PATH": str(nvml), "FAKE_NVML_GPUS": str(WORLD),
+                  "FAKE_NVML_THROTTLED": str(self.slow),
+                  "FAKE_NVML_PROCS": str(self.tmp / "gpu-procs")}  # fmt: skip
+        cudart = build_lib("fake_cudart.c", self.tmp / "libcudart.so.99", "-s", "-ldl")
+        return {**engine, "PROBING_ENGINE_ENV": ",".join(engine), "CUDART": cudart,
+                "PROBING_NVML_INTERVAL": "100ms"}  # fmt: skip
+
+    def ready(self) -> dict[int, int]:
+        ranks = self.job.wait_ready()
+        if self.cause == "gpu":  # rank r works on GPU r
+            lines = "".join(f"{r} {pid}\n" for r, pid in ranks.items())
+            (self.tmp / "gpu-procs").write_text(lines)
+        return ranks
+
+    def traced(self) -> None:
+        if self.cause == "cpu_hog":
+            cpus = sorted(os.sched_getaffinity(0))
+            self.hogs = starve(self.job.ranks[self.slow], random.choice(cpus))
+
+    def families(self) -> list[str]:
+        return ["gloo", "cuda"] if self.cause == "gpu" else ["gloo"]
+
+    def stop(self) -> None:
+        for h in self.hogs:
+            h.kill()
+            h.wait(timeout=30)
+        self.job.stop()

@@ -21,7 +21,7 @@ import pytest
 
 from probing.demo import trace_all
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
-from tests.jobs.framework import ENV, JOBS, WORLD, Job, start, torchrun
+from tests.jobs.framework import ENV, JOBS, WORLD, Job, Slowed, start, torchrun
 
 pytestmark = pytest.mark.privileged
 
@@ -184,37 +184,29 @@ def test_a_traced_framework_job_trains_with_the_losses_of_an_untraced_one(
     assert len(got) > start_step + 20 and got == want[: len(got)]
 
 
-# what makes a rank slow, and what the verdict's headline names for it
-CAUSES = {
-    "collate_off_cpu": ("hf_trainer", {"SLOW_KIND": "sleep"}, "collate_tokens"),
-    "cpu_in_forward": ("fsdp2", {"SLOW_KIND": "cpu"}, "heavy_features"),
-}  # fmt: skip
-# A CPU hog on a rank's core and a slow DataLoader worker are benchmarked
-# (benchmarks/why_bench.py), not tested here: on this 2-core machine a busy
-# loop barely delays a rank that waits between steps (the scheduler favours
-# the waker) and a real-time one stalls it in bursts, and 2 prefetching
-# workers hide a slow one in noise at 4 ranks (test_diagnose_noise starves a
-# rank of the demo job; test_why the DataLoader's wait on canned rows).
+# each cause (tests.jobs.framework.Slowed) on a real framework, and the verdict's headline
+SLOWED = {"off_cpu": "hf_trainer", "cpu": "fsdp2", "loader_worker": "hf_trainer",
+          "cpu_hog": "lightning_ddp", "gpu": "lightning_ddp"}  # fmt: skip
 
 
-@pytest.mark.parametrize("cause", sorted(CAUSES))
-def test_the_verdict_blames_the_real_cause(
-    cause: str, hooked: str, runtime_dir: Path, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("cause", sorted(SLOWED))
+def test_the_verdict_blames_the_real_cause(cause: str, runtime_dir: Path, tmp_path: Path) -> None:
     require_bpf()
-    name, env, blamed = CAUSES[cause]
+    python()
     slow = random.randrange(WORLD)
-    job = start(name, hooked, tmp_path, False, slow, **env)
+    job = Slowed(SLOWED[cause], cause, slow, 60, tmp_path)
     try:
-        ranks = job.wait_ready()
-        assert not trace_all(list(ranks.values()), ["gloo"])
+        ranks = job.ready()
+        assert not trace_all(list(ranks.values()), job.families())
+        job.traced()
         deadline = time.monotonic() + 90 * SLOWDOWN
         while True:
-            d = diagnosed(job, slow, pipeline=False, timeout=30)
-            if blamed in d["verdict"] or time.monotonic() > deadline:
+            d = diagnosed(job.job, slow, pipeline=False, timeout=30)
+            if job.blamed in d["verdict"] or time.monotonic() > deadline:
                 break
         assert named(d, False) == slow, d["verdict"]
         head = d["verdict"].split(" of its step time", 1)[-1]
-        assert blamed in head and "CPU starvation" not in d["verdict"], d["verdict"]
+        assert job.blamed in head, (d["verdict"], d["why"])
+        assert cause == "cpu_hog" or "CPU starvation" not in d["verdict"], d["verdict"]
     finally:
         job.stop()

@@ -9,13 +9,18 @@ it. The user's code is ``heavy_features``, called in the model's forward.
 Environment: ``STEPS`` (20; 0 runs until killed), ``SLOW_RANK``, ``SLOW_MS``
 and ``SLOW_KIND`` (``sleep``: off CPU, ``cpu``: a busy loop) slow it on one
 rank, ``PACE_MS`` makes every rank wait that long a step (a job that is
-not CPU-bound), ``LOSS_FILE`` gets ``step <n> loss <rank's loss>`` lines (from rank 0,
-or from every rank where the name holds ``{rank}``). Each rank prints
+not CPU-bound), ``WORK_MS`` makes every rank's ``heavy_features`` compute
+that long (CPU time), ``CUDART`` (a CUDA runtime's path) makes every step
+wait for its stream, and ``SLOW_KIND=gpu`` makes that wait ``SLOW_MS`` on
+``SLOW_RANK`` (the stand-in runtime's ``FAKE_CUDA_SYNC_MS``: a slower GPU),
+``LOSS_FILE`` gets ``step <n> loss <rank's loss>`` lines (from rank 0, or
+from every rank where the name holds ``{rank}``). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its process group is up.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -30,6 +35,9 @@ SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
 SLOW_MS = float(os.environ.get("SLOW_MS", "0"))
 SLOW_KIND = os.environ.get("SLOW_KIND", "sleep")
 PACE_MS = float(os.environ.get("PACE_MS", "0"))  # every rank waits this long a step
+WORK_MS = float(os.environ.get("WORK_MS", "0"))  # every rank computes this long a step
+# a CUDA runtime whose stream each step waits for (the stand-in's, on a CPU machine)
+CUDART = ctypes.CDLL(os.environ["CUDART"]) if os.environ.get("CUDART") else None
 
 
 class Batches(Dataset):
@@ -43,16 +51,29 @@ class Batches(Dataset):
         return torch.randn(256, generator=g), torch.randint(0, 16, (), generator=g)
 
 
+def busy(ms: float) -> None:
+    """Compute for ``ms`` of CPU time (the thread's, so a rank that waits for a
+    CPU takes longer, as real feature code does)."""
+    end = time.thread_time() + ms / 1000
+    while time.thread_time() < end:
+        pass
+
+
 def heavy_features(x: torch.Tensor, rank: int) -> torch.Tensor:
     """The user's feature code: slowed by SLOW_MS on SLOW_RANK."""
-    if rank == SLOW_RANK and SLOW_MS > 0:
+    busy(WORK_MS)
+    if rank == SLOW_RANK and SLOW_MS > 0 and SLOW_KIND != "gpu":
         if SLOW_KIND == "cpu":
-            end = time.perf_counter() + SLOW_MS / 1000
-            while time.perf_counter() < end:
-                pass
+            busy(SLOW_MS)
         else:
             time.sleep(SLOW_MS / 1000)
     return torch.tanh(x)
+
+
+def sync_gpu() -> None:
+    """The step's wait for its GPU (``torch.cuda.synchronize()`` in a GPU job)."""
+    if CUDART is not None:
+        CUDART.cudaStreamSynchronize(None)
 
 
 class Classifier(pl.LightningModule):
@@ -63,6 +84,8 @@ class Classifier(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         rank = self.global_rank
+        if rank == SLOW_RANK and SLOW_KIND == "gpu":  # the stand-in's sync waits this long
+            os.environ["FAKE_CUDA_SYNC_MS"] = str(int(SLOW_MS))
         sys.stdout.write(f"ready rank={rank} pid={os.getpid()}\n")
         sys.stdout.flush()
         name = os.environ.get("LOSS_FILE", "")
@@ -77,6 +100,7 @@ class Classifier(pl.LightningModule):
         if PACE_MS > 0:  # a job that waits for its input too: not every CPU is busy
             time.sleep(PACE_MS / 1000)
         loss = nn.functional.cross_entropy(self(x), y)
+        sync_gpu()
         if self.out:
             self.out.write(f"step {self.global_step + 1} loss {loss.item()!r}\n")
         return loss
