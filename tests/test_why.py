@@ -37,6 +37,36 @@ def test_a_straggler_costing_a_tenth_of_the_step_is_named_through_noise(seed: in
     assert s.share_of_step >= 0.05 and s.p_value < 1e-3 and s.groups == ["gloo/n4#0"]
 
 
+def _gathers(late_rank: int, late_ms: float, steps: int = 30, seed: int = 0) -> pa.Table:
+    """An FSDP-like job: 15 all-gathers a step, 3 ms apart, each rank's arrival
+    jittered; ``late_rank`` reaches the first gather of each step ``late_ms``
+    late (its code runs before that block only)."""
+    rng = np.random.default_rng(seed)
+    rows, t = [], float(T0)
+    for k in range(steps * 15):
+        arrive = t + rng.exponential(1.5, size=4) * 1e6
+        if k % 15 == 0:
+            arrive[late_rank] += late_ms * 1e6
+        end = arrive.max() + 0.3e6
+        for r in range(4):
+            rows.append({"backend": "gloo", "op": "allgather", "comm": 0x10 + r, "seq": k,
+                         "comm_rank": r, "nranks": 4, "bytes": 4096, "ts": int(arrive[r]),
+                         "dur_ns": int(end - arrive[r]), "pid": 100 + r, "node": "n",
+                         "rank": r})  # fmt: skip
+        t = end + 3e6
+    return pa.Table.from_pylist(rows)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_late_by_far_at_one_gather_a_step_is_named(seed: int) -> None:
+    """Last at only ~30 % of the gathers (chance: 25 %), but by 100 ms where
+    it is, and nobody else is: the gathers wait for it a third of the time."""
+    d = analyze(_gathers(2, 100.0, seed=seed), now_ns=T0)
+    assert [s.rank for s in d.stragglers] == [2], d.verdict
+    healthy = analyze(_gathers(2, 0.0, seed=seed), now_ns=T0)
+    assert not healthy.stragglers, healthy.verdict
+
+
 def test_the_order_test_is_uniform_for_alike_ranks() -> None:
     rng = np.random.default_rng(1)
     ps = [

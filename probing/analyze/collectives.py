@@ -301,6 +301,7 @@ class Evidence:
     collectives: int
     last: int  # collectives it arrived last at
     p_last: float  # chance (1/nranks each) explaining ``last``
+    p_far: float  # chance explaining how many of the far-last arrivals (``far_last``) are its
     p_excess: float  # its place in the arrival order is no later than chance
     excess_ms_median: float  # its arrival after the median of the others
     noise_ms: float  # the others' typical |excess| (median of their robust spreads)
@@ -320,13 +321,14 @@ class Evidence:
         median by ``MIN_EXCESS`` of a step (by ``MIN_LAG_STRONG_MS`` where
         p < ``P_STRONG``/nranks). A rank whose median excess alone is
         ``SHARE_ALWAYS`` of a step needs only the order test (p < ``P_VALUE``/nranks).
-        One last more often than chance that costs ``SHARE_SPARSE`` of the
-        step time is named whatever its median excess."""
+        One last more often than chance, or last by far more often than
+        chance, that costs ``SHARE_SPARSE`` of the step time is named whatever
+        its median excess."""
         n = max(nranks, 1)  # one test per rank
         # late by a lot at a few collectives of each step (FSDP gathers a block's
         # weights many times a step; the slow code runs before one of them): its
         # median excess is nothing, but the others wait for it alone that long
-        if self.share_of_step >= SHARE_SPARSE and self.p_last < P_LAST / n:
+        if self.share_of_step >= SHARE_SPARSE and min(self.p_last, self.p_far) < P_LAST / n:
             return True
         if self.p_excess >= P_LAST / n:
             return False
@@ -349,6 +351,27 @@ class Evidence:
         return self.excess_ms_median >= late
 
 
+FAR_LEAD = 4.0  # last by this many times the typical last arrival's lead: last by far
+
+
+def far_last(cs: list[Collective], rank: int) -> tuple[int, int]:
+    """How many collectives ``rank`` arrived last at by far, of how many any
+    rank did: by ``FAR_LEAD`` times the median lead of the last arrival over
+    the next (and ``MIN_LAG_MS``). Late by a lot at a few collectives of each
+    step (FSDP's gathers) is last by far at those, where chance spreads it."""
+    leads, lasts = [], []
+    for c in cs:
+        order = sorted(c.ts.items(), key=lambda kv: kv[1])
+        if len(order) > 1:
+            leads.append((order[-1][1] - order[-2][1]) / 1e6)
+            lasts.append(order[-1][0])
+    if not leads:
+        return 0, 0
+    bar = max(FAR_LEAD * float(np.median(leads)), MIN_LAG_MS)
+    far = [who for who, lead in zip(lasts, leads, strict=True) if lead > bar]
+    return sum(1 for who in far if who == rank), len(far)
+
+
 def evidence(cs: list[Collective], rank: int) -> Evidence:
     """The tests of ``Evidence.named`` for ``rank`` over ``cs`` (complete collectives)."""
     ranks = sorted({r for c in cs for r in c.ts})
@@ -369,6 +392,7 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
         if others and ts[rank] > max(others):
             last += 1
             lost += (ts[rank] - max(others)) / 1e6
+    mine, far = far_last(cs, rank)
     starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
     span_ms = (starts[-1] - starts[0]) / 1e6 if n > 1 else 0.0
     # the last collective's wait belongs to a step after the span: n-1 steps, n waits
@@ -380,6 +404,7 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
         collectives=n,
         last=last,
         p_last=binom_tail(last, n, 1.0 / max(len(ranks), 1)),
+        p_far=binom_tail(mine, far, 1.0 / max(len(ranks), 1)) if far else 1.0,
         p_excess=order_p(place, size),
         excess_ms_median=float(np.median(excess[rank])) if n else 0.0,
         noise_ms=noise,
