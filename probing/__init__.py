@@ -43,13 +43,20 @@ def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
     from probing.tables import install
 
     install(engine, ctx)
-    engine.defer("analyze", lambda: _install_analyze(engine))
+    engine.defer("analyze", lambda: _install_analyze(engine, ctx))
 
 
-def _install_analyze(engine: Engine) -> None:
+def _install_analyze(engine: Engine, ctx: ProbeContext | None) -> None:
     from probing import analyze
+    from probing.analyze import watch
 
     analyze.install(engine)
+
+    def findings() -> Any:
+        detector = getattr(ctx.cluster, "watch", None) if ctx is not None else None
+        return detector.table() if detector is not None else watch.empty()
+
+    engine.register_table("analyze", "findings", findings)
 
 
 def cluster_node(ctx: ProbeContext) -> Any:
@@ -67,7 +74,25 @@ def cluster_node(ctx: ProbeContext) -> Any:
     from probing.cluster.node import ClusterNode
 
     ident = identity.from_env(environ)
-    return ClusterNode(ident, lambda: ctx.engine, pid=ctx.pid, learn=ctx.target.distributed)
+    node = ClusterNode(ident, lambda: ctx.engine, pid=ctx.pid, learn=ctx.target.distributed)
+    node.detector = lambda: _detector(ctx, node)  # made at the first trace (POST /trace/start)
+    return node
+
+
+def _detector(ctx: ProbeContext, node: Any) -> Any:
+    """The always-on detector of ``ctx`` (``probing.analyze.watch``)."""
+    from probing.analyze.watch import Watch
+
+    def tracing() -> bool:
+        tracer = ctx.tracer
+        return tracer is not None and tracer.status().get("state") == "tracing"
+
+    def dropped() -> dict[str, int]:
+        tracer = ctx.tracer
+        families = tracer.status().get("families", {}) if tracer is not None else {}
+        return {f: int(v.get("dropped") or 0) for f, v in families.items()}
+
+    return Watch(node, tracing, dropped)
 
 
 def context() -> ProbeContext:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -198,6 +199,12 @@ InjectOpt = Annotated[
     bool,
     typer.Option("--inject/--no-inject", help="inject a probe first when the process has none"),
 ]
+JobOpt = Annotated[
+    bool,
+    typer.Option(
+        "--job", help="every rank on this machine of the job the process belongs to (probing ps)"
+    ),
+]
 
 
 def _note(msg: str) -> None:
@@ -221,21 +228,31 @@ def inject_cmd(
         float,
         typer.Option(help="seconds to wait for the probe to start (the engine's start too)"),
     ] = 30.0,
+    job: JobOpt = False,
 ) -> None:
     """Start a probe in a running Python process (ptrace; no restart, no code change)."""
     from probing.inject import inject
+    from probing.procs import job_pids
 
-    try:
-        res = inject(pid, timeout=timeout)
-    except ProbingError as err:
-        raise _fail(err) from None
-    if res.already:
-        typer.echo(f"pid {pid} already has a probe ({res.socket}); nothing to do")
-        return
-    typer.echo(
-        f"probe started in pid {pid} (Python {res.python}) in {res.total_s:.2f} s; "
-        f"thread {res.tid} was stopped {res.stopped_s * 1000:.1f} ms; socket {res.socket}"
-    )
+    failed = False
+    for p in job_pids(pid) if job else [pid]:
+        try:
+            res = inject(p, timeout=timeout)
+        except ProbingError as err:
+            if not job:
+                raise _fail(err) from None
+            typer.echo(f"pid {p}: no probe: {err}")
+            failed = True
+            continue
+        if res.already:
+            typer.echo(f"pid {p} already has a probe ({res.socket}); nothing to do")
+            continue
+        typer.echo(
+            f"probe started in pid {p} (Python {res.python}) in {res.total_s:.2f} s; "
+            f"thread {res.tid} was stopped {res.stopped_s * 1000:.1f} ms; socket {res.socket}"
+        )
+    if failed:
+        raise typer.Exit(2)
 
 
 @app.command(
@@ -331,6 +348,9 @@ def _family_flag(name: str, what: str):  # type: ignore[no-untyped-def]
         "  probing trace -p 1234 --no-stacks\n\n"
         "  probing trace -p 1234 --launch-stacks\n\n"
         "  probing trace -p 1234 --stop\n\n"
+        "  probing trace -p 1234 --cluster --background   # every rank of the job\n\n"
+        "  probing trace -p 1234 --cluster --stop\n\n"
+        "  probing trace -p 1234 --job --background   # every rank on this machine\n\n"
         '  probing query -p 1234 "SELECT op, count(*), avg(dur_ns) FROM comm.collectives '
         'GROUP BY op"'
     )
@@ -363,6 +383,16 @@ def trace(
         ),
     ] = False,
     inject: InjectOpt = True,
+    cluster: Annotated[
+        bool,
+        typer.Option(
+            "--cluster", help="the same on every rank of the job, through this rank's peers"
+        ),
+    ] = False,
+    job: JobOpt = False,
+    timeout: Annotated[
+        float, typer.Option(help="seconds to wait for the peers to start or stop (--cluster)")
+    ] = 30.0,
 ) -> None:
     """Record NCCL, CUDA and Gloo calls of a running process with eBPF uprobes."""
     import os
@@ -370,12 +400,20 @@ def trace(
     from probing.errors import NoProbe, NoSuchProcess
     from probing.render import TraceMonitor
 
+    families = [n for n, on in (("nccl", nccl), ("cuda", cuda), ("gloo", gloo)) if on]
+    if cluster or job:
+        if output:
+            raise _fail("--output writes one process's events: leave it out with --cluster, --job")
+        if cluster and job:
+            raise _fail("--cluster reaches every rank already: leave --job out")
+        opts = {"families": families, "stacks": stacks, "launch_stacks": launch_stacks}
+        _trace_many(pid, inject, stop, background, duration, opts, job, timeout)
+        return
     try:
         if stop:
             status = _client(pid).trace_stop()
             typer.echo(TraceMonitor.summary(status))
             return
-        families = [n for n, on in (("nccl", nccl), ("cuda", cuda), ("gloo", gloo)) if on]
         if not families:
             raise _fail("nothing to trace: every family is turned off")
         client = _probe_client(pid, inject)
@@ -410,6 +448,84 @@ def trace(
         typer.echo(monitor.target_exited(out), err=True)
     except ProbingError as err:
         raise _fail(err) from None
+
+
+def _trace_many(
+    pid: int, inject: bool, stop: bool, background: bool, duration: float | None,
+    options: dict[str, Any], job: bool, timeout: float,
+) -> None:  # fmt: skip
+    """``trace --cluster`` (every rank, through ``pid``'s peers) or ``--job``
+    (every rank of its job on this machine, each through its own probe):
+    start (and, unless --background, stop after --duration or Ctrl-C);
+    exit 2 where a rank did not."""
+    import time
+
+    from probing.render import control_rows
+
+    if not stop and not options["families"]:
+        raise _fail("nothing to trace: every family is turned off")
+    who = ("pid",) if job else ("rank", "node", "addr")
+    flag = "--job" if job else "--cluster"
+
+    def act(action: str) -> list[dict[str, Any]]:
+        if job:
+            return _job_trace(pid, action, inject, options)
+        client = _probe_client(pid, inject) if action == "start" else _client(pid)
+        more = options if action == "start" else {}
+        return client.cluster_trace(action, timeout=timeout, **more)
+
+    try:
+        rows = act("stop" if stop else "start")
+    except ProbingError as err:
+        raise _fail(err) from None
+    typer.echo(control_rows(rows, "stopped" if stop else "tracing", who))
+    if stop or background:
+        if not stop:
+            typer.echo(f"stop every rank with: probing trace --pid {pid} {flag} --stop")
+        if not all(r["ok"] for r in rows):
+            raise typer.Exit(2)
+        return
+    try:
+        if duration:
+            time.sleep(duration)
+        else:
+            _wait_forever()
+    except KeyboardInterrupt:
+        pass
+    try:
+        rows = act("stop")
+    except ProbingError as err:
+        raise _fail(err) from None
+    typer.echo(control_rows(rows, "stopped", who))
+
+
+def _job_trace(
+    pid: int, action: str, inject: bool, options: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Start or stop tracing in every rank of ``pid``'s job on this machine."""
+    from probing.errors import AlreadyTracing
+    from probing.procs import job_pids
+
+    rows = []
+    for p in job_pids(pid):
+        row: dict[str, Any] = {"pid": p, "ok": True, "state": None, "reason": None}
+        try:
+            if action == "start":
+                row["state"] = _probe_client(p, inject).trace_start(**options)["state"]
+            else:
+                row["state"] = _client(p).trace_stop()["state"]
+        except AlreadyTracing:
+            row.update(state="tracing", reason="already tracing")
+        except ProbingError as err:
+            row.update(ok=False, reason=str(err))
+        rows.append(row)
+    return rows
+
+
+def _wait_forever() -> None:  # until Ctrl-C
+    import threading
+
+    threading.Event().wait()
 
 
 @app.command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
@@ -497,6 +613,7 @@ def hook(
         "Examples:\n\n  probing diagnose --pid 101 --pid 102 --pid 103 --pid 104\n\n"
         "  probing diagnose -p 101 -p 102 --window 30s --format json\n\n"
         "  probing diagnose --pid 101 --cluster\n\n"
+        "  probing diagnose --pid 101 --cluster --record 15s   # an untraced job\n\n"
         '  probing diagnose -p 101 -p 102 --sql "SELECT rank, lag_ms_p99 FROM '
         'analyze.stragglers"'
     )
@@ -525,6 +642,10 @@ def diagnose(
     timeout: Annotated[
         float, typer.Option(help="seconds to wait for the peers (--cluster, --addr)")
     ] = 5.0,
+    record: Annotated[
+        str | None,
+        typer.Option(help="trace every rank this long first, then stop them (--cluster): 15s"),
+    ] = None,
 ) -> None:
     """Name the straggler, slow link or hang of a distributed job, and show why."""
     from probing.analyze import diagnose as run_diagnosis
@@ -535,8 +656,18 @@ def diagnose(
 
     try:
         window_s, hang_s = parse_interval(window), parse_interval(hang_after)
+        record_s = parse_interval(record) if record else None
     except ValueError as err:
         raise _fail(str(err)) from None
+    started: list[int] = []
+    if record_s is not None:
+        if not cluster or len(pid or []) != 1:
+            raise _fail("--record traces the job through one rank: give --cluster and one --pid")
+        try:
+            started = _record(pid[0], inject, record_s)  # type: ignore[index]
+        except ProbingError as err:
+            raise _fail(err) from None
+        window_s = min(window_s, record_s)
 
     def waiting(seconds: float) -> None:
         typer.echo(f"probing: counts differ; watching {seconds:.0f} s for a hang", err=True)
@@ -562,10 +693,36 @@ def diagnose(
             return
     except ProbingError as err:
         raise _fail(err) from None
+    finally:
+        if record_s is not None and started:  # the ranks it started, not a trace of someone's
+            with contextlib.suppress(ProbingError):
+                _client(pid[0]).cluster_trace("stop", ranks=started)  # type: ignore[index]
     if fmt is Format.json:
         typer.echo(json.dumps(d.to_json(), default=str))
     else:
         typer.echo(diagnosis(d))
+
+
+def _record(pid: int, inject: bool, seconds: float) -> list[int]:
+    """``diagnose --record``: trace every rank of ``pid``'s job for ``seconds``;
+    the ranks it started (a rank tracing already goes on as it was)."""
+    import time
+
+    from probing.render import control_rows
+
+    rows = _probe_client(pid, inject).cluster_trace("start")
+    started = [r["rank"] for r in rows if r["done"]]
+    if not any(r["ok"] for r in rows):
+        raise ProbingError(f"no rank could be traced:\n{control_rows(rows, 'tracing')}")
+    missing = ", ".join(f"rank {r['rank']} ({r['reason']})" for r in rows if not r["ok"])
+    traced = sum(1 for r in rows if r["ok"])
+    typer.echo(
+        f"probing: recording {seconds:g} s on {traced} of {len(rows)} ranks"
+        + (f"; not traced: {missing}" if missing else ""),
+        err=True,
+    )
+    time.sleep(seconds)
+    return started
 
 
 @app.command(

@@ -272,6 +272,21 @@ class ProbeClient:
     def trace_stop(self) -> dict[str, Any]:
         return json.loads(self._call("POST", "/trace/stop", {})[1])
 
+    def cluster_trace(
+        self, action: str, *, timeout: float = 60.0, **options: Any
+    ) -> list[dict[str, Any]]:
+        """Start (``action="start"``, with ``families``, ``stacks``,
+        ``launch_stacks``) or stop tracing on this probe and every peer (or
+        ``ranks=[...]``); one row per rank: ``rank, node, addr, ok, done,
+        state, reason``."""
+        payload = {"action": action, "timeout": timeout, **options}
+        wait = self.transport.timeout
+        self.transport.timeout = max(wait, timeout + 10)  # the peers' answers come first
+        try:
+            return json.loads(self._call("POST", "/cluster/trace", payload)[1])
+        finally:
+            self.transport.timeout = wait
+
     def peers(self) -> list[dict[str, Any]]:
         """``probing.peers`` of this probe: every peer it knows, as it last saw it."""
         return json.loads(self._call("GET", "/peers")[1])

@@ -60,6 +60,10 @@ class UnsupportedPython(ProbingError):
     """The target runs a CPython version whose frame layout probing lacks."""
 
 
+class AlreadyTracing(ProbingError):
+    """The process traces already (one trace at a time): stop it first."""
+
+
 class ProviderError(ProbingError):
     """A table's provider failed: a bug in probing, not in the SQL. The probe
     answers 500 and writes the traceback to its log (the host's stderr)."""
@@ -81,6 +85,7 @@ ERRORS: dict[str, type[ProbingError]] = {
         BPFUnavailable,
         PeerUnreachable,
         UnsupportedPython,
+        AlreadyTracing,
         ProviderError,
     )
 }
@@ -90,6 +95,7 @@ STATUS: dict[type[ProbingError], int] = {
     QueryError: 400,
     EvalError: 400,
     AccessDenied: 403,
+    AlreadyTracing: 409,
     PeerUnreachable: 503,
 }
 

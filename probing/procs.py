@@ -69,3 +69,77 @@ def python_processes() -> list[ProcInfo]:
         cmd = " ".join(proc.info.get("cmdline") or []) or f"[{proc.name()}]"
         out.append(ProcInfo(pid, proc.info.get("username") or "?", probe, cmd))
     return sorted(out)
+
+
+# what the ranks of one job on a node share in the environment they started
+# with (a launcher sets them for each rank it starts): torchrun, srun, mpirun
+JOB_KEYS = (
+    "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID",
+    "OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE",
+)  # fmt: skip
+
+
+def _job_key(pid: int) -> dict[str, str]:
+    from probing.target import proc_environ
+
+    env = proc_environ(pid)
+    return {k: env[k] for k in JOB_KEYS if k in env}
+
+
+def job_pids(pid: int) -> list[int]:
+    """Every rank on this machine of the job ``pid`` belongs to: the Python
+    processes of its user that started with the launcher's variables it
+    started with (``JOB_KEYS``), less their own children (DataLoader
+    workers), plus a Python parent with the same command line (Lightning's
+    rank 0 starts the others, and set those variables in itself only).
+    A process with none of those variables (rank 0 of such a job, a
+    launcher) is keyed by its Python children's; a launcher is not a rank.
+    Just ``[pid]`` where nothing tells."""
+    try:
+        me = psutil.Process(pid)
+        uid = me.uids().real
+    except psutil.Error:
+        return [pid]
+    key = _job_key(pid)
+    if not key:
+        kids = [c.pid for c in me.children() if is_python(c)]
+        key = next((k for k in map(_job_key, kids) if k), {})
+    if not key:
+        return [pid]
+    matched: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"].real != uid or not is_python(proc):
+                continue
+        except (psutil.Error, AttributeError):
+            continue
+        theirs = _job_key(proc.pid)
+        if all(theirs.get(k) == v for k, v in key.items()):
+            matched[proc.pid] = proc
+    ranks = {p for p, proc in matched.items() if _ppid(proc) not in matched}
+    for p in list(ranks):
+        parent = _parent(matched[p])
+        if parent is not None and is_python(parent) and _argv(parent) == _argv(matched[p]):
+            ranks.add(parent.pid)
+    return sorted(ranks) or [pid]  # a launcher's pid (torchrun's agent): its ranks
+
+
+def _ppid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except psutil.Error:
+        return None
+
+
+def _parent(proc: psutil.Process) -> psutil.Process | None:
+    try:
+        return proc.parent()
+    except psutil.Error:
+        return None
+
+
+def _argv(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []

@@ -82,6 +82,20 @@ def format_stacks(info: dict[str, Any], frames: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def control_rows(
+    rows: list[dict[str, Any]], done: str, who: tuple[str, ...] = ("rank", "node", "addr")
+) -> str:
+    """``trace --cluster`` (``--job``: ``who=("pid",)``)'s answer: how many
+    ranks are ``done`` (tracing, stopped), then a row per rank with its state
+    or why it is not."""
+    ok = sum(1 for r in rows if r["ok"])
+    table = format_table(
+        [*who, "state", "reason"],
+        [[*(r[k] for k in who), r["state"] if r["ok"] else "-", r["reason"] or ""] for r in rows],
+    )
+    return f"{ok} of {len(rows)} ranks {done}\n{table}"
+
+
 class TraceMonitor:
     """What ``probing trace`` prints: the attach report, one line a second
     (events/s by table, drops; a live table on a terminal), the summary."""

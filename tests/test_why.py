@@ -562,3 +562,21 @@ def test_a_slower_cpu_clock_heads_the_same_code_running_slower() -> None:
     d = analyze(job(straggler=3, lag_ms=40, seed=3), now_ns=T0, samples=_samples(per, span),
                 cpu=_cpus(3, mhz=800.0))  # fmt: skip
     assert ": augment (/job/train.py:40)" in d.verdict, d.verdict
+
+
+def test_a_rank_that_died_is_said_first_with_the_collective_it_died_in() -> None:
+    """Rank 1 was killed inside collective 30 (entered, never left), the
+    others wait there: the verdict says it died, when, and in which."""
+    t = job(hang_rank=None, steps=31, seed=6).to_pylist()
+    last = max(r["seq"] + 0 for r in t if r["rank"] == 1)
+    for r in t:
+        if r["rank"] == 1 and r["seq"] == last:
+            r["dur_ns"] = None  # in it when it died
+    died = max(r["ts"] for r in t)
+    dead = [{"pid": 100 + r, "alive": r != 1, "died_ns": died if r == 1 else None, "rank": r}
+            for r in range(4)]  # fmt: skip
+    d = analyze(pa.Table.from_pylist(t), now_ns=died + 60 * 10**9, hang_after_s=5, dead=dead)
+    assert not d.healthy and list(d.dead) == [1]
+    assert d.verdict.startswith("rank 1 (pid 101) died at "), d.verdict
+    assert " in allreduce #" in d.verdict.split(";")[0], d.verdict
+    assert d.to_json()["dead"]["1"]["pid"] == 101

@@ -28,6 +28,8 @@ COLLECTIVES_SQL = (
 )  # calls still in flight however long ago they began: a hang older than the window
 # each traced Gloo context's torch process group, named the same in every rank
 GROUPS_SQL = "SELECT backend, comm, pg, ranks{tags} FROM comm.groups"
+# the ranks that died (a killed rank's probe answers with what it left)
+DEAD_SQL = "SELECT pid, alive, died_ns{tags} FROM process.info"
 STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
 # torch's own count of collectives issued per process group (no tracing needed)
 COUNTS_EXPR = (
@@ -93,6 +95,7 @@ def queries(remote: bool) -> dict[str, str]:
         "collectives": COLLECTIVES_SQL.format(comm_rank=comm_rank, **tags),
         "stacks": STACKS_SQL.format(**tags),
         "groups": GROUPS_SQL.format(**tags),
+        "dead": DEAD_SQL.format(**tags),
         "counts": COUNTS_SQL.format(**tags),
         "callsites": CALLSITES_SQL.format(
             tags=", c.rank AS rank" if remote else "",
@@ -136,6 +139,45 @@ POLL_S = 0.25
 
 
 @dataclasses.dataclass
+class Death:
+    """A rank whose process died while its probe watched (``kill -9``, OOM)."""
+
+    pid: int
+    died_ns: int
+    where: str  # "in allreduce #41 of gloo/pg0", "after ... (it never entered #41)", ""
+
+
+def deaths(rows: list[dict[str, Any]], matched: list[coll.Collective]) -> dict[int, Death]:
+    """The dead ranks of ``DEAD_SQL``'s rows, and the collective each died in
+    (entered, never left) or after (the last it left: it never entered the next)."""
+    out = {}
+    for row in rows:
+        if row.get("alive") is not False:
+            continue
+        r, died = int(row["rank"]), int(row.get("died_ns") or 0)
+        mine = [c for c in matched if r in c.ts]
+        where = ""
+        inside = [c for c in mine if c.end.get(r) is None]
+        if inside:
+            c = min(inside, key=lambda c: c.ts[r])
+            where = f"in {c.op} #{c.seq} of {c.comm}"
+        elif mine:
+            c = max(mine, key=lambda c: c.ts[r])
+            where = f"after {c.op} #{c.seq} of {c.comm} (it never entered #{c.seq + 1})"
+        out[r] = Death(int(row.get("pid") or 0), died, where)
+    return out
+
+
+def death_text(dead: dict[int, Death]) -> str:
+    """``rank 3 (pid 1234) died at 14:05:01 UTC in allreduce #41 of gloo/pg0``."""
+    return "; ".join(
+        f"rank {r} (pid {x.pid}) died{f' at {_hms(x.died_ns)}' if x.died_ns else ''}"
+        f"{f' {x.where}' if x.where else ''}"
+        for r, x in sorted(dead.items())
+    )
+
+
+@dataclasses.dataclass
 class Diagnosis:
     healthy: bool
     verdict: str
@@ -153,6 +195,7 @@ class Diagnosis:
     flight: str = ""  # the ranks whose Flight Recorder is off, and why ("" where all have one)
     pipeline: pp.Pipeline | None = None  # the stages, where the ranks send and receive
     transfers: list[pp.Transfer] = dataclasses.field(default_factory=list)  # sends met
+    dead: dict[int, Death] = dataclasses.field(default_factory=dict)  # the ranks that died
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -199,6 +242,7 @@ class Diagnosis:
             "why": [dataclasses.asdict(w) for w in self.why],
             "flight": self.flight,
             "pipeline": dataclasses.asdict(self.pipeline) if self.pipeline else None,
+            "dead": {str(r): dataclasses.asdict(x) for r, x in self.dead.items()},
         }
 
 
@@ -292,7 +336,9 @@ def verdict(
     if not summary.collectives:
         return (
             f"no verdict: no complete collective traced in the last {window_s:g} s "
-            "(is every rank traced? probing trace --pid P --background)"
+            "(is every rank traced? probing diagnose --pid P --cluster --record 15s traces "
+            "every rank 15 s first; probing trace --pid P --cluster --background leaves them "
+            "tracing)"
         )
     if (summary.busiest or 0) < coll.MIN_COLLECTIVES:
         return (
@@ -335,11 +381,13 @@ def analyze(
     cpu: pa.Table | None = None,
     recorded: fl.Gathered | None = None,
     ranks_of: dict[str, list[int]] | None = None,
+    dead: list[dict[str, Any]] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
     ``recorded`` (every rank's Flight Recorder) tells a hang nothing traced;
-    ``ranks_of`` (each group's global ranks) names a transfer's peer."""
+    ``ranks_of`` (each group's global ranks) names a transfer's peer; ``dead``
+    (``DEAD_SQL`` rows) the ranks that died, said first in the verdict."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table)
@@ -381,7 +429,11 @@ def analyze(
         why=why,
         pipeline=pipe,
         transfers=pp.match_transfers(rows, ranks_of),
+        dead=deaths(dead or [], matched),
     )
+    if d.dead:
+        d.healthy = False
+        d.verdict = f"{death_text(d.dead)}; {d.verdict}"
     return _flight_noted(d, recorded, traced=bool(matched) or bool(rows))
 
 
@@ -585,11 +637,16 @@ def diagnose(
         pass
     frames = _frames_by_rank(ask(sql["stacks"]))
     states = _states(ask, frames, sql)
+    try:
+        dead = ask(sql["dead"]).to_pylist()
+    except ProbingError:  # a probe of an older probing: no died_ns
+        dead = []
     recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
     stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
+        dead=dead,
     )  # fmt: skip
     progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
@@ -608,7 +665,7 @@ def diagnose(
                 table, frames=frames, states=states, now_ns=time.time_ns(),
                 stalled_s=round(stalled + time.monotonic() - watched, 1),
                 window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
-                ranks_of=ranks_of,
+                ranks_of=ranks_of, dead=dead,
             )  # fmt: skip
     d.missing = missing_ranks(table)
     slow_stage = d.pipeline is not None and d.pipeline.slow is not None

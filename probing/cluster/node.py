@@ -131,6 +131,8 @@ class ClusterNode:
         self._join_lock = threading.Lock()
         self._columns: dict[str, list[str]] = {}
         self._rewritten: dict[str, str] = {}  # agg SQL -> what I run over my tagged tables
+        self.watch: Any = None  # the always-on detector (probing.analyze.watch), once made
+        self.detector: Callable[[], Any] | None = None  # makes it (given by probing.enable)
         if self.learn is not None:
             self.error = WAITING
 
@@ -695,6 +697,60 @@ class ClusterNode:
             "peers": [vars(t) for t in got.peers if t.rank != self.rank],
         }
         return pack(meta, tables, t_recv_ns)
+
+    def start_watch(self) -> None:
+        """Watch the job from now on (the first trace of this probe starts it)."""
+        if self.watch is None and self.detector is not None:
+            self.watch = self.detector()
+        if self.watch is not None:
+            self.watch.start()
+
+    # -- control: the same request to every peer -----------------------------------
+    def fan_out(
+        self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
+    ) -> list[dict[str, Any]]:
+        """POST ``body`` to ``path`` on every other peer (of ``ranks``) at once,
+        with the token (a control action: starting or stopping a trace); one
+        row per rank of the job but mine: ``rank, node, addr, status`` (the
+        HTTP status, 0 where none came) and ``reply`` (its JSON) or ``reason``."""
+        self.refresh(budget=min(2.0, max(0.5, timeout / 4)))
+        others = [p for p in self.others() if ranks is None or p.rank in ranks]
+        exchange = Exchange(time.monotonic() + timeout)
+        sent: list[tuple[PeerInfo, int | str]] = []
+        for p in others:
+            try:
+                host, port = split_addr(p.addr)
+            except ProbingError:
+                sent.append((p, "bad address"))
+                continue
+            sent.append((p, exchange.add(host, port, request_bytes(path, body, self.token))))
+        replies = exchange.run()
+        rows: list[dict[str, Any]] = []
+        for p, i in sent:
+            got = replies[i] if isinstance(i, int) else i
+            row: dict[str, Any] = {"rank": p.rank, "node": p.node, "addr": p.addr, "status": 0}
+            if got is None:
+                row["reason"] = "timeout"
+            elif isinstance(got, str):
+                row["reason"] = got
+            else:
+                row["status"] = got.status
+                try:
+                    row["reply"] = json.loads(got.body)
+                except ValueError:
+                    row["reason"] = _http_reason(got.status, got.body)
+                if got.status != 200:
+                    row["reason"] = _http_reason(got.status, got.body)
+            rows.append(row)
+        seen = {self.rank, *(p.rank for p in others)}
+        for rank in range(self.ident.world_size):  # never discovered: no probe, no port
+            if rank not in seen and (ranks is None or rank in ranks):
+                rows.append({"rank": rank, "node": "?", "addr": "", "status": 0,
+                             "reason": "not discovered (no probe, or not joined yet)"})  # fmt: skip
+        for row in rows:
+            if row["status"] == 0 and "reason" in row and row["addr"]:
+                self.registry.mark_missing(row["rank"], row["reason"])
+        return sorted(rows, key=lambda r: r["rank"])
 
     # -- HTTP: the probe's /cluster/* endpoints call these ------------------------------
     def serve_query(self, req: Request) -> Response:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from probing import config
 from probing.errors import (
     AccessDenied,
+    AlreadyTracing,
     EvalError,
     ProbingError,
     QueryError,
@@ -238,7 +239,13 @@ def trace_start(probe: Probe, req: Request) -> Response:
         launch_stacks = bool(payload.get("launch_stacks", False))
     except (ValueError, AttributeError, TypeError) as err:
         return Response.error(400, f"bad /trace/start request: {err}")
+    if output and req.remote is not None:  # a peer names no file to write on this node
+        return Response.error(
+            403, "a trace started over TCP writes no file (no output)", AccessDenied.__name__
+        )
     started = probe.start_trace(families, output=output, stacks=stacks, launch_stacks=launch_stacks)
+    if probe.cluster is not None:  # the job is watched from its first trace on
+        probe.cluster.start_watch()
     return Response.json(started.status())
 
 
@@ -318,12 +325,79 @@ def cluster_gather(probe: Probe, req: Request) -> Response:
     return resp
 
 
+CONTROL = {"start": "/trace/start", "stop": "/trace/stop"}  # POST /cluster/trace's actions
+
+
+def cluster_trace(probe: Probe, req: Request) -> Response:
+    """POST /cluster/trace {"action": "start" | "stop", "families", "stacks",
+    "launch_stacks", "timeout", "ranks"}: the same on this process and, over
+    the peer port with the token, on every peer (of ``ranks``, all when
+    absent); one row per rank: ``rank, node, addr, ok`` (tracing, or stopped),
+    ``done`` (by this request: not tracing already), ``state``, ``reason``
+    (``probing trace --cluster``)."""
+    node = _cluster(probe)
+    try:
+        payload = json.loads(req.body or b"{}")
+        path = CONTROL[payload.get("action")]
+        timeout = float(payload.get("timeout", 10.0))
+        options = {k: payload[k] for k in ("families", "stacks", "launch_stacks") if k in payload}
+        ranks = None if payload.get("ranks") is None else {int(r) for r in payload["ranks"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return Response.error(400, f'bad /cluster/trace request (want {{"action": ...}}): {err}')
+    body = json.dumps(options).encode()
+    rows = []
+    if ranks is None or node.rank in ranks:
+        try:
+            mine = ROUTES[("POST", path)](probe, req._replace(path=path, body=body))
+        except ProbingError as err:  # this process could not: said in its row, the peers go on
+            mine = Response.error(http_status(err), str(err), wire_type(err))
+        try:
+            reply = json.loads(mine.body)
+        except ValueError:
+            reply = {}
+        rows.append({"rank": node.rank, "node": node.ident.node, "addr": node.addr or "local",
+                     "status": mine.status, "reply": reply})  # fmt: skip
+    rows += node.fan_out(path, body, timeout, ranks)
+    out = []
+    for row in rows:
+        reply = row.pop("reply", None) or {}
+        done = row["status"] == 200  # started or stopped now
+        already = reply.get("type") == AlreadyTracing.__name__
+        ok = done or already
+        why = "already tracing" if already else None
+        if not ok:
+            why = row.get("reason") or reply.get("error") or str(row["status"])
+        state = reply.get("state") if done else "tracing" if already else None
+        out.append({"rank": row["rank"], "node": row["node"], "addr": row["addr"], "ok": ok,
+                    "done": done, "state": state, "reason": why})  # fmt: skip
+    return Response.json(sorted(out, key=lambda r: r["rank"]))
+
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def metrics(probe: Probe, req: Request) -> Response:
+    """GET /metrics: OpenMetrics for Prometheus (on the peer port: the token
+    as bearer): the step, each rank's lateness, the findings active, the
+    events dropped, from this probe's always-on detector."""
+    node = probe.cluster
+    if node is not None and node.watch is None and node.detector is not None:
+        node.watch = node.detector()  # not started: no detection yet, the counters at 0
+    if node is None or node.watch is None:
+        raise ProbingError(
+            "no detector here: /metrics is served in cluster mode",
+            hint="a rank of a multi-process job, or PROBING_PEERS",
+        )
+    return Response(200, OPENMETRICS, node.watch.metrics().encode())
+
+
 def _code_allowed(req: Request) -> bool:
     """Code runs for local callers; over TCP only with PROBING_REMOTE_CODE=1."""
     return req.remote is None or config.load().remote_code
 
 
-# what a TCP caller may reach without PROBING_REMOTE_CODE=1: reading only
+# what a TCP caller (with the token) may reach without PROBING_REMOTE_CODE=1:
+# reading, and starting or stopping a trace (a control action: no file written)
 TCP_ROUTES = {
     ("GET", "/health"),
     ("GET", "/tables"),
@@ -331,6 +405,9 @@ TCP_ROUTES = {
     ("POST", "/query"),
     ("POST", "/cluster/query"),
     ("POST", "/cluster/gather"),
+    ("POST", "/trace/start"),
+    ("POST", "/trace/stop"),
+    ("GET", "/metrics"),
 }
 
 ROUTES = {
@@ -346,6 +423,8 @@ ROUTES = {
     ("GET", "/peers"): peers,
     ("POST", "/cluster/query"): cluster_query,
     ("POST", "/cluster/gather"): cluster_gather,
+    ("POST", "/cluster/trace"): cluster_trace,
+    ("GET", "/metrics"): metrics,
 }
 
 

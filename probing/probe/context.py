@@ -149,12 +149,12 @@ class ProbeContext:
         """Trace this process into this context's store (one tracer at a time)."""
         from probing.bpf.state import TracerState
         from probing.bpf.tracer import Tracer
-        from probing.errors import ProbingError
+        from probing.errors import AlreadyTracing
 
         with self._trace_lock:
             current = self.tracer
             if current is not None and current.state is TracerState.TRACING:
-                raise ProbingError(
+                raise AlreadyTracing(
                     f"pid {self.pid} is already tracing "
                     f"({', '.join(f.name for f in current.families)}); stop it first",
                     hint=f"probing trace --pid {self.pid} --stop",

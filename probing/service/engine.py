@@ -90,6 +90,7 @@ class Service:
             return {"engine_pid": os.getpid(), "socket": old.ctx.socket_path, "already": True}
         if old is not None:  # a pid reused, or a guest started again: the old probe goes
             self._retire(pid)
+        self._free_ports()
         pidfd = os.pidfd_open(pid)
         _say(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
@@ -150,10 +151,21 @@ class Service:
         entry.died_at = time.monotonic()
         entry.target.died_ns = time.time_ns()
         _say(f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s")
-        server = entry.ctx.server
-        if server is not None:  # it leaves the job's peers; local queries go on
-            server.close_tcp()
+        # its peer port stays open: a cluster query gets what it did last, marked dead
+        # (process.info.died_ns), until a process takes its place (``_attach``)
         _stop_tracing(entry)
+
+    def _free_ports(self) -> None:
+        """A new process may be a dead rank started again, on the port the
+        job lists for that rank (``PROBING_PEERS``): the dead ones with listed
+        ports leave the job's peers (local queries go on). A rank found
+        through the job's store publishes its new address instead."""
+        with self._lock:
+            dead = [e for e in self.entries.values() if e.died_at is not None]
+        for e in dead:
+            node, server = e.ctx.cluster, e.ctx.server
+            if server is not None and node is not None and node.ident.peers:
+                server.close_tcp()
 
     def _tidy(self) -> None:
         now = time.monotonic()

@@ -38,6 +38,7 @@ INFO_SCHEMA = pa.schema(
         ("probing_version", pa.string()),
         ("probe_started_ns", pa.int64()),
         ("alive", pa.bool_()),
+        ("died_ns", pa.int64()),  # when the engine saw it exit (wall ns); NULL while alive
     ]
 )
 
@@ -60,6 +61,7 @@ def info(target: Any) -> pa.Table:
         "probing_version": VERSION,
         "probe_started_ns": about.get("probe_started_ns"),
         "alive": target.alive(),
+        "died_ns": getattr(target, "died_ns", None),
     }
     try:
         proc = psutil.Process(target.pid)

@@ -115,3 +115,34 @@ def test_peers_on_separate_hosts_and_a_slow_link(hosts, spawn) -> None:
     assert res.table.column("rank").to_pylist() == [0, 1, 2]
     assert [(m.rank, m.addr) for m in res.missing] == [(3, hosts[3])]
     assert res.missing[0].reason in ("timeout", "unreachable: [Errno 113] No route to host")
+
+
+def test_one_command_traces_every_host(hosts, spawn) -> None:  # type: ignore[no-untyped-def]
+    """``trace --cluster`` from host 0 starts and stops tracing on all four
+    hosts over their peer ports (the slow one included); a host that left
+    the network is named with its reason."""
+    from tests.conftest import require_bpf
+
+    require_bpf()
+    env = {"PROBING_PEERS": ",".join(hosts), "PROBING_TOKEN": TOKEN}
+    targets = []
+    for i in range(N):
+        argv = ["ip", "netns", "exec", ns(i), sys.executable, "-c", textwrap.dedent(IDLE_LOOP)]
+        targets.append(
+            spawn("", argv=argv, env={**env, "RANK": str(i), "PROBING_NODE": f"host{i}"})
+        )
+    for t in targets:
+        wait_ready(t.pid)
+    start = ["trace", "--pid", str(targets[0].pid), "--cluster", "--no-nccl", "--no-cuda"]
+    r = cli(*start, "--background", "--timeout", "90", timeout=150)  # BPF built cold on each host
+    assert r.returncode == 0 and r.stdout.startswith(f"{N} of {N} ranks tracing\n"), (
+        r.stdout + r.stderr
+    )
+    assert all(f"host{i}" in r.stdout for i in range(N)), r.stdout
+    r = cli("trace", "--pid", str(targets[0].pid), "--cluster", "--stop", timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"{N} of {N} ranks stopped\n"), r.stdout
+    sh("ip", "netns", "exec", ns(3), "ip", "link", "set", "p7v3", "down")
+    r = cli(*start, "--background", "--timeout", "10", timeout=120)
+    assert r.returncode == 2 and r.stdout.startswith(f"{N - 1} of {N} ranks tracing\n"), r.stdout
+    [row] = [line for line in r.stdout.splitlines() if line.split()[:1] == ["3"]]
+    assert hosts[3] in row and ("timeout" in row or "No route" in row), r.stdout

@@ -1,0 +1,134 @@
+"""The always-on detector (``probing.analyze.watch``) on canned cluster
+answers: a straggler becomes one finding, written once and cleared when it
+is gone; a rank that stops answering is gone after two detections; only
+the lowest rank that answers detects; ``/metrics`` parses as OpenMetrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+from probing.analyze.watch import Watch
+from probing.cluster.discovery import PeerInfo
+from probing.cluster.wire import MissingPeer, PeerTiming
+from tests.test_analyze import job
+
+
+@dataclass
+class Got:
+    peers: list[PeerTiming] = field(default_factory=list)
+    missing: list[MissingPeer] = field(default_factory=list)
+
+
+class Registry:
+    def __init__(self, peers: list[PeerInfo]) -> None:
+        self._peers = peers
+
+    def peers(self) -> list[PeerInfo]:
+        return self._peers
+
+
+class Node:
+    """What the detector uses of a ClusterNode: the answers are scripted."""
+
+    def __init__(self, rank: int = 0, peers: list[PeerInfo] | None = None) -> None:
+        self.rank, self.pid, self.learning = rank, None, False
+        self.registry = Registry(peers or [])
+        self.answers: list[tuple[pa.Table, Got]] = []
+        self.dead: list[dict[str, Any]] = [{"pid": 1, "alive": True, "died_ns": None, "rank": 0}]
+        self.asked: list[str] = []
+
+    def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Got, Any]:
+        self.asked.append(sql)
+        if "FROM process.info" in sql:  # who died: nobody, or ``self.dead``
+            return pa.Table.from_pylist(self.dead), Got(), None
+        table, got = self.answers.pop(0)
+        return table, got, None
+
+
+def _now(table: pa.Table) -> int:
+    return max(table.column("ts").to_pylist()) + 10**9
+
+
+def _answered(n: int = 4) -> Got:
+    return Got(peers=[PeerTiming(r, f"host{r // 2}", "", 1.0, 0) for r in range(n)])
+
+
+def test_a_straggler_is_one_finding_until_it_is_gone() -> None:
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=lambda: {"gloo": 3}, every_s=5)
+    slow = job(straggler=2, lag_ms=60, seed=1)
+    healthy = job(seed=1)
+    node.answers = [(slow, _answered()), (slow, _answered()), (healthy, _answered())]
+    [new] = w.once(now_ns=_now(slow))
+    assert new["kind"] == "straggler" and new["rank"] == 2 and new["node"] == "host1", new
+    assert new["text"].startswith("rank 2 on node host1 arrives ") and new["since_ns"] > 0
+    assert "FROM comm.collectives WHERE ts >= " in node.asked[0]
+    assert w.once(now_ns=_now(slow)) == []  # still there: not written again
+    assert w.once(now_ns=_now(healthy)) == []
+    rows = w.table().to_pylist()
+    assert [(r["kind"], r["rank"]) for r in rows] == [("straggler", 2)]
+    assert rows[0]["cleared_ns"] == _now(healthy)  # gone: cleared, kept
+
+
+def test_a_rank_that_stops_answering_is_gone_after_two_detections() -> None:
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+    healthy = job(seed=2)
+    lost = Got(peers=_answered(3).peers, missing=[MissingPeer(3, "host1", "h:1", "refused")])
+    node.answers = [(healthy, lost), (healthy, lost), (healthy, _answered())]
+    assert w.once(now_ns=_now(healthy)) == []  # once: a slow answer, maybe
+    [gone] = w.once(now_ns=_now(healthy))
+    assert gone["kind"] == "rank_gone" and gone["rank"] == 3
+    assert gone["text"] == "rank 3 (host1) does not answer: refused"
+    w.once(now_ns=_now(healthy))
+    assert w.table().to_pylist()[0]["cleared_ns"] is not None
+
+
+def test_only_the_lowest_rank_that_answers_detects() -> None:
+    up = [PeerInfo(0, "h", "a:1", status="up"), PeerInfo(2, "h", "a:3", status="up")]
+    assert not Watch(Node(1, up), lambda: True, dict).detector()
+    up[0].status = "missing"  # rank 0 gone: rank 1 watches
+    assert Watch(Node(1, up), lambda: True, dict).detector()
+    assert Watch(Node(0, up), lambda: True, dict).detector()
+
+
+def test_metrics_parse_as_openmetrics_with_the_stragglers_lateness() -> None:
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=lambda: {"gloo": 3, "nccl": 0}, every_s=5)
+    slow = job(straggler=1, lag_ms=60, seed=3)
+    node.answers = [(slow, _answered())]
+    w.once(now_ns=_now(slow))
+    families = {f.name: f for f in text_string_to_metric_families(w.metrics())}
+    late = {s.labels["rank"]: s.value for s in families["probing_rank_lateness_seconds"].samples}
+    assert late["1"] > 0.04 and all(late[r] < 0.02 for r in ("0", "2", "3")), late
+    found = {s.labels["kind"]: s.value for s in families["probing_findings"].samples}
+    assert found == {"straggler": 1, "slow_link": 0, "hang": 0, "rank_gone": 0}
+    dropped = {s.labels["family"]: s.value for s in families["probing_events_dropped"].samples}
+    assert dropped == {"gloo": 3, "nccl": 0}
+    assert 0.05 < families["probing_step_seconds"].samples[0].value < 0.2
+    assert families["probing_detections"].samples[0].value == 1
+    # before any detection: the same families, nothing measured yet
+    idle = {
+        f.name for f in text_string_to_metric_families(Watch(node, lambda: True, dict).metrics())
+    }
+    assert {"probing_findings", "probing_events_dropped", "probing_detections"} <= idle
+
+
+def test_a_killed_rank_is_gone_with_where_it_died() -> None:
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+    hung = job(hang_rank=3, hang_step=40, steps=45, seed=4)
+    died = max(hung.column("ts").to_pylist())
+    node.dead = [{"pid": 4242, "alive": r != 3, "died_ns": died if r == 3 else None, "rank": r}
+                 for r in range(4)]  # fmt: skip
+    node.answers = [(hung, _answered())]
+    new = w.once(now_ns=died + 30 * 10**9)
+    gone = [f for f in new if f["kind"] == "rank_gone"]
+    assert [f["rank"] for f in gone] == [3], new
+    assert gone[0]["text"].startswith("rank 3 (pid 4242) died at "), gone
+    assert "(it never entered #" in gone[0]["text"], gone
+    assert [f["kind"] for f in new if f["kind"] == "hang"] == ["hang"], new
