@@ -5,7 +5,8 @@ A 4-rank Gloo job (probing's own environment, ``PROBING=1``, torch's default
 threads; each step 20 ms of sleep and an all-reduce) is started twice: with
 the detector off (``PROBING_DETECT_S=0``) and on (every 5 s). Each time:
 untraced for ``--phase`` s, then ``probing trace --cluster --background``
-and ``--healthy`` s healthy (every finding written counted), then one rank,
+and ``--healthy`` s healthy (``--off-healthy`` with the detector off; every
+finding written counted), then one rank,
 drawn at random, sleeps 60 ms more a step: the time until
 ``analyze.findings`` names it. CPU is each process's user + system time
 over a phase, per rank per second: the ranks' (untraced, traced) and the
@@ -136,6 +137,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", type=float, default=20.0, help="untraced seconds measured")
     ap.add_argument("--healthy", type=float, default=60.0, help="traced healthy seconds")
+    ap.add_argument(
+        "--off-healthy", type=float, default=60.0, help="the same, detector off (CPU baseline)"
+    )
     ap.add_argument("--runs", type=int, default=1, help="slowdowns timed (detector on)")
     ap.add_argument("--noise", action="store_true", help="two spinning processes too")
     args = ap.parse_args()
@@ -144,7 +148,7 @@ def main() -> None:
         spin = [sys.executable, "-c", "while True: pass"]
         hogs = [subprocess.Popen(spin) for _ in range(2)]
     try:
-        off = one(0, args.phase, args.healthy, random.randrange(WORLD))
+        off = one(0, args.phase, args.off_healthy, random.randrange(WORLD))
         on = [one(5, args.phase, args.healthy, random.randrange(WORLD)) for _ in range(args.runs)]
     finally:
         for h in hogs:

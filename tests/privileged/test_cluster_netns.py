@@ -141,6 +141,15 @@ def test_one_command_traces_every_host(hosts, spawn) -> None:  # type: ignore[no
     assert all(f"host{i}" in r.stdout for i in range(N)), r.stdout
     r = cli("trace", "--pid", str(targets[0].pid), "--cluster", "--stop", timeout=120)
     assert r.returncode == 0 and r.stdout.startswith(f"{N} of {N} ranks stopped\n"), r.stdout
+    # docs/cli.md's recipe for many nodes without cluster mode: one command per
+    # host (pdsh, srun --overlap), each reaching the ranks of its own host
+    for i, t in enumerate(targets):
+        probing = [sys.executable, "-m", "probing", "trace", "--pid", str(t.pid), "--job"]
+        on_host = ["ip", "netns", "exec", ns(i), *probing, "--background", "--no-nccl", "--no-cuda"]
+        r = subprocess.run(on_host, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("1 of 1 ranks tracing\n"), r.stdout
+    r = cli("trace", "--pid", str(targets[2].pid), "--cluster", "--stop", timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"{N} of {N} ranks stopped\n"), r.stdout
     sh("ip", "netns", "exec", ns(3), "ip", "link", "set", "p7v3", "down")
     r = cli(*start, "--background", "--timeout", "10", timeout=120)
     assert r.returncode == 2 and r.stdout.startswith(f"{N - 1} of {N} ranks tracing\n"), r.stdout
