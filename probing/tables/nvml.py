@@ -50,7 +50,7 @@ GPU_SCHEMA = pa.schema(
         ("ecc_uncorrected", pa.int64()),  # volatile, since the driver loaded
         ("xid", pa.int64()),  # last XID / critical event since the previous sample
         ("xid_count", pa.int32()),
-        ("own", pa.bool_()),  # the GPU the process works on (``owned``)
+        ("own", pa.bool_()),  # the GPU the process works on (``Sampler._owned``)
     ]
 )
 
