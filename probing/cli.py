@@ -648,6 +648,8 @@ def diagnose(
     ] = None,
 ) -> None:
     """Name the straggler, slow link or hang of a distributed job, and show why."""
+    import time
+
     from probing.analyze import diagnose as run_diagnosis
     from probing.analyze.diagnose import sql_tables
     from probing.client import Job
@@ -673,6 +675,9 @@ def diagnose(
         typer.echo(f"probing: counts differ; watching {seconds:.0f} s for a hang", err=True)
 
     try:
+        if record_s is not None:  # Ctrl-C here stops the ranks it started too
+            typer.echo(f"probing: recording {record_s:g} s", err=True)
+            time.sleep(record_s)
         for p in pid or []:  # a hung job never traced: stacks and counts still tell
             _probe_client(p, inject)
         job = Job(pids=pid, addr=addr, cluster=cluster, timeout=timeout)
@@ -704,10 +709,9 @@ def diagnose(
 
 
 def _record(pid: int, inject: bool, seconds: float) -> list[int]:
-    """``diagnose --record``: trace every rank of ``pid``'s job for ``seconds``;
-    the ranks it started (a rank tracing already goes on as it was)."""
-    import time
-
+    """``diagnose --record``: start tracing every rank of ``pid``'s job (the
+    caller waits ``seconds``); the ranks it started (a rank tracing already
+    goes on as it was, and is not stopped after)."""
     from probing.render import control_rows
 
     rows = _probe_client(pid, inject).cluster_trace("start")
@@ -717,11 +721,10 @@ def _record(pid: int, inject: bool, seconds: float) -> list[int]:
     missing = ", ".join(f"rank {r['rank']} ({r['reason']})" for r in rows if not r["ok"])
     traced = sum(1 for r in rows if r["ok"])
     typer.echo(
-        f"probing: recording {seconds:g} s on {traced} of {len(rows)} ranks"
+        f"probing: tracing {traced} of {len(rows)} ranks"
         + (f"; not traced: {missing}" if missing else ""),
         err=True,
     )
-    time.sleep(seconds)
     return started
 
 

@@ -79,11 +79,18 @@ JOB_KEYS = (
 )  # fmt: skip
 
 
+# of which one a job step has to itself (an allocation's SLURM_JOB_ID, an exported
+# MASTER_ADDR, are shared by every process of the user's shell)
+STEP_KEYS = ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "SLURM_STEP_ID", "OMPI_MCA_orte_hnp_uri",
+             "PMIX_NAMESPACE")  # fmt: skip
+
+
 def _job_key(pid: int) -> dict[str, str]:
     from probing.target import proc_environ
 
     env = proc_environ(pid)
-    return {k: env[k] for k in JOB_KEYS if k in env}
+    key = {k: env[k] for k in JOB_KEYS if k in env}
+    return key if any(k in key for k in STEP_KEYS) else {}
 
 
 def job_pids(pid: int) -> list[int]:

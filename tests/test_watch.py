@@ -12,7 +12,6 @@ import pyarrow as pa
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing.analyze.watch import Watch
-from probing.cluster.discovery import PeerInfo
 from probing.cluster.wire import MissingPeer, PeerTiming
 from tests.test_analyze import job
 
@@ -23,23 +22,21 @@ class Got:
     missing: list[MissingPeer] = field(default_factory=list)
 
 
-class Registry:
-    def __init__(self, peers: list[PeerInfo]) -> None:
-        self._peers = peers
-
-    def peers(self) -> list[PeerInfo]:
-        return self._peers
-
-
 class Node:
     """What the detector uses of a ClusterNode: the answers are scripted."""
 
-    def __init__(self, rank: int = 0, peers: list[PeerInfo] | None = None) -> None:
+    def __init__(self, rank: int = 0) -> None:
         self.rank, self.pid, self.learning = rank, None, False
-        self.registry = Registry(peers or [])
         self.answers: list[tuple[pa.Table, Got]] = []
         self.dead: list[dict[str, Any]] = [{"pid": 1, "alive": True, "died_ns": None, "rank": 0}]
         self.asked: list[str] = []
+        self.lower: dict[int, dict[str, Any]] = {}  # what the ranks below answer (alive?)
+        self.asked_ranks: list[int] = []
+
+    def fan_out(self, path: str, body: bytes, timeout: float, ranks: set[int]) -> list[dict]:  # type: ignore[type-arg]
+        assert path == "/query" and b"process.info" in body
+        self.asked_ranks += sorted(ranks)
+        return [dict(self.lower[r], rank=r) for r in sorted(ranks)]
 
     def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Got, Any]:
         self.asked.append(sql)
@@ -88,12 +85,18 @@ def test_a_rank_that_stops_answering_is_gone_after_two_detections() -> None:
     assert w.table().to_pylist()[0]["cleared_ns"] is not None
 
 
-def test_only_the_lowest_rank_that_answers_detects() -> None:
-    up = [PeerInfo(0, "h", "a:1", status="up"), PeerInfo(2, "h", "a:3", status="up")]
-    assert not Watch(Node(1, up), lambda: True, dict).detector()
-    up[0].status = "missing"  # rank 0 gone: rank 1 watches
-    assert Watch(Node(1, up), lambda: True, dict).detector()
-    assert Watch(Node(0, up), lambda: True, dict).detector()
+def test_only_the_lowest_rank_that_lives_detects() -> None:
+    node = Node(2)
+    alive = {"status": 200, "addr": "a:1", "reply": [{"alive": True}]}
+    node.lower = {0: alive, 1: alive}
+    assert not Watch(node, lambda: True, dict).detector()  # rank 0 lives: it watches
+    node.lower[0] = {"status": 200, "addr": "a:1", "reply": [{"alive": False}]}  # killed
+    node.lower[1] = {"status": 0, "addr": "a:2", "reason": "refused"}  # its node gone
+    assert Watch(node, lambda: True, dict).detector()
+    node.lower[1] = {"status": 0, "addr": "", "reason": "not discovered"}
+    assert not Watch(node, lambda: True, dict).detector()  # not known yet: not me
+    assert Watch(Node(0), lambda: True, dict).detector()
+    assert node.asked_ranks == [0, 0, 1, 0, 1]  # the first that lives ends the look
 
 
 def test_metrics_parse_as_openmetrics_with_the_stragglers_lateness() -> None:

@@ -685,6 +685,8 @@ def diagnose(
         d.verdict = verdict(
             d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why, d.pipeline
         )
+        if d.dead:
+            d.verdict = f"{death_text(d.dead)}; {d.verdict}"
     if d.stragglers or d.hangs:
         try:
             since = now - int(window_s * 1e9)

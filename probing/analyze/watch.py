@@ -1,7 +1,9 @@
 """Always-on detection: while a probe traces, its job is watched with no client.
 
-The job's *detector* is the rank whose lower ranks its registry marks
-missing (rank 0, while it answers). Every ``PROBING_DETECT_S`` (5 s) it asks
+The job's *detector* is its lowest rank whose process is alive and whose
+probe answers (rank 0, while it lives); a tracing rank above it asks the
+ranks below it whether they live every ``ELECT_S`` (30 s), from the
+lowest, and stops at the first that does. Every ``PROBING_DETECT_S`` (5 s) it asks
 every rank for its collectives of the last ``WINDOW_S`` (one cluster query,
 as ``diagnose --cluster`` does, without the stacks, samples and NVML), runs
 the same analysis and keeps what it finds as ``analyze.findings``: a
@@ -17,6 +19,7 @@ does not import the cluster's.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 WINDOW_S = 30.0  # the collectives each detection looks at
 HANG_AFTER_S = 10.0  # a collective some rank never entered for this long is a hang
 GONE_AFTER = 2  # detections a peer must miss in a row to be a rank gone
+ELECT_S = 30.0  # how often a rank above the detector checks that the ranks below live
+ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
 KEEP = 1000  # findings kept (the oldest cleared ones go first)
 
 
@@ -83,6 +88,7 @@ class Watch:
         self.detections = 0
         self.last_error: str | None = None
         self._misses: dict[int, int] = {}
+        self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,16 +103,28 @@ class Watch:
         self._stop.set()
 
     def detector(self) -> bool:
-        """Whether this probe watches the job: every lower rank is missing."""
-        return all(
-            p.status == "missing" for p in self.node.registry.peers() if p.rank < self.node.rank
-        )
+        """Whether this probe watches the job: no rank below it lives and
+        answers (learned again every ``ELECT_S``)."""
+        now = time.monotonic()
+        if self._elected is not None and now - self._elected[0] < ELECT_S:
+            return self._elected[1]
+        mine = True
+        for rank in range(self.node.rank):  # from the lowest: rank 0 answers, as a rule
+            [row] = self.node.fan_out("/query", ALIVE, 3.0, {rank}) or [{"status": 0, "addr": ""}]
+            if row["status"] == 200 and not any(r.get("alive") for r in row.get("reply") or []):
+                continue  # died: its probe answers for it
+            if row["status"] == 0 and row.get("addr"):
+                continue  # gone: refused, unreachable, no answer in time
+            mine = False  # it lives, or is not known yet (not discovered): not me
+            break
+        self._elected = (now, mine)
+        return mine
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            if not self.tracing() or self.node.learning or not self.detector():
-                continue
             try:
+                if not self.tracing() or self.node.learning or not self.detector():
+                    continue
                 self.once()
             except ProbingError as err:  # peers, queries: said in nvml-like status, tried again
                 self.last_error = str(err)

@@ -698,12 +698,20 @@ class ClusterNode:
         }
         return pack(meta, tables, t_recv_ns)
 
-    def start_watch(self) -> None:
-        """Watch the job from now on (the first trace of this probe starts it)."""
-        if self.watch is None and self.detector is not None:
-            self.watch = self.detector()
+    def ensure_watch(self, start: bool = True) -> Any:
+        """The always-on detector (made once), started unless ``start`` is
+        False (``GET /metrics`` before any trace); None where none is given."""
+        with self._join_lock:
+            if self.watch is None and self.detector is not None:
+                self.watch = self.detector()
+            if self.watch is not None and start:
+                self.watch.start()
+            return self.watch
+
+    def stop(self) -> None:
+        """The probe stops: so does its detector."""
         if self.watch is not None:
-            self.watch.start()
+            self.watch.stop()
 
     # -- control: the same request to every peer -----------------------------------
     def fan_out(
@@ -747,10 +755,7 @@ class ClusterNode:
             if rank not in seen and (ranks is None or rank in ranks):
                 rows.append({"rank": rank, "node": "?", "addr": "", "status": 0,
                              "reason": "not discovered (no probe, or not joined yet)"})  # fmt: skip
-        for row in rows:
-            if row["status"] == 0 and "reason" in row and row["addr"]:
-                self.registry.mark_missing(row["rank"], row["reason"])
-        return sorted(rows, key=lambda r: r["rank"])
+        return sorted(rows, key=lambda r: r["rank"])  # a slow control answer marks nobody missing
 
     # -- HTTP: the probe's /cluster/* endpoints call these ------------------------------
     def serve_query(self, req: Request) -> Response:

@@ -14,6 +14,7 @@ from probing.errors import (
     ProbingError,
     QueryError,
     http_status,
+    log_unexpected,
     wire_type,
 )
 from probing.probe.imports import quick_gil_handoff, settle
@@ -245,8 +246,11 @@ def trace_start(probe: Probe, req: Request) -> Response:
         )
     started = probe.start_trace(families, output=output, stacks=stacks, launch_stacks=launch_stacks)
     if probe.cluster is not None:  # the job is watched from its first trace on
-        probe.cluster.start_watch()
+        probe.cluster.ensure_watch()
     return Response.json(started.status())
+
+
+NOT_TRACING = "NotTracing"  # the type of /trace/stop's 409
 
 
 def trace_stop(probe: Probe, req: Request) -> Response:
@@ -255,7 +259,7 @@ def trace_stop(probe: Probe, req: Request) -> Response:
 
     current = probe.tracer
     if current is None or current.state is not TracerState.TRACING:
-        return Response.error(409, "this process is not tracing", "NotTracing")
+        return Response.error(409, "this process is not tracing", NOT_TRACING)
     current.stop()
     return Response.json(current.status())
 
@@ -339,7 +343,7 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
     try:
         payload = json.loads(req.body or b"{}")
         path = CONTROL[payload.get("action")]
-        timeout = float(payload.get("timeout", 10.0))
+        timeout = min(max(float(payload.get("timeout", 10.0)), 1.0), 600.0)
         options = {k: payload[k] for k in ("families", "stacks", "launch_stacks") if k in payload}
         ranks = None if payload.get("ranks") is None else {int(r) for r in payload["ranks"]}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -351,6 +355,9 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
             mine = ROUTES[("POST", path)](probe, req._replace(path=path, body=body))
         except ProbingError as err:  # this process could not: said in its row, the peers go on
             mine = Response.error(http_status(err), str(err), wire_type(err))
+        except Exception as err:  # noqa: BLE001 - a bug: logged, said in its row, peers go on
+            log_unexpected("trace control", err)
+            mine = Response.error(500, f"{type(err).__name__}: {err}")
         try:
             reply = json.loads(mine.body)
         except ValueError:
@@ -362,12 +369,12 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
     for row in rows:
         reply = row.pop("reply", None) or {}
         done = row["status"] == 200  # started or stopped now
-        already = reply.get("type") == AlreadyTracing.__name__
-        ok = done or already
-        why = "already tracing" if already else None
+        was = {AlreadyTracing.__name__: "tracing", NOT_TRACING: "stopped"}.get(reply.get("type"))
+        ok = done or was is not None
+        why = f"already {was}" if was else None
         if not ok:
             why = row.get("reason") or reply.get("error") or str(row["status"])
-        state = reply.get("state") if done else "tracing" if already else None
+        state = reply.get("state") if done else was
         out.append({"rank": row["rank"], "node": row["node"], "addr": row["addr"], "ok": ok,
                     "done": done, "state": state, "reason": why})  # fmt: skip
     return Response.json(sorted(out, key=lambda r: r["rank"]))
@@ -380,15 +387,14 @@ def metrics(probe: Probe, req: Request) -> Response:
     """GET /metrics: OpenMetrics for Prometheus (on the peer port: the token
     as bearer): the step, each rank's lateness, the findings active, the
     events dropped, from this probe's always-on detector."""
-    node = probe.cluster
-    if node is not None and node.watch is None and node.detector is not None:
-        node.watch = node.detector()  # not started: no detection yet, the counters at 0
-    if node is None or node.watch is None:
+    node = probe.cluster  # before any trace: no detection yet, the counters at 0
+    detector = node.ensure_watch(start=False) if node is not None else None
+    if detector is None:
         raise ProbingError(
             "no detector here: /metrics is served in cluster mode",
             hint="a rank of a multi-process job, or PROBING_PEERS",
         )
-    return Response(200, OPENMETRICS, node.watch.metrics().encode())
+    return Response(200, OPENMETRICS, detector.metrics().encode())
 
 
 def _code_allowed(req: Request) -> bool:

@@ -228,6 +228,8 @@ class ProbeContext:
         server, self.server = self.server, None
         if server is not None:
             server.stop()
+        if self.cluster is not None:  # its detector too (probing.analyze.watch)
+            self.cluster.stop()
 
     def _cluster_node(self) -> Any:
         if self.cluster_factory is None:

@@ -162,10 +162,15 @@ class Service:
         through the job's store publishes its new address instead."""
         with self._lock:
             dead = [e for e in self.entries.values() if e.died_at is not None]
+        closing = []
         for e in dead:
             node, server = e.ctx.cluster, e.ctx.server
             if server is not None and node is not None and node.ident.peers:
                 server.close_tcp()
+                closing.append(server)
+        deadline = time.monotonic() + 2.0  # the loop closes them: before the new one binds
+        while any(s.tcp_address() is not None for s in closing) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _tidy(self) -> None:
         now = time.monotonic()
