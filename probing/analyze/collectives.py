@@ -240,6 +240,30 @@ def match(table: pa.Table) -> list[Collective]:
 # -- robust statistics ----------------------------------------------------------------
 
 
+def excess_matrix(cs: list[Collective], ranks: list[int]) -> np.ndarray:
+    """``E[k, j]``: how long after the median arrival of the others
+    ``ranks[j]`` entered ``cs[k]``, in ms; NaN where it was not there or was
+    alone. One ``nanmedian`` per rank over every collective: a window of
+    FSDP's gathers is thousands of collectives."""
+    arrive = np.full((len(cs), len(ranks)), np.nan)
+    if not cs or not ranks:
+        return arrive
+    col = {r: j for j, r in enumerate(ranks)}
+    base = min(min(c.ts.values()) for c in cs)  # ns since it: exact in a float64
+    for k, c in enumerate(cs):
+        for r, t in c.ts.items():
+            j = col.get(r)
+            if j is not None:
+                arrive[k, j] = (t - base) / 1e6
+    out = np.full_like(arrive, np.nan)
+    for j in range(len(ranks)):
+        others = np.delete(arrive, j, axis=1)
+        there = ~np.all(np.isnan(others), axis=1)
+        if there.any():
+            out[there, j] = arrive[there, j] - np.nanmedian(others[there], axis=1)
+    return out
+
+
 def mad(x: np.ndarray) -> float:
     return float(np.median(np.abs(x - np.median(x)))) if len(x) else 0.0
 
@@ -376,7 +400,8 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
     """The tests of ``Evidence.named`` for ``rank`` over ``cs`` (complete collectives)."""
     ranks = sorted({r for c in cs for r in c.ts})
     n = len(cs)
-    excess = {r: np.zeros(n) for r in ranks}
+    matrix = np.nan_to_num(excess_matrix(cs, ranks), nan=0.0)  # alone: not late
+    excess = {r: matrix[:, j] for j, r in enumerate(ranks)}
     lost = 0.0
     last = 0
     place = np.zeros(n)
@@ -385,9 +410,6 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
         ts = c.ts
         place[k] = sum(1 for t in ts.values() if t < ts[rank])
         size[k] = len(ts)
-        for r in ranks:
-            others = [t for o, t in ts.items() if o != r]
-            excess[r][k] = (ts[r] - float(np.median(others))) / 1e6 if others else 0.0
         others = [t for o, t in ts.items() if o != rank]
         if others and ts[rank] > max(others):
             last += 1
@@ -430,11 +452,9 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             continue
         ranks = sorted({r for c in cs for r in c.ts})
         starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
-        for r in ranks:
-            excess = np.array(
-                [(c.ts[r] - float(np.median([t for o, t in c.ts.items() if o != r]))) / 1e6
-                 for c in cs]
-            )  # fmt: skip
+        matrix = np.nan_to_num(excess_matrix(cs, ranks), nan=0.0)
+        for j, r in enumerate(ranks):
+            excess = matrix[:, j]
             if float(np.median(excess)) < 0:
                 waits[comm].add(r)
             k, score = change_point(excess)

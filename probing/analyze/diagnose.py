@@ -534,17 +534,14 @@ def _rank_rows(
 
     done = [c for c in matched if c.complete and c.nranks > 1]
     counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
+    # after the others' median arrival: a straggler's lateness, whoever else is late
+    matrix = coll.excess_matrix(done, ranks)
     rows = []
-    for r in ranks:
+    for j, r in enumerate(ranks):
         mine = [c for c in done if r in c.ts]
         lags = np.array([c.lags_ns()[r] / 1e6 for c in mine])
         last = sum(1 for c in mine if max(c.ts, key=c.ts.__getitem__) == r)
-        # after the others' median arrival: a straggler's lateness, whoever else is late
-        excess = [
-            (c.ts[r] - float(np.median([t for o, t in c.ts.items() if o != r]))) / 1e6
-            for c in mine
-            if len(c.ts) > 1
-        ]
+        excess = matrix[:, j][~np.isnan(matrix[:, j])] if len(done) else []
         rows.append(
             {
                 "rank": r,
@@ -553,7 +550,7 @@ def _rank_rows(
                 "last_pct": round(100 * last / len(mine), 1) if mine else None,
                 "lag_ms_mean": round(float(lags.mean()), 2) if len(lags) else None,
                 "lag_ms_p99": round(float(np.percentile(lags, 99)), 2) if len(lags) else None,
-                "excess_ms_median": round(float(np.median(excess)), 2) if excess else None,
+                "excess_ms_median": round(float(np.median(excess)), 2) if len(excess) else None,
                 "count": counts.get(r),
                 "in_collective": hg.in_collective(frames[r]) if r in frames else None,
             }
