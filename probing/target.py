@@ -153,7 +153,10 @@ class Guest:
         return self.last_info
 
     def threads(self) -> list[dict[str, Any]]:
-        """Its ``threading`` threads (tid, ident, name, daemon, main)."""
+        """Its ``threading`` threads (tid, ident, name, daemon, main); a dead
+        process has none."""
+        if not self.alive():
+            return []
         rows: list[dict[str, Any]] = self._ask("GET", "/threads")
         return rows
 
@@ -172,6 +175,8 @@ class Guest:
         return env
 
     def stacks(self, window_s: float = inside.WINDOW_S) -> list[dict[str, Any]]:
+        if not self.alive():  # a dead process has no stack (its last calls are traced)
+            return []
         rows: list[dict[str, Any]] = self._ask("POST", "/stacks", {"window_s": window_s})
         return rows
 
@@ -184,6 +189,8 @@ class Guest:
         return answer
 
     def groups(self, comms: list[int]) -> list[dict[str, Any]]:
+        if not self.alive():  # what it told before it died is kept by comm.groups
+            return []
         rows: list[dict[str, Any]] = self._ask("POST", "/groups", {"comms": comms})
         return rows
 

@@ -169,11 +169,13 @@ def deaths(rows: list[dict[str, Any]], matched: list[coll.Collective]) -> dict[i
 
 
 def death_text(dead: dict[int, Death]) -> str:
-    """``rank 3 (pid 1234) died at 14:05:01 UTC in allreduce #41 of gloo/pg0``."""
+    """``rank 3 (pid 1234) died at 14:05:01 UTC in allreduce #41 of gloo/pg0``,
+    the first to die first (a killed Gloo rank takes the others with it)."""
+    first = sorted(dead.items(), key=lambda rx: (rx[1].died_ns or 0, rx[0]))
     return "; ".join(
         f"rank {r} (pid {x.pid}) died{f' at {_hms(x.died_ns)}' if x.died_ns else ''}"
         f"{f' {x.where}' if x.where else ''}"
-        for r, x in sorted(dead.items())
+        for r, x in first
     )
 
 

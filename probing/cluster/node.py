@@ -721,7 +721,16 @@ class ClusterNode:
         with the token (a control action: starting or stopping a trace); one
         row per rank of the job but mine: ``rank, node, addr, status`` (the
         HTTP status, 0 where none came) and ``reply`` (its JSON) or ``reason``."""
-        self.refresh(budget=min(2.0, max(0.5, timeout / 4)))
+        wanted = set(range(self.ident.world_size)) - {self.rank}
+        if ranks is not None:
+            wanted &= ranks
+        deadline = time.monotonic() + min(5.0, max(0.5, timeout / 4))
+        while True:  # a job just started: its ranks publish their addresses one by one
+            self.refresh(budget=max(0.1, min(2.0, deadline - time.monotonic())))
+            known = {p.rank for p in self.others()}
+            if wanted <= known or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         others = [p for p in self.others() if ranks is None or p.rank in ranks]
         exchange = Exchange(time.monotonic() + timeout)
         sent: list[tuple[PeerInfo, int | str]] = []

@@ -149,8 +149,13 @@ class ProbeContext:
         """Trace this process into this context's store (one tracer at a time)."""
         from probing.bpf.state import TracerState
         from probing.bpf.tracer import Tracer
-        from probing.errors import AlreadyTracing
+        from probing.errors import AlreadyTracing, NoSuchProcess
 
+        if not self.target.alive():  # a dead process's probe answers, but nothing runs
+            raise NoSuchProcess(
+                f"pid {self.pid} has exited: nothing to trace (what it recorded is kept)",
+                pid=self.pid,
+            )
         with self._trace_lock:
             current = self.tracer
             if current is not None and current.state is TracerState.TRACING:

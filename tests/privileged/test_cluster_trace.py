@@ -94,7 +94,7 @@ def test_a_rank_that_cannot_is_named_and_the_others_trace(spawn) -> None:  # typ
             "--no-cuda", timeout=180)  # fmt: skip
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout.startswith(f"{WORLD - 1} of {WORLD} ranks tracing\n"), r.stdout
-    [row] = [line for line in r.stdout.splitlines() if line.split()[:1] == ["3"]]
+    [row] = [line for line in r.stdout.splitlines()[1:] if line.split()[:1] == ["3"]]
     assert " - " in row and len(row.split()) > 4, r.stdout  # no state, a reason
     for pid in pids[:3]:
         assert ProbeClient.for_pid(pid).trace_status()["state"] == "tracing"
@@ -105,7 +105,7 @@ def test_over_tcp_a_trace_needs_the_token_and_writes_no_file(spawn, tmp_path) ->
     pids = _job(spawn)
     addr = wait_ready(pids[1], 60 * SLOWDOWN)["cluster"]["addr"]
     anyone = ProbeClient.for_addr(addr, token="not-the-token")
-    with pytest.raises(ProbingError, match="401"):
+    with pytest.raises(ProbingError, match="refused the token"):
         anyone.trace_start(["gloo"])
     peer = ProbeClient.for_addr(addr, token=TOKEN)
     with pytest.raises(ProbingError, match="writes no file"):
@@ -220,13 +220,17 @@ def test_the_job_is_watched_with_no_client(spawn, tmp_path) -> None:  # type: ig
     addr = wait_ready(pids[0])["cluster"]["addr"]
     req = urllib.request.Request(f"http://{addr}/metrics",
                                  headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
-        text = resp.read().decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    late = {
-        int(s.labels["rank"]): s.value for s in families["probing_rank_lateness_seconds"].samples
-    }
+    deadline = time.monotonic() + 40 * SLOWDOWN  # the gauge is the mean over the last 30 s
+    while True:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            text = resp.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        lateness = families["probing_rank_lateness_seconds"].samples
+        late = {int(s.labels["rank"]): s.value for s in lateness}
+        if late.get(slow, 0) > 0.03 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert max(late, key=late.__getitem__) == slow and late[slow] > 0.03, late
     assert {s.labels["kind"]: s.value for s in families["probing_findings"].samples}[
         "straggler"
@@ -235,7 +239,7 @@ def test_the_job_is_watched_with_no_client(spawn, tmp_path) -> None:  # type: ig
 
 def test_a_killed_rank_still_answers_and_is_named_dead(spawn) -> None:  # type: ignore[no-untyped-def]
     """kill -9 on a traced rank: its pid answers with its last collectives,
-    and diagnose --cluster says it died, when, and where (the others hang)."""
+    and diagnose --cluster says it died, when, and where."""
     require_bpf()
     pids = _job(spawn)
     r = cli("trace", "--pid", str(pids[0]), "--cluster", "--background", "--no-nccl",
@@ -250,10 +254,12 @@ def test_a_killed_rank_still_answers_and_is_named_dead(spawn) -> None:  # type: 
     q = cli("query", "--pid", str(pids[3]), "--format", "json",
             "SELECT count(*) AS n FROM comm.collectives")  # fmt: skip
     assert q.returncode == 0 and json.loads(q.stdout)[0]["n"] > 0, q.stdout + q.stderr
-    d = json.loads(
-        cli("diagnose", "--pid", str(pids[0]), "--cluster", "--window", "30", "--hang-after",
-            "3s", "--format", "json", timeout=120).stdout
-    )  # fmt: skip
-    assert list(d["dead"]) == ["3"] and d["dead"]["3"]["pid"] == pids[3], d["dead"]
+    r = cli("diagnose", "--pid", str(pids[0]), "--cluster", "--window", "30", "--hang-after",
+            "3s", "--format", "json", timeout=120)  # fmt: skip
+    assert r.returncode in (0, 2), r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    # Gloo's own thread aborts the others once a peer's connection resets: they may
+    # die too, after it; the first to die is said first
+    assert "3" in d["dead"] and d["dead"]["3"]["pid"] == pids[3], d["dead"]
     assert d["verdict"].startswith(f"rank 3 (pid {pids[3]}) died at "), d["verdict"]
     assert "allreduce #" in d["verdict"].split(";")[0], d["verdict"]
