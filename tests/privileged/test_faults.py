@@ -61,7 +61,8 @@ def test_a_rank_killed_during_a_cluster_query(launch) -> None:  # type: ignore[n
     os.kill(victim, signal.SIGKILL)
     out, err = q.communicate(timeout=60)
     assert q.returncode == 0, err + job.tail()
-    assert [r["rank"] for r in json.loads(out)] == [0, 1, 2]
+    # the others' rows; rank 3's where its probe answered as it died (the engine keeps it)
+    assert {0, 1, 2} <= {r["rank"] for r in json.loads(out)}, out
     _wait(lambda: victim not in _uprobe_pids(), 10, "uprobes left behind by the killed rank")
     alive = "SELECT rank, alive FROM process.info ORDER BY rank"
     again = cli("query", "--pid", str(ranks[0]), "--cluster", "--timeout", "3", alive,
