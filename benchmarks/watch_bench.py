@@ -75,6 +75,7 @@ def findings(pid: int) -> list[dict]:  # type: ignore[type-arg]
 
 def one(detect_s: float, phase: float, healthy: float, slow: int) -> dict:  # type: ignore[type-arg]
     runtime = tempfile.mkdtemp(prefix="watch-bench-")
+    os.environ["PROBING_RUNTIME_DIR"] = runtime  # where this script and the CLI find the probes
     flag = Path(runtime) / "slow"
     port = free_port()
     procs = []
