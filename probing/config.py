@@ -67,6 +67,12 @@ class Config:
     engine_idle_s: float = _setting(
         "PROBING_ENGINE_IDLE_S", 60.0, "the engine exits this long after its last process"
     )
+    detect_s: float = _setting(
+        "PROBING_DETECT_S",
+        5.0,
+        "seconds between the always-on detections of a traced job (analyze.findings; 0: off)",
+        least=0,
+    )
     nvml_interval: str = _setting(
         "PROBING_NVML_INTERVAL", "", "sample NVML from start-up at this interval (`100ms`)"
     )

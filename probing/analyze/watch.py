@@ -20,7 +20,6 @@ does not import the cluster's.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -60,9 +59,11 @@ def findings_schema() -> pa.Schema:
 
 def detect_s() -> float:
     """``PROBING_DETECT_S``: seconds between detections (5; 0 turns it off)."""
+    from probing import config
+
     try:
-        return max(0.0, float(os.environ.get("PROBING_DETECT_S", "5")))
-    except ValueError:
+        return float(config.load().detect_s)
+    except ValueError:  # a bad value: the default (its probe said so at start-up)
         return 5.0
 
 
