@@ -135,3 +135,25 @@ def test_a_killed_rank_is_gone_with_where_it_died() -> None:
     assert gone[0]["text"].startswith("rank 3 (pid 4242) died at "), gone
     assert "(it never entered #" in gone[0]["text"], gone
     assert [f["kind"] for f in new if f["kind"] == "hang"] == ["hang"], new
+
+
+def test_a_slow_link_is_a_finding_only_when_found_twice_running() -> None:
+    """Every rank's transfer slow at one detection is what a starved CPU does
+    to Gloo too; a link slow at two in a row is named."""
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+    slow = job(link_ms=40.0, seed=5)
+    assert analyze_links(slow), "the canned job has a slow link"
+    node.answers = [(slow, _answered()), (job(seed=5), _answered()), (slow, _answered()),
+                    (slow, _answered())]  # fmt: skip
+    assert w.once(now_ns=_now(slow)) == []
+    w.once(now_ns=_now(slow))  # healthy between: the count starts again
+    assert w.once(now_ns=_now(slow)) == []
+    [new] = w.once(now_ns=_now(slow))
+    assert new["kind"] == "slow_link" and new["text"].startswith("slow link: allreduce on ")
+
+
+def analyze_links(table: pa.Table) -> list[Any]:
+    from probing.analyze import analyze
+
+    return analyze(table, now_ns=_now(table)).slow_links

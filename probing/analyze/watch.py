@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 WINDOW_S = 30.0  # the collectives each detection looks at
 HANG_AFTER_S = 10.0  # a collective some rank never entered for this long is a hang
-GONE_AFTER = 2  # detections a peer must miss in a row to be a rank gone
+GONE_AFTER = 2  # detections in a row: a peer missing to be gone, a link slow to be slow
 ELECT_S = 30.0  # how often a rank above the detector checks that the ranks below live
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
 KEEP = 1000  # findings kept (the oldest cleared ones go first)
@@ -89,6 +89,7 @@ class Watch:
         self.detections = 0
         self.last_error: str | None = None
         self._misses: dict[int, int] = {}
+        self._slow: dict[str, int] = {}  # comm -> detections in a row that found it slow
         self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -154,7 +155,11 @@ class Watch:
                 f"{100 * s.last_share:.0f} % of {s.op}s on {s.comm}; the job loses "
                 f"~{100 * s.share_of_step:.0f} % of its step time",
             )  # fmt: skip
+        seen = {link.comm for link in d.slow_links}
+        self._slow = {c: self._slow.get(c, 0) + 1 for c in seen}  # detections in a row
         for link in d.slow_links:
+            if self._slow[link.comm] < GONE_AFTER:  # once: a busy CPU slows every rank alike
+                continue
             found[("slow_link", link.comm)] = _row(
                 "slow_link", None, ",".join(link.nodes), link.comm, link.since, link.since_ns,
                 f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms "
