@@ -29,6 +29,7 @@ class Node:
         self.rank, self.pid, self.learning = rank, None, False
         self.answers: list[tuple[pa.Table, Got]] = []
         self.dead: list[dict[str, Any]] = [{"pid": 1, "alive": True, "died_ns": None, "rank": 0}]
+        self.runq: list[dict[str, Any]] = []  # python.samples' runq and tick sums per rank
         self.asked: list[str] = []
         self.lower: dict[int, dict[str, Any]] = {}  # what the ranks below answer (alive?)
         self.asked_ranks: list[int] = []
@@ -42,6 +43,8 @@ class Node:
         self.asked.append(sql)
         if "FROM process.info" in sql:  # who died: nobody, or ``self.dead``
             return pa.Table.from_pylist(self.dead), Got(), None
+        if "FROM python.samples" in sql:
+            return pa.Table.from_pylist(self.runq), Got(), None
         table, got = self.answers.pop(0)
         return table, got, None
 
@@ -138,8 +141,8 @@ def test_a_killed_rank_is_gone_with_where_it_died() -> None:
 
 
 def test_a_slow_link_is_a_finding_only_when_found_twice_running() -> None:
-    """Every rank's transfer slow at one detection is what a starved CPU does
-    to Gloo too; a link slow at two in a row is named."""
+    """A link slow at one detection only is a burst; slow at two in a row it is
+    named."""
     node = Node()
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
     slow = job(link_ms=40.0, seed=5)
@@ -151,6 +154,31 @@ def test_a_slow_link_is_a_finding_only_when_found_twice_running() -> None:
     assert w.once(now_ns=_now(slow)) == []
     [new] = w.once(now_ns=_now(slow))
     assert new["kind"] == "slow_link" and new["text"].startswith("slow link: allreduce on ")
+
+
+def waits(ms_per_s: float, ranks: int = 4) -> list[dict[str, Any]]:
+    """RUNQ_SQL rows: each rank waited ``ms_per_s`` for a CPU over 30 s sampled."""
+    rows = []
+    for r in range(ranks):
+        rows.append({"kind": "tick", "dur_ns": 30 * 10**9, "node": "n", "rank": r})
+        rows.append({"kind": "runq", "dur_ns": int(30 * ms_per_s * 1e6), "node": "n", "rank": r})
+    return rows
+
+
+def test_ranks_waiting_for_a_cpu_are_not_a_slow_link() -> None:
+    """Every rank's transfer slow while every rank waits for a CPU about as long
+    per collective (the noisy machine: each hop waits to be scheduled) is no
+    finding; the same transfers with ranks that hardly wait are a slow link."""
+    slow = job(link_ms=40.0, seed=5)
+    for ms_per_s, named in ((600.0, False), (20.0, True)):
+        node = Node()
+        node.runq = waits(ms_per_s)
+        node.answers = [(slow, _answered()), (slow, _answered())]
+        w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+        w.once(now_ns=_now(slow))
+        found = w.once(now_ns=_now(slow))
+        assert [f["kind"] for f in found] == (["slow_link"] if named else []), ms_per_s
+        assert any("FROM python.samples" in q for q in node.asked)
 
 
 def analyze_links(table: pa.Table) -> list[Any]:

@@ -52,6 +52,9 @@ NOISY_SKEW = 0.35  # arrival skew above this share of a step with no straggler: 
 SLOW_LINK_MIN_MS = 5.0  # a collective's transfer time above this and ...
 SLOW_LINK_FACTOR = 4.0  # ... this many times the modelled time, and ...
 SLOW_LINK_SHARE = 0.15  # ... taking this share of the wall time is a slow link
+# ... unless its ranks wait for a CPU at least this share of the excess per collective:
+# a starved CPU slows every rank's transfer alike (each hop waits to be scheduled)
+CPU_EXPLAINS = 0.5
 LINK_LATENCY_MS = 0.25  # model: per ring step (one hop, TCP on a LAN or loopback)
 LINK_GBPS = 1.0  # model: bytes per ns (1 GB/s, a slow LAN)
 
@@ -557,8 +560,12 @@ def model_ms(nbytes: int | None, nranks: int) -> float:
     return steps * LINK_LATENCY_MS + wire
 
 
-def slow_links(collectives: list[Collective], nodes: dict[int, str]) -> list[SlowLink]:
-    """Communicators whose collectives are slow for every rank, with no arrival skew."""
+def slow_links(
+    collectives: list[Collective], nodes: dict[int, str], runq: dict[int, float] | None = None
+) -> list[SlowLink]:
+    """Communicators whose collectives are slow for every rank, with no arrival skew,
+    and not because their ranks wait for a CPU (``runq``: each rank's threads' time
+    runnable but not running, ms per s, from ``python.samples``; None: not sampled)."""
     by_comm: dict[str, list[Collective]] = defaultdict(list)
     for c in collectives:
         if c.complete and c.nranks > 1 and c.transfer_ns() is not None:
@@ -579,10 +586,15 @@ def slow_links(collectives: list[Collective], nodes: dict[int, str]) -> list[Slo
             continue
         if share < SLOW_LINK_SHARE or float(np.median(skew)) > med:
             continue
+        ranks = sorted({r for c in cs for r in c.ts})
+        waits = [runq[r] for r in ranks if runq and r in runq]
+        if waits:  # ms a rank waited for a CPU per collective of this comm
+            wait_ms = float(np.median(waits)) / 1e3 * span_ms / len(cs)
+            if wait_ms >= CPU_EXPLAINS * (med - baseline):
+                continue
         k, score = change_point(transfer)
         began = k > 0 and score > 3.0 and float(np.median(transfer[:k])) < SLOW_LINK_MIN_MS
         since_ns = int(starts[k]) if began else int(starts[0])
-        ranks = sorted({r for c in cs for r in c.ts})
         out.append(
             SlowLink(
                 comm=comm,

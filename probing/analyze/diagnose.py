@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -83,6 +84,14 @@ NVML_SQL = (
 )
 
 
+# how long each rank's threads waited for a CPU (``runq``) over the wall time the
+# sampler covered (``tick``): asked only when a slow link is to be told from a starved CPU
+RUNQ_SQL = (
+    "SELECT kind, sum(dur_ns) AS dur_ns{tags} FROM python.samples "
+    "WHERE ts >= {since_ns} AND kind IN ('runq', 'tick') GROUP BY kind{group}"
+)
+
+
 # the CPU each rank runs on: its clock, its node's steal (asked with NVML_SQL)
 CPU_SQL = "SELECT cpu, mhz, max_mhz, steal_pct, busy_pct{tags} FROM process.cpu"
 
@@ -117,12 +126,30 @@ def queries(remote: bool) -> dict[str, str]:
             since_ns="{since_ns}",
         ),
         "cpu": CPU_SQL.format(tags=", node, rank" if remote else ""),
+        "runq": RUNQ_SQL.format(
+            tags=", node, rank" if remote else "",
+            group=", node, rank" if remote else "",
+            since_ns="{since_ns}",
+        ),
         "nvml": NVML_SQL.format(
             tags=", node, rank" if remote else "",
             group=", node, rank" if remote else "",
             since_ns="{since_ns}",
         ),
     }
+
+
+def runq_rates(table: pa.Table | None) -> dict[int, float] | None:
+    """Each rank's ms waited for a CPU per s of sampled wall time (RUNQ_SQL rows);
+    None where nothing was sampled."""
+    if table is None or not table.num_rows:
+        return None
+    wait: dict[int, float] = defaultdict(float)
+    wall: dict[int, float] = defaultdict(float)
+    for row in table.to_pylist():
+        r = int(row.get("rank") or 0)
+        (wall if row["kind"] == "tick" else wait)[r] += float(row["dur_ns"] or 0)
+    return {r: 1e3 * wait[r] / w for r, w in wall.items() if w > 0} or None
 
 
 def callsites(table: pa.Table) -> dict[int, str]:
@@ -384,12 +411,14 @@ def analyze(
     recorded: fl.Gathered | None = None,
     ranks_of: dict[str, list[int]] | None = None,
     dead: list[dict[str, Any]] | None = None,
+    runq: pa.Table | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
     ``recorded`` (every rank's Flight Recorder) tells a hang nothing traced;
     ``ranks_of`` (each group's global ranks) names a transfer's peer; ``dead``
-    (``DEAD_SQL`` rows) the ranks that died, said first in the verdict."""
+    (``DEAD_SQL`` rows) the ranks that died, said first in the verdict; ``runq``
+    (RUNQ_SQL) tells a slow link from ranks that wait for a CPU."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table)
@@ -410,7 +439,7 @@ def analyze(
         hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
     strag = [] if hangs else coll.stragglers(matched, nodes)
     # a straggler slows the collectives too (its share of the reduction runs late)
-    slow = [] if hangs or strag else coll.slow_links(matched, nodes)
+    slow = [] if hangs or strag else coll.slow_links(matched, nodes, runq_rates(runq))
     summary = coll.summarize(matched)
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
@@ -647,6 +676,13 @@ def diagnose(
         window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
         dead=dead,
     )  # fmt: skip
+    if d.slow_links:  # or ranks starved of CPU: the sampler tells them apart
+        runq = optional(ask, sql["runq"].format(since_ns=now - int(window_s * 1e9)))
+        d = analyze(
+            table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
+            window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
+            ranks_of=ranks_of, dead=dead, runq=runq,
+        )  # fmt: skip
     progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
         watched = time.monotonic()
@@ -672,10 +708,7 @@ def diagnose(
         since = now - int(window_s * 1e9)
         extra: dict[str, pa.Table | None] = {}
         for name in ("samples", "cuda", "nvml", "cpu"):
-            try:
-                extra[name] = ask(sql[name].format(since_ns=since))
-            except ProbingError:  # a probe without the table: that part is left out
-                extra[name] = None
+            extra[name] = optional(ask, sql[name].format(since_ns=since))
         d.why = explain_stragglers(
             d.stragglers, coll.match(table), extra["samples"], extra["cuda"], extra["nvml"],
             extra["cpu"],
@@ -694,6 +727,14 @@ def diagnose(
             d.callsites = {}
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, table
+
+
+def optional(ask: Callable[[str], pa.Table], sql: str) -> pa.Table | None:
+    """``ask(sql)``, or None from a probe without the table (that part is left out)."""
+    try:
+        return ask(sql)
+    except ProbingError:
+        return None
 
 
 def _with_history(

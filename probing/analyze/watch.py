@@ -136,7 +136,7 @@ class Watch:
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """One detection: ask, analyze, record; the findings new in it."""
-        from probing.analyze.diagnose import analyze, death_text, queries
+        from probing.analyze.diagnose import analyze, death_text, optional, queries
 
         now = now_ns or time.time_ns()
         sql = queries(remote=True)
@@ -147,6 +147,15 @@ class Watch:
         )
         dead = self.node.coordinate(sql["dead"], timeout=timeout)[0].to_pylist()
         d = analyze(table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S, dead=dead)
+        if d.slow_links:  # or ranks starved of CPU: the sampler tells them apart
+            runq = optional(
+                lambda q: self.node.coordinate(q, timeout=timeout)[0],
+                sql["runq"].format(since_ns=since),
+            )
+            d = analyze(
+                table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S, dead=dead,
+                runq=runq,
+            )  # fmt: skip
         found: dict[tuple[Any, ...], dict[str, Any]] = {}
         for s in d.stragglers:
             found[("straggler", s.rank, s.comm)] = _row(
