@@ -62,7 +62,9 @@ def one_run(framework: str, cause: str, rng: random.Random, window: float) -> di
             errors = trace_all(list(ranks.values()), job.families())
             job.traced()
             time.sleep(window + 2)
-            d = diagnose(ranks[(slow + 1) % WORLD], window)
+            asker = ranks[(slow + 1) % WORLD]
+            d = diagnose(asker, window)
+            sampled = samples_by_rank(asker, window) if d.get("stragglers") else None
         finally:
             job.stop()
     got = named(d, framework)
@@ -75,7 +77,28 @@ def one_run(framework: str, cause: str, rng: random.Random, window: float) -> di
         "starvation_wrong": cause != "cpu_hog" and "CPU starvation" in head,
         "verdict": verdict, "why": [w["text"] for w in d.get("why", [])][:4],
         "errors": errors or d.get("error"),
+        "missing": d.get("missing"), "sampled": sampled,
     }  # fmt: skip
+
+
+def samples_by_rank(pid: int, window: float) -> dict:  # type: ignore[type-arg]
+    """What each rank's sampler recorded over the window (rows, seconds by kind),
+    and who did not answer: a wrong headline's first question."""
+    from probing.client import cluster_query
+    from probing.errors import ProbingError
+
+    since = time.time_ns() - int(window * 1e9)
+    sql = ("SELECT rank, kind, count(*) AS n, sum(dur_ns) AS ns FROM python.samples "
+           f"WHERE ts >= {since} GROUP BY rank, kind")  # fmt: skip
+    try:
+        got = cluster_query(sql, pid=pid, timeout=10.0)
+    except ProbingError as err:
+        return {"error": str(err)}
+    out: dict = {str(m.rank): m.reason for m in got.missing}  # type: ignore[type-arg]
+    for row in got.table.to_pylist():
+        cell = out.setdefault(str(row["rank"]), {})
+        cell[row["kind"]] = [row["n"], round((row["ns"] or 0) / 1e9, 2)]
+    return out
 
 
 def summary(runs: list[dict]) -> dict:  # type: ignore[type-arg]

@@ -503,22 +503,19 @@ def _job_trace(
     pid: int, action: str, inject: bool, options: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """Start or stop tracing in every rank of ``pid``'s job on this machine."""
-    from probing.errors import AlreadyTracing
+    from probing.errors import control_outcome, outcome_of
     from probing.procs import job_pids
 
     rows = []
     for p in job_pids(pid):
-        row: dict[str, Any] = {"pid": p, "ok": True, "state": None, "reason": None}
         try:
             if action == "start":
-                row["state"] = _probe_client(p, inject).trace_start(**options)["state"]
+                reply = _probe_client(p, inject).trace_start(**options)
             else:
-                row["state"] = _client(p).trace_stop()["state"]
-        except AlreadyTracing:
-            row.update(state="tracing", reason="already tracing")
+                reply = _client(p).trace_stop()
+            rows.append({"pid": p, **control_outcome(200, reply)})
         except ProbingError as err:
-            row.update(ok=False, reason=str(err))
-        rows.append(row)
+            rows.append({"pid": p, **outcome_of(err)})
     return rows
 
 

@@ -6,6 +6,8 @@ carry the pid or node they are about, so the CLI can print one clear line.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ProbingError(Exception):
     """Base class of every error probing raises on purpose."""
@@ -64,6 +66,10 @@ class AlreadyTracing(ProbingError):
     """The process traces already (one trace at a time): stop it first."""
 
 
+class NotTracing(ProbingError):
+    """A stop asked of a process that is not tracing."""
+
+
 class ProviderError(ProbingError):
     """A table's provider failed: a bug in probing, not in the SQL. The probe
     answers 500 and writes the traceback to its log (the host's stderr)."""
@@ -86,6 +92,7 @@ ERRORS: dict[str, type[ProbingError]] = {
         PeerUnreachable,
         UnsupportedPython,
         AlreadyTracing,
+        NotTracing,
         ProviderError,
     )
 }
@@ -96,6 +103,7 @@ STATUS: dict[type[ProbingError], int] = {
     EvalError: 400,
     AccessDenied: 403,
     AlreadyTracing: 409,
+    NotTracing: 409,
     PeerUnreachable: 503,
 }
 
@@ -123,6 +131,30 @@ def from_wire(
             return AccessDenied(msg, pid=pid)
         return ProbingError(f"probe answered {status}: {msg}", pid=pid)
     return cls(msg, pid=pid)
+
+
+def control_outcome(
+    status: int, reply: dict[str, Any], reason: str | None = None
+) -> dict[str, Any]:
+    """What one rank did with a start or a stop of tracing, from its answer
+    (``status``; ``reply``: the JSON, or ``type``/``error`` of an error;
+    ``reason``: why no answer came): ``ok`` (tracing, or stopped), ``done``
+    (by this request), ``state`` and the ``reason`` when not done."""
+    done = status == 200
+    was = {AlreadyTracing.__name__: "tracing", NotTracing.__name__: "stopped"}.get(
+        reply.get("type") or ""
+    )
+    if done:
+        return {"ok": True, "done": True, "state": reply.get("state"), "reason": None}
+    if was is not None:
+        return {"ok": True, "done": False, "state": was, "reason": f"already {was}"}
+    why = reason or reply.get("error") or str(status)
+    return {"ok": False, "done": False, "state": None, "reason": why}
+
+
+def outcome_of(err: ProbingError) -> dict[str, Any]:
+    """``control_outcome`` of an error raised by a client's start or stop."""
+    return control_outcome(http_status(err), {"type": wire_type(err), "error": str(err)})
 
 
 # -- the probe's log: an error caught where nothing may get through ------------

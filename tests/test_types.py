@@ -117,3 +117,29 @@ def test_one_http_codec_for_the_server_the_client_and_the_peers() -> None:
     assert json.loads(answer.body) == {"error": "not tracing", "type": "ProbingError"}
     with pytest.raises(ConnectionResetError):
         http.parse_answer(b"garbage")
+
+
+def test_one_reading_of_a_rank_answer_to_a_start_or_a_stop() -> None:
+    """``trace --cluster`` reads its peers' HTTP answers, ``trace --job`` its
+    clients' exceptions: both with ``control_outcome``, so a rank already
+    tracing (start) or already stopped (stop) counts as done either way."""
+    from probing.errors import (
+        AlreadyTracing,
+        NotTracing,
+        NoSuchProcess,
+        control_outcome,
+        from_wire,
+        outcome_of,
+        wire_type,
+    )
+
+    for err, state in ((AlreadyTracing("busy"), "tracing"), (NotTracing("idle"), "stopped")):
+        back = from_wire(409, str(err), wire_type(err))  # what a client raises
+        assert type(back) is type(err)
+        did = outcome_of(back)
+        assert did == control_outcome(409, {"type": wire_type(err), "error": str(err)})
+        assert (did["ok"], did["done"], did["state"]) == (True, False, state)
+    gone = outcome_of(NoSuchProcess("pid 7 has exited"))
+    assert not gone["ok"] and gone["reason"] == "pid 7 has exited"
+    assert control_outcome(200, {"state": "tracing"})["state"] == "tracing"
+    assert control_outcome(0, {}, "timed out")["reason"] == "timed out"

@@ -9,10 +9,11 @@ from typing import Any, Protocol
 from probing import config
 from probing.errors import (
     AccessDenied,
-    AlreadyTracing,
     EvalError,
+    NotTracing,
     ProbingError,
     QueryError,
+    control_outcome,
     http_status,
     log_unexpected,
     wire_type,
@@ -250,16 +251,13 @@ def trace_start(probe: Probe, req: Request) -> Response:
     return Response.json(started.status())
 
 
-NOT_TRACING = "NotTracing"  # the type of /trace/stop's 409
-
-
 def trace_stop(probe: Probe, req: Request) -> Response:
     """POST /trace/stop: drain, detach every uprobe; the tables stay."""
     from probing.bpf.state import TracerState
 
     current = probe.tracer
     if current is None or current.state is not TracerState.TRACING:
-        return Response.error(409, "this process is not tracing", NOT_TRACING)
+        raise NotTracing("this process is not tracing", hint="nothing to stop")
     current.stop()
     return Response.json(current.status())
 
@@ -367,16 +365,8 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
     rows += node.fan_out(path, body, timeout, ranks)
     out = []
     for row in rows:
-        reply = row.pop("reply", None) or {}
-        done = row["status"] == 200  # started or stopped now
-        was = {AlreadyTracing.__name__: "tracing", NOT_TRACING: "stopped"}.get(reply.get("type"))
-        ok = done or was is not None
-        why = f"already {was}" if was else None
-        if not ok:
-            why = row.get("reason") or reply.get("error") or str(row["status"])
-        state = reply.get("state") if done else was
-        out.append({"rank": row["rank"], "node": row["node"], "addr": row["addr"], "ok": ok,
-                    "done": done, "state": state, "reason": why})  # fmt: skip
+        did = control_outcome(row["status"], row.get("reply") or {}, row.get("reason"))
+        out.append({"rank": row["rank"], "node": row["node"], "addr": row["addr"], **did})
     return Response.json(sorted(out, key=lambda r: r["rank"]))
 
 
