@@ -300,3 +300,89 @@ def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
     assert got[1:] == ["connection closed", "connection closed", None, "refused"]
     for s in (ok, closes, garbage, silent):
         s.close()
+
+
+def test_a_peer_without_a_usable_answer_raises_peer_failure_with_its_reason() -> None:
+    from probing.cluster.exchange import Reply
+    from probing.cluster.fanout import PeerFailure, PeerLate, answer_of, reply_of
+    from probing.errors import PeerUnreachable
+
+    peer = PeerInfo(1, "n1", "h:1")
+    cases = [
+        (Reply(401, b'{"error": "bad token"}', 0, 1), "401"),
+        (Reply(500, b'{"error": "boom", "type": "ProbingError"}', 0, 1), "500: boom"),
+        (Reply(200, b"not a head line", 0, 1), "bad answer: no head line"),
+    ]
+    for reply, reason in cases:
+        with pytest.raises(PeerFailure) as err:
+            answer_of(peer, reply)
+        assert err.value.reason == reason and isinstance(err.value, PeerUnreachable)
+    with pytest.raises(PeerLate) as late:
+        reply_of([None], 0)
+    assert late.value.reason == "timeout"
+    with pytest.raises(PeerFailure, match="refused"):
+        reply_of(["refused"], 0)
+
+
+def test_a_gatherers_answer_brings_its_members_on_my_clock() -> None:
+    from probing.cluster.exchange import Reply
+    from probing.cluster.fanout import answer_of
+
+    meta = {
+        "node": "n1",
+        "missing": [{"rank": 3, "node": "n1", "addr": "h:3", "reason": "refused"}],
+        "peers": [
+            {"rank": 2, "node": "n1", "addr": "h:2", "response_ms": 1.0, "clock_offset_ns": 5}
+        ],  # fmt: skip
+    }
+    body = pack(meta, {"t": pa.table({"x": [1]})}, 100)
+    got = answer_of(PeerInfo(1, "?", "h:1"), Reply(200, body, 0, 10**6))
+    assert [t.rank for t in got.peers] == [1, 2] and got.peers[0].node == "n1"
+    assert got.peers[1].clock_offset_ns == 5 + got.peers[0].clock_offset_ns
+    assert [m.rank for m in got.missing] == [3] and got.merged()["t"].num_rows == 1
+
+
+def test_a_peers_tables_are_read_tagged_with_its_node_and_rank() -> None:
+    tagged = plan.tagged_sql("comm.collectives", ["op", "rank"], "n'1", 3)
+    assert tagged == (
+        'SELECT "op", "rank" AS "table_rank", \'n\'\'1\' AS node, CAST(3 AS BIGINT) AS rank '
+        'FROM "comm"."collectives"'
+    )
+    spec = plan.ScanSpec(["op", "rank"], "rank > 1")
+    assert plan.scan_sql("comm.collectives", "T", spec) == (
+        'SELECT "op", "rank" FROM (T) AS "collectives" WHERE rank > 1'
+    )
+    sql = "SELECT rank, count(*) FROM comm.collectives c GROUP BY rank"
+    refs = plan.table_refs(sql, KNOWN)
+    assert plan.over_tagged(sql, refs, {"comm.collectives": "T"}) == (
+        "SELECT rank, count(*) FROM (T) c GROUP BY rank"
+    )
+    sql = "SELECT rank FROM process.threads WHERE tid > 0"
+    refs = plan.table_refs(sql, KNOWN)
+    assert plan.over_tagged(sql, refs, {"process.threads": "T"}) == (
+        'SELECT rank FROM (T) AS "threads" WHERE tid > 0'
+    )
+
+
+def test_a_control_fan_out_names_each_rank_it_could_not_ask() -> None:
+    from probing.cluster import fanout
+
+    class Node:
+        ident = identity.Identity(0, 3, 0, "n0", 0, None, "run", (), 0)
+        rank, addr, token, registry = 0, None, b"tok", Registry()
+
+        def refresh(self, budget: float = 2.0) -> None:
+            pass
+
+        def others(self) -> list[PeerInfo]:
+            return [PeerInfo(1, "n1", "no port here")]
+
+        def run_local(self, work: plan.Work) -> dict[str, pa.Table]:
+            raise AssertionError("a control action runs nothing here")
+
+    rows = fanout.control(Node(), "/trace/stop", b"{}", 1.0)
+    assert rows == [
+        {"rank": 1, "node": "n1", "addr": "no port here", "status": 0, "reason": "bad address"},
+        {"rank": 2, "node": "?", "addr": "", "status": 0,
+         "reason": "not discovered (no probe, or not joined yet)"},
+    ]  # fmt: skip

@@ -15,7 +15,9 @@ Two shapes, chosen from the SQL:
   and the asker runs the original SQL over the union.
 
 On a peer every table gains ``node`` and ``rank``; a table that already
-has such a column keeps it as ``table_node`` / ``table_rank``.
+has such a column keeps it as ``table_node`` / ``table_rank``
+(``tagged_sql``). A peer's SQL reads its tables through that tagging:
+``scan_sql`` for one table's scan, ``over_tagged`` for the whole query.
 """
 
 from __future__ import annotations
@@ -189,6 +191,80 @@ def tagged_schema(schema: pa.Schema) -> pa.Schema:
             f = f.with_name(f"table_{f.name}")
         fields.append(f)
     return pa.schema(fields + [pa.field(n, t) for n, t in TAGS])
+
+
+# -- on a peer: its tables tagged with node and rank ---------------------------------
+
+
+def tagged_sql(table: str, columns: list[str], node: str, rank: int) -> str:
+    """``SELECT`` of ``table`` ("schema.name", whose columns are ``columns``)
+    as a peer serves it: its own ``node``/``rank`` renamed, the tags added."""
+    sch, name = table.split(".", 1)
+    if "node" in columns or "rank" in columns:
+        own = ", ".join(
+            f'"{c}" AS "table_{c}"' if c in ("node", "rank") else f'"{c}"' for c in columns
+        )
+    else:
+        own = "*"
+    node = node.replace("'", "''")
+    return (
+        f"SELECT {own}, '{node}' AS node, CAST({int(rank)} AS BIGINT) AS rank "
+        f'FROM "{sch}"."{name}"'
+    )
+
+
+def scan_sql(table: str, tagged: str, spec: ScanSpec) -> str:
+    """What a peer runs for ``spec`` of ``table``, whose tagged ``SELECT`` is ``tagged``."""
+    select = ", ".join(f'"{c}"' for c in spec.columns) if spec.columns else "*"
+    bare = table.split(".", 1)[1]
+    sql = f'SELECT {select} FROM ({tagged}) AS "{bare}"'
+    if spec.where:
+        sql += f" WHERE {spec.where}"
+    return sql
+
+
+def over_tagged(sql: str, refs: list[TableRef], tagged: dict[str, str]) -> str:
+    """``sql`` with every table of ``refs`` read through its tagged ``SELECT``
+    (``tagged`` by table name), aliased as the bare table name unless the
+    query gives it an alias of its own."""
+    text = sql
+    for ref in sorted(refs, key=lambda r: -r.start):
+        source = f"({tagged[ref.name]})"
+        if not _has_alias(sql, ref.end):
+            source += f' AS "{ref.name.split(".", 1)[1]}"'
+        text = text[: ref.start] + source + text[ref.end :]
+    return text
+
+
+# what may follow a table in FROM without being its alias
+_ALIAS_STOP = {
+    "WHERE",
+    "GROUP",
+    "ORDER",
+    "LIMIT",
+    "HAVING",
+    "JOIN",
+    "ON",
+    "INNER",
+    "LEFT",
+    "RIGHT",
+    "FULL",
+    "CROSS",
+    "UNION",
+    "OFFSET",
+    "WINDOW",
+}
+
+
+def _has_alias(sql: str, end: int) -> bool:
+    rest = tokens(sql[end:])
+    if not rest:
+        return False
+    first = rest[0]
+    return first.word == "AS" or (first.kind in ("word", "qid") and first.word not in _ALIAS_STOP)
+
+
+# -- on the asker: planning, and the final SQL over the peers' tables ---------------
 
 
 def planning_context(
