@@ -125,8 +125,8 @@ def test_one_reading_of_a_rank_answer_to_a_start_or_a_stop() -> None:
     tracing (start) or already stopped (stop) counts as done either way."""
     from probing.errors import (
         AlreadyTracing,
-        NotTracing,
         NoSuchProcess,
+        NotTracing,
         control_outcome,
         from_wire,
         outcome_of,
