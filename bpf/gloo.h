@@ -24,18 +24,29 @@ enum gloo_fn {
     GLOO_UBRECV = 17,  /* gloo::transport::tcp::UnboundBuffer::recv: the same */
 };
 
+/* Gloo's struct layouts, verified against the Gloo in the libtorch_cpu.so of
+ * the torch 2.13.0 wheel (2.13.0+cpu, git cf30153c4c13; an all-reduce's bytes
+ * in tests/privileged/test_trace.py). The wheel does not record the Gloo
+ * commit torch pins (third_party/gloo); its strings date it to pytorch/gloo
+ * 9322e67 (2026-02-09) or later: f834c75's connection-closed message is in
+ * it, the SHM allreduce 9322e67 reverted is not. Both layouts below read the
+ * same in every pytorch/gloo commit from 46ae6ec (2019-06-19) to 70dc360
+ * (2026-04-21, the newest looked at). Another Gloo: override with -D. */
+
 /* gloo::transport::UnboundBuffer {vtable; void* const ptr; const size_t size}
- * (gloo/transport/unbound_buffer.h, unchanged from gloo's 2018 introduction of
- * unbound buffers through the revision torch 2.13 vendors): send/recv with
- * nbytes == kUnsetNbytes (~0) move the whole buffer. */
+ * (gloo/transport/unbound_buffer.h, unchanged since c2863ec, 2018-09-06, which
+ * introduced it): send/recv with nbytes == kUnsetNbytes (~0) move the whole
+ * buffer. */
 #ifndef GLOO_UB_SIZE_OFF
 #define GLOO_UB_SIZE_OFF 16
 #endif
 
 /* Where gloo::AllreduceOptions keeps the element count and size: its only
- * member is detail::AllreduceOptionsImpl {shared_ptr<Context> context;
- * milliseconds timeout; Algorithm algorithm; vector in, out; size_t elements;
- * size_t elementSize; ...}. Overridable with -D for another gloo. */
+ * member is detail::AllreduceOptionsImpl {shared_ptr<Context> context (0);
+ * milliseconds timeout (16); Algorithm algorithm (24); vector in (32), out (56);
+ * size_t elements (80); size_t elementSize (88); ...} (gloo/allreduce.h; the
+ * algorithm field came with 46ae6ec, "Add bcube allreduce algorithm": before
+ * it, elements was at 72). */
 #ifndef GLOO_ALLREDUCE_ELEMENTS_OFF
 #define GLOO_ALLREDUCE_ELEMENTS_OFF 80
 #endif

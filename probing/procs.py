@@ -1,18 +1,44 @@
-"""Python processes on this machine and whether each carries a probe."""
+"""Python processes on this machine, whether each carries a probe, and what its
+threads are blocked in."""
 
 from __future__ import annotations
 
 import os
+import platform
 import re
 import socket
 from typing import NamedTuple
 
 import psutil
 
-from probing import paths
+from probing import elf, paths
 from probing.guest.inside import task_stat, task_syscall  # noqa: F401 - procs is their home here
 
 _PY_EXE = re.compile(r"^python(\d+(\.\d+)*)?$")
+
+# the syscalls a thread is seen blocked in (``task_syscall``), by number, on each
+# machine
+_X86_64_SYSCALLS = {
+    0: "read", 1: "write", 7: "poll", 16: "ioctl", 23: "select", 35: "nanosleep",
+    43: "accept", 42: "connect", 44: "sendto", 45: "recvfrom", 46: "sendmsg",
+    47: "recvmsg", 61: "wait4", 202: "futex", 230: "clock_nanosleep", 232: "epoll_wait",
+    257: "openat", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 288: "accept4",
+    441: "epoll_pwait2",
+}  # fmt: skip
+_AARCH64_SYSCALLS = {
+    63: "read", 64: "write", 29: "ioctl", 101: "nanosleep", 115: "clock_nanosleep",
+    98: "futex", 22: "epoll_pwait", 72: "pselect6", 73: "ppoll", 202: "accept",
+    203: "connect", 206: "sendto", 207: "recvfrom", 211: "sendmsg", 212: "recvmsg",
+    242: "accept4", 260: "wait4", 56: "openat", 441: "epoll_pwait2",
+}  # fmt: skip
+_SYSCALL_NAMES = {"x86_64": _X86_64_SYSCALLS, "amd64": _X86_64_SYSCALLS,
+                  "aarch64": _AARCH64_SYSCALLS, "arm64": _AARCH64_SYSCALLS}  # fmt: skip
+
+
+def syscall_name(nr: int) -> str:
+    """The name of syscall ``nr`` on this machine's architecture."""
+    names = _SYSCALL_NAMES.get(platform.machine().lower(), {})
+    return names.get(nr, f"syscall {nr}")
 
 
 class ProcInfo(NamedTuple):
@@ -24,8 +50,7 @@ class ProcInfo(NamedTuple):
 
 def _maps_has_libpython(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            return any("libpython" in line for line in f)
+        return any("libpython" in m.path for m in elf.read_maps(pid))
     except OSError:
         return False
 

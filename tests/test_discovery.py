@@ -15,16 +15,11 @@ from probing.cluster.discovery import StoreDirectory
 from probing.cluster.identity import Identity
 from probing.cluster.node import ClusterNode
 from probing.cluster.tcpstore import StoreError, TCPStoreClient
+from probing.demo import free_port
 from probing.probe import imports
 from probing.probe.server import UnixHTTPServer
 
 dist = pytest.importorskip("torch.distributed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _master(port: int, libuv: bool = True):  # type: ignore[no-untyped-def]
@@ -59,7 +54,7 @@ def test_client_speaks_both_torch_servers(libuv: bool) -> None:
 
 def test_client_errors_are_oserrors() -> None:
     with pytest.raises(StoreError, match="no rendezvous store answers"):
-        TCPStoreClient("127.0.0.1", _free_port(), timeout=0.5)
+        TCPStoreClient("127.0.0.1", free_port(), timeout=0.5)
     # something that accepts and closes: not a store
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -89,7 +84,7 @@ def _ident(rank: int, port: int) -> Identity:
 def test_probes_before_the_store_join_when_it_appears(tmp_path: Path) -> None:
     """The srun/mpirun way: rank 0's init_process_group hosts the store,
     seconds after every probe started. Nobody gives up; both join."""
-    port = _free_port()
+    port = free_port()
     servers = [UnixHTTPServer(str(tmp_path / f"{r}.sock"), lambda req: None) for r in (0, 1)]
     nodes = [ClusterNode(_ident(r, port), lambda: None) for r in (0, 1)]
     for srv, node in zip(servers, nodes, strict=True):
@@ -121,7 +116,7 @@ def test_probes_before_the_store_join_when_it_appears(tmp_path: Path) -> None:
 
 def test_a_query_joins_at_once_when_the_store_is_there(tmp_path: Path) -> None:
     """A cluster query does not wait for the background's next try."""
-    port = _free_port()
+    port = free_port()
     srv = UnixHTTPServer(str(tmp_path / "q.sock"), lambda req: None)
     srv.start()
     node = ClusterNode(_ident(1, port), lambda: None)
@@ -234,7 +229,7 @@ def test_overlapping_holds_on_the_switch_interval_give_the_host_its_own_back() -
 def test_a_restarted_rank_is_found_by_the_others(tmp_path: Path) -> None:
     """torchrun restarts a failed worker: a new process, the same rank and
     run id, a new address. The next cluster query's refresh finds it."""
-    master = _master(_free_port())
+    master = _master(free_port())
     port = master.port
     servers, nodes = [], []
     try:
@@ -271,7 +266,7 @@ def test_an_idle_probe_uses_no_cpu_once_joined(spawn) -> None:  # type: ignore[n
 
     from probing.client import ProbeClient
 
-    port = _free_port()
+    port = free_port()
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     t = spawn(IDLE_RANK, env=env)
     assert t.proc.stdout.readline().strip() == "up"

@@ -65,3 +65,23 @@ def test_the_benchmarks_the_measurements_cite_exist() -> None:
     assert cited, "docs/measurements.md cites no benchmark"
     bench = DOCS.parent / "benchmarks"
     assert not [c for c in cited if not (bench / c).exists()]
+
+
+def test_the_docs_state_the_python_versions_whose_frames_probing_reads() -> None:
+    """One source: ``pyframes.SUPPORTED`` (the generated offsets table); every
+    span of versions a page states, and the refusal cli.md quotes, are it."""
+    from probing.pyframes import SUPPORTED
+
+    span = f"{SUPPORTED[0]}-{SUPPORTED[-1]}"
+    pages = [README, *sorted(DOCS.glob("*.md"))]
+    stated = [
+        (page.name, f"3.{m[0]}-3.{m[1]}")
+        for page in pages
+        for m in re.findall(r"\b3\.(\d+)\s*(?:-|to)\s*3\.(\d+)\b", page.read_text())
+    ]
+    assert ("README.md", span) in stated and ("design.md", span) in stated
+    wrong = [(name, s) for name, s in stated if s != span]
+    assert not wrong, f"probing reads the frames of {span} (pyframes.SUPPORTED): {wrong}"
+    refusal = re.search(r"\(supported: ([\d.,\s]+)\)", (DOCS / "cli.md").read_text())
+    assert refusal is not None
+    assert refusal.group(1).split() == ", ".join(SUPPORTED).split()

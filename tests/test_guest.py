@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from probing import pyframes
 from probing.errors import EvalError, QueryError
 from probing.guest import outbox, place
 from probing.target import Guest
@@ -40,7 +41,7 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("version", ["3.10", "3.11", "3.12", "3.13"])
+@pytest.mark.parametrize("version", pyframes.SUPPORTED)
 def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version) -> None:
     pythons = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python"))
     require(bool(pythons), f"no CPython {version} here (pyenv)")

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from probing import elf
 from probing.errors import AccessDenied
-from probing.inject import build, elf, injector
+from probing.inject import build, injector
 from probing.inject.arch import X86_64, AArch64
 
 EM = {"EM_X86_64": 62, "EM_AARCH64": 183}

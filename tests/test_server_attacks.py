@@ -20,18 +20,13 @@ import pytest
 
 from probing import paths
 from probing.client import ProbeClient
+from probing.demo import free_port
 from probing.errors import AccessDenied
 from probing.probe import server as srv
 from tests.stall_host import SCRIPT, StallHost
 
 TOKEN = "attack-test-token"
 STALL_MS = 100.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]

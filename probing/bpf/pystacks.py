@@ -125,8 +125,8 @@ class PyStacks:
 
     def hook_threads(self, bpfs: Any) -> None:
         """Register each new ``threading.Thread`` from inside it as it starts
-        (``Thread._set_native_id``, which every 3.10-3.13 thread calls first
-        and which returns at once: no frame of ours stays on its stack);
+        (``Thread._set_native_id``, which every supported CPython's thread calls
+        first and which returns at once: no frame of ours stays on its stack);
         ``bpfs()`` gives the programs loaded at that moment."""
         original = threading.Thread._set_native_id  # type: ignore[attr-defined]
         collector = self

@@ -9,6 +9,9 @@
   the host stubs that cudaLaunchKernel receives.
 * ``RuntimeNames``: the same, asked of the CUDA runtime the process loaded,
   for stubs whose symbols were stripped (torch's).
+
+The maps and the ELF files are read by ``probing.elf`` (the injector's
+reader too); this module adds what only the tracer asks of them.
 """
 
 from __future__ import annotations
@@ -20,14 +23,12 @@ import functools
 import os
 import re
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.hash import ELFHashSection, GNUHashSection
+from probing import elf
+from probing.elf import Mapping
 
 # what reading a library's symbols raises: unreadable, or not a well-formed ELF
-ELF_ERRORS = (OSError, ValueError, ELFError)
+ELF_ERRORS = elf.read_errors()
 
 
 @functools.cache
@@ -62,44 +63,10 @@ def demangle(name: str) -> str:
         _libc_free(out)
 
 
-def _lookup_section(elf: ELFFile) -> GNUHashSection | ELFHashSection | None:
-    for name in (".gnu.hash", ".hash"):
-        sec = elf.get_section_by_name(name)
-        if isinstance(sec, GNUHashSection | ELFHashSection):
-            return sec
-    return None
-
-
-def _defined_function(sym: object) -> bool:
-    return (
-        sym is not None
-        and sym["st_shndx"] != "SHN_UNDEF"
-        and sym["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC")
-        and sym["st_value"] != 0
-    )
-
-
 def exported(path: str, names: Iterable[str]) -> dict[str, int]:
     """``{name: ELF virtual address}`` for the names ``path`` exports as functions."""
-    out: dict[str, int] = {}
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        table = _lookup_section(elf)
-        wanted = list(names)
-        if table is not None:
-            for name in wanted:
-                sym = table.get_symbol(name)
-                if _defined_function(sym):
-                    out[name] = sym["st_value"]
-            return out
-        dynsym = elf.get_section_by_name(".dynsym")
-        if dynsym is None:
-            return out
-        want = set(wanted)
-        for sym in dynsym.iter_symbols():
-            if sym.name in want and _defined_function(sym):
-                out[sym.name] = sym["st_value"]
-    return out
+    with elf.ElfFile(path) as f:
+        return f.lookup(names, functions=True, symtab=False)
 
 
 def exported_matching(
@@ -107,57 +74,36 @@ def exported_matching(
 ) -> dict[str, tuple[str, int]]:
     """Exported functions whose mangled name starts with ``prefix`` and whose
     demangled name ``accept`` maps to a key: ``{key: (mangled, address)}``."""
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        dynstr = elf.get_section_by_name(".dynstr")
-        if dynstr is None:
-            return {}
-        raw = dynstr.data()
-        prefixes = (prefix,) if isinstance(prefix, bytes) else prefix
-        alternatives = b"|".join(re.escape(p) for p in prefixes)
+    prefixes = (prefix,) if isinstance(prefix, bytes) else prefix
+    alternatives = b"|".join(re.escape(p) for p in prefixes)
+    with elf.ElfFile(path) as f:
+        raw = f.dynamic_strings()
         candidates = {
             m.group(0).decode() for m in re.finditer(rb"(?:" + alternatives + rb")[^\x00]*", raw)
         }
-    keys: dict[str, str] = {}
-    for mangled in sorted(candidates):
-        key = accept(demangle(mangled))
-        if key is not None and key not in keys:
-            keys[key] = mangled
-    addrs = exported(path, keys.values())
+        keys: dict[str, str] = {}
+        for mangled in sorted(candidates):
+            key = accept(demangle(mangled))
+            if key is not None and key not in keys:
+                keys[key] = mangled
+        addrs = f.lookup(keys.values(), functions=True, symtab=False)
     return {key: (m, addrs[m]) for key, m in keys.items() if m in addrs}
 
 
-class Mapping(NamedTuple):
-    start: int
-    end: int
-    offset: int
-    path: str
-
-
 def mapped_files(pid: int | str = "self") -> list[Mapping]:
-    """File-backed executable-or-not mappings of a process, from /proc/P/maps."""
-    out = []
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith("/"):
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            path = parts[5].rstrip("\n")
-            if path.endswith(" (deleted)"):
-                continue
-            out.append(Mapping(lo, hi, int(parts[2], 16), path))
-    return out
+    """The mappings of files that still exist (named by path), from /proc/P/maps."""
+    return [
+        m
+        for m in elf.read_maps(pid)
+        if m.path.startswith("/") and not m.path.endswith(" (deleted)")
+    ]
 
 
 def file_offsets(path: str, vaddrs: Iterable[int]) -> dict[int, int]:
     """ELF virtual address -> offset in the file (what a uprobe attaches at),
     through the PT_LOAD segment that holds it; addresses in none are left out."""
-    with open(path, "rb") as f:
-        segs = [
-            (s["p_offset"], s["p_vaddr"], s["p_filesz"])
-            for s in ELFFile(f).iter_segments("PT_LOAD")
-        ]
+    with elf.ElfFile(path) as f:
+        segs = f.segments
     out = {}
     for v in vaddrs:
         for off, vaddr, size in segs:
@@ -171,23 +117,12 @@ class _FileSymbols:
     """Function symbols of one ELF file, sorted by address (.symtab, else .dynsym)."""
 
     def __init__(self, path: str) -> None:
-        self.addrs: list[int] = []
-        self.names: list[str] = []
-        self.segments: list[tuple[int, int, int]] = []  # (p_offset, p_vaddr, p_filesz)
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            for seg in elf.iter_segments("PT_LOAD"):
-                self.segments.append((seg["p_offset"], seg["p_vaddr"], seg["p_filesz"]))
-            table = elf.get_section_by_name(".symtab") or elf.get_section_by_name(".dynsym")
-            syms = []
-            if table is not None:
-                for s in table.iter_symbols():
-                    if s["st_info"]["type"] == "STT_FUNC" and s["st_value"]:
-                        syms.append((s["st_value"], s["st_size"], s.name))
-        syms.sort()
-        self.addrs = [a for a, _, _ in syms]
-        self.sizes = [n for _, n, _ in syms]
-        self.names = [name for _, _, name in syms]
+        with elf.ElfFile(path) as f:
+            self.segments = f.segments
+            functions = f.functions()
+        self.addrs = [fn.addr for fn in functions]
+        self.sizes = [fn.size for fn in functions]
+        self.names = [fn.name for fn in functions]
 
     def vaddr(self, file_offset: int) -> int | None:
         for off, vaddr, size in self.segments:
@@ -241,9 +176,6 @@ class Symbolizer:
                 name = demangle(raw) if raw else None
         self._cache[addr] = name
         return name
-
-    def forget_maps(self) -> None:
-        self._maps = []
 
 
 class RuntimeNames:

@@ -3,7 +3,8 @@
 It is loaded into the target under one private name (``_probing_guest``),
 from its files, never through ``sys.path``: the job imports what it imported
 before and finds what it found before. It brings no compiled module, no
-numpy, no pyarrow, so the same source runs in any CPython 3.10-3.13.
+numpy, no pyarrow, so the same source runs in every CPython probing supports
+(``probing.pyframes.SUPPORTED``).
 
 What it keeps in the process is what only the process knows (``inside``):
 its threads and stacks, ``python.`expr```, ``eval``, torch's process groups.

@@ -147,9 +147,9 @@ def threads() -> list[dict[str, Any]]:
 def hook_threads(tell: Any) -> None:
     """Call ``tell(native tid, PyThreadState address)`` from inside each new
     ``threading.Thread`` as it starts, before its target runs
-    (``Thread._set_native_id``, which every 3.10-3.13 thread calls first and
-    which returns at once: no frame of ours stays on its stack). A thread
-    that issues a collective at once then has its Python stack. ``tell``
+    (``Thread._set_native_id``, which every supported CPython's thread calls
+    first and which returns at once: no frame of ours stays on its stack). A
+    thread that issues a collective at once then has its Python stack. ``tell``
     failing never reaches the thread: it is picked up at the next sync."""
     import ctypes
 

@@ -27,7 +27,6 @@ class Arch:
     sys_mmap: ClassVar[int]
     sys_munmap: ClassVar[int]
     memory_syscalls: ClassVar[frozenset[int]]  # may hold malloc's locks
-    syscall_names: ClassVar[dict[int, str]]  # the ones a thread is seen blocked in
     ret_reg: ClassVar[str]
     pc_reg: ClassVar[str]
     sp_reg: ClassVar[str]
@@ -134,13 +133,6 @@ class X86_64(Arch):
     trap_stub = b"\x41\xff\xd3\xcc"  # call r11; int3
     sys_mmap, sys_munmap = 9, 11
     memory_syscalls = frozenset({9, 10, 11, 12, 25, 28})  # mmap mprotect munmap brk mremap madvise
-    syscall_names = {
-        0: "read", 1: "write", 7: "poll", 16: "ioctl", 23: "select", 35: "nanosleep",
-        43: "accept", 42: "connect", 44: "sendto", 45: "recvfrom", 46: "sendmsg",
-        47: "recvmsg", 61: "wait4", 202: "futex", 230: "clock_nanosleep", 232: "epoll_wait",
-        257: "openat", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 288: "accept4",
-        441: "epoll_pwait2",
-    }  # fmt: skip
 
     @classmethod
     def prepare_call(
@@ -173,12 +165,6 @@ class AArch64(Arch):
     trap_stub = struct.pack("<I", 0xD4200000)  # brk #0; the call returns here through lr
     sys_mmap, sys_munmap = 222, 215
     memory_syscalls = frozenset({214, 215, 216, 222, 226, 233})
-    syscall_names = {
-        63: "read", 64: "write", 29: "ioctl", 101: "nanosleep", 115: "clock_nanosleep",
-        98: "futex", 22: "epoll_pwait", 72: "pselect6", 73: "ppoll", 202: "accept",
-        203: "connect", 206: "sendto", 207: "recvfrom", 211: "sendmsg", 212: "recvmsg",
-        242: "accept4", 260: "wait4", 56: "openat", 441: "epoll_pwait2",
-    }  # fmt: skip
 
     @classmethod
     def prepare_call(
@@ -211,10 +197,3 @@ def native() -> type[Arch]:
             f"injection supports x86_64 and aarch64, not {machine}",
             hint="use PROBING=1 at start-up instead",
         ) from None
-
-
-def syscall_name(nr: int) -> str:
-    """The name of syscall ``nr`` on this machine's architecture."""
-    arch = ARCHES.get(platform.machine().lower())
-    names = arch.syscall_names if arch is not None else {}
-    return names.get(nr, f"syscall {nr}")

@@ -35,16 +35,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from probing import paths
+from probing import elf, paths, pyframes
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
-from probing.inject import build, elf
+from probing.inject import build
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
 from probing.procs import task_stat, task_syscall
 
-# the CPython versions whose frames probing reads: probing.pyframes.SUPPORTED (its
-# generated table; pyframes imports this package, so a test keeps the two equal)
-SUPPORTED = ((3, 10), (3, 11), (3, 12), (3, 13))
 PAGE = 4096
 RTLD_NOW = 2
 PROT_READ, PROT_EXEC = 1, 4
@@ -192,11 +189,11 @@ def inspect(pid: int) -> Target:
             f"process {pid} ({comm}): cannot find {', '.join(missing) or 'the Python version'}",
             pid=pid,
         )
-    if python not in SUPPORTED:
-        names = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+    version = f"{python[0]}.{python[1]}"
+    if version not in pyframes.SUPPORTED:  # the versions whose frame layouts probing knows
         raise AttachError(
-            f"process {pid} runs Python {python[0]}.{python[1]}, which probing does not support "
-            f"(supported: {names})",
+            f"process {pid} runs Python {version}, which probing does not support "
+            f"(supported: {', '.join(pyframes.SUPPORTED)})",
             pid=pid,
         )
     libc = elf.find_libc(objs)

@@ -6,8 +6,7 @@ import os
 from typing import Any
 
 from probing.errors import NoSuchProcess
-from probing.inject.arch import syscall_name
-from probing.procs import task_stat, task_syscall
+from probing.procs import syscall_name, task_stat, task_syscall
 from probing.pyframes import remote
 
 

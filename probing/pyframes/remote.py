@@ -15,8 +15,8 @@ import dataclasses
 import struct
 import sys
 
+from probing import elf
 from probing.errors import AccessDenied, NoSuchProcess, ProbingError
-from probing.inject import elf
 from probing.pyframes import Offsets, offsets_for, walker
 from probing.pyframes.memory import Memory, ProcessMemory
 

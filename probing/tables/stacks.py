@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from probing.inject.arch import syscall_name
+from probing.procs import syscall_name
 
 ACTIVE_CPU = 0.05  # share of the window on CPU that makes a thread active
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from probing.client import ProbeClient
+from probing.demo import free_port
 from tests.conftest import require_bpf
-from tests.privileged.test_pystacks import MARK
-from tests.privileged.test_trace import _free_port, _line_after, _wait_line
+from tests.privileged.helpers import MARK, line_after, wait_line
 
 pytestmark = pytest.mark.gpu
 
@@ -57,8 +57,8 @@ time.sleep(600)
 def test_nvml_samples_a_real_gpu_under_load(spawn) -> None:  # type: ignore[no-untyped-def]
     _require_gpu()
     t = spawn("", argv=[sys.executable, "-c", LOAD, "4"], env={"PROBING_NVML_INTERVAL": "100ms"})
-    _wait_line(t, "ready")
-    _wait_line(t, "done")
+    wait_line(t, "ready")
+    wait_line(t, "done")
     client = ProbeClient.for_pid(t.pid)
     status = client.query("SELECT * FROM nvml.status").to_pylist()[0]
     assert status["state"] == "sampling", status
@@ -119,8 +119,8 @@ def test_trace_sees_torch_cuda_and_nccl_on_a_real_gpu(spawn, tmp_path: Path) -> 
     script = tmp_path / "job.py"
     script.write_text(NCCL_JOB)
     go = tmp_path / "go"
-    t = spawn("", argv=[sys.executable, str(script), str(_free_port()), str(go), str(steps)])
-    _wait_line(t, "ready")
+    t = spawn("", argv=[sys.executable, str(script), str(free_port()), str(go), str(steps)])
+    wait_line(t, "ready")
     client = ProbeClient.for_pid(t.pid)
     status = client.trace_start(["nccl", "cuda"])
     libs = {f: s["libraries"] for f, s in status["families"].items()}
@@ -128,8 +128,8 @@ def test_trace_sees_torch_cuda_and_nccl_on_a_real_gpu(spawn, tmp_path: Path) -> 
     assert any("libnccl" in p for p in libs["nccl"]), libs
     assert any("libcudart" in p for p in libs["cuda"]), libs
     go.touch()
-    marks = json.loads(_line_after(t, "marks ", timeout=120))
-    _line_after(t, "result ", timeout=120)
+    marks = json.loads(line_after(t, "marks ", timeout=120))
+    line_after(t, "result ", timeout=120)
     time.sleep(0.2)
 
     ar = client.query(

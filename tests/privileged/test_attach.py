@@ -19,7 +19,7 @@ from probing.bpf.tracer import Tracer
 from probing.client import ProbeClient
 from probing.store import Store
 from tests.conftest import REPO
-from tests.privileged.test_trace import _lib, _privileged, _wait_line
+from tests.privileged.helpers import installed_lib, require_privileged, wait_line
 
 pytestmark = pytest.mark.privileged
 
@@ -35,7 +35,7 @@ print(json.dumps({"cached": cached, "key": compiled.key}))
 def test_ranks_starting_together_compile_once(tmp_path: Path) -> None:
     """Four processes ask for the same program at once with an empty cache:
     one compiles, the others wait on the lock and read its result."""
-    _privileged()
+    require_privileged()
     env = dict(os.environ, **{loader.ENV_CACHE: str(tmp_path / "cache")})
     procs = [
         subprocess.Popen(
@@ -64,7 +64,7 @@ def test_a_cache_others_could_write_is_not_trusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bytecode loaded as root comes only from a file only we can write."""
-    _privileged()
+    require_privileged()
     monkeypatch.setenv(loader.ENV_CACHE, str(tmp_path / "cache"))
     first, cached = loader.obtain("gloo.bpf.c", "gloo.h", FLAGS)
     again, cached_again = loader.obtain("gloo.bpf.c", "gloo.h", FLAGS)
@@ -82,7 +82,7 @@ def test_a_cache_others_could_write_is_not_trusted(
 def test_a_second_trace_loads_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _privileged()
+    require_privileged()
     monkeypatch.setenv(loader.ENV_CACHE, str(tmp_path / "cache"))
     store = Store()
     try:
@@ -115,7 +115,7 @@ print(json.dumps({"cached": cached, "bcc": "bcc" in sys.modules, "sampling": sam
 def test_a_warm_cache_runs_no_bcc(tmp_path: Path) -> None:
     """Every program a trace loads (the families and the sampler) comes from
     the node's cache once one process compiled it: the next never imports BCC."""
-    _privileged()
+    require_privileged()
     env = dict(os.environ, **{loader.ENV_CACHE: str(tmp_path / "cache")})
     runs = []
     for _ in range(2):
@@ -134,22 +134,22 @@ def test_a_warm_cache_runs_no_bcc(tmp_path: Path) -> None:
 
 def test_only_mapped_libraries_are_attached(spawn) -> None:
     """libnccl is installed beside libcudart, but this process never loads it."""
-    _privileged()
+    require_privileged()
     code = (
         "import ctypes, sys, time\n"
-        f"ctypes.CDLL({_lib('libcudart')!r})\n"
+        f"ctypes.CDLL({installed_lib('libcudart')!r})\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
     t = spawn("", argv=[sys.executable, "-c", code])
-    _wait_line(t, "ready")
+    wait_line(t, "ready")
     status = ProbeClient.for_pid(t.pid).trace_start(["cuda", "nccl"])
-    assert status["families"]["cuda"]["libraries"] == [_lib("libcudart")]
+    assert status["families"]["cuda"]["libraries"] == [installed_lib("libcudart")]
     assert status["families"]["nccl"]["libraries"] == []
     assert status["families"]["nccl"]["uprobes"] == 0
     paths = {link.path for link in uprobe_links() if link.pid == t.pid}
     if loader.has_uprobe_multi():
-        assert paths == {os.path.realpath(_lib("libcudart"))}
+        assert paths == {os.path.realpath(installed_lib("libcudart"))}
     ProbeClient.for_pid(t.pid).trace_stop()
     deadline = time.monotonic() + 60  # the helper holding the links lets go after the stop
     while [link for link in uprobe_links() if link.pid == t.pid]:

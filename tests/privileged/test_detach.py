@@ -21,7 +21,7 @@ from probing import checks
 from probing.bpf import loader
 from probing.client import ProbeClient
 from tests.conftest import REPO, cli, require
-from tests.privileged.test_trace import _privileged, _wait_line, perf_uprobes
+from tests.privileged.helpers import perf_uprobes, require_privileged, wait_line
 
 perf_uprobes_held = perf_uprobes  # by the process holding them (bpftool perf lists the holder)
 
@@ -41,10 +41,10 @@ def _mode_env(mode: str) -> dict[str, str]:
 
 def _traced(spawn, mode: str):  # type: ignore[no-untyped-def]
     """A lib_loop.py process with its libraries traced (cuda and nccl)."""
-    _privileged()
+    require_privileged()
     env = _mode_env(mode)
     t = spawn("", argv=[sys.executable, str(JOB)], env=env)
-    _wait_line(t, "ready")
+    wait_line(t, "ready")
     status = ProbeClient.for_pid(t.pid).trace_start(["cuda", "nccl"])
     fams = status["families"]
     assert fams["cuda"]["uprobes"] > 0 and fams["nccl"]["uprobes"] > 0, status

@@ -399,12 +399,12 @@ def test_target_killed_midway_is_reported(spawn, monkeypatch) -> None:
 
 
 def test_unsupported_python_is_refused(spawn, monkeypatch) -> None:
+    from probing import pyframes
     from probing.errors import AttachError
-    from probing.inject import injector
 
     t = spawn("import time\nwhile True: time.sleep(0.05)\n", probing=False)
     time.sleep(0.2)
-    monkeypatch.setattr(injector, "SUPPORTED", ((3, 99),))
+    monkeypatch.setattr(pyframes, "SUPPORTED", ("3.99",))
     with pytest.raises(AttachError, match=r"does not support \(supported: 3\.99\)"):
         inject(t.pid)
     _untouched(t.pid)

@@ -14,23 +14,11 @@ from pathlib import Path
 import pytest
 
 from probing.client import ProbeClient
+from probing.demo import free_port
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
-from tests.privileged.test_trace import _free_port, _lib, _line_after, _wait_line
+from tests.privileged.helpers import MARK, installed_lib, line_after, wait_line
 
 pytestmark = pytest.mark.privileged
-
-# MARK, in a target script: mark(name, value) records, with traceback, the
-# file, line and function it is called from (the line of the call it is an
-# argument of) and returns value.
-MARK = """
-marks = {}
-
-
-def mark(name, value):
-    caller = traceback.extract_stack()[-2]
-    marks[name] = [caller.filename, caller.lineno, caller.name]
-    return value
-"""
 
 # train_step issues an all_reduce (Gloo) and a cudaMalloc (ctypes, the
 # wheel's libcudart), each marked: train_step at the line of the call.
@@ -86,7 +74,7 @@ def _job(spawn, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
     require_bpf()
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    port, go = _free_port(), tmp_path / "go"
+    port, go = free_port(), tmp_path / "go"
     ranks = [
         spawn(
             "",
@@ -96,14 +84,14 @@ def _job(spawn, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
                 str(r),
                 str(port),
                 str(go),
-                _lib("libcudart"),
+                installed_lib("libcudart"),
                 *extra,
             ],
         )  # fmt: skip
         for r in range(2)
     ]
     for t in ranks:
-        _wait_line(t, "ready")
+        wait_line(t, "ready")
     return script, go, ranks
 
 
@@ -113,8 +101,8 @@ def test_traced_calls_carry_the_stack_traceback_sees(spawn, tmp_path: Path) -> N
     status = client.trace_start(["gloo", "cuda"])
     assert status["stacks"] is True
     go.touch()
-    marks = json.loads(_line_after(r0, "marks "))
-    _wait_line(r0, "done")
+    marks = json.loads(line_after(r0, "marks "))
+    wait_line(r0, "done")
     for table, api, name in (
         ("gloo.calls", "gloo::allreduce", "all_reduce"),
         ("cuda.calls", "cudaMalloc", "cudaMalloc"),
@@ -144,7 +132,7 @@ def test_a_call_blocked_without_the_gil_has_its_stack(spawn, tmp_path: Path) -> 
     client.trace_start(["gloo"])
     go.touch()
     marks = json.loads(
-        _line_after(r0, "marks ")
+        line_after(r0, "marks ")
     )  # rank 0's thread is inside the all_reduce, waiting for rank 1
     try:
         rows = client.query(
@@ -163,7 +151,7 @@ def test_a_call_blocked_without_the_gil_has_its_stack(spawn, tmp_path: Path) -> 
             "Thread.run", "Thread._bootstrap_inner", "Thread._bootstrap"]  # fmt: skip
     finally:
         (tmp_path / "go.release").touch()
-    _wait_line(r0, "done")
+    wait_line(r0, "done")
     client.trace_stop()
 
 
@@ -207,7 +195,7 @@ def test_stack_of_a_thread_holding_the_gil(spawn, tmp_path: Path, spin_lib: str,
     script = tmp_path / "hold.py"
     script.write_text(HOLD_GIL)
     t = spawn("", argv=[sys.executable, str(script), spin_lib], probing=with_probe)
-    _wait_line(t, "spinning")
+    wait_line(t, "spinning")
     time.sleep(0.3)
     args = ["stack", "--pid", str(t.pid)] + ([] if with_probe else ["--no-inject"])
     res = cli(*args, timeout=60)

@@ -20,51 +20,21 @@ import pytest
 
 from probing import checks, doctor
 from probing.bpf import families as fam
-from probing.bpf.kernel import uprobe_links
-from probing.bpf.tracer import Tracer, installed_libraries
+from probing.bpf.tracer import Tracer
 from probing.client import ProbeClient
+from probing.demo import free_port
 from probing.engine import Engine
 from probing.store import Store
-from tests.conftest import SLOWDOWN, build_lib, cli, require, require_bpf
+from tests.conftest import SLOWDOWN, build_lib, cli
+from tests.privileged.helpers import (
+    installed_lib,
+    no_uprobes_left,
+    perf_uprobes,
+    require_privileged,
+    wait_line,
+)
 
 pytestmark = pytest.mark.privileged
-
-
-def _privileged() -> None:
-    require_bpf()
-    require(shutil.which("bpftool") is not None, "bpftool (make setup installs it)")
-
-
-def _lib(prefix: str) -> str:
-    for p in installed_libraries():
-        if os.path.basename(p).startswith(prefix):
-            return p
-    pytest.fail(f"{prefix} is not installed (make setup installs NVIDIA's wheels)")
-
-
-def perf_uprobes(pid: int) -> list[dict]:  # type: ignore[type-arg]
-    """The uprobes with a BPF program that ``pid`` holds: uprobe perf events
-    (``bpftool perf``) and multi-uprobe links (read from the kernel)."""
-    out = subprocess.run(["bpftool", "-j", "perf"], capture_output=True, text=True, check=True)
-    found = [
-        e
-        for e in json.loads(out.stdout or "[]")
-        if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")
-    ]
-    for link in uprobe_links():
-        if link.pid == pid:
-            kind = "uretprobe" if link.ret else "uprobe"
-            found.append({"pid": pid, "fd_type": kind, "filename": link.path, "link": link.id})
-    return found
-
-
-def no_uprobes_left(pid: int, timeout: float = 60) -> None:
-    """Until ``pid`` has no uprobe: the helper process that holds them
-    (probing.bpf.loader.Holder) lets go just after a stop or an exit."""
-    deadline = time.monotonic() + timeout
-    while perf_uprobes(pid):
-        assert time.monotonic() < deadline, f"uprobes of pid {pid} left: {perf_uprobes(pid)}"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +84,7 @@ def test_a_runtime_launch_is_one_launch_named_by_the_runtime(
     H100 with torch: every kernel came twice); only a direct driver launch,
     Triton's way, is a cuLaunchKernel row. The stub has no symbol: the
     runtime's cudaFuncGetName names it."""
-    _privileged()
+    require_privileged()
     runtime = ctypes.CDLL(fake_cudart)
     assert runtime.probing_use_driver(fake_libcuda.encode()) == 1
     runtime.probing_hidden_stub.restype = P
@@ -137,8 +107,8 @@ def test_a_runtime_launch_is_one_launch_named_by_the_runtime(
 
 
 def test_cuda_runtime_and_driver_calls_decode_exactly(fake_libcuda: str) -> None:
-    _privileged()
-    cudart = ctypes.CDLL(_lib("libcudart"))
+    require_privileged()
+    cudart = ctypes.CDLL(installed_lib("libcudart"))
     driver = ctypes.CDLL(fake_libcuda)
     stub = ctypes.cast(driver.probing_test_kernel_stub, P).value
     with _Traced(["cuda"]) as t:
@@ -207,8 +177,8 @@ def _fnv_words(raw: bytes) -> int:
 
 
 def test_nccl_calls_decode_exactly() -> None:
-    _privileged()
-    nccl = ctypes.CDLL(_lib("libnccl"))
+    require_privileged()
+    nccl = ctypes.CDLL(installed_lib("libnccl"))
     # zeroed stand-ins for communicators: NCCL checks their magic and
     # returns ncclInvalidArgument (4) instead of touching a GPU
     bufs = [ctypes.create_string_buffer(1 << 20) for _ in range(2)]
@@ -278,45 +248,15 @@ time.sleep(600)
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _read_until(target, match, what: str, timeout: float) -> str:  # type: ignore[no-untyped-def]
-    """The first line of the target's output that ``match`` accepts."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = target.proc.stdout.readline()
-        if match(line):
-            return line
-        if not line and target.proc.poll() is not None:
-            raise AssertionError(f"target exited: {target.proc.communicate()}")
-    raise AssertionError(f"no {what!r} line from pid {target.pid}")
-
-
-def _wait_line(target, want: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
-    _read_until(target, lambda line: line.strip() == want, want, timeout)
-
-
-def _line_after(target, prefix: str, timeout: float = 60) -> str:  # type: ignore[no-untyped-def]
-    """The rest of the first line of the target's output that starts with ``prefix``."""
-    line = _read_until(target, lambda line: line.startswith(prefix), prefix, timeout)
-    return line[len(prefix) :].strip()
-
-
 def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
-    _privileged()
-    world, port, go = 3, _free_port(), tmp_path / "go"
+    require_privileged()
+    world, port, go = 3, free_port(), tmp_path / "go"
     ranks = [
         spawn("", argv=[sys.executable, "-c", GLOO_RANK, str(r), str(world), str(port), str(go)])
         for r in range(world)
     ]
     for t in ranks:
-        _wait_line(t, "ready")
+        wait_line(t, "ready")
     for t in ranks:
         status = ProbeClient.for_pid(t.pid, timeout=30 * SLOWDOWN).trace_start(["gloo"])
         handlers = sum(1 + (f.ret is not None) for f in fam.GLOO_FUNCS)
@@ -324,7 +264,7 @@ def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
         assert perf_uprobes(t.pid), "uprobes attached while tracing"
     go.touch()
     for t in ranks:
-        _wait_line(t, "done")
+        wait_line(t, "done")
     seen_ranks = []
     for t in ranks:
         client = ProbeClient.for_pid(t.pid)
@@ -370,14 +310,14 @@ if n < 0 or os.environ.get("LINGER"):
 
 def _cuda_target(spawn, tmp_path: Path, n: int, lib: str | None = None, **env: str):  # type: ignore[no-untyped-def]
     go = tmp_path / "go"
-    argv = [sys.executable, "-c", CUDA_LOOP, lib or _lib("libcudart"), str(go), str(n)]
+    argv = [sys.executable, "-c", CUDA_LOOP, lib or installed_lib("libcudart"), str(go), str(n)]
     t = spawn("", argv=argv, env=env)
-    _wait_line(t, "ready")
+    wait_line(t, "ready")
     return t, go
 
 
 def test_cli_output_is_complete_when_the_target_exits(spawn, tmp_path: Path) -> None:
-    _privileged()
+    require_privileged()
     calls = tmp_path / "calls"  # made once the library loaded later is attached
     t, go = _cuda_target(spawn, tmp_path, 200, GO_CALLS=str(calls))
     out = tmp_path / "trace.parquet"
@@ -411,11 +351,11 @@ def test_cli_output_is_complete_when_the_target_exits(spawn, tmp_path: Path) -> 
 
 
 def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> None:
-    _privileged()
+    require_privileged()
     lib_dir = tmp_path / "elsewhere"  # not on sys.path: found when it is mapped
     lib_dir.mkdir()
     copy = lib_dir / "libcudart.so.12"
-    shutil.copy(_lib("libcudart"), copy)
+    shutil.copy(installed_lib("libcudart"), copy)
     # the tracer looks for newly mapped libraries twice a second
     t, go = _cuda_target(spawn, tmp_path, 4, lib=str(copy), LINGER="1", WAIT_AFTER_LOAD="1")
     started = cli("trace", "--pid", str(t.pid), "--no-nccl", "--no-gloo", "--background")
@@ -424,7 +364,7 @@ def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> No
     status = ProbeClient.for_pid(t.pid).trace_status()
     assert status["state"] == "tracing" and str(copy) not in status["families"]["cuda"]["libraries"]
     go.touch()
-    _wait_line(t, "done")
+    wait_line(t, "done")
     stopped = cli("trace", "--pid", str(t.pid), "--stop")
     assert stopped.returncode == 0, stopped.stderr
     assert "every uprobe detached" in stopped.stdout
@@ -438,7 +378,7 @@ def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> No
 
 
 def test_a_target_killed_mid_trace_leaves_no_uprobes(spawn, tmp_path: Path) -> None:
-    _privileged()
+    require_privileged()
     t, go = _cuda_target(spawn, tmp_path, 10**6)
     client = ProbeClient.for_pid(t.pid)
     client.trace_start(["cuda", "nccl"])
