@@ -17,8 +17,11 @@ import pytest
 
 from probing import errors
 from probing.engine import Engine, run
+from probing.probe import connections
 from probing.probe import server as srv
 from probing.probe.context import ProbeContext, base_tables
+from probing.probe.http import Response
+from probing.probe.request import Head, answer
 from probing.store import Store
 
 
@@ -158,17 +161,17 @@ def _get(path: str) -> bytes:
 
 
 def test_the_answer_to_a_crashing_app_is_500_with_its_traceback_logged(capfd) -> None:
-    def app(req: Any) -> srv.Response:
+    def app(req: Any) -> Response:
         raise ZeroDivisionError("in the app")
 
-    resp = srv.answer(app, srv.Head("GET", "/x", {}, 0), b"", None, None)
+    resp = answer(app, Head("GET", "/x", {}, 0), b"", None, None)
     assert resp.status == 500
     log = capfd.readouterr().err
     assert "GET /x failed: ZeroDivisionError: in the app" in log and "Traceback" in log
 
 
 def test_the_server_loop_counts_and_logs_a_bug_then_goes_on(tmp_path, capfd) -> None:
-    server = srv.UnixHTTPServer(str(tmp_path / "rt" / "loop.sock"), lambda r: srv.Response.json({}))
+    server = srv.UnixHTTPServer(str(tmp_path / "rt" / "loop.sock"), lambda r: Response.json({}))
     left = [3]
 
     def flaky() -> None:
@@ -193,17 +196,17 @@ def test_the_server_loop_counts_and_logs_a_bug_then_goes_on(tmp_path, capfd) -> 
 
 
 def test_a_request_worker_logs_a_bug_and_serves_the_next_request(tmp_path, capfd, monkeypatch):  # type: ignore[no-untyped-def]
-    server = srv.UnixHTTPServer(str(tmp_path / "rt" / "w.sock"), lambda r: srv.Response.json({}))
-    real = srv.response_bytes
+    server = srv.UnixHTTPServer(str(tmp_path / "rt" / "w.sock"), lambda r: Response.json({}))
+    real = connections.response_bytes
     left = [1]
 
-    def flaky(resp: srv.Response) -> bytes:
+    def flaky(resp: Response) -> bytes:
         if left[0]:
             left[0] -= 1
             raise AttributeError("injected into the worker")
         return real(resp)
 
-    monkeypatch.setattr(srv, "response_bytes", flaky)
+    monkeypatch.setattr(connections, "response_bytes", flaky)
     server.start()
     try:
         assert _get(server.path) == b""  # type: ignore[arg-type]  # closed with no answer

@@ -239,13 +239,15 @@ def test_request_threads_are_reused_then_leave(tmp_path, monkeypatch) -> None:
     import threading
 
     from probing.probe import server as srv
+    from probing.probe.connections import Workers
+    from probing.probe.http import Request, Response
 
-    monkeypatch.setattr(srv._Workers, "LINGER_S", 0.3)
+    monkeypatch.setattr(Workers, "LINGER_S", 0.3)
     seen: list[int] = []
 
-    def app(req: srv.Request) -> srv.Response:
+    def app(req: Request) -> Response:
         seen.append(threading.get_ident())
-        return srv.Response.json({"ok": True})
+        return Response.json({"ok": True})
 
     path = str(tmp_path / "s" / "probe.sock")
     server = srv.UnixHTTPServer(path, app)

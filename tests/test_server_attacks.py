@@ -23,6 +23,9 @@ from probing.client import ProbeClient
 from probing.demo import free_port
 from probing.errors import AccessDenied
 from probing.probe import server as srv
+from probing.probe.connections import EVICT_AFTER_S
+from probing.probe.http import Request, Response
+from probing.probe.request import HttpError, head_end, parse_head
 from tests.stall_host import SCRIPT, StallHost
 
 TOKEN = "attack-test-token"
@@ -165,23 +168,23 @@ def host(spawn) -> Iterator:  # type: ignore[no-untyped-def]
     ],
 )
 def test_head_parser_is_strict(head: bytes, status: int) -> None:
-    end = srv.head_end(head)
+    end = head_end(head)
     assert end == len(head)
     if status == 0:
-        assert srv.parse_head(head).target == "/health"
+        assert parse_head(head).target == "/health"
         return
-    with pytest.raises(srv.HttpError) as err:
-        srv.parse_head(head)
+    with pytest.raises(HttpError) as err:
+        parse_head(head)
     assert err.value.status == status
 
 
 def test_an_unfinished_long_line_is_431_before_its_end() -> None:
-    assert srv.head_end(b"GET / HTTP/1.0\r\nX: " + b"a" * 100) == -1
-    with pytest.raises(srv.HttpError) as err:
-        srv.head_end(b"GET / HTTP/1.0\r\nX: " + b"a" * 9000)
+    assert head_end(b"GET / HTTP/1.0\r\nX: " + b"a" * 100) == -1
+    with pytest.raises(HttpError) as err:
+        head_end(b"GET / HTTP/1.0\r\nX: " + b"a" * 9000)
     assert err.value.status == 431
-    with pytest.raises(srv.HttpError):
-        srv.head_end(b"GET / HTTP/1.0\r\n" + b"X: a\r\n" * 6000)
+    with pytest.raises(HttpError):
+        head_end(b"GET / HTTP/1.0\r\n" + b"X: a\r\n" * 6000)
 
 
 # -- the server in this process ----------------------------------------------------
@@ -197,7 +200,7 @@ def _serve(tmp_path, app, monkeypatch, **env: str) -> srv.UnixHTTPServer:  # typ
 
 def test_connections_are_capped_and_the_oldest_silent_one_makes_room(tmp_path, monkeypatch) -> None:
     server = _serve(
-        tmp_path, lambda r: srv.Response.json({"ok": 1}), monkeypatch, PROBING_MAX_CONNECTIONS="4"
+        tmp_path, lambda r: Response.json({"ok": 1}), monkeypatch, PROBING_MAX_CONNECTIONS="4"
     )
     try:
         connect = unix(server.path)  # type: ignore[arg-type]
@@ -205,7 +208,7 @@ def test_connections_are_capped_and_the_oldest_silent_one_makes_room(tmp_path, m
         wait_for(lambda: server.connections() == 4, what="4 connections")
         # all four are younger than EVICT_AFTER_S: the fifth is refused
         assert status_of(exchange(connect, b"GET /health HTTP/1.0\r\n\r\n")) == 503
-        time.sleep(srv.EVICT_AFTER_S)  # now the oldest silent one gives way
+        time.sleep(EVICT_AFTER_S)  # now the oldest silent one gives way
         assert status_of(exchange(connect, b"GET /health HTTP/1.0\r\n\r\n")) == 200
         assert idle[0].recv(4096).startswith(b"HTTP/1.0 408")
         for s in idle:
@@ -219,10 +222,10 @@ def test_workers_are_bounded_and_the_rest_wait(tmp_path, monkeypatch) -> None:
     release = threading.Event()
     running: list[int] = []
 
-    def app(req: srv.Request) -> srv.Response:
+    def app(req: Request) -> Response:
         running.append(threading.get_ident())
         release.wait(30)
-        return srv.Response.json({"ok": 1})
+        return Response.json({"ok": 1})
 
     server = _serve(tmp_path, app, monkeypatch, PROBING_WORKERS="3")
     try:
@@ -239,7 +242,7 @@ def test_workers_are_bounded_and_the_rest_wait(tmp_path, monkeypatch) -> None:
             t.start()
         wait_for(lambda: len(running) == 3, what="three requests running")
         time.sleep(0.2)
-        assert len(running) == 3 and server._workers.threads == 3
+        assert len(running) == 3 and server._connections.workers.threads == 3
         release.set()
         for t in askers:
             t.join(30)
@@ -253,7 +256,7 @@ def test_workers_are_bounded_and_the_rest_wait(tmp_path, monkeypatch) -> None:
 def test_a_silent_client_times_out_with_408(tmp_path, monkeypatch) -> None:
     server = _serve(
         tmp_path,
-        lambda r: srv.Response.json({"ok": 1}),
+        lambda r: Response.json({"ok": 1}),
         monkeypatch,
         PROBING_HEADER_TIMEOUT_S="0.3",
     )
@@ -269,9 +272,9 @@ def test_a_silent_client_times_out_with_408(tmp_path, monkeypatch) -> None:
 
 def test_the_loop_survives_accept_errors(tmp_path, monkeypatch) -> None:
     """EMFILE, ENFILE, ECONNABORTED and unknown errors: rest, retry, never leave."""
-    server = _serve(tmp_path, lambda r: srv.Response.json({"ok": 1}), monkeypatch)
+    server = _serve(tmp_path, lambda r: Response.json({"ok": 1}), monkeypatch)
     try:
-        lst = server._listeners[0]
+        lst = server._acceptor.listeners[0]
         real = lst.sock
         errors = [errno.ENFILE, errno.EMFILE, errno.ECONNABORTED, errno.ENOMEM, errno.EIO]
 

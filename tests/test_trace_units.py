@@ -15,9 +15,10 @@ import pyarrow as pa
 import pytest
 
 from probing.bpf import families as fam
+from probing.bpf.output import OutputWriter
 from probing.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, record_size, take_records
 from probing.bpf.symbols import RuntimeNames, Symbolizer, demangle, exported, exported_matching
-from probing.bpf.tracer import OutputWriter, installed_libraries
+from probing.bpf.tracer import installed_libraries
 from probing.tables.trace import COLLECTIVES_SQL
 
 SAMPLE = np.dtype([("a", "<u8"), ("b", "<u4"), ("c", "<u4")])  # 16 bytes
@@ -244,7 +245,8 @@ def test_a_kernel_that_cannot_run_the_stage_flush_keeps_tracing(monkeypatch) -> 
     import errno
 
     from probing.bpf import kernel
-    from probing.bpf import tracer as tr
+    from probing.bpf.drain import Live
+    from probing.errors import BPFUnavailable
 
     tried: list[int] = []
 
@@ -260,9 +262,14 @@ def test_a_kernel_that_cannot_run_the_stage_flush_keeps_tracing(monkeypatch) -> 
             assert (name, prog_type) == ("probing_flush", kernel.PROG_TYPE_RAW_TRACEPOINT)
             return 7
 
-    cuda = tr._Live(fam.FAMILIES["cuda"], Prog(), None)  # type: ignore[arg-type]
-    assert "not sent at a CPU switch" in (cuda.flush_on_switch() or "")
-    assert "not sent before a drain" in (cuda.flush_stages() or "")
-    assert cuda.flush_stages() is None and tried == [7, 7]  # not asked again
-    gloo = tr._Live(fam.FAMILIES["gloo"], Prog(), None)  # type: ignore[arg-type]
-    assert gloo.flush_on_switch() is None and gloo.flush_stages() is None and tried == [7, 7]
+    cuda = Live(fam.FAMILIES["cuda"], Prog(), None)  # type: ignore[arg-type]
+    with pytest.raises(BPFUnavailable, match="not sent at a CPU switch"):
+        cuda.flush_on_switch()
+    with pytest.raises(BPFUnavailable, match="not sent before a drain"):
+        cuda.flush_stages()
+    cuda.flush_stages()  # not asked again
+    assert tried == [7, 7]
+    gloo = Live(fam.FAMILIES["gloo"], Prog(), None)  # type: ignore[arg-type]
+    gloo.flush_on_switch()  # gloo stages nothing: nothing to send
+    gloo.flush_stages()
+    assert tried == [7, 7]

@@ -104,7 +104,7 @@ def test_cluster_work_is_a_dataclass_with_a_mode_enum_on_the_wire() -> None:
 
 def test_one_http_codec_for_the_server_the_client_and_the_peers() -> None:
     from probing.probe import http
-    from probing.probe.server import parse_head
+    from probing.probe.request import parse_head
 
     raw = http.request_bytes("/query", b'{"sql": "SELECT 1"}', b"tok")
     head = parse_head(raw[: raw.index(b"\r\n\r\n") + 4])  # the server's strict parser takes it

@@ -18,8 +18,8 @@ from probing.errors import (
     log_unexpected,
     wire_type,
 )
+from probing.probe.http import Request, Response
 from probing.probe.imports import quick_gil_handoff, settle
-from probing.probe.server import Request, Response
 
 
 class Probe(Protocol):

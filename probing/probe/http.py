@@ -4,7 +4,7 @@ what the client (``probing.client``) and the peers' exchange
 
 One request per connection, closed by the server after its answer
 (``Connection: close``), so an answer is read to the end of the stream.
-The server's strict request parser is ``probing.probe.server.parse_head``.
+The server's strict request parser is ``probing.probe.request.parse_head``.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def _inflight(family: str, current: CurrentTracer):  # type: ignore[no-untyped-d
 
 def _uprobes(current: CurrentTracer):  # type: ignore[no-untyped-def]
     def produce() -> pa.Table:
-        from probing.bpf.tracer import PROBES_SCHEMA
+        from probing.bpf.attach import PROBES_SCHEMA
 
         tracer = current()
         return tracer.probes_table() if tracer is not None else PROBES_SCHEMA.empty_table()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from probing.bpf import tracer as tracer_mod
+from probing.bpf import drain as drain_mod
 from probing.bpf.tracer import Tracer, installed_libraries
 from probing.engine import Engine
 from probing.store import Store
@@ -43,7 +43,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
 
 
 def test_a_burst_of_many_slices_reaches_the_store_whole(launches) -> None:  # type: ignore[no-untyped-def]
-    n = 3 * tracer_mod.DRAIN_SLICE + 1234
+    n = 3 * drain_mod.DRAIN_SLICE + 1234
     store = Store(chunk_rows=1 << 14)
     tracer = Tracer(["cuda"], store=store, interval_s=3600)  # drained here, not by the timer
     tracer.start()
