@@ -245,6 +245,27 @@ def test_json_shape_and_sql_tables() -> None:
     assert engine.sql("SELECT count(*) AS n FROM analyze.hangs").to_pylist() == [{"n": 0}]
 
 
+def test_the_json_and_the_tables_have_every_field_of_a_finding() -> None:
+    """One source: a straggler's dataclass fields are its JSON keys and its
+    table's columns (``since`` as ``since_utc``), and a hang's stacks by rank
+    are JSON text in SQL."""
+    import dataclasses
+
+    from probing.analyze.schema import table_of
+
+    t = job(straggler=2, seed=4)
+    d = analyze(t, now_ns=T0)
+    fields = [f.name for f in dataclasses.fields(coll.Straggler)]
+    [s] = d.to_json()["stragglers"]
+    assert list(s) == fields and s["excess_ms_median"] > 0
+    [row] = sql_tables(d, t)["stragglers"].to_pylist()
+    assert list(row) == [("since_utc" if f == "since" else f) for f in fields]
+    assert row["since_utc"] == s["since"] and row["excess_ms_median"] == s["excess_ms_median"]
+    h = hg.Hang("c", 3, "allreduce", [1], [0], 12.0, "traced", {1: ["f (a.py:2)"]})
+    [hang] = table_of(hg.Hang, [h]).to_pylist()
+    assert json.loads(hang["stacks"]) == {"1": ["f (a.py:2)"]} and hang["missing_ranks"] == [1]
+
+
 def test_no_data_is_no_verdict() -> None:
     d = analyze(pa.table({}), now_ns=T0)
     assert d.healthy and d.verdict.startswith("no verdict")

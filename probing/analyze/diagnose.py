@@ -4,7 +4,6 @@ name the straggler, the slow link or the hang, and render the verdict."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -231,37 +230,10 @@ class Diagnosis:
         return {
             "healthy": self.healthy,
             "verdict": self.verdict,
-            "stragglers": [
-                {
-                    "rank": s.rank,
-                    "node": s.node,
-                    "lag_ms_mean": s.lag_ms_mean,
-                    "lag_ms_p99": s.lag_ms_p99,
-                    "share_of_step": s.share_of_step,
-                    "since": s.since,
-                    "since_ns": s.since_ns,
-                    "last_share": s.last_share,
-                    "comm": s.comm,
-                    "op": s.op,
-                    "collectives": s.collectives,
-                    "groups": s.groups,
-                    "p_value": s.p_value,
-                }
-                for s in self.stragglers
-            ],
+            "stragglers": [dataclasses.asdict(s) for s in self.stragglers],
             "slow_links": [dataclasses.asdict(s) for s in self.slow_links],
             "hangs": [
-                {
-                    "comm": h.comm,
-                    "seq": h.seq,
-                    "missing_ranks": h.missing_ranks,
-                    "stacks": {str(r): v for r, v in h.stacks.items()},
-                    "waiting_ranks": h.waiting_ranks,
-                    "op": h.op,
-                    "age_s": h.age_s,
-                    "evidence": h.evidence,
-                    "detail": h.detail,
-                }
+                {**dataclasses.asdict(h), "stacks": {str(r): v for r, v in h.stacks.items()}}
                 for h in self.hangs
             ],
             "summary": dataclasses.asdict(self.summary),
@@ -801,95 +773,22 @@ def _stalled_s(table: pa.Table, now_ns: int, trace_starts: Callable[[], list[int
 def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
     """``analyze.stragglers``, ``analyze.slow_links``, ``analyze.hangs``,
     ``analyze.ranks``, ``analyze.collectives`` (the gathered rows),
-    ``analyze.why``, ``analyze.stages`` and ``analyze.transfers`` (pipelines)."""
-    strag = [_since_columns(s) for s in d.stragglers]
-    hangs = [
-        {
-            "comm": h.comm, "seq": h.seq, "op": h.op, "missing_ranks": h.missing_ranks,
-            "waiting_ranks": h.waiting_ranks, "age_s": h.age_s, "evidence": h.evidence,
-            "stacks": json.dumps({str(r): v for r, v in h.stacks.items()}), "detail": h.detail,
-        }
-        for h in d.hangs
-    ]  # fmt: skip
+    ``analyze.why``, ``analyze.stages`` and ``analyze.transfers`` (pipelines):
+    the findings' dataclasses as tables (``analyze.schema``)."""
+    from probing.analyze.schema import table_of
+
     return {
-        "stragglers": _table(strag, STRAGGLERS_SCHEMA),
-        "slow_links": _table(
-            [_since_columns(s) for s in d.slow_links],
-            SLOW_LINKS_SCHEMA,
-        ),  # fmt: skip
-        "hangs": _table(hangs, HANGS_SCHEMA),
+        "stragglers": table_of(coll.Straggler, d.stragglers),
+        "slow_links": table_of(coll.SlowLink, d.slow_links),
+        "hangs": table_of(hg.Hang, d.hangs),
         "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
         "collectives": table,
-        "why": _table([dataclasses.asdict(w) for w in d.why], WHY_SCHEMA),
-        "stages": _table(
-            [dataclasses.asdict(st) for st in d.pipeline.stages] if d.pipeline else [],
-            STAGES_SCHEMA,
-        ),
-        "transfers": _table([dataclasses.asdict(t) for t in d.transfers], TRANSFERS_SCHEMA),
+        "why": table_of(wy.Why, d.why),
+        "stages": table_of(pp.Stage, d.pipeline.stages if d.pipeline else []),
+        "transfers": table_of(pp.Transfer, d.transfers),
     }
 
 
-def _since_columns(finding: Any) -> dict[str, Any]:
-    """A finding's row: ``since_ns`` (wall-clock ns) and its ISO text as ``since_utc``."""
-    row = dataclasses.asdict(finding)
-    row["since_utc"] = row.pop("since")
-    return row
-
-
-def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=schema)
-
-
-STRAGGLERS_SCHEMA = pa.schema(
-    [
-        ("rank", pa.int64()), ("node", pa.string()), ("lag_ms_mean", pa.float64()),
-        ("lag_ms_p99", pa.float64()), ("excess_ms_median", pa.float64()),
-        ("last_share", pa.float64()), ("share_of_step", pa.float64()), ("since_ns", pa.int64()),
-        ("since_utc", pa.string()), ("since_start", pa.bool_()), ("comm", pa.string()),
-        ("op", pa.string()), ("collectives", pa.int64()), ("p_value", pa.float64()),
-        ("groups", pa.list_(pa.string())),
-    ]
-)  # fmt: skip
-STAGES_SCHEMA = pa.schema(
-    [
-        ("rank", pa.int64()), ("node", pa.string()), ("transfers", pa.int64()),
-        ("busy_share", pa.float64()), ("recv_wait_share", pa.float64()),
-        ("send_wait_share", pa.float64()), ("peers", pa.list_(pa.int64())),
-    ]
-)  # fmt: skip
-TRANSFERS_SCHEMA = pa.schema(
-    [
-        ("pg", pa.string()), ("src", pa.int64()), ("dst", pa.int64()), ("tag", pa.int64()),
-        ("seq", pa.int64()), ("bytes", pa.int64()), ("sent_ns", pa.int64()),
-        ("received_ns", pa.int64()), ("send_wait_ms", pa.float64()),
-        ("recv_wait_ms", pa.float64()),
-    ]
-)  # fmt: skip
-WHY_SCHEMA = pa.schema(
-    [
-        ("rank", pa.int64()), ("kind", pa.string()), ("what", pa.string()),
-        ("file", pa.string()), ("line", pa.int64()), ("ms_per_step", pa.float64()),
-        ("others_ms_per_step", pa.float64()), ("on_cpu_ms", pa.float64()),
-        ("off_cpu_ms", pa.float64()), ("runq_ms", pa.float64()), ("slower", pa.float64()),
-        ("text", pa.string()), ("share", pa.float64()),
-    ]
-)  # fmt: skip
-SLOW_LINKS_SCHEMA = pa.schema(
-    [
-        ("comm", pa.string()), ("op", pa.string()), ("nodes", pa.list_(pa.string())),
-        ("transfer_ms_median", pa.float64()), ("baseline_ms", pa.float64()),
-        ("skew_ms_median", pa.float64()), ("share_of_step", pa.float64()),
-        ("since_ns", pa.int64()), ("since_utc", pa.string()), ("collectives", pa.int64()),
-    ]
-)  # fmt: skip
-HANGS_SCHEMA = pa.schema(
-    [
-        ("comm", pa.string()), ("seq", pa.int64()), ("op", pa.string()),
-        ("missing_ranks", pa.list_(pa.int64())), ("waiting_ranks", pa.list_(pa.int64())),
-        ("age_s", pa.float64()), ("evidence", pa.string()), ("stacks", pa.string()),
-        ("detail", pa.string()),
-    ]
-)  # fmt: skip
 RANKS_SCHEMA = pa.schema(
     [
         ("rank", pa.int64()), ("node", pa.string()), ("collectives", pa.int64()),
