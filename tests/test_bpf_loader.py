@@ -132,14 +132,17 @@ def test_entry_only_functions_get_links_of_their_own() -> None:
     """Launches and async copies (probed at entry only) run their handler
     directly; paired functions share one link per direction via the dispatcher."""
     probes = [
-        ("cuda_launchkernel", "cudaLaunchKernel", 0x10, False),
-        ("cuda_memcpyasync", "cudaMemcpyAsync", 0x20, False),
-        ("cuda_memcpy", "cudaMemcpy", 0x30, False),
-        ("cuda_ret_CUDA_MEMCPY", "cudaMemcpy", 0x30, True),
-        ("cuda_free", "cudaFree", 0x40, False),
-        ("cuda_ret_CUDA_FREE", "cudaFree", 0x40, True),
+        loader.Uprobe(*p)
+        for p in (
+            ("cuda_launchkernel", "cudaLaunchKernel", 0x10, False),
+            ("cuda_memcpyasync", "cudaMemcpyAsync", 0x20, False),
+            ("cuda_memcpy", "cudaMemcpy", 0x30, False),
+            ("cuda_ret_CUDA_MEMCPY", "cudaMemcpy", 0x30, True),
+            ("cuda_free", "cudaFree", 0x40, False),
+            ("cuda_ret_CUDA_FREE", "cudaFree", 0x40, True),
+        )
     ]
-    groups = [(h, [p[1] for p in g], ret) for h, g, ret in loader.link_groups(probes)]
+    groups = [(g.handler, [p.symbol for p in g.probes], g.ret) for g in loader.link_groups(probes)]
     assert groups == [
         ("cuda_launchkernel", ["cudaLaunchKernel"], False),
         ("cuda_memcpyasync", ["cudaMemcpyAsync"], False),

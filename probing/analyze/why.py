@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -350,6 +350,15 @@ def _per_step(ns: float, span_ns: float, step: float) -> float:
     return ns / span_ns * step if span_ns else 0.0
 
 
+class Delta(NamedTuple):
+    """One function's time per step on the straggler against the others'."""
+
+    extra: float  # mine - theirs
+    key: tuple[Any, Any]  # (file, func)
+    mine: float
+    theirs: float
+
+
 def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list[Why]:
     r, prof, span = s.rank, p.funcs, p.span
     keys = set(prof[r]) | {k for q in others for k in prof[q]}
@@ -363,14 +372,14 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
     for key in keys:
         mine = ms(r, key, every)
         theirs = _median([ms(q, key, every) for q in others])
-        deltas.append((mine - theirs, key, mine, theirs))
-    deltas.sort(key=lambda d: -d[0])
+        deltas.append(Delta(mine - theirs, key, mine, theirs))
+    deltas.sort(key=lambda d: -d.extra)
     # the function that differs most, where it is extra work (over twice the others'
     # time on and off CPU), not the same code waiting longer for a CPU: that work
     # waits for a CPU as well, and it is the function's, not the machine's fault
     top = None
     if deltas:
-        key = deltas[0][1]
+        key = deltas[0].key
         work = ("cpu", "off")
         if _median([ms(q, key, work) for q in others]) < 0.5 * ms(r, key, work):
             top = key
@@ -389,7 +398,8 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
     # extra work waiting for a CPU on a busy machine): their on-CPU + run-queue
     # time against the others', weighted by the others' time, leaving out the top one
     ratios, weights = [], []
-    for _, key, _, _ in deltas[1:]:
+    for d in deltas[1:]:
+        key = d.key
         theirs = _median([ms(q, key, ("cpu", "runq")) for q in others])
         if theirs >= 0.5:
             ratios.append(ms(r, key, ("cpu", "runq")) / theirs)
@@ -411,9 +421,10 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
                 f"({runq_others:.1f} ms on the others){alike}",
             )
         )  # fmt: skip
-    for delta, key, mine, theirs in deltas[:TOP]:
-        if delta < floor:
+    for d in deltas[:TOP]:
+        if d.extra < floor:
             break
+        key, mine, theirs = d.key, d.mine, d.theirs
         file, func = key
         parts = {k: ms(r, key, (k,)) for k in every}
         line = int(prof[r].get(key, {}).get("line", 0) or 0) or None

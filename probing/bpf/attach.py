@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from probing.bpf import families as fam
+from probing.bpf.loader import Uprobe
 from probing.bpf.symbols import (
     ELF_ERRORS,
     Mapping,
@@ -105,14 +106,14 @@ class Uprobes:
             return
         if not found:
             return
-        wanted = []  # (handler, symbol, file offset, is a return probe)
+        wanted = []
         for fn in f.funcs:
             if fn.enum not in found:
                 continue
             sym, offset = found[fn.enum]
-            wanted.append((fn.entry, sym, offset, False))
+            wanted.append(Uprobe(fn.entry, sym, offset, False))
             if fn.ret is not None:
-                wanted.append((fn.ret, sym, offset, True))
+                wanted.append(Uprobe(fn.ret, sym, offset, True))
         for sym, kind, ok, why in live.bpf.attach(path, wanted, self.pid):
             self.probes.append(Probe(f.name, path, sym, kind, ok, why))
         live.libraries.add(path)  # listed once its uprobes are in

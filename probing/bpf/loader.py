@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -453,26 +453,41 @@ class Attached:
     probes: list[tuple[str, str, str]]  # (handler, symbol, "entry" | "return")
 
 
-def link_groups(
-    probes: list[tuple[str, str, int, bool]],
-) -> list[tuple[str | None, list[tuple[str, str, int, bool]], bool]]:
-    """How one library's probes share multi-uprobe links: ``(handler or None
-    for the dispatcher, probes, is_return)`` per link. A function probed at
+class Uprobe(NamedTuple):
+    """One probe to attach: the handler program, at ``symbol`` (its file
+    ``offset``), on entry or on return (``ret``)."""
+
+    handler: str
+    symbol: str
+    offset: int
+    ret: bool
+
+
+class Link(NamedTuple):
+    """Probes that share one multi-uprobe link: ``handler`` (None: the
+    dispatcher, told the handler by each probe's cookie), on return or not."""
+
+    handler: str | None
+    probes: list[Uprobe]
+    ret: bool
+
+
+def link_groups(probes: list[Uprobe]) -> list[Link]:
+    """How one library's probes share multi-uprobe links. A function probed at
     entry only (a kernel launch, an asynchronous copy: the calls that come
     by the tens of thousands a second) runs its handler directly, one link
     per handler, which saves the dispatcher's tail call on every call; the
     others share one link per direction through the dispatcher."""
-    paired = {sym for _, sym, _, ret in probes if ret}
-    direct: dict[str, list[tuple[str, str, int, bool]]] = {}
-    shared: dict[bool, list[tuple[str, str, int, bool]]] = {False: [], True: []}
+    paired = {p.symbol for p in probes if p.ret}
+    direct: dict[str, list[Uprobe]] = {}
+    shared: dict[bool, list[Uprobe]] = {False: [], True: []}
     for p in probes:
-        if not p[3] and p[1] not in paired:
-            direct.setdefault(p[0], []).append(p)
+        if not p.ret and p.symbol not in paired:
+            direct.setdefault(p.handler, []).append(p)
         else:
-            shared[p[3]].append(p)
-    out: list[tuple[str | None, list[tuple[str, str, int, bool]], bool]]
-    out = [(h, group, False) for h, group in direct.items()]
-    return out + [(None, group, ret) for ret, group in shared.items() if group]
+            shared[p.ret].append(p)
+    out = [Link(h, group, False) for h, group in direct.items()]
+    return out + [Link(None, group, ret) for ret, group in shared.items() if group]
 
 
 class Program:
@@ -538,10 +553,10 @@ class Program:
         return slot
 
     def attach(
-        self, path: str, probes: list[tuple[str, str, int, bool]], pid: int
+        self, path: str, probes: list[Uprobe], pid: int
     ) -> list[tuple[str, str, bool, str | None]]:
-        """Attach ``(handler, symbol, file offset, is_return)`` probes in
-        ``path`` for ``pid``; returns ``(symbol, kind, attached, error)`` each."""
+        """Attach ``probes`` in ``path`` for ``pid``; returns ``(symbol, kind,
+        attached, error)`` each."""
         results: list[tuple[str, str, bool, str | None]] = []
         done = Attached(path, [], [])
         with self._lock:
@@ -550,19 +565,19 @@ class Program:
                     kind = "return" if ret else "entry"
                     try:
                         if handler is None:  # the dispatcher, told the handler by the cookie
-                            cookies = [self._slot(h) for h, _, _, _ in group]
+                            cookies = [self._slot(p.handler) for p in group]
                             prog = self.prog_fd(DISPATCH)
                         else:
                             cookies, prog = [0] * len(group), self.prog_fd(handler)
                         fd = kernel.uprobe_multi_link(
-                            prog, path, [o for _, _, o, _ in group], cookies, pid, ret
+                            prog, path, [p.offset for p in group], cookies, pid, ret
                         )
                     except (kernel.BPFError, ProbingError) as err:
-                        results += [(s, kind, False, str(err)) for _, s, _, _ in group]
+                        results += [(p.symbol, kind, False, str(err)) for p in group]
                         continue
                     done.fds.append(fd)
-                    done.probes += [(h, s, kind) for h, s, _, _ in group]
-                    results += [(s, kind, True, None) for _, s, _, _ in group]
+                    done.probes += [(p.handler, p.symbol, kind) for p in group]
+                    results += [(p.symbol, kind, True, None) for p in group]
             else:
                 for handler, sym, off, ret in probes:
                     kind = "return" if ret else "entry"
