@@ -85,3 +85,29 @@ def test_the_docs_state_the_python_versions_whose_frames_probing_reads() -> None
     refusal = re.search(r"\(supported: ([\d.,\s]+)\)", (DOCS / "cli.md").read_text())
     assert refusal is not None
     assert refusal.group(1).split() == ", ".join(SUPPORTED).split()
+
+
+def test_the_design_layout_names_every_module() -> None:
+    """docs/design.md's layout is the tree: each package of ``probing/`` has
+    its entry, and each module is named in its package's entry."""
+    text = (DOCS / "design.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```")[1]
+    entries: dict[str, str] = {}  # "cluster" -> its lines; "" -> the top-level files
+    current = ""
+    for line in block.splitlines():
+        head = re.match(r"  (\S+?)(/)?\s", line + " ")
+        if head and not line.startswith("   "):
+            current = head.group(1) if head.group(2) else ""
+        entries[current] = entries.get(current, "") + line + "\n"
+    pkg = Path(__file__).resolve().parent.parent / "probing"
+    missing = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg)
+        if rel.name in ("__init__.py", "__main__.py") or len(rel.parts) > 2:
+            continue
+        where = rel.parts[0] if len(rel.parts) == 2 else ""
+        if where and where not in entries:
+            missing.append(f"{where}/")
+        elif not re.search(rf"\b{re.escape(path.stem)}\b", entries.get(where, "")):
+            missing.append(str(rel))
+    assert not missing, f"name each in docs/design.md's layout: {sorted(set(missing))}"
