@@ -438,19 +438,30 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
     )
 
 
+def complete(collectives: list[Collective]) -> list[Collective]:
+    """The collectives every rank returned from, of more than one rank: the ones
+    whose timing says something."""
+    return [c for c in collectives if c.complete and c.nranks > 1]
+
+
+def by_comm(collectives: list[Collective]) -> dict[str, list[Collective]]:
+    """``complete`` collectives by communicator, in their order."""
+    out: dict[str, list[Collective]] = defaultdict(list)
+    for c in complete(collectives):
+        out[c.comm].append(c)
+    return out
+
+
 def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Straggler]:
     """Ranks that keep arriving last, more often than chance and later than the
     others' own lateness (see ``Evidence``); tested over the whole window and,
     where a rank's excess has a change point, over the time since."""
-    by_comm: dict[str, list[Collective]] = defaultdict(list)
-    for c in collectives:
-        if c.complete and c.nranks > 1:
-            by_comm[c.comm].append(c)
+    comms = by_comm(collectives)
     found: dict[int, Straggler] = {}
     groups: dict[int, list[str]] = defaultdict(list)
     waits: dict[str, set[int]] = defaultdict(set)  # comm -> ranks usually first there
     named_in: dict[str, set[int]] = defaultdict(set)
-    for comm, cs in sorted(by_comm.items()):
+    for comm, cs in sorted(comms.items()):
         if len(cs) < MIN_COLLECTIVES:
             continue
         ranks = sorted({r for c in cs for r in c.ts})
@@ -514,22 +525,6 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
     return sorted(found.values(), key=lambda s: -s.share_of_step)
 
 
-def rank_evidence(collectives: list[Collective]) -> dict[int, Evidence]:
-    """Every rank's evidence over its busiest communicator (for the rank table)."""
-    by_comm: dict[str, list[Collective]] = defaultdict(list)
-    for c in collectives:
-        if c.complete and c.nranks > 1:
-            by_comm[c.comm].append(c)
-    out: dict[int, Evidence] = {}
-    for _, cs in sorted(by_comm.items(), key=lambda kv: -len(kv[1])):
-        if len(cs) < 2:
-            continue
-        for r in sorted({r for c in cs for r in c.ts}):
-            if r not in out and all(r in c.ts for c in cs):
-                out[r] = evidence(cs, r)
-    return out
-
-
 def released_late(
     cs: list[Collective], rank: int, excess_ms: float, typical: Callable[..., Any] = np.median
 ) -> bool:
@@ -566,12 +561,9 @@ def slow_links(
     """Communicators whose collectives are slow for every rank, with no arrival skew,
     and not because their ranks wait for a CPU (``runq``: each rank's threads' time
     runnable but not running, ms per s, from ``python.samples``; None: not sampled)."""
-    by_comm: dict[str, list[Collective]] = defaultdict(list)
-    for c in collectives:
-        if c.complete and c.nranks > 1 and c.transfer_ns() is not None:
-            by_comm[c.comm].append(c)
     out = []
-    for comm, cs in by_comm.items():
+    for comm, every in by_comm(collectives).items():
+        cs = [c for c in every if c.transfer_ns() is not None]
         if len(cs) < MIN_COLLECTIVES:
             continue
         transfer = np.array([c.transfer_ns() for c in cs], dtype=np.float64) / 1e6
@@ -630,9 +622,9 @@ class Summary:
 
 
 def summarize(collectives: list[Collective]) -> Summary:
-    done = [c for c in collectives if c.complete and c.nranks > 1]
-    by_comm = Counter(c.comm for c in done)
-    busiest = [c for c in done if by_comm and c.comm == by_comm.most_common(1)[0][0]]
+    done = complete(collectives)
+    counts = Counter(c.comm for c in done)
+    busiest = [c for c in done if counts and c.comm == counts.most_common(1)[0][0]]
     starts = np.array(sorted(min(c.ts.values()) for c in busiest), dtype=np.float64)
     step = float(np.median(np.diff(starts))) / 1e6 if len(starts) > 2 else None
     skew = np.array([max(c.lags_ns().values()) / 1e6 for c in done])

@@ -497,8 +497,7 @@ def explain_stage(pipe: pp.Pipeline | None, samples: pa.Table | None) -> list[wy
     if pipe is None or pipe.slow is None or samples is None:
         return []
     st = pipe.stage(pipe.slow)
-    others = [t.busy_share for t in pipe.stages if t.rank != st.rank]
-    extra = (st.busy_share - float(np.median(others))) * 1000.0  # ms of work per second
+    extra = (st.busy_share - pp.others_busy(pipe.stages, st.rank)) * 1000.0  # ms/s of work
     stage = coll.Straggler(
         rank=st.rank, node=st.node, lag_ms_mean=0.0, lag_ms_p99=0.0, excess_ms_median=extra,
         last_share=0.0, share_of_step=0.0, since="", since_ns=0, since_start=True,
@@ -533,9 +532,8 @@ def _rank_rows(
     frames: dict[int, list[dict[str, Any]]],
     states: list[hg.RankState],
 ) -> list[dict[str, Any]]:
-    import numpy as np
 
-    done = [c for c in matched if c.complete and c.nranks > 1]
+    done = coll.complete(matched)
     counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
     # after the others' median arrival: a straggler's lateness, whoever else is late
     matrix = coll.excess_matrix(done, ranks)

@@ -64,14 +64,13 @@ class Pipeline:
             busy = ", ".join(f"{s.rank}: {100 * s.busy_share:.0f} %" for s in self.stages)
             return f"pipeline of {len(self.stages)} stages, no slow stage (busy {busy}); {bubble}"
         s = self.stage(self.slow)
-        others = [t.busy_share for t in self.stages if t.rank != s.rank]
         node = f" on node {s.node}" if s.node else ""
         wait = ", ".join(
             f"{v} ({100 * (1 - self.stage(v).busy_share):.0f} %)" for v in self.victims
         )
         return (
             f"pipeline: rank {s.rank}{node} is the slow stage, busy {100 * s.busy_share:.0f} % "
-            f"of the time vs {100 * float(np.median(others)):.0f} % for the other stages"
+            f"of the time vs {100 * others_busy(self.stages, s.rank):.0f} % for the other stages"
             + (f"; ranks {wait} wait on it in send/recv" if self.victims else "")
             + f"; {bubble}"
         )
@@ -131,10 +130,15 @@ def analyze(
     return Pipeline(stages, round(window / 1e6, 1), round(bubble, 3), slow, victims)
 
 
+def others_busy(stages: list[Stage], rank: int) -> float:
+    """The median busy share of the stages other than ``rank``'s (0: none)."""
+    others = [s.busy_share for s in stages if s.rank != rank]
+    return float(np.median(others)) if others else 0.0
+
+
 def _slow_stage(stages: list[Stage]) -> tuple[int | None, list[int]]:
     best = max(stages, key=lambda s: s.busy_share)
-    others = [s.busy_share for s in stages if s is not best]
-    if not others or best.busy_share - float(np.median(others)) < SLOW_GAP:
+    if len(stages) < 2 or best.busy_share - others_busy(stages, best.rank) < SLOW_GAP:
         return None, []
     victims = [s.rank for s in stages if s is not best and 1 - s.busy_share >= VICTIM_WAIT]
     return best.rank, victims

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from probing.analyze.collectives import Collective, Straggler
+from probing.analyze.collectives import Collective, Straggler, by_comm
 from probing.analyze.hangs import short_path
 
 MIN_DELTA_MS = 1.0  # a function's extra time per step worth naming ...
@@ -69,7 +69,7 @@ def steps_per_collective(cs: list[Collective]) -> float:
 def step_ms(collectives: list[Collective], comm: str) -> float | None:
     """The job's step time: the median interval between its collectives on
     ``comm``, times the collectives per step."""
-    cs = [c for c in collectives if c.comm == comm and c.complete]
+    cs = by_comm(collectives).get(comm, [])
     if len(cs) < 3:
         return None
     starts = np.array(sorted(min(c.ts.values()) for c in cs), dtype=np.float64)
@@ -449,7 +449,7 @@ def _collectives(s: Straggler, collectives: list[Collective], step: float) -> li
     """Time inside collectives per step: the others wait there for the straggler."""
     total: dict[int, float] = defaultdict(float)
     count: dict[int, int] = defaultdict(int)
-    done = [c for c in collectives if c.comm == s.comm and c.complete]
+    done = by_comm(collectives).get(s.comm, [])
     if not done:
         return []
     per = steps_per_collective(done)
@@ -486,7 +486,7 @@ def _cuda(
     if not rows:
         return []
     steps: dict[int, float] = defaultdict(float)
-    done = [c for c in collectives if c.comm == s.comm and c.complete]
+    done = by_comm(collectives).get(s.comm, [])
     per = steps_per_collective(done) if done else 1.0
     for c in done:
         for q in c.ts:
