@@ -1,16 +1,25 @@
-"""The ``probing`` command: every sub-command is a thin call into a module."""
+"""The ``probing`` command: every sub-command is a thin call into a module.
+
+A command here is the options typer reads and a call, into
+``probing.commands`` (query, tables, trace, diagnose, ui) or the module it
+names. Every one is registered the same way, by ``@command``, which also
+turns a ProbingError it raises into one line on stderr and exit status 1.
+Heavy modules (pyarrow, datafusion, bcc, torch) load inside the commands.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import sys
+from collections.abc import Callable
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
-from probing.errors import ProbingError
+from probing.commands import common
+from probing.errors import EvalError, ProbingError
 
 app = typer.Typer(
     name="probing",
@@ -44,21 +53,53 @@ class Fanout(str, Enum):
     tree = "tree"
 
 
-def _fail(err: ProbingError | str, code: int = 1) -> typer.Exit:
+def _fail(err: Exception | str, code: int = 1) -> typer.Exit:
     typer.echo(f"probing: error: {err}", err=True)
     return typer.Exit(code)
 
 
-def _client(pid: int):  # type: ignore[no-untyped-def]
-    from probing.client import ProbeClient
+P = ParamSpec("P")
+R = TypeVar("R")
 
-    return ProbeClient.for_pid(pid)
+
+def wrap_errors(fn: Callable[P, R], also: tuple[type[Exception], ...] = ()) -> Callable[P, R]:
+    """``fn``, where a ProbingError (or one of ``also``) ends the command
+    with one line on stderr and exit status 1, as psutil's
+    ``wrap_exceptions`` translates for every method; an EvalError's
+    traceback (from the target) goes first."""
+
+    caught: tuple[type[Exception], ...] = (ProbingError, *also)
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except caught as err:
+            if isinstance(err, EvalError) and err.detail:
+                typer.echo(err.detail.rstrip(), err=True)
+            raise _fail(err) from None
+
+    return wrapper
+
+
+def command(
+    name: str | None = None, *, also: tuple[type[Exception], ...] = (), **settings: Any
+) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """Register the function below as the sub-command ``name`` (its own name
+    by default), its errors printed by ``wrap_errors``: the one way every
+    command is added to ``app``."""
+
+    def register(fn: Callable[P, None]) -> Callable[P, None]:
+        app.command(name=name, **settings)(wrap_errors(fn, also))
+        return fn
+
+    return register
 
 
 PidOpt = Annotated[int, typer.Option("--pid", "-p", help="process id of the target")]
 
 
-@app.command(epilog="Examples:\n\n  probing ps")
+@command(epilog="Examples:\n\n  probing ps")
 def ps() -> None:
     """Python processes on this machine, and which of them carry a probe."""
     from probing.procs import python_processes
@@ -69,7 +110,7 @@ def ps() -> None:
     typer.echo(format_rows(["PID", "USER", "PROBE", "COMMAND"], rows))
 
 
-@app.command(
+@command(
     epilog=(
         "Examples:\n\n"
         '  probing query --pid 1234 "SELECT count(*) FROM process.threads"\n\n'
@@ -104,95 +145,31 @@ def query(
     ] = Fanout.auto,
 ) -> None:
     """Run SQL in a process's probe (or across the job with --cluster) and print it."""
-    from probing.render import format_arrow, format_table
+    from probing.commands.query import ask_cluster, ask_one
 
     if (pid is None) == (addr is None):
         raise _fail("give exactly one of --pid or --addr", 2)
-    try:
-        if cluster:
-            result = _cluster_query(
-                sql, pid, addr, timeout=timeout, strict=strict, fanout=fanout.value
-            )
-            _report_peers(result, timings)
-            table = result.table
-        else:
-            client = _client(pid) if pid is not None else _addr_client(addr or "")
-            if fmt is not Format.table:
-                sys.stdout.buffer.write(client.query_raw(sql, fmt.value))
-                if fmt is Format.json:
-                    sys.stdout.buffer.write(b"\n")
-                sys.stdout.flush()
-                return
-            names, rows = client.query_rows(sql)  # no pyarrow in this process
-            typer.echo(format_table(names, rows))
-            return
-    except ProbingError as err:
-        raise _fail(err) from None
-    if fmt is Format.table:
-        typer.echo(format_arrow(table))
-    elif fmt is Format.json:
-        typer.echo(json.dumps(table.to_pylist(), default=str))
-    else:
-        import pyarrow.csv as pacsv
-
-        pacsv.write_csv(table, sys.stdout.buffer)
-        sys.stdout.flush()
-
-
-def _addr_client(addr: str):  # type: ignore[no-untyped-def]
-    from probing.client import ProbeClient
-
-    return ProbeClient.for_addr(addr)
-
-
-def _cluster_query(sql: str, pid: int | None, addr: str | None, **kw: object):  # type: ignore[no-untyped-def]
-    from probing.client import cluster_query
-
-    return cluster_query(sql, pid=pid, addr=addr, **kw)  # type: ignore[arg-type]
-
-
-def _report_peers(result, timings: bool) -> None:  # type: ignore[no-untyped-def]
-    """Missing peers (always) and response times (the slowest, or all) on stderr."""
-    for m in result.missing:
-        typer.echo(f"probing: rank {m.rank} ({m.node}, {m.addr}) missing: {m.reason}", err=True)
-    if not result.peers:
+    if not cluster:
+        ask_one(sql, pid, addr, fmt.value)
         return
-    if timings:
-        from probing.render import format_rows
-
-        rows = [
-            [t.rank, t.node, t.addr, round(t.response_ms, 1), t.clock_offset_ns]
-            for t in result.peers
-        ]
-        typer.echo(format_rows(["RANK", "NODE", "ADDR", "MS", "CLOCK_OFFSET_NS"], rows), err=True)
-        return
-    slow = max(result.peers, key=lambda t: t.response_ms)
-    typer.echo(
-        f"probing: {len(result.peers)} peer(s) answered; slowest rank {slow.rank} "
-        f"({slow.node}) in {slow.response_ms:.0f} ms",
-        err=True,
+    ask_cluster(
+        sql,
+        pid,
+        addr,
+        fmt.value,
+        timeout=timeout,
+        strict=strict,
+        timings=timings,
+        fanout=fanout.value,
     )
 
 
-TABLES_SQL = """
-SELECT t.table_schema || '.' || t.table_name AS "table", s.rows, s.stored_bytes,
-       s.compression_ratio AS ratio, s.retired_rows AS retired, s.dropped_events AS dropped
-FROM information_schema.tables t
-LEFT JOIN probing.tables s ON t.table_schema = s."schema" AND t.table_name = s."table"
-WHERE t.table_schema <> 'information_schema'
-ORDER BY 1
-"""
-
-
-@app.command(epilog="Examples:\n\n  probing tables --pid 1234")
+@command(epilog="Examples:\n\n  probing tables --pid 1234")
 def tables(pid: PidOpt) -> None:
     """Tables a process's probe can answer, with rows and compression."""
-    from probing.render import format_table
+    from probing.commands.query import list_tables
 
-    try:
-        typer.echo(format_table(*_client(pid).query_rows(TABLES_SQL)))
-    except ProbingError as err:
-        raise _fail(err) from None
+    list_tables(pid)
 
 
 InjectOpt = Annotated[
@@ -207,18 +184,7 @@ JobOpt = Annotated[
 ]
 
 
-def _note(msg: str) -> None:
-    typer.echo(msg, err=True)
-
-
-def _probe_client(pid: int, inject: bool, timeout: float | None = None):  # type: ignore[no-untyped-def]
-    """The client of pid's probe, injecting one first when asked to."""
-    from probing.client import attach
-
-    return attach(pid, inject=inject, timeout=timeout, note=_note)
-
-
-@app.command(
+@command(
     name="inject",
     epilog="Examples:\n\n  probing inject --pid 1234\n\n  probing inject -p 1234 --timeout 30",
 )
@@ -240,7 +206,7 @@ def inject_cmd(
             res = inject(p, timeout=timeout)
         except ProbingError as err:
             if not job:
-                raise _fail(err) from None
+                raise
             typer.echo(f"pid {p}: no probe: {err}")
             failed = True
             continue
@@ -255,7 +221,7 @@ def inject_cmd(
         raise typer.Exit(2)
 
 
-@app.command(
+@command(
     epilog=(
         "Examples:\n\n  probing stack --pid 1234\n\n  probing stack -p 1234 --format json"
         "\n\n  probing stack -p 1234 --no-inject"
@@ -274,17 +240,14 @@ def stack(
     from probing.client import stacks
     from probing.render import format_stacks
 
-    try:
-        info, frames = stacks(pid, inject=inject, note=_note)
-    except ProbingError as err:
-        raise _fail(err) from None
+    info, frames = stacks(pid, inject=inject, note=common.note)
     if fmt is Format.json:
         typer.echo(json.dumps({"process": info, "frames": frames}, default=str))
     else:
         typer.echo(format_stacks(info, frames))
 
 
-@app.command(
+@command(
     name="eval",
     epilog=(
         "Examples:\n\n"
@@ -298,23 +261,14 @@ def eval_cmd(
     inject: InjectOpt = False,
 ) -> None:
     """Run Python inside the target (local socket only); print its value and output."""
-    from probing.errors import EvalError
-
-    try:
-        out = _probe_client(pid, inject).eval(code)
-    except EvalError as err:
-        if err.detail:
-            typer.echo(err.detail.rstrip(), err=True)
-        raise _fail(err) from None
-    except ProbingError as err:
-        raise _fail(err) from None
+    out = common.probe_client(pid, inject).eval(code)
     if out.get("output"):
         typer.echo(out["output"], nl=False)
     if out.get("result") is not None:
         typer.echo(out["result"])
 
 
-@app.command(
+@command(
     epilog=(
         "Examples:\n\n  probing nvml --pid 1234 --interval 100ms\n\n"
         "  probing nvml --pid 1234 --stop\n\n"
@@ -327,20 +281,17 @@ def nvml(
     stop: Annotated[bool, typer.Option("--stop", help="stop sampling")] = False,
 ) -> None:
     """Sample GPU counters (NVML) into nvml.gpu next to the events; print nvml.status."""
-    try:
-        status = _client(pid).nvml(interval, stop=stop)
-    except ProbingError as err:
-        raise _fail(err) from None
+    status = common.client(pid).nvml(interval, stop=stop)
     typer.echo(" ".join(f"{k}={v}" for k, v in status.items() if v is not None))
     if status.get("state") == "unavailable":
         raise typer.Exit(1)
 
 
-def _family_flag(name: str, what: str):  # type: ignore[no-untyped-def]
+def _family_flag(name: str, what: str) -> Any:  # a typer.OptionInfo
     return typer.Option(f"--{name}/--no-{name}", help=f"trace {what}")
 
 
-@app.command(
+@command(
     epilog=(
         "Examples:\n\n  probing trace --pid 1234\n\n"
         "  probing trace -p 1234 --duration 30 --output run.parquet\n\n"
@@ -395,137 +346,41 @@ def trace(
     ] = 30.0,
 ) -> None:
     """Record NCCL, CUDA and Gloo calls of a running process with eBPF uprobes."""
-    import os
-
-    from probing.errors import NoProbe, NoSuchProcess
-    from probing.render import TraceMonitor
+    from probing.commands.trace import TraceOptions, trace_many, trace_one
 
     families = [n for n, on in (("nccl", nccl), ("cuda", cuda), ("gloo", gloo)) if on]
-    if cluster or job:
-        if output:
-            raise _fail("--output writes one process's events: leave it out with --cluster, --job")
-        if cluster and job:
-            raise _fail("--cluster reaches every rank already: leave --job out")
-        opts = {"families": families, "stacks": stacks, "launch_stacks": launch_stacks}
-        _trace_many(pid, inject, stop, background, duration, opts, job, timeout)
-        return
-    try:
-        if stop:
-            status = _client(pid).trace_stop()
-            typer.echo(TraceMonitor.summary(status))
-            return
-        if not families:
-            raise _fail("nothing to trace: every family is turned off")
-        client = _probe_client(pid, inject)
-        out = os.path.abspath(output) if output else None
-        status = client.trace_start(
-            families, output=out, stacks=stacks, launch_stacks=launch_stacks
-        )
-    except ProbingError as err:
-        raise _fail(err) from None
-    monitor = TraceMonitor(pid, status)
-    typer.echo(monitor.started())
-    if background:
-        typer.echo(f"tracing in the background; stop with: probing trace --pid {pid} --stop")
-        return
-    try:
-        monitor.follow(client.trace_status, duration)
-    except (NoProbe, NoSuchProcess):
-        typer.echo(monitor.target_exited(out), err=True)
-        return
-    except ProbingError as err:
-        raise _fail(err) from None
-    except KeyboardInterrupt:
-        pass
-    if monitor.status.get("state") != "tracing":  # the target is exiting: its probe stopped
-        monitor.wait_exit()
-        monitor.wait_stopped(client.trace_status)
-        typer.echo(monitor.target_exited(out), err=True)
-        return
-    try:
-        typer.echo(TraceMonitor.summary(client.trace_stop()))
-    except (NoProbe, NoSuchProcess):
-        typer.echo(monitor.target_exited(out), err=True)
-    except ProbingError as err:
-        raise _fail(err) from None
-
-
-def _trace_many(
-    pid: int, inject: bool, stop: bool, background: bool, duration: float | None,
-    options: dict[str, Any], job: bool, timeout: float,
-) -> None:  # fmt: skip
-    """``trace --cluster`` (every rank, through ``pid``'s peers) or ``--job``
-    (every rank of its job on this machine, each through its own probe):
-    start (and, unless --background, stop after --duration or Ctrl-C);
-    exit 2 where a rank did not."""
-    import time
-
-    from probing.render import control_rows
-
-    if not stop and not options["families"]:
+    if output and (cluster or job):
+        raise _fail("--output writes one process's events: leave it out with --cluster, --job")
+    if cluster and job:
+        raise _fail("--cluster reaches every rank already: leave --job out")
+    if not stop and not families:
         raise _fail("nothing to trace: every family is turned off")
-    who = ("pid",) if job else ("rank", "node", "addr")
-    flag = "--job" if job else "--cluster"
-
-    def act(action: str) -> list[dict[str, Any]]:
-        if job:
-            return _job_trace(pid, action, inject, options)
-        client = _probe_client(pid, inject) if action == "start" else _client(pid)
-        more = options if action == "start" else {}
-        return client.cluster_trace(action, timeout=timeout, **more)
-
-    try:
-        rows = act("stop" if stop else "start")
-    except ProbingError as err:
-        raise _fail(err) from None
-    typer.echo(control_rows(rows, "stopped" if stop else "tracing", who))
-    if stop or background:
-        if not stop:
-            typer.echo(f"stop every rank with: probing trace --pid {pid} {flag} --stop")
-        if not all(r["ok"] for r in rows):
-            raise typer.Exit(2)
-        return
-    try:
-        if duration:
-            time.sleep(duration)
-        else:
-            _wait_forever()
-    except KeyboardInterrupt:
-        pass
-    try:
-        rows = act("stop")
-    except ProbingError as err:
-        raise _fail(err) from None
-    typer.echo(control_rows(rows, "stopped", who))
+    options = TraceOptions(families, stacks=stacks, launch_stacks=launch_stacks)
+    if cluster or job:
+        raise typer.Exit(
+            trace_many(
+                pid,
+                options,
+                job=job,
+                inject=inject,
+                stop=stop,
+                background=background,
+                duration=duration,
+                timeout=timeout,
+            )
+        )
+    trace_one(
+        pid,
+        options,
+        inject=inject,
+        stop=stop,
+        background=background,
+        duration=duration,
+        output=output,
+    )
 
 
-def _job_trace(
-    pid: int, action: str, inject: bool, options: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """Start or stop tracing in every rank of ``pid``'s job on this machine."""
-    from probing.errors import control_outcome, outcome_of
-    from probing.procs import job_pids
-
-    rows = []
-    for p in job_pids(pid):
-        try:
-            if action == "start":
-                reply = _probe_client(p, inject).trace_start(**options)
-            else:
-                reply = _client(p).trace_stop()
-            rows.append({"pid": p, **control_outcome(200, reply)})
-        except ProbingError as err:
-            rows.append({"pid": p, **outcome_of(err)})
-    return rows
-
-
-def _wait_forever() -> None:  # until Ctrl-C
-    import threading
-
-    threading.Event().wait()
-
-
-@app.command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
+@command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
 def doctor(
     fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
 ) -> None:
@@ -571,7 +426,7 @@ def run_script(argv: list[str]) -> int:
     return 0
 
 
-@app.command(
+@command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     epilog="Examples:\n\n  probing run train.py --epochs 3",
 )
@@ -580,12 +435,13 @@ def run(ctx: typer.Context, script: Annotated[str, typer.Argument(help="script t
     raise typer.Exit(run_script([script, *ctx.args]))
 
 
-@app.command(
+@command(
+    also=(OSError,),  # the job environment's files
     epilog=(
         "Examples:\n\n  probing hook --python /opt/job-venv/bin/python\n\n"
         "  PROBING=1 /opt/job-venv/bin/python train.py\n\n"
         "  probing hook --python /opt/job-venv/bin/python --remove"
-    )
+    ),
 )
 def hook(
     python: Annotated[str, typer.Option(help="the job environment's Python")],
@@ -595,17 +451,14 @@ def hook(
     a .pth line and the stdlib-only guest go in; nothing the job imports."""
     from probing.inject import hookinstall
 
-    try:
-        done = hookinstall.remove(python) if remove else hookinstall.install(python)
-    except (ProbingError, OSError) as err:
-        raise _fail(err if isinstance(err, ProbingError) else str(err)) from None
+    done = hookinstall.remove(python) if remove else hookinstall.install(python)
     if remove:
         typer.echo(f"removed the probing hook from {done.site}")
     else:
         typer.echo(f"PROBING=1 now starts the probe in {python} ({done.pth}, {done.guest})")
 
 
-@app.command(
+@command(
     epilog=(
         "Examples:\n\n  probing diagnose --pid 101 --pid 102 --pid 103 --pid 104\n\n"
         "  probing diagnose -p 101 -p 102 --window 30s --format json\n\n"
@@ -645,87 +498,31 @@ def diagnose(
     ] = None,
 ) -> None:
     """Name the straggler, slow link or hang of a distributed job, and show why."""
-    import time
-
-    from probing.analyze import diagnose as run_diagnosis
-    from probing.analyze.diagnose import sql_tables
-    from probing.client import Job
+    from probing.commands.diagnose import diagnose_job
     from probing.config import parse_interval
-    from probing.render import diagnosis
 
     try:
         window_s, hang_s = parse_interval(window), parse_interval(hang_after)
         record_s = parse_interval(record) if record else None
     except ValueError as err:
-        raise _fail(str(err)) from None
-    started: list[int] = []
-    if record_s is not None:
-        if not cluster or len(pid or []) != 1:
-            raise _fail("--record traces the job through one rank: give --cluster and one --pid")
-        try:
-            started = _record(pid[0], inject, record_s)  # type: ignore[index]
-        except ProbingError as err:
-            raise _fail(err) from None
-        window_s = min(window_s, record_s)
-
-    def waiting(seconds: float) -> None:
-        typer.echo(f"probing: counts differ; watching {seconds:.0f} s for a hang", err=True)
-
-    try:
-        if record_s is not None:  # Ctrl-C here stops the ranks it started too
-            typer.echo(f"probing: recording {record_s:g} s", err=True)
-            time.sleep(record_s)
-        for p in pid or []:  # a hung job never traced: stacks and counts still tell
-            _probe_client(p, inject)
-        job = Job(pids=pid, addr=addr, cluster=cluster, timeout=timeout)
-        d, table = run_diagnosis(job, window_s=window_s, hang_after_s=hang_s, on_wait=waiting)
-        if sql is not None:
-            from probing.engine import Engine
-            from probing.render import format_arrow
-            from probing.store import Store
-
-            engine = Engine(Store())
-            for name, t in sql_tables(d, table).items():
-                engine.register_table("analyze", name, lambda t=t: t)
-            result = engine.sql(sql)
-            if fmt is Format.json:
-                typer.echo(json.dumps(result.to_pylist(), default=str))
-            else:
-                typer.echo(format_arrow(result))
-            return
-    except ProbingError as err:
         raise _fail(err) from None
-    finally:
-        if record_s is not None and started:  # the ranks it started, not a trace of someone's
-            with contextlib.suppress(ProbingError):
-                _client(pid[0]).cluster_trace("stop", ranks=started)  # type: ignore[index]
-    if fmt is Format.json:
-        typer.echo(json.dumps(d.to_json(), default=str))
-    else:
-        typer.echo(diagnosis(d))
-
-
-def _record(pid: int, inject: bool, seconds: float) -> list[int]:
-    """``diagnose --record``: start tracing every rank of ``pid``'s job (the
-    caller waits ``seconds``); the ranks it started (a rank tracing already
-    goes on as it was, and is not stopped after)."""
-    from probing.render import control_rows
-
-    rows = _probe_client(pid, inject).cluster_trace("start")
-    started = [r["rank"] for r in rows if r["done"]]
-    if not any(r["ok"] for r in rows):
-        raise ProbingError(f"no rank could be traced:\n{control_rows(rows, 'tracing')}")
-    missing = ", ".join(f"rank {r['rank']} ({r['reason']})" for r in rows if not r["ok"])
-    traced = sum(1 for r in rows if r["ok"])
-    typer.echo(
-        f"probing: tracing {traced} of {len(rows)} ranks"
-        + (f"; not traced: {missing}" if missing else ""),
-        err=True,
+    if record_s is not None and (not cluster or len(pid or []) != 1):
+        raise _fail("--record traces the job through one rank: give --cluster and one --pid")
+    diagnose_job(
+        pid or [],
+        addr=addr,
+        cluster=cluster,
+        timeout=timeout,
+        inject=inject,
+        window_s=window_s,
+        hang_s=hang_s,
+        sql=sql,
+        fmt=fmt.value,
+        record_s=record_s,
     )
-    return started
 
 
-@app.command(
+@command(
     epilog="Examples:\n\n  probing demo\n\n  probing demo --slow-rank 2\n\n  probing demo --hang"
 )
 def demo(
@@ -745,16 +542,84 @@ def demo(
     raise typer.Exit(demo_main(seconds, slow_rank=slow_rank, hang=hang))
 
 
-def _register_views() -> None:
-    """``probing export`` and ``probing ui`` (their commands live with them)."""
-    from probing.export.command import register as register_export
-    from probing.ui.command import register as register_ui
-
-    register_export(app)
-    register_ui(app)
+class ExportFormat(str, Enum):
+    perfetto = "perfetto"
+    parquet = "parquet"
 
 
-_register_views()
+@command(
+    name="export",
+    also=(OSError,),  # the trace file or directory
+    epilog=(
+        "Examples:\n\n"
+        "  probing export --pid 1234 --cluster --format perfetto -o job.pftrace\n\n"
+        "  probing export -p 1234 --cluster --window 30s --max-events 2000000 -o last30s.pftrace"
+        "\n\n"
+        "  probing export -p 1234 --cluster --format parquet -o job-parquet/\n\n"
+        "  PROBING_TOKEN=... probing export --addr 10.0.0.2:7070 -o job.pftrace\n\n"
+        "  (open a .pftrace in https://ui.perfetto.dev, or offline: probing ui --pid 1234)"
+    ),
+)
+def export_cmd(
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="the trace file (perfetto) or directory (parquet)")
+    ],
+    pid: Annotated[
+        list[int] | None,
+        typer.Option("--pid", "-p", help="a rank's process id (repeat for local ranks)"),
+    ] = None,
+    addr: Annotated[
+        str | None, typer.Option("--addr", help="a peer probe, host:port (token: $PROBING_TOKEN)")
+    ] = None,
+    cluster: Annotated[
+        bool, typer.Option("--cluster", help="every rank of the job, through --pid's probe")
+    ] = False,
+    fmt: Annotated[ExportFormat, typer.Option("--format", "-f")] = ExportFormat.perfetto,
+    window: Annotated[str, typer.Option(help="how far back to export (60s, 500ms)")] = "60s",
+    max_events: Annotated[
+        int | None, typer.Option(help="keep at most this many events (the newest)")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the peers")] = 10.0,
+) -> None:
+    """Write every rank's recent events as a Perfetto trace or Parquet files."""
+    from probing.config import parse_interval
+    from probing.export import Source, export
+
+    try:
+        window_s = parse_interval(window)
+    except ValueError as err:
+        raise _fail(err, 2) from None
+    src = Source(pids=pid or [], addr=addr, cluster=cluster or bool(addr), timeout=timeout)
+    report = export(src, output, fmt=fmt.value, window_s=window_s, max_events=max_events)
+    typer.echo(report.summary())
+
+
+@command(
+    name="ui",
+    epilog=(
+        "Examples:\n\n"
+        "  probing ui --pid 1234            # the job rank 1234 belongs to\n\n"
+        "  probing ui -p 101 -p 102 -p 103  # these local ranks only\n\n"
+        "  PROBING_TOKEN=... probing ui --addr 10.0.0.2:7070 --port 8765\n\n"
+        "  (then open the printed http://127.0.0.1:PORT/?token=... URL; over ssh:\n"
+        "  ssh -L PORT:127.0.0.1:PORT host)"
+    ),
+)
+def ui_cmd(
+    pid: Annotated[
+        list[int] | None,
+        typer.Option("--pid", "-p", help="a rank's process id (repeat for local ranks only)"),
+    ] = None,
+    addr: Annotated[
+        str | None, typer.Option("--addr", help="a peer probe, host:port (token: $PROBING_TOKEN)")
+    ] = None,
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: a free one)")] = 0,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the peers")] = 10.0,
+) -> None:
+    """Serve the web UI: job heatmap, diagnose, SQL console, GPU, Perfetto timeline."""
+    from probing.commands.ui import serve
+
+    serve(pid or [], addr, port, timeout)
 
 
 def main() -> None:

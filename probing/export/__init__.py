@@ -17,8 +17,8 @@ _LAZY = {"Source": "probing.export.source", "ExportReport": "probing.export.time
 
 
 def __getattr__(name: str) -> Any:
-    """Source and ExportReport load on first use: the CLI imports this package
-    to register its command, and pyarrow/perfetto cost every command 1/3 s."""
+    """Source and ExportReport load on first use: pyarrow/perfetto cost 1/3 s,
+    more than a command that needs neither should pay for importing this."""
     if name in _LAZY:
         import importlib
 
