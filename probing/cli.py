@@ -6,11 +6,14 @@ import contextlib
 import json
 import sys
 from enum import Enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from probing.errors import ProbingError
+
+if TYPE_CHECKING:
+    from probing.client import ProbeClient
 
 app = typer.Typer(
     name="probing",
@@ -49,7 +52,7 @@ def _fail(err: ProbingError | str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _client(pid: int):  # type: ignore[no-untyped-def]
+def _client(pid: int) -> ProbeClient:
     from probing.client import ProbeClient
 
     return ProbeClient.for_pid(pid)
@@ -139,19 +142,19 @@ def query(
         sys.stdout.flush()
 
 
-def _addr_client(addr: str):  # type: ignore[no-untyped-def]
+def _addr_client(addr: str) -> ProbeClient:
     from probing.client import ProbeClient
 
     return ProbeClient.for_addr(addr)
 
 
-def _cluster_query(sql: str, pid: int | None, addr: str | None, **kw: object):  # type: ignore[no-untyped-def]
+def _cluster_query(sql: str, pid: int | None, addr: str | None, **kw: object) -> Any:
     from probing.client import cluster_query
 
     return cluster_query(sql, pid=pid, addr=addr, **kw)  # type: ignore[arg-type]
 
 
-def _report_peers(result, timings: bool) -> None:  # type: ignore[no-untyped-def]
+def _report_peers(result: Any, timings: bool) -> None:
     """Missing peers (always) and response times (the slowest, or all) on stderr."""
     for m in result.missing:
         typer.echo(f"probing: rank {m.rank} ({m.node}, {m.addr}) missing: {m.reason}", err=True)
@@ -211,7 +214,7 @@ def _note(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
-def _probe_client(pid: int, inject: bool, timeout: float | None = None):  # type: ignore[no-untyped-def]
+def _probe_client(pid: int, inject: bool, timeout: float | None = None) -> ProbeClient:
     """The client of pid's probe, injecting one first when asked to."""
     from probing.client import attach
 
@@ -336,7 +339,7 @@ def nvml(
         raise typer.Exit(1)
 
 
-def _family_flag(name: str, what: str):  # type: ignore[no-untyped-def]
+def _family_flag(name: str, what: str) -> Any:
     return typer.Option(f"--{name}/--no-{name}", help=f"trace {what}")
 
 
@@ -686,7 +689,7 @@ def diagnose(
 
             engine = Engine(Store())
             for name, t in sql_tables(d, table).items():
-                engine.register_table("analyze", name, lambda t=t: t)
+                engine.register_table("analyze", name, lambda t=t: t)  # type: ignore[misc]  # a lambda's default
             result = engine.sql(sql)
             if fmt is Format.json:
                 typer.echo(json.dumps(result.to_pylist(), default=str))
