@@ -14,6 +14,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check probing tests benchmarks
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 bench: setup
@@ -23,6 +24,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check probing tests benchmarks
 	$(VENV)/bin/ruff format --check probing tests benchmarks
+	$(VENV)/bin/mypy
 
 # the privileged suite in a Debian trixie VM (kernel 6.12, Python 3.13): docs/vm.md
 VM_TESTS ?= paths
@@ -30,4 +32,4 @@ vm-test:
 	@bash vagrant/vm-test.sh $(VM_TESTS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache build dist *.egg-info

@@ -84,7 +84,7 @@ def check_tracefs() -> Check:
 
 def check_bcc() -> Check:
     try:
-        import bcc  # type: ignore[import-not-found]
+        import bcc
     except (ImportError, OSError, AttributeError) as err:  # no bcc; no libbcc; an old libbcc
         return Check(
             "bcc",

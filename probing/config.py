@@ -183,10 +183,10 @@ def _parse(f: dataclasses.Field[Any], raw: str, strict: bool) -> Any:
             return f.default
         return value if (f.metadata["strict"] or value >= f.metadata["least"]) else f.default
     try:
-        value = float(raw)
+        number = float(raw)
     except ValueError:
         return f.default
-    return value if value > 0 else f.default
+    return number if number > 0 else f.default
 
 
 def from_env(environ: Mapping[str, str], *, strict: bool = False) -> Config:

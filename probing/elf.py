@@ -202,8 +202,10 @@ class ElfFile:
 
     def functions(self) -> list[Function]:
         """Every function symbol, by address: ``.symtab``, else ``.dynsym``."""
+        from elftools.elf.sections import SymbolTableSection
+
         table = self._elf.get_section_by_name(".symtab") or self._elf.get_section_by_name(".dynsym")
-        if table is None:
+        if not isinstance(table, SymbolTableSection):
             return []
         return sorted(
             Function(s["st_value"], s["st_size"], s.name)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from probing.analyze.diagnose import Diagnosis, Job, analyze, diagnose, local_tables
@@ -18,7 +19,7 @@ SQL_TABLES = (
 def install(engine: Any) -> None:
     """``analyze.*`` in a probe: over this probe's own rows (one rank)."""
 
-    def producer(name: str):  # type: ignore[no-untyped-def]
+    def producer(name: str) -> Callable[[], Any]:
         return lambda: local_tables(engine)[name]
 
     for name in SQL_TABLES:

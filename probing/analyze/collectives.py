@@ -131,7 +131,8 @@ def _rows(table: pa.Table) -> list[dict[str, Any]]:
     want = ["backend", "op", "comm", "seq", "comm_rank", "nranks", "bytes", "ts", "dur_ns"]
     want += ["pid", "node", "rank", "pg"]
     have = [c for c in want if c in table.column_names]
-    return table.select(have).to_pylist()
+    rows: list[dict[str, Any]] = table.select(have).to_pylist()
+    return rows
 
 
 def global_rank(r: dict[str, Any]) -> int:
@@ -181,7 +182,7 @@ def seq_offset(seq: np.ndarray, t: np.ndarray, ref_seq: np.ndarray, ref_t: np.nd
     if len(rt) > 1:
         left_closer = np.abs(t - rt[j - 1]) < np.abs(t - rt[j])
         j = np.where(left_closer, j - 1, j)
-    shifts = Counter((rs[j] - seq).tolist())
+    shifts: Counter[int] = Counter((rs[j] - seq).tolist())
     return shifts.most_common(1)[0][0]
 
 

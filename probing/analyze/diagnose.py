@@ -325,12 +325,12 @@ def verdict(
     if pipe is not None and pipe.slow is not None:
         return pipe.text() + cause_text(wy.headline(why, pipe.slow)).replace("/step", "/s")
     if slow_links:
-        s = slow_links[0]
+        link = slow_links[0]
         return (
-            f"slow link: {s.op} on {s.comm} takes {s.transfer_ms_median:.0f} ms on every "
-            f"rank (model {s.baseline_ms:.1f} ms) with no arrival skew "
-            f"({s.skew_ms_median:.1f} ms); ~{100 * s.share_of_step:.0f} % of the job's "
-            f"time since {_hms(s.since_ns)}"
+            f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms on "
+            f"every rank (model {link.baseline_ms:.1f} ms) with no arrival skew "
+            f"({link.skew_ms_median:.1f} ms); ~{100 * link.share_of_step:.0f} % of the job's "
+            f"time since {_hms(link.since_ns)}"
         )
     if not summary.collectives and pipe is not None:
         return pipe.text()
@@ -594,7 +594,10 @@ class Job(Protocol):
     """The ranks a diagnosis asks (``probing.client.Job``: local pids over
     their sockets, or the cluster through one probe)."""
 
-    remote: bool  # through a cluster query: no python.`expr` tables
+    @property
+    def remote(self) -> bool:
+        """Through a cluster query: no python.`expr` tables."""
+        ...
 
     def ask(self, sql: str) -> pa.Table:
         """``sql`` in every rank: one table, rows tagged ``node`` and ``rank``."""

@@ -8,6 +8,7 @@ share: the tags, the rank expression, and the ranks a gather missed.
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -33,13 +34,19 @@ def tag(table: pa.Table, node: str, rank: int) -> pa.Table:
 _RANKS: dict[tuple[int, float], int] = {}  # (pid, its start time) -> rank
 
 
-def process_rank(client: object, pid: int) -> int:
+class Queries(Protocol):
+    """What ``process_rank`` needs of a probe's client (``probing.client.ProbeClient``)."""
+
+    def query(self, sql: str) -> pa.Table: ...
+
+
+def process_rank(client: Queries, pid: int) -> int:
     """A local process's rank in its job (-1 when it has none); asked once per process."""
     key = (pid, _start_time(pid))
     if key in _RANKS:
         return _RANKS[key]
     try:
-        value = client.query(f"SELECT value FROM python.`{RANK_EXPR}`")  # type: ignore[attr-defined]
+        value = client.query(f"SELECT value FROM python.`{RANK_EXPR}`")
         rank = int(value.column(0)[0].as_py())
     except (ProbingError, ValueError, TypeError, IndexError):
         return -1

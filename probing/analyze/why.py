@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -82,13 +83,15 @@ MAIN_THREAD = "MainThread"  # Python's name for the thread that trains
 
 @dataclasses.dataclass
 class Profile:
-    funcs: dict[int, dict]  # rank -> (file, func) -> kind -> ns (and "line")
+    funcs: dict[int, dict[Any, dict[str, Any]]]  # rank -> (file, func) -> kind -> ns (and "line")
     span: dict[int, float]  # rank -> the sampled wall time (ns)
     native_runq: dict[int, float]  # rank -> ns its threads without Python waited for a CPU
 
 
 def _profile(rows: list[dict[str, Any]]) -> Profile:
-    prof: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    prof: dict[int, dict[Any, dict[str, Any]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(float))
+    )
     lines: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     vias: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     span: dict[int, float] = defaultdict(float)
@@ -112,13 +115,14 @@ def _profile(rows: list[dict[str, Any]]) -> Profile:
                 native[r] += ns  # their wait for a CPU delays that caller too
             continue
         prof[r][key][kind] += ns
-        lines[(r, *key)][row.get("line")] += ns
+        at = (r, *key)
+        lines[at][row.get("line")] += ns
         if row.get("via_func"):
-            vias[(r, *key)][(row.get("via_file"), row["via_func"])] += ns
-    for (r, *key), by_line in lines.items():
-        prof[r][tuple(key)]["line"] = max(by_line, key=by_line.__getitem__) or 0
-    for (r, *key), by_via in vias.items():
-        prof[r][tuple(key)]["via"] = max(by_via, key=by_via.__getitem__)
+            vias[at][(row.get("via_file"), row["via_func"])] += ns
+    for (r, *fn), by_line in lines.items():
+        prof[r][tuple(fn)]["line"] = max(by_line, key=by_line.__getitem__) or 0
+    for (r, *fn), by_via in vias.items():
+        prof[r][tuple(fn)]["via"] = max(by_via, key=by_via.__getitem__)
     return Profile(prof, span, native)
 
 
@@ -177,7 +181,7 @@ def _waited(w: Why) -> bool:
     return w.kind == "function" and work <= 2 * w.others_ms_per_step and (w.runq_ms or 0) > work
 
 
-def by_share(why: list[Why]) -> list[Why]:
+def by_share(why: Sequence[Why]) -> list[Why]:
     """The causes, the one that explains most first; where the rank is starved,
     a function slower by its wait for a CPU comes after the starvation (that
     wait is the starvation's, told function by function)."""
@@ -191,7 +195,7 @@ def by_share(why: list[Why]) -> list[Why]:
     return sorted(why, key=key)
 
 
-def headline(why: list[Why], rank: int) -> Why | None:
+def headline(why: Sequence[Why], rank: int) -> Why | None:
     """The cause that explains most of ``rank``'s lateness (None: no cause found).
     Slower hardware heads what it makes longer: its GPU the CUDA waits (and
     the functions whose time is in them), its CPU a wait for a CPU or the
@@ -430,8 +434,8 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
         line = int(prof[r].get(key, {}).get("line", 0) or 0) or None
         where = f" ({short_path(file)}:{line})" if file else ""
         where += via_text(prof[r].get(key, {}).get("via"))
-        top = max(parts, key=parts.__getitem__)
-        how = {"cpu": "on CPU", "off": "off CPU", "runq": "waiting for a CPU"}[top]
+        most = max(parts, key=parts.__getitem__)
+        how = {"cpu": "on CPU", "off": "off CPU", "runq": "waiting for a CPU"}[most]
         out.append(
             Why(
                 r, "function", str(func), file, line, round(mine, 2), round(theirs, 2),

@@ -29,7 +29,7 @@ HEADER = [
 HAS_RET = 1
 
 
-def event_dtype(fields: list[tuple[str, Any]]) -> np.dtype:
+def event_dtype(fields: list[tuple[Any, ...]]) -> np.dtype:
     return np.dtype(HEADER + fields, align=True)
 
 

@@ -18,6 +18,10 @@ import errno
 import os
 import platform
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ctypes import _CData as CData  # typeshed's base of every ctypes value
 
 # system call numbers
 _SYSCALLS = {"x86_64": (321, 298), "aarch64": (280, 241)}  # (bpf, perf_event_open)
@@ -254,7 +258,7 @@ def map_create(spec: MapSpec) -> int:
         raise BPFError(err.errno, f"cannot create BPF map {spec.name}: {err.strerror}") from None
 
 
-def map_lookup(fd: int, key: ctypes.Array | ctypes._SimpleCData | ctypes.Structure, value) -> bool:  # type: ignore[no-untyped-def,type-arg]
+def map_lookup(fd: int, key: CData, value: CData) -> bool:
     attr = MapElemAttr(fd, ctypes.addressof(key), ctypes.addressof(value), 0)
     try:
         bpf(MAP_LOOKUP_ELEM, attr)
@@ -265,11 +269,11 @@ def map_lookup(fd: int, key: ctypes.Array | ctypes._SimpleCData | ctypes.Structu
     return True
 
 
-def map_update(fd: int, key, value, flags: int = 0) -> None:  # type: ignore[no-untyped-def]
+def map_update(fd: int, key: CData, value: CData, flags: int = 0) -> None:
     bpf(MAP_UPDATE_ELEM, MapElemAttr(fd, ctypes.addressof(key), ctypes.addressof(value), flags))
 
 
-def map_delete(fd: int, key) -> bool:  # type: ignore[no-untyped-def]
+def map_delete(fd: int, key: CData) -> bool:
     try:
         bpf(MAP_DELETE_ELEM, MapElemAttr(fd, ctypes.addressof(key), 0, 0))
     except BPFError as err:
@@ -279,7 +283,7 @@ def map_delete(fd: int, key) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-def map_next_key(fd: int, key, next_key) -> bool:  # type: ignore[no-untyped-def]
+def map_next_key(fd: int, key: CData | None, next_key: CData) -> bool:
     """``key`` None: the first key. False at the end."""
     attr = MapElemAttr(
         fd, ctypes.addressof(key) if key is not None else 0, ctypes.addressof(next_key), 0
@@ -366,7 +370,7 @@ class UprobeLink:
 
 def uprobe_links() -> list[UprobeLink]:
     """Every multi-uprobe link on the system (root), with its pid and file."""
-    out = []
+    out: list[UprobeLink] = []
     ids = IdAttr(0, 0)
     while True:
         try:

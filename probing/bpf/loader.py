@@ -102,7 +102,7 @@ def ctype_of(desc: Any) -> Any:
             return _CTYPES[desc]
         except KeyError:
             raise ProbingError(f"unknown C type {desc!r} in a BPF map description") from None
-    fields = []
+    fields: list[tuple[Any, ...]] = []
     for i, member in enumerate(desc[1]):
         name, sub = member[0] or f"_anon{i}", member[1]
         if len(member) == 3 and isinstance(member[2], list):
@@ -249,8 +249,8 @@ def cache_key(source: str, family_h: str | None, cflags: Iterable[str]) -> str:
 def _compile(source: str, family_h: str | None, cflags: list[str], key: str) -> Compiled:
     """BCC compiles; we keep the bytecode with map numbers for map fds.
     ``family_h`` None: ``source`` alone, without the families' preamble."""
-    from bcc import BPF  # type: ignore[import-not-found]
-    from bcc.libbcc import lib  # type: ignore[import-not-found]
+    from bcc import BPF
+    from bcc.libbcc import lib
 
     with program_dir() as src:
         flags = [f"-I{src}"]
@@ -274,7 +274,8 @@ def _compile(source: str, family_h: str | None, cflags: list[str], key: str) -> 
         lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
         lib.bpf_table_name.restype = ctypes.c_char_p
         lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        maps, by_fd = [], {}
+        maps: list[MapDef] = []
+        by_fd: dict[int, int] = {}
         for i in range(lib.bpf_num_tables(bpf.module)):
             name = lib.bpf_table_name(bpf.module, i)
             fd = lib.bpf_table_fd(bpf.module, name)
@@ -371,8 +372,9 @@ class Map:
         self.map_fd = fd
         self.name = d.spec.name
         self.spec = d.spec
-        self.Key = ctype_of(d.key) if d.key is not None else None
-        self.Leaf = ctype_of(d.leaf) if d.leaf is not None else None
+        # the ctypes types (None: BCC described none)
+        self.Key: Any = ctype_of(d.key) if d.key is not None else None
+        self.Leaf: Any = ctype_of(d.leaf) if d.leaf is not None else None
 
     def __getitem__(self, key: Any) -> Any:
         leaf = self.Leaf()

@@ -32,7 +32,7 @@ def record_dtype(sample: np.dtype) -> np.dtype:
     """One ring-buffer record: ``rb_len`` (the header's length and flags),
     then every field of ``sample`` under its own name, padding to 8 bytes.
     An array of these reads like an array of samples (``ev["ts"]``)."""
-    if sample.names is None:
+    if sample.names is None or sample.fields is None:
         raise ValueError(f"the sample must be a structured dtype, not {sample}")
     fields = [(name, *sample.fields[name][:2]) for name in sample.names]
     return np.dtype(
@@ -100,7 +100,9 @@ def unstage(records: np.ndarray) -> np.ndarray:
     width = records.dtype["ev"].shape[0]
     if not len(records):
         return np.empty(0, event)
-    start = records.dtype.fields["ev"][1]
+    fields = records.dtype.fields
+    assert fields is not None  # a structured dtype: it has "ev"
+    start = fields["ev"][1]
     rows = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), -1)
     block = rows[:, start : start + width * event.itemsize]
     each = np.ascontiguousarray(block).reshape(len(records) * width, event.itemsize)

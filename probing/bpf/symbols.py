@@ -154,6 +154,15 @@ class Symbolizer:
                 return m
         return None
 
+    def _symbols(self, path: str) -> _FileSymbols | None:
+        """The file's symbols, read once (None: not an ELF, unreadable)."""
+        if path not in self._files:
+            try:
+                self._files[path] = _FileSymbols(path)
+            except ELF_ERRORS:
+                self._files[path] = None
+        return self._files[path]
+
     def name(self, addr: int) -> str | None:
         if addr in self._cache:
             return self._cache[addr]
@@ -163,13 +172,7 @@ class Symbolizer:
             m = self._mapping(addr)
         name = None
         if m is not None:
-            syms = self._files.get(m.path, False)
-            if syms is False:
-                try:
-                    syms = _FileSymbols(m.path)
-                except ELF_ERRORS:  # not an ELF, unreadable
-                    syms = None
-                self._files[m.path] = syms
+            syms = self._symbols(m.path)
             if syms is not None:
                 vaddr = syms.vaddr(addr - m.start + m.offset)
                 raw = syms.name_at(vaddr) if vaddr is not None else None

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -45,6 +45,9 @@ from probing.bpf.pystacks import PyStacks
 from probing.bpf.state import TracerState
 from probing.bpf.symbols import mapped_files
 from probing.errors import BPFUnavailable, ProbingError
+
+if TYPE_CHECKING:
+    from probing.bpf.sampler import Sampler
 
 DEFAULT_INTERVAL_S = 0.05
 BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
@@ -197,7 +200,7 @@ class Tracer:
         # Python stacks sampled on and off CPU meanwhile. Started here, not in a
         # thread of its own: its BCC compile beside the host's threads crashed
         # a host calling into libnccl at that moment (seen in test_trace)
-        self.sampler = None
+        self.sampler: Sampler | None = None
         self._start_sampler()
 
     def _load(self, live: Live) -> None:
@@ -262,8 +265,9 @@ class Tracer:
             self.store.table(f.table, "calls").remove_before_read(self.drain)
         if self._py is not None:
             self._py.table.remove_before_read(self._drainer.resolve_stacks)
-        if getattr(self, "sampler", None) is not None:
-            self.sampler.stop()
+        sampler = getattr(self, "sampler", None)  # absent before start()
+        if sampler is not None:
+            sampler.stop()
         try:
             self.drain()
         finally:

@@ -144,7 +144,7 @@ def _final_agg(
     partial = merged.get(planner.PARTIAL)
     rows = {n: t for n, t in merged.items() if n != planner.PARTIAL}
     if the_plan.mode is planner.Mode.AGG_NODE and rows:  # my node's rows (and any re-asked)
-        mine = planner.run_final(sql, rows, threads)  # type: ignore[arg-type]
+        mine = planner.run_final(sql, rows, threads)
         partial = mine if partial is None else concat([partial, mine])
     if partial is None:
         ref = planner.table_refs(sql, known)[0].name

@@ -21,6 +21,7 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from probing import config
 from probing.probe.http import parse_answer, request_bytes  # noqa: F401 - the peers' requests
@@ -77,7 +78,7 @@ class Exchange:
         self._total = 0
         self.results: list[Reply | str | None] = []
         self._sel: selectors.BaseSelector | None = None  # made by the first add
-        self._resolved: dict[str, tuple[socket.AddressFamily, tuple]] = {}
+        self._resolved: dict[str, tuple[socket.AddressFamily, tuple[Any, ...]]] = {}
 
     def add(self, host: str, port: int, request: bytes) -> int:
         """Start one request (connect now, send when writable); returns its index."""
@@ -103,7 +104,7 @@ class Exchange:
         self._sel.register(sock, selectors.EVENT_WRITE, _Call(i, sock, memoryview(request), t0))
         return i
 
-    def _address(self, host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    def _address(self, host: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
         """Resolved once per host (a node's ranks share it); IP literals at once."""
         known = self._resolved.get(host)
         if known is None:

@@ -136,7 +136,8 @@ def job_address(master: tuple[str, int] | None) -> str:
         family, _, _, _, sockaddr = infos[0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(sockaddr)
-            return s.getsockname()[0]
+            addr: str = s.getsockname()[0]
+            return addr
     except OSError:
         return "127.0.0.1"
 

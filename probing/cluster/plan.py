@@ -23,6 +23,7 @@ has such a column keeps it as ``table_node`` / ``table_rank``
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -268,7 +269,7 @@ def _has_alias(sql: str, end: int) -> bool:
 
 
 def planning_context(
-    tables: dict[str, pa.Table | pa.Schema], *, execute: bool = False
+    tables: Mapping[str, pa.Table | pa.Schema], *, execute: bool = False
 ) -> SessionContext:
     """A fresh session whose catalog holds exactly ``tables`` ("schema.name").
 
@@ -307,7 +308,7 @@ def _message(err: Exception) -> str:
 
 
 def run_final(
-    sql: str, tables: dict[str, pa.Table | pa.Schema], threads: run.QueryThreads | None = None
+    sql: str, tables: Mapping[str, pa.Table | pa.Schema], threads: run.QueryThreads | None = None
 ) -> pa.Table:
     """Run read-only ``sql`` in a fresh session over ``tables``, under the
     probe's limits (``probing.engine.limits``), on a query thread of
@@ -451,7 +452,7 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
         key_names = {item[0].name for item in keys if len(item) == 1}
         mode = Mode.AGG if "rank" in key_names else Mode.AGG_NODE if "node" in key_names else None
         if mode is not None:
-            ctx = planning_context({refs[0].name: schemas[refs[0].name]})  # type: ignore[dict-item]
+            ctx = planning_context({refs[0].name: schemas[refs[0].name]})
             try:
                 out = ctx.sql(sql).schema().names
             except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception
@@ -478,7 +479,7 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
     scans: dict[str, ScanSpec] = {n: ScanSpec(None, None) for n in names}
     known = {n: s for n, s in schemas.items() if s is not None and n in scans}
     if len(known) == len(names):
-        ctx = planning_context(known)  # type: ignore[arg-type]
+        ctx = planning_context(known)
         try:
             logical = ctx.sql(sql).optimized_logical_plan()
         except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception

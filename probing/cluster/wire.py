@@ -53,7 +53,8 @@ def table_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
 
 
 def pack(meta: dict[str, Any], tables: dict[str, pa.Table], t_recv_ns: int) -> bytes:

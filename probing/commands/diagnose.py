@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import typer
@@ -77,12 +78,17 @@ def print_sql(d: Diagnosis, table: pa.Table, sql: str, fmt: str) -> None:
 
     engine = Engine(Store())
     for name, t in sql_tables(d, table).items():
-        engine.register_table("analyze", name, lambda t=t: t)
+        engine.register_table("analyze", name, _constant(t))
     result = engine.sql(sql)
     if fmt == "json":
         typer.echo(json.dumps(result.to_pylist(), default=str))
     else:
         typer.echo(format_arrow(result))
+
+
+def _constant(table: pa.Table) -> Callable[[], pa.Table]:
+    """A table provider that always answers ``table``."""
+    return lambda: table
 
 
 def start_recording(pid: int, inject: bool) -> list[int]:

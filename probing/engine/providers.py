@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Union
 
 import pyarrow as pa
-from datafusion import DataFrame, SessionContext, col, lit
+from datafusion import DataFrame, Expr, SessionContext, col, lit
 from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 
 from probing.errors import ProbingError, ProviderError, log_unexpected
@@ -112,7 +112,7 @@ def as_table(data: TableData, ctx: SessionContext | None = None) -> Table:
     return Table(data)
 
 
-def _int_lit(value: int):  # type: ignore[no-untyped-def]
+def _int_lit(value: int) -> Expr:
     """``lit`` of an int64 scalar: 10x cheaper than ``lit(int)`` (0.2 ms a call)."""
     return lit(pa.scalar(value, pa.int64()))
 

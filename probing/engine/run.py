@@ -160,6 +160,7 @@ class QueryThreads:
 
     def _work(self) -> None:
         me = threading.get_ident()
+        job: _Job[Any] | None
         while True:
             try:
                 job = self._jobs.get(timeout=self.LINGER_S)
@@ -176,7 +177,7 @@ class QueryThreads:
                 job.thread_id = me
                 self._busy += 1
             self._execute(job, me)
-            job = None  # a lingering thread holds no result  # type: ignore[assignment]
+            job = None  # a lingering thread holds no result
 
     def _execute(self, job: _Job[Any], me: int) -> None:
         _local.job = job

@@ -153,8 +153,8 @@ def hook_threads(tell: Any) -> None:
     failing never reaches the thread: it is picked up at the next sync."""
     import ctypes
 
-    original = getattr(threading.Thread._set_native_id, "__probing_original__", None)
-    original = original or threading.Thread._set_native_id  # type: ignore[attr-defined]
+    current = threading.Thread._set_native_id  # type: ignore[attr-defined]  # private
+    original = getattr(current, "__probing_original__", None) or current
     get = ctypes.pythonapi.PyThreadState_Get
     get.restype = ctypes.c_void_p
 
@@ -191,6 +191,7 @@ def stacks(window_s: float = WINDOW_S) -> list[dict[str, Any]]:
     time.sleep(window_s)  # lets the GIL go: busy Python threads run meanwhile
     tick = os.sysconf("SC_CLK_TCK")
     states: dict[int, tuple[str, float, int]] = {}
+    tid: int | None
     for tid in tids:
         now, then = task_stat(tid), before.get(tid)
         if now is None:
@@ -347,7 +348,7 @@ def _captured() -> Iterator[io.StringIO]:
     buf = io.StringIO()
     saved = sys.stdout, sys.stderr
     tees = _ThreadTee(saved[0], buf), _ThreadTee(saved[1], buf)
-    sys.stdout, sys.stderr = tees  # type: ignore[assignment]
+    sys.stdout, sys.stderr = tees
     try:
         yield buf
     finally:

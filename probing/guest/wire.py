@@ -103,12 +103,12 @@ def request(path: str, method: str, url: str, payload: Any = None, timeout: floa
     except ValueError:
         raise WireError(status, data[:200].decode("utf-8", "replace")) from None
     if status != 200:
-        err = answer if isinstance(answer, dict) else {}
+        problem = answer if isinstance(answer, dict) else {}
         raise WireError(
             status,
-            str(err.get("error", answer)),
-            str(err.get("type", "ProbingError")),
-            str(err.get("detail") or ""),
+            str(problem.get("error", answer)),
+            str(problem.get("type", "ProbingError")),
+            str(problem.get("detail") or ""),
         )
     return answer
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from probing import elf, paths, pyframes
 from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
@@ -490,7 +490,7 @@ def _status_dir(target: Target) -> str:
     return d
 
 
-def _wait_report(target: Target, status: str, timeout: float) -> dict:  # type: ignore[type-arg]
+def _wait_report(target: Target, status: str, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

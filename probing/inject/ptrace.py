@@ -12,6 +12,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from probing.errors import AttachError, NoSuchProcess
@@ -199,7 +200,9 @@ class Tracee:
             raise TargetGone(f"process {self.pid} exited during injection", pid=self.pid)
         return Stop(os.WSTOPSIG(status), status >> 16)
 
-    def wait_for(self, done, timeout: float, what: str, resume: int = PTRACE_CONT) -> Stop:  # type: ignore[no-untyped-def]
+    def wait_for(
+        self, done: Callable[[Stop], bool], timeout: float, what: str, resume: int = PTRACE_CONT
+    ) -> Stop:
         """Wait until a stop satisfies ``done``; keep signals that arrive meanwhile.
 
         A fault raised by the thread (our call went wrong) ends the wait with

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from probing import config
@@ -27,9 +27,13 @@ class Probe(Protocol):
 
     tracer: Any
     cluster: Any
-    engine: Any
-    nvml: Any
     target: Any  # probing.target: the process described
+
+    @property
+    def engine(self) -> Any: ...
+
+    @property
+    def nvml(self) -> Any: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -125,7 +129,7 @@ def _column(col: Any) -> list[Any]:
 
         if not pa.types.is_timestamp(col.type):
             raise
-        return col.cast(pa.string()).to_pylist()  # type: ignore[no-any-return]
+        return col.cast(pa.string()).to_pylist()
 
 
 def json_columns(table: object, limit: int) -> bytearray:
@@ -169,7 +173,7 @@ def encode(table: object, fmt: str, limit: int | None = None) -> Response:
     if fmt == "csv":
         with pacsv.CSVWriter(sink, table.schema) as writer:
             for batch in _steps(table):
-                writer.write_batch(batch)  # type: ignore[arg-type]
+                writer.write_batch(batch)
                 if sink.tell() > limit:
                     raise _over("CSV", sink.tell(), limit)
         return Response(200, "text/csv", sink.getvalue().to_pybytes())
@@ -283,7 +287,7 @@ def trace_status(probe: Probe, req: Request) -> Response:
     return Response.json(current.status() if current else {"state": "stopped", "families": {}})
 
 
-def _cluster(probe: Probe):  # type: ignore[no-untyped-def]
+def _cluster(probe: Probe) -> Any:
     node = probe.cluster
     if node is None:
         raise ProbingError(
@@ -424,7 +428,7 @@ ROUTES = {
 }
 
 
-def make_app(probe: Probe):  # type: ignore[no-untyped-def]
+def make_app(probe: Probe) -> Callable[[Request], Response]:
     def app(req: Request) -> Response:
         route = ROUTES.get((req.method, req.path))
         if route is None:

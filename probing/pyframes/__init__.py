@@ -89,7 +89,7 @@ def offsets_for(version: tuple[int, ...] | str) -> Offsets:
 
 def current() -> Offsets:
     """The offsets of the interpreter running this code."""
-    return offsets_for(sys.version_info)
+    return offsets_for(sys.version_info[:2])
 
 
 __all__ = ["SUPPORTED", "Offsets", "current", "offsets_for"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 P = ctypes.c_void_p
 I = ctypes.c_int  # noqa: E741
@@ -22,19 +24,20 @@ L = ctypes.c_ulong
 U64 = ctypes.c_uint64
 HEAD = [("ob_refcnt", ctypes.c_ssize_t), ("ob_type", P)]
 VARHEAD = [*HEAD, ("ob_size", ctypes.c_ssize_t)]
+Fields = list[tuple[str, Any]]  # a struct's ``_fields_``: (name, ctypes type)
 
 
-def _ints(*names: str) -> list[tuple[str, type]]:
+def _ints(*names: str) -> Fields:
     return [(n, I) for n in names]
 
 
-def _ptrs(*names: str) -> list[tuple[str, type]]:
+def _ptrs(*names: str) -> Fields:
     return [(n, P) for n in names]
 
 
 # -- the layouts (prefixes) ------------------------------------------------------------
 
-RUNTIME = {  # _PyRuntimeState up to interpreters.head
+RUNTIME: dict[tuple[int, int], Fields | None] = {  # _PyRuntimeState up to interpreters.head
     (3, 10): _ints("_initialized", "preinit", "preinited", "core_init", "init")
     + _ptrs("_finalizing", "interp_mutex", "interpreters_head"),
     (3, 11): _ints("_initialized", "preinit", "preinited", "core_init", "init")
@@ -43,7 +46,7 @@ RUNTIME = {  # _PyRuntimeState up to interpreters.head
     + [("_finalizing", P), ("_finalizing_id", L)]
     + _ptrs("interp_mutex", "interpreters_head"),
 }
-INTERP = {  # PyInterpreterState up to threads.head
+INTERP: dict[tuple[int, int], Fields | None] = {  # PyInterpreterState up to threads.head
     (3, 10): _ptrs("next", "threads_head"),
     (3, 11): [("next", P), ("next_unique_id", U64), ("threads_head", P)],
     (3, 12): [("next", P), ("id", ctypes.c_int64), ("id_refcount", ctypes.c_int64)]
@@ -141,19 +144,16 @@ DEBUG_OFFSETS = {(3, 13): 0}  # _Py_DebugOffsets at the start of _PyRuntime
 VERSIONS = [(3, 10), (3, 11), (3, 12), (3, 13)]
 
 
-def _pick(table: dict, v: tuple[int, int]):  # type: ignore[no-untyped-def,type-arg]
+def _pick(table: Mapping[tuple[int, int], Any], v: tuple[int, int]) -> Any:
     """The newest entry at or below ``v`` (a layout lasts until it changes)."""
     keys = [k for k in table if k <= v]
     return table[max(keys)] if keys else None
 
 
-def _layout(fields: list[tuple[str, type]] | None) -> dict[str, int]:  # type: ignore[misc]
+def _layout(fields: Sequence[tuple[str, Any]] | None) -> dict[str, int]:
     if fields is None:
         return {}
-
-    class S(ctypes.Structure):
-        _fields_ = fields
-
+    S = type("S", (ctypes.Structure,), {"_fields_": fields})
     return {name: getattr(S, name).offset for name, _ in fields}
 
 

@@ -138,6 +138,6 @@ def this_runtime() -> int:
 def this_interpreter() -> Interpreter:
     mem = ProcessMemory()
     runtime = this_runtime()
-    off = apply_debug_offsets(mem, runtime, offsets_for(sys.version_info))
+    off = apply_debug_offsets(mem, runtime, offsets_for(sys.version_info[:2]))
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     return Interpreter(mem.pid, mem, off, runtime, version, sys.executable)

@@ -169,7 +169,7 @@ class Service:
                 server.close_tcp()
                 closing.append(server)
         deadline = time.monotonic() + 2.0  # the loop closes them: before the new one binds
-        while any(s.tcp_address() is not None for s in closing) and time.monotonic() < deadline:
+        while any(s.tcp_address is not None for s in closing) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def _tidy(self) -> None:

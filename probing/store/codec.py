@@ -19,7 +19,7 @@ _DELTA_TYPES = (pa.int32(), pa.int64(), pa.uint32(), pa.uint64())
 
 
 def _is_string(t: pa.DataType) -> bool:
-    return (
+    return bool(
         pa.types.is_string(t)
         or pa.types.is_large_string(t)
         or pa.types.is_binary(t)

@@ -160,7 +160,7 @@ class EventTable:
         rows stay readable meanwhile.
         """
         batches = self._conform(batch)
-        rows = sum(b.num_rows for b in batches)
+        rows: int = sum(b.num_rows for b in batches)
         if rows == 0:
             return 0
         to_seal = None
@@ -215,7 +215,8 @@ class EventTable:
                 raise ValueError(
                     f"rows do not fit {self.qualified_name} ({schema}): {err}"
                 ) from err
-        return batch.to_batches()
+        batches: list[pa.RecordBatch] = batch.to_batches()
+        return batches
 
     def _take_pending_locked(self) -> tuple[int, list[pa.RecordBatch]]:
         chunk_id = next(_chunk_ids)
@@ -301,7 +302,8 @@ class EventTable:
 
     def stored_bytes(self) -> int:
         with self._lock:
-            return sum(c.stored_bytes for c in self._chunks) + sum(b.nbytes for b in self._pending)
+            pending: int = sum(b.nbytes for b in self._pending)
+            return sum(c.stored_bytes for c in self._chunks) + pending
 
     # -- reading -------------------------------------------------------------
     def snapshot(self) -> Snapshot:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 
@@ -15,14 +15,14 @@ from probing.store import EventTable, Store
 SCHEMA = "python"
 FLUSH_ROWS = 4096
 
-ColumnSpec = Sequence[str] | Sequence[tuple[str, pa.DataType]] | pa.Schema
+ColumnSpec: TypeAlias = Sequence[str] | Sequence[tuple[str, pa.DataType]] | pa.Schema
 
 
 def _parse_columns(columns: ColumnSpec) -> tuple[list[str], pa.Schema | None]:
     names, types = spec(columns)  # checked as the guest's tables check them
     if isinstance(columns, pa.Schema):
         return names, columns
-    return names, None if types is None else pa.schema(list(columns))  # type: ignore[arg-type]
+    return names, None if types is None else pa.schema(list(columns))
 
 
 class ExternalTable:

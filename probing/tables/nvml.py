@@ -144,7 +144,7 @@ class Sampler:
         self._nvml: Any = None
         self._handles: list[tuple[int, str, Any]] = []  # (index, uuid, handle) sampled
         self._events: Any = None
-        self._throttle: Callable[..., Any] | None = None  # chosen once NVML is loaded
+        self._throttle: Any = None  # NVML's function, chosen once NVML is loaded (as _nvml)
         self.devices: list[dict[str, Any]] = []
         self.state = "stopped"
         self.reason: str | None = "not started (probing nvml --pid P --interval 100ms)"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import psutil
 import pyarrow as pa
@@ -17,6 +18,8 @@ import pyarrow as pa
 from probing.config import VERSION
 from probing.errors import ProbingError
 from probing.guest.inside import task_stat
+
+T = TypeVar("T")
 
 INFO_SCHEMA = pa.schema(
     [
@@ -87,7 +90,7 @@ def info(target: Any) -> pa.Table:
     return pa.Table.from_pylist([row], schema=INFO_SCHEMA)
 
 
-def _safe(fn):  # type: ignore[no-untyped-def]
+def _safe(fn: Callable[[], T]) -> T | None:
     try:
         return fn()
     except (psutil.Error, OSError):

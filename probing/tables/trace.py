@@ -42,7 +42,7 @@ COLLECTIVES_SQL = "\nUNION ALL\n".join(
 CurrentTracer = Callable[[], Any]
 
 
-def _inflight(family: str, current: CurrentTracer):  # type: ignore[no-untyped-def]
+def _inflight(family: str, current: CurrentTracer) -> Callable[[], pa.Table]:
     schema = families.FAMILIES[family].schema
 
     def produce() -> pa.Table:
@@ -52,7 +52,7 @@ def _inflight(family: str, current: CurrentTracer):  # type: ignore[no-untyped-d
     return produce
 
 
-def _uprobes(current: CurrentTracer):  # type: ignore[no-untyped-def]
+def _uprobes(current: CurrentTracer) -> Callable[[], pa.Table]:
     def produce() -> pa.Table:
         from probing.bpf.attach import PROBES_SCHEMA
 
