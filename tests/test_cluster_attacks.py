@@ -8,7 +8,7 @@ import threading
 import time
 
 from probing.cluster.discovery import PeerInfo
-from probing.cluster.exchange import Exchange, Reply, request_bytes
+from probing.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
 from probing.cluster.identity import Identity
 from probing.cluster.node import ClusterNode
 from probing.cluster.wire import unpack
@@ -83,7 +83,8 @@ def test_a_reply_over_the_cap_is_cut_off_and_named() -> None:
     ex.add("127.0.0.1", big.getsockname()[1], req)
     ex.add("127.0.0.1", small.getsockname()[1], req)
     got = ex.run()
-    assert isinstance(got[0], str) and "over 1 MiB" in got[0] and "PROBING_MAX_REPLY_MB" in got[0]
+    assert isinstance(got[0], PeerFailure)
+    assert "over 1 MiB" in got[0].reason and "PROBING_MAX_REPLY_MB" in got[0].reason
     assert isinstance(got[1], Reply) and len(got[1].body) == 1000
     for s in (big, small):
         s.close()
@@ -107,7 +108,7 @@ def test_replies_together_are_capped_too() -> None:
     for s in peers:
         ex.add("127.0.0.1", s.getsockname()[1], request_bytes("/x", b"{}", None))
     got = ex.run()
-    cut = [g for g in got if isinstance(g, str)]
+    cut = [g.reason for g in got if isinstance(g, PeerFailure)]
     assert cut and all("in all" in g for g in cut), got
     assert sum(len(g.body) for g in got if isinstance(g, Reply)) <= 2 << 20
     for s in peers:

@@ -257,7 +257,7 @@ def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
     import threading
     import time
 
-    from probing.cluster.exchange import Exchange, Reply, request_bytes
+    from probing.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
 
     def listener() -> socket.socket:
         s = socket.socket()
@@ -297,7 +297,8 @@ def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
     assert got[0].t_done_ns >= got[0].t_send_ns
     assert seen[0].startswith(b"POST /cluster/gather HTTP/1.0\r\n")
     assert b"Authorization: Bearer tok\r\n" in seen[0] and b"Content-Length: 5\r\n" in seen[0]
-    assert got[1:] == ["connection closed", "connection closed", None, "refused"]
+    reasons = [g.reason if isinstance(g, PeerFailure) else g for g in got[1:]]
+    assert reasons == ["connection closed", "connection closed", None, "refused"]
     for s in (ok, closes, garbage, silent):
         s.close()
 
@@ -321,7 +322,7 @@ def test_a_peer_without_a_usable_answer_raises_peer_failure_with_its_reason() ->
         reply_of([None], 0)
     assert late.value.reason == "timeout"
     with pytest.raises(PeerFailure, match="refused"):
-        reply_of(["refused"], 0)
+        reply_of([PeerFailure("refused")], 0)
 
 
 def test_a_gatherers_answer_brings_its_members_on_my_clock() -> None:

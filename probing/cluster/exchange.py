@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probing import config
+from probing.errors import PeerUnreachable
 from probing.probe.http import parse_answer, request_bytes  # noqa: F401 - the peers' requests
 
 
@@ -53,21 +54,37 @@ class _Call:
     size: int = 0
 
 
-def reason(err: OSError) -> str:
+class PeerFailure(PeerUnreachable):
+    """One peer gave no usable answer; ``reason`` says why, as
+    ``MissingPeer.reason`` and ``probing.peers`` show it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PeerLate(PeerFailure):
+    """The deadline passed before the peer answered (so did its members')."""
+
+    def __init__(self) -> None:
+        super().__init__("timeout")
+
+
+def failure(err: OSError) -> PeerFailure:
     """Why a peer did not answer, from the socket error."""
     if isinstance(err, ConnectionRefusedError):
-        return "refused"
+        return PeerFailure("refused")
     if isinstance(err, TimeoutError):
-        return "timeout"
+        return PeerLate()
     if isinstance(err, (ConnectionResetError, BrokenPipeError)):
-        return "connection closed"
-    return f"unreachable: {err}"
+        return PeerFailure("connection closed")
+    return PeerFailure(f"unreachable: {err}")
 
 
 class Exchange:
     """``add`` every request, then ``run``: ``results[i]`` is the i-th request's
-    Reply, the reason it has none (``refused``, ``connection closed``, ...), or
-    None when the deadline passed first."""
+    Reply, the ``PeerFailure`` that says why it has none (``refused``,
+    ``connection closed``, ...), or None when the deadline passed first."""
 
     def __init__(
         self, deadline: float, max_reply: int | None = None, max_total: int | None = None
@@ -76,7 +93,7 @@ class Exchange:
         self.max_reply = max_reply if max_reply is not None else reply_limit()
         self.max_total = max_total if max_total is not None else 4 * self.max_reply
         self._total = 0
-        self.results: list[Reply | str | None] = []
+        self.results: list[Reply | PeerFailure | None] = []
         self._sel: selectors.BaseSelector | None = None  # made by the first add
         self._resolved: dict[str, tuple[socket.AddressFamily, tuple[Any, ...]]] = {}
 
@@ -97,7 +114,7 @@ class Exchange:
         except OSError as err:
             if sock is not None:
                 sock.close()
-            self.results[i] = reason(err)
+            self.results[i] = failure(err)
             return i
         if self._sel is None:
             self._sel = selectors.DefaultSelector()
@@ -113,7 +130,7 @@ class Exchange:
         family, addr = known
         return family, (addr[0], port, *addr[2:])
 
-    def run(self) -> list[Reply | str | None]:
+    def run(self) -> list[Reply | PeerFailure | None]:
         """Serve every socket until all are done or the deadline passes."""
         sel = self._sel
         if sel is None:
@@ -132,7 +149,9 @@ class Exchange:
             sel.close()
         return self.results
 
-    def _finish(self, sel: selectors.BaseSelector, call: _Call, result: Reply | str) -> None:
+    def _finish(
+        self, sel: selectors.BaseSelector, call: _Call, result: Reply | PeerFailure
+    ) -> None:
         sel.unregister(call.sock)
         call.sock.close()
         self.results[call.index] = result
@@ -140,7 +159,7 @@ class Exchange:
     def _cut(self, sel: selectors.BaseSelector, call: _Call, why: str) -> None:
         self._total -= call.size
         call.chunks = []
-        self._finish(sel, call, f"{why} (PROBING_MAX_REPLY_MB raises the limit)")
+        self._finish(sel, call, PeerFailure(f"{why} (PROBING_MAX_REPLY_MB raises the limit)"))
 
     def _step(self, sel: selectors.BaseSelector, call: _Call) -> None:
         try:
@@ -159,7 +178,7 @@ class Exchange:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as err:
-            self._finish(sel, call, reason(err))
+            self._finish(sel, call, failure(err))
             return
         if chunk:
             call.chunks.append(chunk)
@@ -174,6 +193,6 @@ class Exchange:
         try:
             status, _, body = parse_answer(b"".join(call.chunks))
         except ConnectionResetError as err:
-            self._finish(sel, call, reason(err))
+            self._finish(sel, call, failure(err))
             return
         self._finish(sel, call, Reply(status, body, call.t0, t3))

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from probing.cluster.discovery import PeerInfo, Registry
-from probing.cluster.exchange import Exchange, Reply
+from probing.cluster.exchange import Exchange, PeerFailure, PeerLate, Reply
 from probing.cluster.identity import Identity, split_addr
 from probing.cluster.wire import MissingPeer, PeerTiming, clock_offset, unpack
-from probing.errors import PeerUnreachable, ProbingError
+from probing.errors import ProbingError
 from probing.probe.http import request_bytes
 
 if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
@@ -41,22 +41,6 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
 
 FANOUTS = ("auto", "flat", "tree")
 TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
-
-
-class PeerFailure(PeerUnreachable):
-    """One peer gave no usable answer; ``reason`` says why, as
-    ``MissingPeer.reason`` and ``probing.peers`` show it."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class PeerLate(PeerFailure):
-    """The deadline passed before the peer answered (so did its members')."""
-
-    def __init__(self) -> None:
-        super().__init__("timeout")
 
 
 class Peer(Protocol):
@@ -132,14 +116,14 @@ def http_reason(status: int, data: bytes) -> str:
     return str(status) if status == 401 or not msg else f"{status}: {msg}"
 
 
-def reply_of(replies: list[Reply | str | None], index: int) -> Reply:
+def reply_of(replies: list[Reply | PeerFailure | None], index: int) -> Reply:
     """The exchange's ``index``-th answer; ``PeerLate`` when the deadline
     came first, ``PeerFailure`` when the connection failed."""
     got = replies[index]
     if got is None:
         raise PeerLate()
-    if isinstance(got, str):
-        raise PeerFailure(got)
+    if isinstance(got, PeerFailure):
+        raise got
     return got
 
 
@@ -179,13 +163,13 @@ class _Ask:
     index: int = -1
     failure: PeerFailure | None = None
 
-    def reply(self, replies: list[Reply | str | None]) -> Reply:
+    def reply(self, replies: list[Reply | PeerFailure | None]) -> Reply:
         """Its HTTP answer; ``PeerFailure`` (``PeerLate``) when none came."""
         if self.failure is not None:
             raise self.failure
         return reply_of(replies, self.index)
 
-    def answer(self, replies: list[Reply | str | None]) -> Gathered:
+    def answer(self, replies: list[Reply | PeerFailure | None]) -> Gathered:
         return answer_of(self.peer, self.reply(replies))
 
 
@@ -283,7 +267,7 @@ def _send(
 
 def _run(
     node: Peer, work: planner.Work, exchange: Exchange, with_self: bool, *, concurrently: bool
-) -> tuple[Gathered, list[Reply | str | None]]:
+) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
     """Serve the exchange; my own share too (``with_self``), on a thread of its
     own while the answers come in when there are any (``concurrently``)."""
     mine: list[Any] = []
@@ -320,7 +304,7 @@ def _run_self(node: Peer, work: planner.Work, out: list[Any]) -> None:
 
 
 def _collect(
-    asked: list[_Ask], replies: list[Reply | str | None], result: Gathered
+    asked: list[_Ask], replies: list[Reply | PeerFailure | None], result: Gathered
 ) -> list[PeerInfo]:
     """Every gatherer's answer into ``result``; the members of those that
     failed, to be asked directly."""
@@ -378,7 +362,7 @@ def _await_ranks(node: Peer, ranks: set[int] | None, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def _control_row(ask: _Ask, replies: list[Reply | str | None]) -> dict[str, Any]:
+def _control_row(ask: _Ask, replies: list[Reply | PeerFailure | None]) -> dict[str, Any]:
     """One peer's row: its status and JSON reply, or the reason it has none."""
     p = ask.peer
     row: dict[str, Any] = {"rank": p.rank, "node": p.node, "addr": p.addr, "status": 0}
