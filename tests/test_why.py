@@ -580,3 +580,23 @@ def test_a_rank_that_died_is_said_first_with_the_collective_it_died_in() -> None
     assert d.verdict.startswith("rank 1 (pid 101) died at "), d.verdict
     assert " in allreduce #" in d.verdict.split(";")[0], d.verdict
     assert d.to_json()["dead"]["1"]["pid"] == 101
+
+
+def test_a_named_rank_whose_samples_show_nothing_of_its_own_says_so() -> None:
+    """Named, sampled, and every function, wait and call as the others': the
+    verdict says nothing of the rank's own explains it, and where to look,
+    rather than ending at the lateness; unsampled, it says nothing more."""
+    span, steps = 60 / STEPS_PER_S, 60
+    alike = [("cpu", "/job/train.py", "step", 12, 5.0 * steps),
+             ("off", "/job/train.py", "load_batch", 41, 2.0 * steps)]  # fmt: skip
+    per = {r: alike for r in range(4)}
+    t = job(straggler=2, lag_ms=30, seed=2)
+    d = analyze(t, now_ns=T0, samples=_samples(per, span))
+    assert [s.rank for s in d.stragglers] == [2]
+    assert not [w for w in d.why if w.kind == "function"], d.why
+    assert d.verdict.endswith(
+        "; nothing of its own explains it: its functions, their waits for a CPU, its CUDA "
+        "calls and its hardware are as the others' (another process on its CPU, or its "
+        "network?)"
+    ), d.verdict
+    assert "nothing of its own" not in analyze(t, now_ns=T0).verdict

@@ -250,6 +250,12 @@ class Diagnosis:
 MOST = 0.5  # a cause that explains this share of the lateness heads the verdict
 
 
+def unexplained_text(why: Sequence[wy.Why], rank: int) -> str:
+    """Where ``rank``'s samples show nothing of its own that makes it late, that."""
+    w = next((w for w in why if w.rank == rank and w.kind == wy.NOTHING), None)
+    return f"; {w.text.split(': ', 1)[-1]}" if w is not None else ""
+
+
 def cause_text(w: wy.Why | None) -> str:
     """The verdict's cause: the one that explains most of the lateness, with
     that share, or that none explains most of it."""
@@ -316,7 +322,7 @@ def verdict(
         since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
         node = f" on node {s.node}" if s.node else ""
         groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
-        cause = cause_text(wy.headline(why, s.rank))
+        cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
         return (
             f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
             f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "

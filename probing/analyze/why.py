@@ -33,6 +33,7 @@ STARVED_SHARE = 0.5  # starved: its extra wait for a CPU is this share of its la
 STARVED_NOISE = 2.0  # ... and this many times the spread of the others' waits
 CAUSES = ("function", "cpu_starvation", "cuda", "gpu", "cpu")  # what a verdict may blame
 HARDWARE = ("gpu", "cpu")  # causes told by their figures, not by time per step
+NOTHING = "unexplained"  # sampled, and no cause of its own found
 
 
 @dataclasses.dataclass
@@ -160,7 +161,8 @@ def explain(
     r = s.rank
     others = [q for q in prof.funcs if q != r and prof.span.get(q)]
     out: list[Why] = []
-    if r in prof.funcs and prof.span.get(r) and others:
+    sampled = r in prof.funcs and bool(prof.span.get(r)) and bool(others)
+    if sampled:
         out += _functions(s, prof, others, step)
     out += _cuda(s, cuda or [], step, collectives, prof.span)
     out += _gpu(s, gpus or [])
@@ -171,6 +173,11 @@ def explain(
             w.share = round(min(1.0, max(0.0, w.extra_ms) / late), 2)
         if unit != "step":
             w.text = w.text.replace("ms/step", f"ms/{unit}")
+    if sampled and not any(w.kind in CAUSES for w in out):  # its samples say: not its own
+        out.append(Why(r, NOTHING, "nothing of its own", None, None, 0.0, 0.0, text=(
+            f"rank {r}: nothing of its own explains it: its functions, their waits for a "
+            "CPU, its CUDA calls and its hardware are as the others' (another process "
+            "on its CPU, or its network?)")))  # fmt: skip
     return by_share(out) + _collectives(s, collectives, step)
 
 
