@@ -85,16 +85,9 @@ def _echo(text: str, err: bool = False) -> None:
 
 def _query(pid: int, fmt: str, sql: str) -> None:
     from probing.client import ProbeClient
-    from probing.render import format_table
+    from probing.render import write_answer
 
-    client = ProbeClient.for_pid(pid)
-    if fmt != "table":
-        sys.stdout.buffer.write(client.query_raw(sql, fmt))
-        if fmt == "json":
-            sys.stdout.buffer.write(b"\n")
-        sys.stdout.flush()
-        return
-    _echo(format_table(*client.query_rows(sql)))
+    write_answer(ProbeClient.for_pid(pid), sql, fmt, _echo)
 
 
 def _stack(pid: int, fmt: str, inject: bool = True) -> None:

@@ -288,3 +288,18 @@ def _role(d: Diagnosis, rank: int) -> str:
     if any(rank in h.waiting_ranks for h in d.hangs):
         return "waiting"
     return "straggler"
+
+
+def write_answer(probe: Any, sql: str, fmt: str, echo: Any) -> None:
+    """Print ``sql``'s answer from one probe client as ``fmt`` (table, csv,
+    json): the probe's own bytes, or its rows as text through ``echo`` (no
+    pyarrow in this process: ``probing query``'s fast path and its command)."""
+    import sys
+
+    if fmt != "table":
+        sys.stdout.buffer.write(probe.query_raw(sql, fmt))
+        if fmt == "json":
+            sys.stdout.buffer.write(b"\n")
+        sys.stdout.flush()
+        return
+    echo(format_table(*probe.query_rows(sql)))

@@ -37,17 +37,10 @@ def ask_one(sql: str, pid: int | None, addr: str | None, fmt: str) -> None:
     ``addr``) as ``fmt`` (table, csv, json): the probe's own bytes, or its
     rows as text (no pyarrow in this process)."""
     from probing.client import ProbeClient
-    from probing.render import format_table
+    from probing.render import write_answer
 
     probe = client(pid) if pid is not None else ProbeClient.for_addr(addr or "")
-    if fmt != "table":
-        sys.stdout.buffer.write(probe.query_raw(sql, fmt))
-        if fmt == "json":
-            sys.stdout.buffer.write(b"\n")
-        sys.stdout.flush()
-        return
-    names, rows = probe.query_rows(sql)
-    typer.echo(format_table(names, rows))
+    write_answer(probe, sql, fmt, typer.echo)
 
 
 def ask_cluster(
