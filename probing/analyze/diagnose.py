@@ -97,45 +97,35 @@ CPU_SQL = "SELECT cpu, mhz, max_mhz, steal_pct, busy_pct{tags} FROM process.cpu"
 
 def queries(remote: bool) -> dict[str, str]:
     """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
-    tags = {"tags": ", node, rank" if remote else "", "since_ns": "{since_ns}"}
-    comm_rank = "table_rank" if remote else "rank"
-    return {
-        "collectives": COLLECTIVES_SQL.format(comm_rank=comm_rank, **tags),
-        "stacks": STACKS_SQL.format(**tags),
-        "groups": GROUPS_SQL.format(**tags),
-        "dead": DEAD_SQL.format(**tags),
-        "counts": COUNTS_SQL.format(**tags),
-        "callsites": CALLSITES_SQL.format(
-            tags=", c.rank AS rank" if remote else "",
-            same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
-            group=", c.rank" if remote else "",
-            since_ns="{since_ns}",
-        ),  # fmt: skip
-        "samples": SAMPLES_SQL.format(
-            tags=", s.node AS node, s.rank AS rank" if remote else "",
-            same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
-            ltags=", node, rank" if remote else "",
-            loader_rank=" AND l.node = s.node AND l.rank = s.rank" if remote else "",
-            group=", s.node, s.rank" if remote else "",
-            since_ns="{since_ns}",
-        ),  # fmt: skip
-        "cuda": CUDA_SQL.format(
-            tags=", node, rank" if remote else "",
-            group=", node, rank" if remote else "",
-            since_ns="{since_ns}",
-        ),
-        "cpu": CPU_SQL.format(tags=", node, rank" if remote else ""),
-        "runq": RUNQ_SQL.format(
-            tags=", node, rank" if remote else "",
-            group=", node, rank" if remote else "",
-            since_ns="{since_ns}",
-        ),
-        "nvml": NVML_SQL.format(
-            tags=", node, rank" if remote else "",
-            group=", node, rank" if remote else "",
-            since_ns="{since_ns}",
-        ),
-    }
+    rank = ", node, rank" if remote else ""
+    # every query's tags, its GROUP BY's, and ``{since_ns}`` left for the caller
+    tags = {"tags": rank, "group": rank, "since_ns": "{since_ns}"}
+    out = {
+        name: sql.format(**tags)
+        for name, sql in (
+            ("stacks", STACKS_SQL), ("groups", GROUPS_SQL), ("dead", DEAD_SQL),
+            ("counts", COUNTS_SQL), ("cuda", CUDA_SQL), ("cpu", CPU_SQL),
+            ("runq", RUNQ_SQL), ("nvml", NVML_SQL),
+        )
+    }  # fmt: skip
+    out["collectives"] = COLLECTIVES_SQL.format(
+        comm_rank="table_rank" if remote else "rank", **tags
+    )
+    out["callsites"] = CALLSITES_SQL.format(
+        tags=", c.rank AS rank" if remote else "",
+        same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
+        group=", c.rank" if remote else "",
+        since_ns="{since_ns}",
+    )  # fmt: skip
+    out["samples"] = SAMPLES_SQL.format(
+        tags=", s.node AS node, s.rank AS rank" if remote else "",
+        same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
+        ltags=rank,
+        loader_rank=" AND l.node = s.node AND l.rank = s.rank" if remote else "",
+        group=", s.node, s.rank" if remote else "",
+        since_ns="{since_ns}",
+    )  # fmt: skip
+    return out
 
 
 def runq_rates(table: pa.Table | None) -> dict[int, float] | None:
