@@ -137,6 +137,11 @@ def starve(pid: int, cpu: int, busy: int = 4) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(spin, start_new_session=True) for _ in range(busy)]
 
 
+# a CPU hog's spinning processes: the rank gets 1/9 of its core, 10 ms of work takes
+# 90 ms of a 60 ms step, late even when another load takes half the others' core
+# (with 4, the rank's 50 ms fit in the step, as slow as ranks sharing a loaded core)
+HOGS = 8
+
 # what the user's own code is called in each job (where a rank is slowed)
 FUNCTION = {"hf_trainer": "collate_tokens", "fsdp2": "heavy_features",
             "lightning_ddp": "heavy_features", "pipeline": "stage_work"}  # fmt: skip
@@ -159,7 +164,7 @@ class Slowed:
     * ``cpu``: the user's function computes that long more;
     * ``loader_worker``: the collate sleeps 4x that in the DataLoader's 2
       worker processes of that rank (HF; they prefetch, so it must be longer);
-    * ``cpu_hog``: 4 busy processes on the rank's core (``starve``), in a
+    * ``cpu_hog``: ``HOGS`` busy processes on the rank's core (``starve``), in a
       Lightning job that computes 10 ms and waits 60 ms a step (CPUs to spare);
     * ``gpu``: every rank's GPU is the stand-in NVML's (``FAKE_NVML_PROCS``
       says which is whose, as NVML's process list does), the rank's is held by
@@ -212,7 +217,7 @@ class Slowed:
     def traced(self) -> None:
         if self.cause == "cpu_hog":
             cpus = sorted(os.sched_getaffinity(0))
-            self.hogs = starve(self.job.ranks[self.slow], random.choice(cpus))
+            self.hogs = starve(self.job.ranks[self.slow], random.choice(cpus), HOGS)
 
     def families(self) -> list[str]:
         return ["gloo", "cuda"] if self.cause == "gpu" else ["gloo"]
