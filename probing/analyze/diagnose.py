@@ -379,14 +379,15 @@ def analyze(
     recorded: fl.Gathered | None = None,
     ranks_of: dict[str, list[int]] | None = None,
     dead: list[dict[str, Any]] | None = None,
-    runq: pa.Table | None = None,
+    runq: Callable[[], pa.Table | None] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
     ``recorded`` (every rank's Flight Recorder) tells a hang nothing traced;
     ``ranks_of`` (each group's global ranks) names a transfer's peer; ``dead``
     (``DEAD_SQL`` rows) the ranks that died, said first in the verdict; ``runq``
-    (RUNQ_SQL) tells a slow link from ranks that wait for a CPU."""
+    asks RUNQ_SQL, only where a slow link is suspected: its ranks may be
+    waiting for a CPU instead."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table)
@@ -407,7 +408,9 @@ def analyze(
         hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
     strag = [] if hangs else coll.stragglers(matched, nodes)
     # a straggler slows the collectives too (its share of the reduction runs late)
-    slow = [] if hangs or strag else coll.slow_links(matched, nodes, runq_rates(runq))
+    slow = [] if hangs or strag else coll.slow_links(matched, nodes)
+    if slow and runq is not None:  # or ranks starved of CPU: the sampler tells them apart
+        slow = coll.slow_links(matched, nodes, runq_rates(runq()))
     summary = coll.summarize(matched)
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
@@ -528,7 +531,6 @@ def _rank_rows(
     frames: dict[int, list[dict[str, Any]]],
     states: list[hg.RankState],
 ) -> list[dict[str, Any]]:
-
     done = coll.complete(matched)
     counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
     # after the others' median arrival: a straggler's lateness, whoever else is late
@@ -640,18 +642,12 @@ def diagnose(
         dead = []
     recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
     stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
+    runq_sql = sql["runq"].format(since_ns=now - int(window_s * 1e9))
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
-        dead=dead,
+        dead=dead, runq=lambda: optional(ask, runq_sql),
     )  # fmt: skip
-    if d.slow_links:  # or ranks starved of CPU: the sampler tells them apart
-        runq = optional(ask, sql["runq"].format(since_ns=now - int(window_s * 1e9)))
-        d = analyze(
-            table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
-            window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
-            ranks_of=ranks_of, dead=dead, runq=runq,
-        )  # fmt: skip
     progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
         watched = time.monotonic()

@@ -142,20 +142,18 @@ class Watch:
         sql = queries(remote=True)
         timeout = min(5.0, max(1.0, self.every_s))
         since = now - int(WINDOW_S * 1e9)
+
+        def ask(q: str) -> pa.Table:
+            return self.node.coordinate(q, timeout=timeout)[0]
+
         table, got, _ = self.node.coordinate(
             sql["collectives"].format(since_ns=since), timeout=timeout
         )
-        dead = self.node.coordinate(sql["dead"], timeout=timeout)[0].to_pylist()
-        d = analyze(table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S, dead=dead)
-        if d.slow_links:  # or ranks starved of CPU: the sampler tells them apart
-            runq = optional(
-                lambda q: self.node.coordinate(q, timeout=timeout)[0],
-                sql["runq"].format(since_ns=since),
-            )
-            d = analyze(
-                table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S, dead=dead,
-                runq=runq,
-            )  # fmt: skip
+        runq_sql = sql["runq"].format(since_ns=since)
+        d = analyze(
+            table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
+            dead=ask(sql["dead"]).to_pylist(), runq=lambda: optional(ask, runq_sql),
+        )  # fmt: skip
         found: dict[tuple[Any, ...], dict[str, Any]] = {}
         for s in d.stragglers:
             found[("straggler", s.rank, s.comm)] = _row(
