@@ -12,6 +12,7 @@ never disagree on a field. Two spellings are the tables' own: a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -40,8 +41,10 @@ def arrow_type(hint: Any) -> pa.DataType:
     raise TypeError(f"no Arrow column for a field of type {hint!r}")
 
 
+@functools.cache
 def schema_of(cls: type) -> pa.Schema:
-    """The table of ``cls``'s instances: a column per field, in field order."""
+    """The table of ``cls``'s instances: a column per field, in field order
+    (worked out once per class: every analyze.* query asks for it)."""
     hints = typing.get_type_hints(cls)
     return pa.schema(
         [(RENAMED.get(f.name, f.name), arrow_type(hints[f.name])) for f in dataclasses.fields(cls)]
