@@ -29,6 +29,9 @@ import pyarrow as pa
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# each scripted rank's engine reads its whole table for every chunk: a million
+# events need more than a probe's default 256 MiB of query memory
+os.environ.setdefault("PROBING_QUERY_MEMORY_MB", "1024")
 
 from probing.bpf import families  # noqa: E402
 from probing.export import Source, export  # noqa: E402

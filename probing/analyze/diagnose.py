@@ -613,19 +613,35 @@ def diagnose(
     hang_after_s: float = hg.HANG_AFTER_S,
     on_wait: Callable[[float], None] | None = None,
     now_ns: int | None = None,
+    eager: bool = False,
 ) -> tuple[Diagnosis, pa.Table]:
     """Ask every rank of ``job``, analyze, and return the diagnosis and the
     gathered collectives.
+
+    ``eager`` asks what explaining a straggler takes (and the Flight Recorder's
+    rows) with the first questions, before the analysis says it is needed:
+    the probes are waited on once, not three times, for a page that waits.
 
     When the counts say some ranks are ahead but nothing has been traced to
     date the stall, the counts are watched until they have stood still for
     ``hang_after_s`` (``on_wait`` is told how long that will take) or move.
     """
     t0 = time.perf_counter()
-    ask = job.ask
     now = now_ns or time.time_ns()  # (given: a test's clock)
     sql = queries(remote=job.remote)
-    table = ask(sql["collectives"].format(since_ns=now - int(window_s * 1e9)))
+    since = now - int(window_s * 1e9)
+    # what every diagnosis asks, asked at once (each waits on the probes, not the CPU)
+    tags = ", node, rank" if job.remote else ""
+    first = (sql["collectives"].format(since_ns=since), sql["groups"], sql["stacks"],
+             sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags))  # fmt: skip
+    if eager:
+        explain = ("samples", "cuda", "nvml", "cpu", "callsites")
+        first += (
+            fl.FLIGHT_SQL.format(tags=tags),
+            *(sql[n].format(since_ns=since) for n in explain),
+        )
+    ask = asked_at_once(job.ask, first)
+    table = ask(first[0])
     table = _with_history(table, ask, sql["collectives"], now, window_s, hang_after_s)
     ranks_of: dict[str, list[int]] = {}
     try:
@@ -670,10 +686,10 @@ def diagnose(
     d.missing = missing_ranks(table)
     slow_stage = d.pipeline is not None and d.pipeline.slow is not None
     if d.stragglers or slow_stage:
-        since = now - int(window_s * 1e9)
-        extra: dict[str, pa.Table | None] = {}
-        for name in ("samples", "cuda", "nvml", "cpu"):
-            extra[name] = optional(ask, sql[name].format(since_ns=since))
+        extra_sql = {n: sql[n].format(since_ns=since) for n in ("samples", "cuda", "nvml", "cpu")}
+        sites = [sql["callsites"].format(since_ns=since)] if d.stragglers else []
+        ask = asked_at_once(ask, (*extra_sql.values(), *sites))
+        extra = {n: optional(ask, q) for n, q in extra_sql.items()}
         d.why = explain_stragglers(
             d.stragglers, coll.match(table), extra["samples"], extra["cuda"], extra["nvml"],
             extra["cpu"],
@@ -686,12 +702,33 @@ def diagnose(
             d.verdict = f"{death_text(d.dead)}; {d.verdict}"
     if d.stragglers or d.hangs:
         try:
-            since = now - int(window_s * 1e9)
             d.callsites = callsites(ask(sql["callsites"].format(since_ns=since)))
         except ProbingError:  # a trace without Python stacks
             d.callsites = {}
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, table
+
+
+# questions in flight at once: a probe answers PROBING_WORKERS (8) requests at a
+# time, and a cluster query holds one while its peers answer theirs
+AT_ONCE = 4
+
+
+def asked_at_once(ask: Callable[[str], pa.Table], sqls: Sequence[str]) -> Callable[[str], pa.Table]:
+    """``ask`` with ``sqls`` already on their way, all at once: each is answered
+    (or raises) where it is asked, once; any other SQL, or a second time, is
+    asked then."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="diagnose-ask")
+    pending = {q: pool.submit(ask, q) for q in dict.fromkeys(sqls)}
+    pool.shutdown(wait=False)
+
+    def answer(sql: str) -> pa.Table:
+        future = pending.pop(sql, None)
+        return ask(sql) if future is None else future.result()
+
+    return answer
 
 
 def optional(ask: Callable[[str], pa.Table], sql: str) -> pa.Table | None:

@@ -1,9 +1,11 @@
-"""A Perfetto trace (TrackEvent protobuf), written packet by packet.
+"""A Perfetto trace (TrackEvent protobuf), written a chunk of rows at a time.
 
-``TraceWriter`` builds packets with the ``perfetto`` package's trace builder
-(``TraceProtoBuilder``) and streams them to the file every ``BATCH`` packets
-(serialised ``Trace`` messages concatenate into one), so a long window never
-sits whole in memory; a packet is built in place, never copied. The layout:
+``TraceWriter`` writes a chunk's slices and counters with one vectorised
+encoding per field (``protowire``: the protobuf wire format, numpy over the
+rows) and the few other packets (tracks, the clock, a note) with Perfetto's
+own protos; serialised ``Trace`` messages concatenate into one, so each
+chunk goes to the file as it is written and a long window never sits whole
+in memory. The layout:
 
 * one process track per rank, named ``rank R @ node``;
 * a thread track per traced thread under its rank;
@@ -14,9 +16,10 @@ sits whole in memory; a packet is built in place, never copied. The layout:
 * counter tracks (NVML) under each rank.
 
 Event names, categories, arg names and string arg values (stacks repeat
-for every call) are interned: each is written once on the sequence and
-referred to by id after (the intern table holds one copy of each distinct
-string). A clock snapshot declares the timestamps wall-clock (REALTIME) time.
+for every call) are interned: each is written once on the sequence, in the
+first packet of the chunk that first uses it, and referred to by id after
+(the intern table holds one copy of each distinct string). A clock snapshot
+declares the timestamps wall-clock (REALTIME) time.
 
 Real pids and tids are kept unless two ranks (on different nodes) share
 one; those get synthetic ids above ``SYNTHETIC_BASE``.
@@ -25,15 +28,26 @@ one; those get synthetic ids above ``SYNTHETIC_BASE``.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import IO, Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
-from perfetto.trace_builder.proto_builder import TraceProtoBuilder
+
+from probing.export import protowire as wire
+from probing.export.protowire import FIXED64, LEN, VARINT, Bytes, Message
 
 SEQUENCE_ID = 7919
-BATCH = 4096  # packets built before they are written
 SYNTHETIC_BASE = 1 << 22  # above Linux's pid_max default (4M)
 TE = pb.TrackEvent
+# field numbers (perfetto's protos/perfetto/trace/trace_packet.proto, track_event/*.proto)
+PACKET, TIMESTAMP, SEQ_ID, TRACK_EVENT, INTERNED, SEQ_FLAGS = 1, 8, 10, 11, 12, 13
+CATEGORY_IIDS, ANNOTATIONS, TYPE, NAME_IID, TRACK_UUID, DOUBLE_VALUE, FLOW_IDS = (
+    3, 4, 9, 10, 11, 44, 47)  # fmt: skip
+ARG_NAME_IID, ARG_BOOL, ARG_UINT, ARG_INT, ARG_DOUBLE, ARG_STRING, ARG_STRING_IID = (
+    1, 2, 3, 4, 5, 6, 17)  # fmt: skip
 
 
 def flow_id(comm: str, seq: int) -> int:
@@ -42,13 +56,21 @@ def flow_id(comm: str, seq: int) -> int:
     return int.from_bytes(digest, "little") or 1
 
 
+def _field(field: int, wire_type: int, value: int = 0) -> bytes:
+    """A whole field of constant value (a tag; for a varint, the value too)."""
+    return wire.tag(field, wire_type) + (wire.varint_bytes(value) if wire_type == VARINT else b"")
+
+
+def _rows(message: Message, sl: slice) -> Message:
+    return [Bytes(part.size[sl], part.data[sl]) for part in message]
+
+
 class TraceWriter:
     """Tracks, slices, flows and counters, streamed to ``file``."""
 
     def __init__(self, file: IO[bytes]) -> None:
         self._file = file
-        self._builder = TraceProtoBuilder()
-        self._pending = 0
+        self._pending: list[pb.TracePacket] = []  # built, not yet written
         self._next_uuid = 1
         self._first = True
         self._procs: dict[int, tuple[int, int]] = {}  # rank -> (uuid, pid as written)
@@ -57,6 +79,7 @@ class TraceWriter:
         self._counters: dict[tuple[int, str], int] = {}
         self._synthetic = SYNTHETIC_BASE
         self._interned: dict[str, dict[str, int]] = {}
+        self._declare = pb.InternedData()  # interned since the last chunk: in its first packet
         self.thread_names: dict[tuple[int, int], str] = {}  # (rank, tid) -> name
         self.slices: dict[int, int] = {}  # rank -> slices written
         self.flow_slices: dict[int, int] = {}  # rank -> slices carrying a flow id
@@ -65,15 +88,16 @@ class TraceWriter:
     def flush(self) -> None:
         """Write the packets built so far."""
         if self._pending:
-            self._file.write(self._builder.serialize())
-            self._builder = TraceProtoBuilder()
-            self._pending = 0
+            out = []
+            for p in self._pending:
+                data = p.SerializeToString()
+                out += [wire.tag(PACKET, LEN), wire.varint_bytes(len(data)), data]
+            self._file.write(b"".join(out))
+            self._pending = []
 
     def _packet(self, ts: int | None = None) -> pb.TracePacket:
-        if self._pending >= BATCH:
-            self.flush()
-        self._pending += 1
-        p = self._builder.add_packet()
+        p = pb.TracePacket()
+        self._pending.append(p)
         p.trusted_packet_sequence_id = SEQUENCE_ID
         if self._first:
             p.sequence_flags = pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
@@ -84,20 +108,34 @@ class TraceWriter:
             p.timestamp = ts
         return p
 
-    def _iid(self, p: pb.TracePacket, kind: str, text: str) -> int:
-        """The interned id of ``text`` (names, categories, arg names, arg strings),
-        declaring it in ``p`` the first time it is seen."""
+    def intern(self, kind: str, texts: list[str]) -> list[int]:
+        """The interned ids of ``texts`` (``kind``: an ``InternedData`` field: names,
+        categories, arg names, arg strings), declared in the next chunk's first
+        packet the first time each is seen."""
         table = self._interned.setdefault(kind, {})
-        iid = table.get(text)
-        if iid is None:
-            iid = table[text] = len(table) + 1
-            entry = getattr(p.interned_data, kind).add()
-            entry.iid = iid
-            if kind == "debug_annotation_string_values":
-                entry.str = text.encode()
-            else:
-                entry.name = text
-        return iid
+        out = []
+        for text in texts:
+            iid = table.get(text)
+            if iid is None:
+                iid = table[text] = len(table) + 1
+                entry = getattr(self._declare, kind).add()
+                entry.iid = iid
+                if kind == "debug_annotation_string_values":
+                    entry.str = text.encode()
+                else:
+                    entry.name = text
+            out.append(iid)
+        return out
+
+    def intern_array(self, kind: str, values: pa.Array) -> np.ndarray:
+        """Interned ids of a string column, 0 where null (dictionary-encoded: each
+        distinct string looked up once)."""
+        enc = pc.dictionary_encode(values)
+        if isinstance(enc, pa.ChunkedArray):
+            enc = enc.combine_chunks()
+        iids = np.array([0, *self.intern(kind, enc.dictionary.to_pylist())], dtype=np.int64)
+        index = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        return iids[index + 1]
 
     def clock(self, ts: int) -> None:
         """Declare the timestamps REALTIME (wall clock), so the UI can show UTC."""
@@ -178,50 +216,118 @@ class TraceWriter:
         p.track_descriptor.name = name
         return uuid
 
-    def slice(
-        self,
-        rank: int,
-        track: int,
-        ts: int,
-        dur: int | None,
-        name: str,
-        category: str,
-        args: dict[str, Any],
-        flow: int | None = None,
+    def add_slices(self, chunk: SliceChunk) -> None:
+        """A chunk of slices: begin packets (with their args and flows) and, for
+        the calls that ended, end packets, in row order (begin, end, begin, ...)."""
+        n = len(chunk.ts)
+        if not n:
+            return
+        const = wire.const
+        flow = wire.only(
+            [const(wire.tag(FLOW_IDS, FIXED64), n), wire.fixed64(chunk.flow.astype(np.uint64))],
+            chunk.flow != 0,
+        )  # fmt: skip
+        event = [
+            const(wire.tag(CATEGORY_IIDS, VARINT), n),
+            wire.varints(self.intern_array("event_categories", chunk.category)),
+            *[part for name, values in chunk.args for part in self._annotation(name, values)],
+            const(_field(TYPE, VARINT, TE.TYPE_SLICE_BEGIN), n),
+            const(wire.tag(NAME_IID, VARINT), n),
+            wire.varints(self.intern_array("event_names", chunk.name)),
+            *self._track(chunk.track),
+            *flow,
+        ]
+        end_event = [const(_field(TYPE, VARINT, TE.TYPE_SLICE_END), n), *self._track(chunk.track)]
+        end_ts = chunk.ts + np.maximum(chunk.dur, 0)
+        end = wire.nested(PACKET, _packet(end_ts, wire.nested(TRACK_EVENT, end_event, n), n), n)
+        self._write(_packet(chunk.ts, wire.nested(TRACK_EVENT, event, n), n),
+                    wire.only(end, chunk.ended), n)  # fmt: skip
+        _count(self.slices, chunk.rank)
+        _count(self.flow_slices, chunk.rank[chunk.flow != 0])
+
+    def add_counters(
+        self, rank: np.ndarray, track: np.ndarray, ts: np.ndarray, value: np.ndarray
     ) -> None:
-        """A slice from ``ts`` for ``dur`` ns (``None``: still running)."""
-        p = self._packet(ts)
-        e = p.track_event
-        e.type = TE.TYPE_SLICE_BEGIN
-        e.track_uuid = track
-        e.name_iid = self._iid(p, "event_names", name)
-        e.category_iids.append(self._iid(p, "event_categories", category))
-        for k, v in args.items():
-            if v is None:
-                continue
-            a = e.debug_annotations.add()
-            a.name_iid = self._iid(p, "debug_annotation_names", k)
-            if isinstance(v, str):
-                a.string_value_iid = self._iid(p, "debug_annotation_string_values", v)
-            elif isinstance(v, bool):
-                a.bool_value = v
-            elif isinstance(v, int):
-                if -(1 << 63) <= v < 1 << 63:
-                    a.int_value = v
-                else:
-                    a.uint_value = v
-            elif isinstance(v, float):
-                a.double_value = v
-            else:
-                a.string_value = str(v)
-        if flow is not None:
-            e.flow_ids.append(flow)
-            self.flow_slices[rank] = self.flow_slices.get(rank, 0) + 1
-        if dur is not None:
-            end = self._packet(ts + max(0, dur))
-            end.track_event.type = TE.TYPE_SLICE_END
-            end.track_event.track_uuid = track
-        self.slices[rank] = self.slices.get(rank, 0) + 1
+        """Counter values (one packet each) on the counter tracks ``track``."""
+        n = len(ts)
+        if not n:
+            return
+        event = [
+            wire.const(_field(TYPE, VARINT, TE.TYPE_COUNTER), n),
+            *self._track(track),
+            wire.const(wire.tag(DOUBLE_VALUE, FIXED64), n),
+            wire.fixed64(value.astype(np.float64)),
+        ]
+        self._write(_packet(ts, wire.nested(TRACK_EVENT, event, n), n), [], n)
+        _count(self.counter_values, rank)
+
+    @staticmethod
+    def _track(track: np.ndarray) -> Message:
+        return [wire.const(wire.tag(TRACK_UUID, VARINT), len(track)), wire.varints(track)]
+
+    def _write(self, packet: Message, after: Message, n: int) -> None:
+        """n packets (each followed by ``after``'s row, if any), the strings
+        interned for them declared in the first."""
+        if self._first:  # the sequence starts here: its first packet clears the state
+            self._packet()
+        self.flush()
+        declared = self._declare.SerializeToString()
+        self._declare = pb.InternedData()
+        start = 0
+        if declared:  # the first packet, with the interned data before its flags
+            first = _rows(packet, slice(0, 1))
+            interned = wire.tag(INTERNED, LEN) + wire.varint_bytes(len(declared)) + declared
+            first = [*first[:-1], wire.const(interned, 1), first[-1]]
+            self._file.write(
+                wire.join([*wire.nested(PACKET, first, 1), *_rows(after, slice(0, 1))])
+            )
+            start = 1
+        if start < n:
+            rest = wire.nested(PACKET, _rows(packet, slice(start, n)), n - start)
+            self._file.write(wire.join([*rest, *_rows(after, slice(start, n))]))
+
+    def _annotation(self, name: str, values: pa.Array) -> Message:
+        """One arg of every slice (a debug annotation), left out where null."""
+        n = len(values)
+        [iid] = self.intern("debug_annotation_names", [name])
+        inner = [wire.const(_field(ARG_NAME_IID, VARINT, iid), n), *self._arg_value(values)]
+        present = values.is_valid().to_numpy(zero_copy_only=False)
+        return wire.only(wire.nested(ANNOTATIONS, inner, n), present)
+
+    def _arg_value(self, values: pa.Array) -> Message:
+        """An arg's value: strings interned, ints (uint64 past int64: ``uint_value``),
+        floats, bools; lists joined with ``x`` (a CUDA grid: ``4x1x1``); anything
+        else as its text."""
+        if pa.types.is_dictionary(values.type):
+            values = values.cast(values.type.value_type)
+        t, n = values.type, len(values)
+        if pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t):
+            values, t = _joined(values), pa.string()
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            iids = self.intern_array("debug_annotation_string_values", values)
+            return [wire.const(wire.tag(ARG_STRING_IID, VARINT), n), wire.varints(iids)]
+        if pa.types.is_boolean(t) or pa.types.is_integer(t):
+            v = values.fill_null(pa.scalar(0, t) if pa.types.is_integer(t) else False)
+            v = v.to_numpy(zero_copy_only=False)
+            field = np.full(n, ARG_BOOL if pa.types.is_boolean(t) else ARG_INT, np.uint8)
+            if t == pa.uint64():
+                field[v >= np.uint64(1 << 63)] = ARG_UINT
+            return [
+                Bytes(np.ones(n, np.int64), (field << 3)[:, None]),
+                wire.varints(v.astype(np.uint64)),
+            ]
+        if pa.types.is_floating(t):
+            v = values.fill_null(0).to_numpy(zero_copy_only=False)
+            return [
+                wire.const(wire.tag(ARG_DOUBLE, FIXED64), n),
+                wire.fixed64(v.astype(np.float64)),
+            ]
+        text = [str(v).encode() for v in values.to_pylist()]
+        return [
+            wire.const(wire.tag(ARG_STRING, LEN), n),
+            wire.varints(np.array([len(b) for b in text], dtype=np.int64)),
+            wire.blobs(text),
+        ]
 
     def instant(self, track: int, ts: int, name: str, args: dict[str, Any]) -> None:
         p = self._packet(ts)
@@ -234,13 +340,45 @@ class TraceWriter:
             a.name = k
             a.string_value = str(v)
 
-    def counter(self, rank: int, track: int, ts: int, value: float) -> None:
-        p = self._packet(ts)
-        e = p.track_event
-        e.type = TE.TYPE_COUNTER
-        e.track_uuid = track
-        e.double_counter_value = float(value)
-        self.counter_values[rank] = self.counter_values.get(rank, 0) + 1
+
+def _packet(ts: np.ndarray, event: Message, n: int) -> Message:
+    """TracePacket fields around a track event (flags last: the interned data goes before)."""
+    return [
+        wire.const(wire.tag(TIMESTAMP, VARINT), n),
+        wire.varints(ts),
+        wire.const(_field(SEQ_ID, VARINT, SEQUENCE_ID), n),
+        *event,
+        wire.const(_field(SEQ_FLAGS, VARINT, pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE), n),
+    ]
+
+
+def _count(counts: dict[int, int], rank: np.ndarray) -> None:
+    for r, k in zip(*np.unique(rank, return_counts=True), strict=True):
+        counts[int(r)] = counts.get(int(r), 0) + int(k)
+
+
+def _joined(values: pa.Array) -> pa.Array:
+    """A list column as text, ``"x".join(str(item))`` per row (a CUDA grid: ``4x1x1``)."""
+    items = values.type.value_type
+    if pa.types.is_integer(items) and not pc.list_flatten(values).null_count:
+        return pc.binary_join(values.cast(pa.list_(pa.string())), "x")
+    rows = values.to_pylist()
+    return pa.array([None if v is None else "x".join(str(x) for x in v) for v in rows], pa.string())
+
+
+@dataclass
+class SliceChunk:
+    """A chunk of slices, column by column (one entry per slice, in the order written)."""
+
+    rank: np.ndarray  # int64
+    track: np.ndarray  # the track uuids (``TraceWriter.thread``)
+    ts: np.ndarray  # int64 ns
+    dur: np.ndarray  # int64 ns (anything where not ``ended``)
+    ended: np.ndarray  # bool: False for a call still in flight (a begin only)
+    name: pa.Array  # string
+    category: pa.Array  # string
+    args: list[tuple[str, pa.Array]]  # in the order shown; null: left out of that slice
+    flow: np.ndarray  # uint64 flow ids (``flow_id``), 0: none
 
 
 def read_trace(data: bytes) -> pb.Trace:

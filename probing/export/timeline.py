@@ -12,18 +12,19 @@ chains it across ranks. NVML samples become counter tracks per rank.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from probing.export.perfetto import TraceWriter, flow_id
-from probing.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Window
+from probing.export.perfetto import SliceChunk, TraceWriter, flow_id
+from probing.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Prefetched, Window
 
 # columns that are the slice itself, not its args
 _PLACE = {"ts", "dur_ns", "pid", "tid", "node", "rank", "event_id", "stack_id", "api"}
-_ROW = ("rank", "ts", "dur_ns", "tid", "node", "pid", "api", "stack_id", "op", "kernel")
 NVML_COUNTERS = (  # column, track name, unit
     ("util_gpu", "util %", "%"),
     ("util_mem", "mem util %", "%"),
@@ -67,7 +68,8 @@ class ExportReport:
 
 
 class CollectiveIndex:
-    """(rank, raw ts) of every collective call -> its cross-rank (comm, seq)."""
+    """(rank, raw ts) of every collective call -> its cross-rank (comm, seq) and
+    flow id, looked up a chunk at a time (per rank, a sorted array of its ts)."""
 
     def __init__(self, win: Window) -> None:
         from probing.analyze.collectives import match
@@ -80,13 +82,36 @@ class CollectiveIndex:
             table = with_groups(table, win.whole(sql["groups"]))
         except ProbingError:  # a probe without comm.groups: matched by size and order
             pass
-        self.keys: dict[tuple[int, int], tuple[str, int]] = {}
+        rows: dict[int, list[tuple[int, int]]] = {}  # rank -> (ts, collective)
+        self.comm: list[str] = []
+        seqs, flows = [], []
         for c in match(table):
             for rank, ts in c.ts.items():
-                self.keys[(rank, ts)] = (c.comm, c.seq)
+                rows.setdefault(rank, []).append((ts, len(self.comm)))
+            self.comm.append(c.comm)
+            seqs.append(c.seq)
+            flows.append(flow_id(c.comm, c.seq))
+        self.seq = np.array(seqs, dtype=np.int64)
+        self.flow = np.array(flows, dtype=np.uint64)
+        self._by_rank = {}
+        for rank, pairs in rows.items():
+            pairs.sort()
+            got = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+            self._by_rank[rank] = (got[:, 0].copy(), got[:, 1].copy())
 
-    def get(self, rank: int, ts: int) -> tuple[str, int] | None:
-        return self.keys.get((rank, ts))
+    def lookup(self, rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """Each call's collective (an index into ``comm``/``seq``/``flow``), -1: none."""
+        out = np.full(len(ts), -1, dtype=np.int64)
+        for r in np.unique(rank):
+            known = self._by_rank.get(int(r))
+            if known is None:
+                continue
+            mine = np.flatnonzero(rank == r)
+            keys, which = known
+            at = np.minimum(np.searchsorted(keys, ts[mine]), len(keys) - 1)
+            hit = keys[at] == ts[mine]
+            out[mine[hit]] = which[at[hit]]
+        return out
 
 
 class Stacks:
@@ -108,10 +133,94 @@ class Stacks:
         self.text = {k: "\n".join(line for _, line in sorted(v)) for k, v in frames.items()}
 
 
-def _arg(v: Any) -> Any:
-    if isinstance(v, list):
-        return "x".join(str(x) for x in v)
-    return v
+def _column(part: pa.Table, name: str, kind: pa.DataType | None = None) -> pa.Array:
+    """A column as one array (all null, of ``kind`` or string, where the table has none)."""
+    if name not in part.column_names:
+        return pa.nulls(part.num_rows, kind or pa.string())
+    return part.column(name).combine_chunks()
+
+
+def _ints(part: pa.Table, name: str) -> np.ndarray:
+    """An integer column as int64 (null: 0, as the slice's ``or 0`` did)."""
+    values = _column(part, name, pa.int64()).fill_null(0)
+    return values.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _said(values: pa.Array) -> pa.Array:
+    """``values`` with empty strings null (what Python's ``or`` skips)."""
+    return pc.if_else(pc.equal(values, ""), pa.scalar(None, values.type), values)
+
+
+def _const(text: str, n: int) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([text]))
+
+
+def _tracks(w: TraceWriter, part: pa.Table, rank: np.ndarray) -> np.ndarray:
+    """Each row's thread track (process and thread tracks declared as first met)."""
+    tid = _ints(part, "tid")
+    key = (rank << 32) | (tid & 0xFFFFFFFF)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    uuids = np.zeros(len(first), dtype=np.int64)
+    nodes, pids = _column(part, "node"), _ints(part, "pid")
+    for k in np.argsort(first, kind="stable"):
+        i = int(first[k])
+        w.process(int(rank[i]), nodes[i].as_py(), int(pids[i]))
+        uuids[k] = w.thread(int(rank[i]), int(tid[i]))
+    return uuids[inverse.reshape(-1)]
+
+
+def _null_where(values: pa.Array, where: np.ndarray) -> pa.Array:
+    return pc.if_else(pa.array(where), pa.scalar(None, values.type), values)
+
+
+def _set(args: dict[str, list[tuple[str, pa.Array]]], name: str, value: pa.Array) -> None:
+    """``args[name] = value`` in the rows where ``value`` is not null: the arg
+    keeps its place, the value it had stays in the other rows."""
+    where = value.is_valid().to_numpy(zero_copy_only=False)
+    before = [(k, _null_where(v, where)) for k, v in args.get(name, [])]
+    args[name] = [*before, (name, value)]
+
+
+def _collectives(
+    part: pa.Table, rank: np.ndarray, ts: np.ndarray, colls: CollectiveIndex,
+    offsets: dict[str, int],
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Each call's collective (index into ``colls``, -1: none) and flow id (0: none)."""
+    which = np.full(len(ts), -1, dtype=np.int64)
+    called = np.flatnonzero(_said(_column(part, "op")).is_valid().to_numpy(zero_copy_only=False))
+    if len(called) and len(colls.comm):
+        nodes = pc.dictionary_encode(_column(part, "node").take(pa.array(called)))
+        shift = np.array([offsets.get(n, 0) for n in nodes.dictionary.to_pylist()] + [0])
+        index = nodes.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        which[called] = colls.lookup(rank[called], ts[called] + shift[index])  # probe ts
+    flow = np.where(which >= 0, colls.flow[np.maximum(which, 0)] if len(colls.comm) else 0, 0)
+    return which, flow.astype(np.uint64)
+
+
+def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Array, pa.Array]:
+    """Each call's callsite and stack text (null: no stack id, or none known)."""
+    sid = _column(part, "stack_id", pa.int64())
+    has = sid.is_valid()
+    sids, sid_index = np.unique(sid.fill_null(0).to_numpy(zero_copy_only=False),
+                                return_inverse=True)  # fmt: skip
+    ranks, rank_index = np.unique(rank, return_inverse=True)
+    pairs, index = np.unique(rank_index.reshape(-1) * len(sids) + sid_index.reshape(-1),
+                             return_inverse=True)  # fmt: skip
+    keys = [(int(ranks[k // len(sids)]), int(sids[k % len(sids)])) for k in pairs]
+    index = pc.if_else(has, pa.array(index.reshape(-1), pa.int64()), pa.scalar(None, pa.int64()))
+    sites = pa.array([stacks.callsites.get(k) for k in keys], pa.string()).take(index)
+    texts = pa.array([stacks.text.get(k) for k in keys], pa.string()).take(index)
+    return sites, texts
+
+
+def _category(table: str, api: pa.Array, kernel: pa.Array) -> pa.Array:
+    """``cuda.sync`` (a synchronisation), ``cuda.kernel`` (a launch), else the family."""
+    category = table.split(".")[0]
+    if category != "cuda":
+        return _const(category, len(api))
+    sync = pc.fill_null(pc.match_substring(_said(api), "Synchronize"), False)
+    kern = _said(kernel).is_valid()
+    return pc.if_else(sync, "cuda.sync", pc.if_else(kern, "cuda.kernel", "cuda"))
 
 
 def write_slices(
@@ -122,62 +231,61 @@ def write_slices(
     stacks: Stacks,
     offsets: dict[str, int],
 ) -> None:
-    """One slice per row of a calls table (ts already aligned)."""
+    """One slice per row of a calls table (ts already aligned), a chunk at a time."""
     n = part.num_rows
     if not n:
         return
+    rank, ts = _ints(part, "rank"), _ints(part, "ts")
+    track = _tracks(w, part, rank)
+    api, op, kernel = (_column(part, c) for c in ("api", "op", "kernel"))
     # args: the columns that say something in this chunk (all-NULL ones left out)
     extra = [c for c in part.column_names if c not in _PLACE and part.column(c).null_count < n]
-    cols = {c: part.column(c).to_pylist() for c in (*_ROW, *extra) if c in part.column_names}
-    none = [None] * n
-    ranks, tss, durs, tids = cols["rank"], cols["ts"], cols["dur_ns"], cols["tid"]
-    nodes, pids = cols["node"], cols["pid"]
-    apis, sids = cols.get("api", none), cols.get("stack_id", none)
-    ops, kernels = cols.get("op", none), cols.get("kernel", none)
-    category = table.split(".")[0]
-    named: dict[tuple[int, int], tuple[str | None, str | None]] = {}
-    for i in range(n):
-        rank, ts = ranks[i], tss[i]
-        w.process(rank, nodes[i], pids[i] or 0)
-        track = w.thread(rank, tids[i] or 0)
-        args = {c: _arg(cols[c][i]) for c in extra}
-        api, op = apis[i], ops[i]
-        args["api"] = api
-        flow = None
-        if op:
-            key = colls.get(rank, ts + offsets.get(nodes[i], 0))  # the index holds probe ts
-            if key is not None:
-                args["comm"], args["seq"] = key
-                flow = flow_id(*key)
-        sid = sids[i]
-        if sid is not None:
-            site = named.get((rank, sid))
-            if site is None:
-                site = named[(rank, sid)] = (
-                    stacks.callsites.get((rank, sid)),
-                    stacks.text.get((rank, sid)),
-                )
-            args["callsite"], args["stack"] = site
-        kernel = kernels[i]
-        if category == "cuda":
-            cat = "cuda.sync" if api and "Synchronize" in api else (
-                "cuda.kernel" if kernel else "cuda")  # fmt: skip
-        else:
-            cat = category
-        w.slice(rank, track, ts, durs[i], op or kernel or api or table, cat, args, flow)
+    args = {c: [(c, _column(part, c))] for c in extra}
+    args["api"] = [("api", api)]
+    which, flow = _collectives(part, rank, ts, colls, offsets)
+    if (which >= 0).any():
+        hit = pa.array(which >= 0)
+        comm = pa.array(colls.comm, pa.string()).take(pa.array(np.maximum(which, 0)))
+        _set(args, "comm", pc.if_else(hit, comm, pa.scalar(None, pa.string())))
+        seq = pa.array(colls.seq[np.maximum(which, 0)])
+        _set(args, "seq", pc.if_else(hit, seq, pa.scalar(None, pa.int64())))
+    if _column(part, "stack_id", pa.int64()).null_count < n:
+        site, text = _callsites(part, rank, stacks)
+        _set(args, "callsite", site)
+        _set(args, "stack", text)
+    dur = _column(part, "dur_ns", pa.int64())
+    name = pc.coalesce(_said(op), _said(kernel), _said(api), pa.scalar(table))
+    w.add_slices(SliceChunk(
+        rank=rank, track=track, ts=ts, ended=dur.is_valid().to_numpy(zero_copy_only=False),
+        dur=dur.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
+        name=name, category=_category(table, api, kernel),
+        args=[a for group in args.values() for a in group], flow=flow,
+    ))  # fmt: skip
 
 
 def write_counters(w: TraceWriter, part: pa.Table) -> None:
-    """NVML samples: one counter track per (rank, GPU, metric)."""
+    """NVML samples: one counter track per (rank, GPU, metric), row by row."""
     have = [c for c in NVML_COUNTERS if c[0] in part.column_names]
-    rows = part.select(["ts", "rank", "gpu"] + [c[0] for c in have]).to_pylist()
-    for row in rows:
-        for col, label, unit in have:
-            v = row[col]
-            if v is None:
-                continue
-            track = w.counter_track(row["rank"], f"gpu{row['gpu']} {label}", unit)
-            w.counter(row["rank"], track, row["ts"], v)
+    n, m = part.num_rows, len(have)
+    if not n or not m:
+        return
+    rank, ts = _ints(part, "rank"), _ints(part, "ts")
+    gpu = _column(part, "gpu", pa.int64())
+    values = np.stack([
+        _column(part, c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
+        for c, _, _ in have], axis=1)  # fmt: skip
+    valid = np.stack([_column(part, c).is_valid().to_numpy(zero_copy_only=False)
+                      for c, _, _ in have], axis=1)  # fmt: skip
+    # (row, metric) in row-major order, where a value was sampled
+    row, metric = (x.reshape(-1)[valid.reshape(-1)] for x in np.indices((n, m)))
+    key = np.stack([rank[row], _ints(part, "gpu")[row], gpu.is_null().to_numpy(
+        zero_copy_only=False)[row], metric], axis=1)  # fmt: skip
+    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    tracks = np.zeros(len(first), dtype=np.int64)
+    for k in np.argsort(first, kind="stable"):
+        i, (_, label, unit) = int(row[first[k]]), have[metric[first[k]]]
+        tracks[k] = w.counter_track(int(rank[i]), f"gpu{gpu[i].as_py()} {label}", unit)
+    w.add_counters(rank[row], tracks[inverse.reshape(-1)], ts[row], values[row, metric])
 
 
 def export_perfetto(win: Window, path: str) -> ExportReport:
@@ -185,25 +293,29 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
     src = win.source
     ranks = src.ranks()
     win.count()
-    colls = CollectiveIndex(win)
-    stacks = Stacks(win)
-    threads = win.whole(THREADS_SQL).to_pylist()
-    with open(path, "wb") as f:
+    # calls still in flight (where a hang shows): open slices, kept first; each
+    # with the clock offsets its query measured (the next query measures anew)
+    inflight = []
+    for table, view in INFLIGHT.items():
+        part = src.align(win.whole(f"SELECT * FROM {view}"))
+        inflight.append((table, part, dict(src.offsets)))
+        win.cap.kept += part.num_rows
+    colls, stacks = CollectiveIndex(win), Stacks(win)
+    names = {(r["rank"], r["tid"]): r["name"] for r in win.whole(THREADS_SQL).to_pylist()}
+    # the window's chunks are read (in the probes: no GIL) while the last is encoded;
+    # nothing else is asked meanwhile: a chunk's offsets are those its query measured
+    read = win.read(SLICE_TABLES + COUNTER_TABLES)
+    with Prefetched(read, lambda: dict(src.offsets)) as chunks, open(path, "wb") as f:
         w = TraceWriter(f)
-        w.thread_names = {(r["rank"], r["tid"]): r["name"] for r in threads}
+        w.thread_names = names
         w.clock(win.bounds[0])
         for r in ranks:
             w.process(r.rank, r.node, r.pid)
-        # calls still in flight (where a hang shows): open slices, kept first
-        for table, inflight in INFLIGHT.items():
-            part = src.align(win.whole(f"SELECT * FROM {inflight}"))
-            write_slices(w, table, part, colls, stacks, src.offsets)
-            win.cap.kept += part.num_rows
-        for table, part in win.read(SLICE_TABLES + COUNTER_TABLES):
+        for table, part, offsets in itertools.chain(inflight, chunks):
             if table in COUNTER_TABLES:
                 write_counters(w, part)
             else:
-                write_slices(w, table, part, colls, stacks, src.offsets)
+                write_slices(w, table, part, colls, stacks, offsets)
         if win.cap.cut:
             note = w.note_track(f"probing export: {sum(win.cap.dropped.values())} events dropped")
             at = win.cap.oldest_kept_ns or win.bounds[0]

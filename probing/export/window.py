@@ -10,9 +10,12 @@ about ``CHUNK_ROWS`` rows, and the chunks are read newest first, so that
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
@@ -141,3 +144,59 @@ class Window:
     def whole(self, sql: str) -> pa.Table:
         """A small table read in one go (stacks, threads, groups), not windowed."""
         return self.source.ask(sql)
+
+
+class Prefetched:
+    """``items`` read on a thread of their own, at most ``ahead`` chunks before
+    they are used (the probes answer while the caller encodes the last chunk),
+    each with what ``snapshot()`` said right after it was read (the clock
+    offsets its query measured: the next query measures them anew);
+    an error in the reading is raised where its chunk would have come.
+    ``close()`` (safe twice; ``with`` calls it) stops the reading."""
+
+    def __init__(
+        self, items: Iterator[tuple[str, pa.Table]], snapshot: Callable[[], Any], ahead: int = 1
+    ) -> None:
+        self._items = items
+        self._snapshot = snapshot
+        self._box: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="probing-export-read", daemon=True)
+        self._reader.start()
+
+    def _put(self, kind: str, value: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._box.put((kind, value), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        try:
+            for item in self._items:
+                if not self._put("item", (*item, self._snapshot())):
+                    return
+            self._put("end", None)
+        except BaseException as err:  # handed to the caller, raised there
+            self._put("error", err)
+
+    def __iter__(self) -> Iterator[tuple[str, pa.Table, Any]]:
+        while True:
+            kind, value = self._box.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reader.join()
+
+    def __enter__(self) -> Prefetched:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

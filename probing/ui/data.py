@@ -206,7 +206,7 @@ class JobView:
 
         src = self.source
         job = Job(pids=src.pids or None, addr=src.addr, cluster=src.cluster, timeout=src.timeout)
-        d, _ = diagnose(job, window_s=window_s, hang_after_s=HANG_AFTER_S)
+        d, _ = diagnose(job, window_s=window_s, hang_after_s=HANG_AFTER_S, eager=True)
         out = d.to_json()
         out["stacks_by_rank"] = {str(r): lines for r, lines in d.stacks.items()}
         out["elapsed_s"] = d.elapsed_s
