@@ -632,8 +632,9 @@ def diagnose(
     since = now - int(window_s * 1e9)
     # what every diagnosis asks, asked at once (each waits on the probes, not the CPU)
     tags = ", node, rank" if job.remote else ""
-    first = (sql["collectives"].format(since_ns=since), sql["groups"], sql["stacks"],
-             sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags))  # fmt: skip
+    first: tuple[str, ...] = (
+        sql["collectives"].format(since_ns=since), sql["groups"], sql["stacks"],
+        sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags))  # fmt: skip
     if eager:
         explain = ("samples", "cuda", "nvml", "cpu", "callsites")
         first += (

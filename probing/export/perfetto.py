@@ -278,13 +278,12 @@ class TraceWriter:
             first = _rows(packet, slice(0, 1))
             interned = wire.tag(INTERNED, LEN) + wire.varint_bytes(len(declared)) + declared
             first = [*first[:-1], wire.const(interned, 1), first[-1]]
-            self._file.write(
-                wire.join([*wire.nested(PACKET, first, 1), *_rows(after, slice(0, 1))])
-            )
+            head = wire.join([*wire.nested(PACKET, first, 1), *_rows(after, slice(0, 1))])
+            self._file.write(head.data)
             start = 1
         if start < n:
             rest = wire.nested(PACKET, _rows(packet, slice(start, n)), n - start)
-            self._file.write(wire.join([*rest, *_rows(after, slice(start, n))]))
+            self._file.write(wire.join([*rest, *_rows(after, slice(start, n))]).data)
 
     def _annotation(self, name: str, values: pa.Array) -> Message:
         """One arg of every slice (a debug annotation), left out where null."""
@@ -312,10 +311,7 @@ class TraceWriter:
             field = np.full(n, ARG_BOOL if pa.types.is_boolean(t) else ARG_INT, np.uint8)
             if t == pa.uint64():
                 field[v >= np.uint64(1 << 63)] = ARG_UINT
-            return [
-                Bytes(np.ones(n, np.int64), (field << 3)[:, None]),
-                wire.varints(v.astype(np.uint64)),
-            ]
+            return [wire.bytes_each((field << 3)[:, None]), wire.varints(v.astype(np.uint64))]
         if pa.types.is_floating(t):
             v = values.fill_null(0).to_numpy(zero_copy_only=False)
             return [

@@ -29,11 +29,21 @@ _WIDTHS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)
 class Bytes(NamedTuple):
     """One field of n messages: ``size[i]`` bytes of ``data[i]`` (the rest is padding)."""
 
-    size: np.ndarray  # int64, (n,)
+    size: np.ndarray  # int64, (n,); read-only, stride 0 where every row is full
     data: np.ndarray  # uint8, (n, width)
 
 
 Message = list[Bytes]
+BLOCK_BYTES = 1 << 18  # rows laid out together by ``join`` (in a core's L2 cache)
+
+
+def bytes_each(data: np.ndarray) -> Bytes:
+    """Row i is ``data[i]``, every row as wide as ``data`` (its size one number, broadcast)."""
+    return Bytes(np.broadcast_to(np.int64(data.shape[1]), (data.shape[0],)), data)
+
+
+def _is_full(part: Bytes) -> bool:
+    return part.size.strides[0] == 0 and int(part.size[0]) == part.data.shape[1]
 
 
 def varint_bytes(value: int) -> bytes:
@@ -56,27 +66,33 @@ def tag(field: int, wire: int) -> bytes:
 def const(data: bytes, n: int) -> Bytes:
     """The same bytes in every row."""
     row = np.frombuffer(data, dtype=np.uint8)
-    return Bytes(np.full(n, len(data), dtype=np.int64), np.broadcast_to(row, (n, len(data))))
+    return bytes_each(np.broadcast_to(row, (n, len(data))))
 
 
 def varints(values: np.ndarray) -> Bytes:
-    """Each value as a varint (signed values: two's complement, as int64 is written)."""
+    """Each value as a varint (signed values: two's complement, as int64 is written),
+    all as wide as the widest: a smaller value padded with continuation bytes
+    (0x80 ... 0x00), as protozero pads the sizes it backfills. Every reader
+    takes a varint of up to 10 bytes, and a column of one width lays out
+    without a mask (``join``)."""
     v = np.ascontiguousarray(values).astype(np.int64, copy=False).view(np.uint64)
-    if not len(v) or int(v.max()) < 0x80:  # one byte each (ids, flags, small counts)
-        return Bytes(np.ones(len(v), np.int64), v.astype(np.uint8).reshape(-1, 1))
-    size = np.searchsorted(_WIDTHS, v, side="right").astype(np.int64) + 1
-    width = int(size.max())
-    shifts = np.arange(0, 7 * width, 7, dtype=np.uint64)
-    data = ((v[:, None] >> shifts[None, :]) & np.uint64(0x7F)).astype(np.uint8)
-    data[np.arange(width)[None, :] < size[:, None] - 1] |= 0x80
-    return Bytes(size, data)
+    n = len(v)
+    if not n or int(v.max()) < 0x80:  # one byte each (ids, flags, small counts)
+        return bytes_each(v.astype(np.uint8).reshape(-1, 1))
+    width = int(np.searchsorted(_WIDTHS, v.max(), side="right")) + 1
+    data = np.empty((n, width), dtype=np.uint8)
+    for k in range(width):
+        data[:, k] = (v >> np.uint64(7 * k)).astype(np.uint8)  # the low 8 bits
+    data[:, :-1] |= 0x80
+    data[:, -1] &= 0x7F
+    return bytes_each(data)
 
 
 def fixed64(values: np.ndarray) -> Bytes:
     """Each value as 8 little-endian bytes (uint64 or float64: double)."""
     kind = "<f8" if values.dtype.kind == "f" else "<u8"
     data = np.ascontiguousarray(values, dtype=kind).view(np.uint8).reshape(-1, 8)
-    return Bytes(np.full(len(values), 8, dtype=np.int64), data)
+    return bytes_each(data)
 
 
 def blobs(values: list[bytes]) -> Bytes:
@@ -90,7 +106,9 @@ def blobs(values: list[bytes]) -> Bytes:
 
 
 def size(message: Message, n: int) -> np.ndarray:
-    """Each row's message size in bytes."""
+    """Each row's message size in bytes (broadcast where every row has one)."""
+    if all(part.size.strides[0] == 0 for part in message):
+        return np.broadcast_to(np.int64(sum(int(part.size[0]) for part in message if n)), (n,))
     total = np.zeros(n, dtype=np.int64)
     for part in message:
         total += part.size
@@ -99,54 +117,61 @@ def size(message: Message, n: int) -> np.ndarray:
 
 def nested(field: int, message: Message, n: int) -> Message:
     """``message`` as a length-delimited field of the one around it."""
-    return [const(tag(field, LEN), n), varints(size(message, n)), *message]
+    sizes = size(message, n)
+    if n and sizes.strides[0] == 0:  # one size: a constant
+        return [const(tag(field, LEN) + varint_bytes(int(sizes[0])), n), *message]
+    return [const(tag(field, LEN), n), varints(sizes), *message]
 
 
 def only(message: Message, present: np.ndarray) -> Message:
     """``message`` in the rows where ``present``, nothing in the others."""
+    if present.all():
+        return message
+    if not present.any():
+        return []
     keep = present.astype(np.int64)
     return [Bytes(part.size * keep, part.data) for part in message]
 
 
-def _full(part: Bytes) -> bool:
-    """Every row as wide as the matrix (no padding)."""
-    return bool((part.size == part.data.shape[1]).all())
-
-
-def _runs(message: Message) -> Message:
-    """Fields with no padding merged into the next: fewer, wider fields."""
-    out: Message = []
-    run: Message = []
-    for part in message:
-        run.append(part)
-        if not _full(part):
-            out.append(_merge(run))
-            run = []
-    if run:
-        out.append(_merge(run))
-    return out
-
-
-def _merge(run: Message) -> Bytes:
-    if len(run) == 1:
-        return run[0]
-    fixed = sum(part.data.shape[1] for part in run[:-1])
-    data = np.concatenate([part.data for part in run], axis=1)
-    return Bytes(run[-1].size + fixed, data)
-
-
 def join(message: Message) -> np.ndarray:
-    """The n messages end to end (a uint8 array: a buffer ``file.write`` takes)."""
+    """The n messages end to end (a uint8 array: a buffer ``file.write`` takes):
+    the fields side by side in one (n, width) matrix, read row by row, less
+    the padding of the fields narrower in some rows than in others."""
     if not message or not len(message[0].size):
         return np.zeros(0, dtype=np.uint8)
-    runs = _runs(message)
-    data = np.concatenate([part.data for part in runs], axis=1)
-    if len(runs) == 1 and _full(runs[0]):
-        return data.reshape(-1)
-    mask = np.empty(data.shape, dtype=bool)
+    n = len(message[0].size)
+    width = sum(part.data.shape[1] for part in message)
+    # the constant fields as one row copied to every row; the others a byte
+    # column at a time (one strided pass each: a (n, 1) slice copies row by row)
+    row = np.zeros(width, dtype=np.uint8)
     at = 0
-    for part in runs:
-        width = part.data.shape[1]
-        np.less(np.arange(width)[None, :], part.size[:, None], out=mask[:, at : at + width])
-        at += width
-    return data[mask]
+    for part in message:
+        w = part.data.shape[1]
+        if part.data.strides[0] == 0:
+            row[at : at + w] = part.data[0]
+        at += w
+    out = np.empty((n, width), dtype=np.uint8)
+    out[:] = row
+    ragged, columns = [], []
+    at = 0
+    for part in message:
+        w = part.data.shape[1]
+        if part.data.strides[0] != 0:
+            columns += [(at + j, part.data[:, j]) for j in range(w)]
+        if not _is_full(part):
+            ragged.append((at, part))
+        at += w
+    # a block of rows at a time, so that the block stays in the cache while
+    # each of its columns is written
+    block = max(1, BLOCK_BYTES // width)
+    for lo in range(0, n, block):
+        rows = out[lo : lo + block]
+        for j, column in columns:
+            rows[:, j] = column[lo : lo + block]
+    if not ragged:
+        return out.reshape(-1)
+    mask = np.ones((n, width), dtype=bool)
+    for at, part in ragged:
+        for j in range(part.data.shape[1]):
+            np.greater(part.size, j, out=mask[:, at + j])
+    return out[mask]

@@ -278,9 +278,10 @@ def write_counters(w: TraceWriter, part: pa.Table) -> None:
                       for c, _, _ in have], axis=1)  # fmt: skip
     # (row, metric) in row-major order, where a value was sampled
     row, metric = (x.reshape(-1)[valid.reshape(-1)] for x in np.indices((n, m)))
-    key = np.stack([rank[row], _ints(part, "gpu")[row], gpu.is_null().to_numpy(
-        zero_copy_only=False)[row], metric], axis=1)  # fmt: skip
-    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    # one int64 per (rank, GPU, no GPU, metric): np.unique over rows sorts far slower
+    no_gpu = gpu.is_null().to_numpy(zero_copy_only=False)[row].astype(np.int64)
+    key = (rank[row] << 32) | ((_ints(part, "gpu")[row] & 0xFFFFFF) << 8) | (no_gpu << 7) | metric
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     tracks = np.zeros(len(first), dtype=np.int64)
     for k in np.argsort(first, kind="stable"):
         i, (_, label, unit) = int(row[first[k]]), have[metric[first[k]]]
