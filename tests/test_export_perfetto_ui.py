@@ -7,10 +7,12 @@ parsing it with Perfetto's protos). A screenshot is kept in tests/artifacts/."""
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
+from probing.errors import ProbingError
 from probing.export import export
 from probing.ui.data import JobView
 from probing.ui.server import UIServer
@@ -134,3 +136,44 @@ def test_job_page_data_flags_the_late_rank_and_a_rank_missing_from_a_hang(job) -
     began = (since - lo) // ((hi - lo) // 10)
     assert 0 < began < 10
     assert grid["absent"] == [[0] * 10] * 3 + [[0] * began + [1] * (10 - began)]
+
+
+def test_the_latest_diagnosis_is_shown_at_once_while_the_next_is_made() -> None:
+    """``Latest``: the first request waits for a value, a later one gets the
+    last value at once and, once it is older than its age, starts the next
+    behind it; a failure behind it is raised to the next request, and the
+    request after that makes a value itself."""
+    import threading
+
+    from probing.ui.data import Latest
+
+    made: list[int] = []
+    gate = threading.Event()
+    gate.set()
+    fail = False
+
+    def make() -> int:
+        assert gate.wait(30)
+        if fail:
+            raise ProbingError("the probes did not answer")
+        made.append(len(made) + 1)
+        return made[-1]
+
+    latest = Latest(make, max_age_s=0.0)
+    assert latest.get() == 1  # nothing yet: made while the request waits
+    gate.clear()  # the next one is held until the gate opens
+    assert latest.get() == 1  # stale: shown at once, the next started behind it
+    assert latest.get() == 1  # ... one at a time
+    gate.set()
+    deadline = time.monotonic() + 30
+    while latest.get() == 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # (each stale answer may start the next)
+    assert made[1] == 2
+    fail = True
+    deadline = time.monotonic() + 30
+    with pytest.raises(ProbingError, match="did not answer"):
+        while time.monotonic() < deadline:
+            latest.get()  # the values until the failed one, then its error
+            time.sleep(0.01)
+    fail = False
+    assert latest.get() == made[-1] and len(made) >= 3  # made anew by the request

@@ -20,6 +20,7 @@ def serve(pids: list[int], addr: str | None, port: int, timeout: float) -> None:
         raise ProbingError(f"--port {port} is not a port", hint="use 1-65535, or 0")
     ranks = src.ranks()  # the probes answer (and the token works) before we serve
     server = UIServer(JobView(src), port=port)
+    server.view.warm()  # the first diagnosis, ready by the time its page is opened
     typer.echo(f"probing ui for {src.describe()} ({len(ranks)} ranks): open {server.url}")
     typer.echo("(Ctrl-C stops it)", err=True)
     try:

@@ -14,6 +14,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ GPU_SQL = (
 )
 HANG_AFTER_S = 10.0
 SLOW_TTL_S = 10.0  # the ranks and their process groups: asked again this often
+# a diagnosis older than this is shown at once while a new one is made behind it
+DIAGNOSIS_AGE_S = 2.0
 
 
 def _cell(v: Any) -> Any:
@@ -110,6 +113,74 @@ def hang_at(h: Any, matched: list[Any]) -> Hang:
     return Hang(list(h.missing_ranks), min(c.ts.values()) if c else 0)
 
 
+class Latest:
+    """The last value ``make()`` gave, made again behind it once older than
+    ``max_age_s`` (stale while it is made anew), on a daemon thread: a
+    request waits only when there is no value yet, and a failure is raised
+    to the next request (which then makes it itself)."""
+
+    def __init__(self, make: Callable[[], Any], max_age_s: float) -> None:
+        self._make = make
+        self._max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._value: tuple[float, Any] | None = None  # (made at, monotonic; value)
+        self._error: BaseException | None = None
+        self._making = False
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            if self._value is None and self._making:
+                self._done.wait_for(lambda: not self._making)
+                if self._error is not None:
+                    err, self._error = self._error, None
+                    raise err
+            if self._value is not None:
+                made, value = self._value
+                if time.monotonic() - made >= self._max_age_s:
+                    self._start()
+                return value
+            self._making = True
+        try:
+            value = self._make()
+        finally:
+            with self._lock:
+                self._making = False
+                self._done.notify_all()
+        with self._lock:
+            self._value = (time.monotonic(), value)
+        return value
+
+    def refresh(self) -> None:
+        """Make a new value behind the last, unless one is being made."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        if self._making:
+            return
+        self._making = True
+        threading.Thread(target=self._remake, name="probing-ui-refresh", daemon=True).start()
+
+    def _remake(self) -> None:
+        value: tuple[float, Any] | None = None
+        error: BaseException | None = None
+        try:
+            value = (time.monotonic(), self._make())
+        except Exception as err:  # raised to the next request
+            error = err
+        with self._lock:
+            self._making = False
+            if value is not None:
+                self._value = value
+            else:
+                self._value, self._error = None, error
+            self._done.notify_all()
+
+
 class JobView:
     """The UI's data source: one per ``probing ui``, shared by its request threads."""
 
@@ -117,6 +188,7 @@ class JobView:
         self.source = source
         self._cache: dict[str, tuple[float, Any]] = {}
         self._lock = threading.RLock()
+        self._latest: dict[str, Latest] = {}
         self.trace_path: str | None = None
         self._tmp = tempfile.mkdtemp(prefix="probing-ui-")
 
@@ -198,7 +270,24 @@ class JobView:
 
     # -- Diagnose -------------------------------------------------------------------
     def diagnose(self, window_s: float = 60.0) -> dict[str, Any]:
-        return self._cached(f"diag{window_s}", 2.0, lambda: self._diagnose(window_s))
+        """The latest diagnosis (``as_of_ns``: when it was made): at once when
+        there is one, a new one made behind it when it is older than
+        ``DIAGNOSIS_AGE_S``. A diagnosis asks every rank a dozen questions
+        (seconds, on busy ranks); the page shows the last while the next is made."""
+        with self._lock:
+            latest = self._latest.setdefault(
+                f"diag{window_s}", Latest(lambda: self._diagnose(window_s), DIAGNOSIS_AGE_S)
+            )
+        value: dict[str, Any] = latest.get()
+        return value
+
+    def warm(self, window_s: float = 60.0) -> None:
+        """Start the first diagnosis (the UI starting: ready when its page is opened)."""
+        with self._lock:
+            latest = self._latest.setdefault(
+                f"diag{window_s}", Latest(lambda: self._diagnose(window_s), DIAGNOSIS_AGE_S)
+            )
+        latest.refresh()
 
     def _diagnose(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import diagnose
@@ -210,6 +299,7 @@ class JobView:
         out = d.to_json()
         out["stacks_by_rank"] = {str(r): lines for r, lines in d.stacks.items()}
         out["elapsed_s"] = d.elapsed_s
+        out["as_of_ns"] = time.time_ns()
         return out
 
     # -- SQL ------------------------------------------------------------------------

@@ -210,8 +210,11 @@ async function loadDiagnose() {
       site ? el("p", {class: "muted", text: `issues its collectives at ${site}`}) : null,
       el("pre", {class: "stack", text: lines.join("\n")})));
   }
-  kids.push(el("p", {class: "muted", text: `diagnosed in ${fmt(d.elapsed_s, 2)} s over the last ` +
-                                           `${d.window_s || windowS()} s`}));
+  const age = d.as_of_ns ? Math.max(0, Date.now() / 1000 - d.as_of_ns / 1e9) : null;
+  kids.push(el("p", {class: "muted", id: "diagnosed",
+                     text: `diagnosed in ${fmt(d.elapsed_s, 2)} s over the last ` +
+                           `${d.window_s || windowS()} s` +
+                           (age === null ? "" : `, ${age.toFixed(0)} s ago`)}));
   main.replaceChildren(...kids);
 }
 
