@@ -56,7 +56,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  apt-get install -y -q --download-only --no-install-recommends "${missing[@]}"
+  say "downloaded; unpacking and configuring"
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
 # --- the venv ------------------------------------------------------------------------
@@ -79,7 +81,8 @@ want=$(printf "%s\n$extra" "$deps" | sha256sum | cut -c1-16)
 stamp="$venv/.probing-provision"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing probing's dependencies into $venv"
-  mapfile -t reqs < <(printf "%s\n$extra" "$deps" | sed 's/ *#.*//' | grep -v '^ruff')
+  # not the linters and type checker of the test extra: the VM runs tests only
+  mapfile -t reqs < <(printf "%s\n$extra" "$deps" | sed 's/ *#.*//' | grep -Ev '^(ruff|mypy|import-linter|types-)')
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "${reqs[@]}"
   echo "$want" > "$stamp"
 fi

@@ -13,6 +13,7 @@ finish() {
   sleep 60
 }
 mount -t proc proc /proc
+dmesg -n 1  # kernel messages stay in dmesg, off the console
 echo "probing-vm: init"
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev 2>/dev/null
@@ -27,7 +28,6 @@ mount -t debugfs nodev /sys/kernel/debug
 mount -t bpf bpf /sys/fs/bpf
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 echo 1 > /proc/sys/kernel/sysrq
-dmesg -n 1  # kernel messages stay in dmesg, off the console
 hostname probing-vm
 ip link set lo up
 modprobe -a 9pnet_virtio 9p 2>/dev/null
