@@ -15,7 +15,7 @@ test: setup
 	$(VENV)/bin/ruff check probing tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
 bench: setup
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]" 2>&1 | { grep -v "^WARNING: Location" || true; }

@@ -9,6 +9,13 @@ A message is a list of fields; ``join`` lays the n messages end to end:
 with the fields' matrices side by side, the bytes inside each size, read in
 row-major order, are exactly message 0, message 1, ...
 
+What makes it fast: most fields have the same width in every row (a
+constant, a fixed64, a varint column written at its widest value's width,
+padded with continuation bytes as protozero pads the sizes it backfills), so
+that their sizes are one number (``bytes_each``), the nested sizes are
+constants, and the matrix is the output with no mask; only a field absent
+in some rows (``only``: a null arg, a call still running) needs one.
+
 The encodings (https://protobuf.dev/programming-guides/encoding/): a tag is
 ``field << 3 | wire type`` as a varint; varints hold 7 bits a byte, low
 first, the top bit set on every byte but the last (a negative int64 as its
