@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 P2P_OPS = ("send", "recv")
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
@@ -127,14 +128,6 @@ def iso(ns: int) -> str:
     return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _rows(table: pa.Table) -> list[dict[str, Any]]:
-    want = ["backend", "op", "comm", "seq", "comm_rank", "nranks", "bytes", "ts", "dur_ns"]
-    want += ["pid", "node", "rank", "pg"]
-    have = [c for c in want if c in table.column_names]
-    rows: list[dict[str, Any]] = table.select(have).to_pylist()
-    return rows
-
-
 def global_rank(r: dict[str, Any]) -> int:
     rank = r.get("rank")
     if rank is None or rank < 0:
@@ -142,102 +135,291 @@ def global_rank(r: dict[str, Any]) -> int:
     return -1 if rank is None else int(rank)
 
 
-def comm_keys(rows: list[dict[str, Any]]) -> list[str]:
-    """A cross-process name for every row's communicator (see the module doc)."""
-    procs_of: dict[tuple[str, Any], set[tuple[Any, Any]]] = defaultdict(set)
-    first: dict[tuple[Any, Any, str, Any], int] = {}
-    nranks_of: dict[tuple[Any, Any, str, Any], int] = {}
-    for r in rows:
-        proc = (r.get("node"), r.get("pid"))
-        procs_of[(r["backend"], r["comm"])].add(proc)
-        k = (*proc, r["backend"], r["comm"])
-        first[k] = min(first.get(k, r["ts"]), r["ts"])
-        nranks_of[k] = r.get("nranks") or nranks_of.get(k) or 0
-    ordinal: dict[tuple[Any, Any, str, Any], int] = {}
-    groups: dict[tuple[Any, Any, str, int], list[tuple[int, Any]]] = defaultdict(list)
-    for k, ts in first.items():
-        groups[(k[0], k[1], k[2], nranks_of[k])].append((ts, k[3]))
-    for (node, pid, backend, _), comms in groups.items():
-        for i, (_, comm) in enumerate(sorted(comms, key=lambda c: c[0])):
-            ordinal[(node, pid, backend, comm)] = i
-    keys = []
-    for r in rows:
-        if r.get("pg") is not None:
-            keys.append(f"{r['backend']}/pg{r['pg']}")
-        elif len(procs_of[(r["backend"], r["comm"])]) > 1 and r["comm"] is not None:
-            keys.append(f"{r['backend']}:{int(r['comm']):x}")
-        else:
-            k = (r.get("node"), r.get("pid"), r["backend"], r["comm"])
-            keys.append(f"{r['backend']}/n{nranks_of[k]}#{ordinal[k]}")
-    return keys
-
-
 def seq_offset(seq: np.ndarray, t: np.ndarray, ref_seq: np.ndarray, ref_t: np.ndarray) -> int:
     """The shift of ``seq`` that lines its times up with the reference's (the mode)."""
     if len(t) == 0 or len(ref_t) == 0:
         return 0
     order = np.argsort(ref_t)
-    rt, rs = ref_t[order], ref_seq[order]
-    j = np.clip(np.searchsorted(rt, t), 1, len(rt) - 1) if len(rt) > 1 else np.zeros_like(t)
-    if len(rt) > 1:
+    return _offset(seq, t, ref_seq[order], ref_t[order])
+
+
+def _offset(seq: np.ndarray, t: np.ndarray, rs: np.ndarray, rt: np.ndarray) -> int:
+    """``seq_offset`` against a reference already in time order (``rt`` sorted)."""
+    if len(t) == 0 or len(rt) == 0:
+        return 0
+    if len(rt) > 1:  # each call's nearest reference call (a tie: the later one)
+        j = np.clip(np.searchsorted(rt, t), 1, len(rt) - 1)
         left_closer = np.abs(t - rt[j - 1]) < np.abs(t - rt[j])
         j = np.where(left_closer, j - 1, j)
-    shifts: Counter[int] = Counter((rs[j] - seq).tolist())
-    return shifts.most_common(1)[0][0]
+    else:
+        j = np.zeros(len(t), dtype=np.intp)
+    # the most common shift; of equally common ones, the one met first
+    shifts, first, counts = np.unique(rs[j] - seq, return_index=True, return_counts=True)
+    best = np.flatnonzero(counts == counts.max())
+    return int(shifts[best[np.argmin(first[best])]])
+
+
+@dataclasses.dataclass
+class Matched:
+    """Every matched collective call, column by column (``match`` builds its
+    ``Collective`` objects from it; ``probing export`` looks calls up in it).
+
+    Per call, in ``match``'s order (communicator by communicator, first seen
+    first; in each, collective by collective by aligned seq; in each, rank by
+    rank, first seen first): ``row``, its index in the table; ``rank``, ``ts``,
+    ``end`` (ts + dur_ns; meaningful where ``done``, False: still in flight),
+    and ``coll``, its collective. Per collective: ``key`` (an index into
+    ``keys``, the communicators' cross-process names), aligned ``seq``, ``op``,
+    ``nranks``, ``bytes`` (the first call's), and ``first``, the index of its
+    first call (one more: the number of calls)."""
+
+    keys: list[str]
+    row: np.ndarray
+    rank: np.ndarray
+    ts: np.ndarray
+    end: np.ndarray
+    done: np.ndarray
+    coll: np.ndarray
+    key: np.ndarray
+    seq: np.ndarray
+    op: list[str]
+    nranks: np.ndarray
+    bytes: list[int | None]
+    first: np.ndarray
+
+    @classmethod
+    def empty(cls, keys: list[str] | None = None) -> Matched:
+        none = np.zeros(0, dtype=np.int64)
+        return cls(
+            keys or [], none, none, none, none, none.astype(bool), none, none, none,
+            [], none, [], np.zeros(1, dtype=np.int64),
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        """The number of collectives."""
+        return len(self.seq)
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    """A column as one array (all null where the table has none)."""
+    if name not in table.column_names or pa.types.is_null(table.column(name).type):
+        return pa.nulls(table.num_rows, pa.int64())
+    return table.column(name).combine_chunks()
+
+
+def _ints(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """An integer column as int64 (null: 0) and where it is not null."""
+    if values.null_count == 0:
+        ints = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return ints, np.ones(len(values), dtype=bool)
+    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    ints = values.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return ints, valid
+
+
+def _codes(values: pa.Array | np.ndarray) -> tuple[np.ndarray, list[Any]]:
+    """Each value's code, numbered in the order values first appear (None is a
+    value of its own), and the values so numbered."""
+    enc = pc.dictionary_encode(values, null_encoding="encode")
+    codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    return codes, enc.dictionary.to_pylist()
+
+
+def _pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Codes of the pairs of two codes (numbered as ``_codes``)."""
+    return _codes(a * (int(b.max()) + 1) + b)[0] if len(a) else a
+
+
+def _per(codes: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For each code, the value of its rows (the same in each)."""
+    out = np.zeros(int(codes.max()) + 1 if len(codes) else 0, dtype=values.dtype)
+    out[codes] = values
+    return out
+
+
+def _firsts(codes: np.ndarray) -> np.ndarray:
+    """Where each code first appears (codes numbered as ``_codes``: a new one
+    exceeds all before it)."""
+    before = np.maximum.accumulate(codes)
+    return np.flatnonzero(codes > np.r_[-1, before[:-1]])
+
+
+def distinct(table: pa.Table, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's combination of the columns ``names`` (absent: None), numbered in
+    the order they first appear, and the first row of each."""
+    code = np.zeros(table.num_rows, dtype=np.int64)
+    for name in names:
+        code = _pair(code, _codes(_column(table, name))[0])
+    return code, _firsts(code)
+
+
+def _comm_keys(
+    backend: np.ndarray, backends: list[Any], comm: np.ndarray, comms: list[Any],
+    pg: np.ndarray, pgs: list[Any], proc: np.ndarray, ts: np.ndarray, nranks: np.ndarray,
+) -> tuple[np.ndarray, list[str]]:  # fmt: skip
+    """A cross-process name for every row's communicator (see the module doc):
+    each row's key, numbered in the order keys first appear, and the keys."""
+    bc = _pair(backend, comm)  # a communicator as its processes name it
+    k = _pair(proc, bc)  # ... in one process
+    nk = int(k.max()) + 1
+    procs = np.bincount(_per(k, bc))  # processes that name each (backend, comm)
+    first_ts = np.full(nk, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_ts, k, ts)
+    said = np.flatnonzero(nranks != 0)  # the last row's nranks that says one
+    last = np.full(nk, -1, dtype=np.int64)
+    np.maximum.at(last, k[said], said)
+    size = np.where(last >= 0, nranks[np.maximum(last, 0)], 0)
+    # each process's comms of one backend and size, numbered by their first use
+    # (a tie: the one first in the table, as k is numbered)
+    group = _pair(_pair(_per(k, proc), _per(k, backend)), _codes(size)[0])
+    order = np.lexsort((first_ts, group))
+    ranked = group[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    ordinal = np.empty(nk, dtype=np.int64)
+    ordinal[order] = np.arange(nk) - np.repeat(starts, np.diff(np.r_[starts, nk]))
+
+    names: dict[str, int] = {}
+    label = np.zeros(len(k), dtype=np.int64)
+
+    def name(rows: np.ndarray, code: np.ndarray, text: Callable[[int], str]) -> None:
+        if len(rows):
+            dense = _codes(code[rows])[0]
+            ids = [names.setdefault(text(int(rows[i])), len(names)) for i in _firsts(dense)]
+            label[rows] = np.array(ids, dtype=np.int64)[dense]
+
+    has_pg = np.array([v is not None for v in pgs])[pg]
+    shared = ~has_pg & (procs[bc] > 1) & np.array([v is not None for v in comms])[comm]
+    name(np.flatnonzero(has_pg), _pair(backend, pg),
+         lambda i: f"{backends[backend[i]]}/pg{pgs[pg[i]]}")  # fmt: skip
+    name(np.flatnonzero(shared), bc, lambda i: f"{backends[backend[i]]}:{int(comms[comm[i]]):x}")
+    name(np.flatnonzero(~has_pg & ~shared), k,
+         lambda i: f"{backends[backend[i]]}/n{int(size[k[i]])}#{int(ordinal[k[i]])}")  # fmt: skip
+    key, seen = _codes(label)
+    text = list(names)
+    return key, [text[i] for i in seen]
+
+
+def matched(table: pa.Table) -> Matched:
+    """Every collective call matched across ranks by communicator and aligned
+    sequence, column by column (see ``Matched``; ``match`` for the rules)."""
+    op_all = _column(table, "op").cast(pa.string())
+    # point-to-point transfers pair two ranks, not a group: analyze.pipeline's
+    said = pc.invert(pc.is_in(op_all, value_set=pa.array(["", *P2P_OPS], pa.string())))
+    said = pc.and_(pc.and_(op_all.is_valid(), _column(table, "ts").is_valid()), said)
+    row = np.flatnonzero(said.to_numpy(zero_copy_only=False))
+    if not len(row):
+        return Matched.empty()
+    every = len(row) == table.num_rows
+
+    def ints(name: str) -> tuple[np.ndarray, np.ndarray]:
+        values, valid = _ints(_column(table, name))
+        return (values, valid) if every else (values[row], valid[row])
+
+    def codes(column: pa.Array) -> tuple[np.ndarray, list[Any]]:
+        numbers, values = _codes(column)  # numbered over the table: only told apart
+        return (numbers if every else numbers[row]), values
+
+    ts, _ = ints("ts")
+    dur, done = ints("dur_ns")
+    seq, has_seq = ints("seq")
+    nranks, _ = ints("nranks")  # null: 0 (``or 0``)
+    rank, has_rank = ints("rank")
+    comm_rank, has_comm_rank = ints("comm_rank")
+    rank = np.where(has_rank & (rank >= 0), rank, np.where(has_comm_rank, comm_rank, -1))
+    op, ops = codes(op_all)
+    backend, backends = codes(_column(table, "backend"))
+    comm, comms = codes(_column(table, "comm"))
+    pg, pgs = codes(_column(table, "pg"))
+    proc = _pair(codes(_column(table, "node"))[0], codes(_column(table, "pid"))[0])
+    key, keys = _comm_keys(backend, backends, comm, comms, pg, pgs, proc, ts, nranks)
+    end = ts + dur
+
+    # each communicator's calls rank by rank (both first seen first), each rank's in
+    # its order: the order in which calls join collectives (the first one names it)
+    kr = _pair(key, _codes(rank)[0])
+    kr_key, kr_rank = _per(kr, key), _per(kr, rank)
+    groups = np.argsort(kr_key, kind="stable")  # kr is numbered first seen first
+    place = np.empty(len(groups), dtype=np.int64)
+    place[groups] = np.arange(len(groups))
+    at = place[kr]
+    calls = np.argsort(at.astype(np.uint16) if len(groups) < 1 << 16 else at, kind="stable")
+    bounds = np.r_[0, np.cumsum(np.bincount(at, minlength=len(groups)))]
+
+    # per rank a seq offset lining its calls up with the lowest rank's: Gloo on CPU
+    # is synchronous, a call returns when the collective is done, so the returns line
+    # up across ranks (calls still in flight are left out); otherwise the arrivals
+    gloo = np.array([b == "gloo" for b in backends])[backend]
+
+    def series(mine: np.ndarray, synchronous: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A rank's (seq, time) to line up: returns (of returned calls) or arrivals."""
+        used = mine[has_seq[mine] & done[mine]] if synchronous else mine[has_seq[mine]]
+        return seq[used], (end if synchronous else ts)[used]
+
+    shift = np.zeros(len(groups), dtype=np.int64)
+    g_key, g_rank = kr_key[groups], kr_rank[groups]
+    firsts = np.flatnonzero(np.r_[True, g_key[1:] != g_key[:-1]]).tolist()
+    for a, b in zip(firsts, [*firsts[1:], len(groups)], strict=True):
+        # the lowest rank numbers the collectives: the same numbers in every
+        # diagnosis of one job (a hang is named alike each time it is asked)
+        ref = a + int(np.argmin(g_rank[a:b]))
+        mine = calls[bounds[ref] : bounds[ref + 1]]
+        synchronous = bool(gloo[mine].all())
+        ref_s, ref_t = series(mine, synchronous)
+        order = np.argsort(ref_t)
+        ref_s, ref_t = ref_s[order], ref_t[order]
+        for g in range(a, b):
+            if g != ref:
+                s, t = series(calls[bounds[g] : bounds[g + 1]], synchronous)
+                shift[g] = _offset(s, t, ref_s, ref_t)
+    aligned = seq + shift[at]
+
+    # communicator by communicator, by aligned seq; in a collective, in joining order
+    calls = calls[has_seq[calls]]
+    if not len(calls):
+        return Matched.empty(keys)
+    calls = calls[np.lexsort((aligned[calls], key[calls]))]
+    k, s = key[calls], aligned[calls]
+    new = np.r_[True, (k[1:] != k[:-1]) | (s[1:] != s[:-1])]
+    coll = np.cumsum(new) - 1
+    named = calls[new]  # the call that names each collective: its op, nranks, bytes
+    # a call of another op (misaligned) or a rank's second (duplicated): left out
+    same = op[calls] == op[named][coll]
+    calls, coll = calls[same], coll[same]
+    r = rank[calls]
+    again = np.r_[False, (coll[1:] == coll[:-1]) & (r[1:] == r[:-1])]
+    calls, coll = calls[~again], coll[~again]
+    count = np.bincount(coll, minlength=len(named))
+    first = np.r_[0, np.cumsum(count)]
+    size = np.maximum(np.maximum.reduceat(nranks[calls], first[:-1]), count)
+    nbytes = _column(table, "bytes").take(pa.array(row[named])).to_pylist()
+    return Matched(
+        keys=keys, row=row[calls], rank=rank[calls], ts=ts[calls], end=end[calls],
+        done=done[calls], coll=coll, key=key[named], seq=aligned[named],
+        op=[ops[i] for i in op[named].tolist()], nranks=size, bytes=nbytes, first=first,
+    )  # fmt: skip
 
 
 def match(table: pa.Table) -> list[Collective]:
-    """Every collective, matched across ranks by communicator and aligned sequence."""
-    # point-to-point transfers pair two ranks, not a group: analyze.pipeline's
-    rows = [
-        r
-        for r in _rows(table)
-        if r.get("op") and r["op"] not in P2P_OPS and r.get("ts") is not None
-    ]
-    if not rows:
-        return []
-    keys = comm_keys(rows)
-    per: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for key, r in zip(keys, rows, strict=True):
-        per[key][global_rank(r)].append(r)
-    out: list[Collective] = []
-    for key, by_rank in per.items():
-        # the lowest rank numbers the collectives: the same numbers in every
-        # diagnosis of one job (a hang is named alike each time it is asked)
-        ref = min(by_rank)
+    """Every collective, matched across ranks by communicator and aligned sequence.
 
-        def series(rs: list[dict[str, Any]], ends: bool) -> tuple[np.ndarray, np.ndarray]:
-            done = [r for r in rs if r.get("seq") is not None and (r["dur_ns"] is not None)]
-            if not ends:
-                done = [r for r in rs if r.get("seq") is not None]
-            s = np.array([r["seq"] for r in done], dtype=np.int64)
-            t = np.array(
-                [r["ts"] + (r["dur_ns"] or 0) if ends else r["ts"] for r in done], dtype=np.int64
-            )
-            return s, t
-
-        # Gloo on CPU is synchronous: a call returns when the collective is done,
-        # so the returns line up across ranks (calls still in flight are left out)
-        synchronous = all(r["backend"] == "gloo" for r in by_rank[ref])
-        ref_s, ref_t = series(by_rank[ref], synchronous)
-        merged: dict[int, Collective] = {}
-        for rank, rs in by_rank.items():
-            shift = 0 if rank == ref else seq_offset(*series(rs, synchronous), ref_s, ref_t)
-            for r in rs:
-                if r.get("seq") is None:
-                    continue
-                k = int(r["seq"]) + shift
-                c = merged.get(k)
-                if c is None:
-                    c = merged[k] = Collective(
-                        key, k, r["op"], int(r.get("nranks") or 0), r.get("bytes"), {}, {}
-                    )
-                if r["op"] != c.op or rank in c.ts:
-                    continue  # misaligned or duplicated: leave it out
-                c.ts[rank] = int(r["ts"])
-                c.end[rank] = None if r["dur_ns"] is None else int(r["ts"] + r["dur_ns"])
-                c.nranks = max(c.nranks, int(r.get("nranks") or 0), len(c.ts))
-        out.extend(merged[k] for k in sorted(merged))
+    Calls of point-to-point ops (``P2P_OPS``) and rows without op or ts are left
+    out; a rank's calls are shifted by its seq offset (``seq_offset``) against
+    the lowest rank's of its communicator; a collective takes its op, bytes and
+    (at least) nranks from the first call of it met (rank by rank, first seen
+    first), a call of another op or a rank's second call of it is left out.
+    In the order of ``Matched``."""
+    m = matched(table)
+    keys = [m.keys[k] for k in m.key.tolist()]
+    ranks, ts, ends = m.rank.tolist(), m.ts.tolist(), m.end.tolist()
+    for i in np.flatnonzero(~m.done).tolist():
+        ends[i] = None  # still inside
+    first = m.first.tolist()
+    out = []
+    for c, (seq, nranks) in enumerate(zip(m.seq.tolist(), m.nranks.tolist(), strict=True)):
+        a, b = first[c], first[c + 1]
+        who = ranks[a:b]
+        arrive, leave = dict(zip(who, ts[a:b], strict=True)), dict(zip(who, ends[a:b], strict=True))
+        out.append(Collective(keys[c], seq, m.op[c], nranks, m.bytes[c], arrive, leave))
     return out
 
 

@@ -771,9 +771,12 @@ def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     names = {
         (*(g[c] for c in key_cols), g["backend"], g["comm"]): g["pg"] for g in groups.to_pylist()
     }
-    cols = [table.column(c).to_pylist() for c in (*key_cols, "backend", "comm")]
-    pg = [names.get(k) for k in zip(*cols, strict=True)]
-    return table.append_column("pg", pa.array(pg, pa.string()))
+    code, firsts = coll.distinct(table, [*key_cols, "backend", "comm"])
+    cols = [
+        table.column(c).take(pa.array(firsts)).to_pylist() for c in (*key_cols, "backend", "comm")
+    ]
+    pg = pa.array([names.get(k) for k in zip(*cols, strict=True)], pa.string())
+    return table.append_column("pg", pg.take(pa.array(code)))
 
 
 def _counts_differ(states: list[hg.RankState]) -> bool:

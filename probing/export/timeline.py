@@ -4,7 +4,7 @@ What goes where (see ``perfetto.TraceWriter``): NCCL and Gloo calls, CUDA
 calls (kernel launches named by their kernel, synchronisations as
 ``cuda.sync``) become slices on their thread's track under ``rank R @ node``;
 the args carry the call's columns, the collective's cross-rank name
-(``comm``) and aligned ``seq`` (``probing.analyze.collectives.match``, as
+(``comm``) and aligned ``seq`` (``probing.analyze.collectives.matched``, as
 ``diagnose`` matches them), and the Python ``callsite`` and ``stack``
 (``python.callsites`` / ``python.stacks``). One flow id per collective
 chains it across ranks. NVML samples become counter tracks per rank.
@@ -72,7 +72,7 @@ class CollectiveIndex:
     flow id, looked up a chunk at a time (per rank, a sorted array of its ts)."""
 
     def __init__(self, win: Window) -> None:
-        from probing.analyze.collectives import match
+        from probing.analyze.collectives import matched
         from probing.analyze.diagnose import queries, with_groups
         from probing.errors import ProbingError
 
@@ -82,22 +82,19 @@ class CollectiveIndex:
             table = with_groups(table, win.whole(sql["groups"]))
         except ProbingError:  # a probe without comm.groups: matched by size and order
             pass
-        rows: dict[int, list[tuple[int, int]]] = {}  # rank -> (ts, collective)
-        self.comm: list[str] = []
-        seqs, flows = [], []
-        for c in match(table):
-            for rank, ts in c.ts.items():
-                rows.setdefault(rank, []).append((ts, len(self.comm)))
-            self.comm.append(c.comm)
-            seqs.append(c.seq)
-            flows.append(flow_id(c.comm, c.seq))
-        self.seq = np.array(seqs, dtype=np.int64)
+        m = matched(table)
+        self.comm: list[str] = [m.keys[k] for k in m.key.tolist()]
+        self.seq = m.seq.astype(np.int64)
+        flows = [flow_id(c, s) for c, s in zip(self.comm, self.seq.tolist(), strict=True)]
         self.flow = np.array(flows, dtype=np.uint64)
-        self._by_rank = {}
-        for rank, pairs in rows.items():
-            pairs.sort()
-            got = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-            self._by_rank[rank] = (got[:, 0].copy(), got[:, 1].copy())
+        # rank -> its calls' ts (sorted; a tie: the first collective first) and collective
+        self._by_rank: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        order = np.lexsort((m.coll, m.ts, m.rank))
+        rank, ts, which = m.rank[order], m.ts[order], m.coll[order].astype(np.int64)
+        if len(rank):
+            cuts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]).tolist() + [len(rank)]
+            for a, b in itertools.pairwise(cuts):
+                self._by_rank[int(rank[a])] = (ts[a:b].copy(), which[a:b].copy())
 
     def lookup(self, rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """Each call's collective (an index into ``comm``/``seq``/``flow``), -1: none."""
