@@ -148,33 +148,31 @@ def join(message: Message) -> np.ndarray:
         return np.zeros(0, dtype=np.uint8)
     n = len(message[0].size)
     width = sum(part.data.shape[1] for part in message)
-    # the constant fields as one row copied to every row; the others a byte
-    # column at a time (one strided pass each: a (n, 1) slice copies row by row)
+    # the constant fields as one row copied to every row; each other field as
+    # one strided copy of n items of its width (numpy's void type: a (n, w)
+    # slice of a wider matrix would copy row by row)
     row = np.zeros(width, dtype=np.uint8)
+    out = np.empty((n, width), dtype=np.uint8)
+    ragged, fields = [], []
     at = 0
     for part in message:
         w = part.data.shape[1]
         if part.data.strides[0] == 0:
             row[at : at + w] = part.data[0]
-        at += w
-    out = np.empty((n, width), dtype=np.uint8)
-    out[:] = row
-    ragged, columns = [], []
-    at = 0
-    for part in message:
-        w = part.data.shape[1]
-        if part.data.strides[0] != 0:
-            columns += [(at + j, part.data[:, j]) for j in range(w)]
+        elif w:
+            items = np.ascontiguousarray(part.data).view(f"V{w}").reshape(-1)
+            place = np.ndarray((n,), f"V{w}", buffer=out, offset=at, strides=(width,))
+            fields.append((place, items))
         if not _is_full(part):
             ragged.append((at, part))
         at += w
+    out[:] = row
     # a block of rows at a time, so that the block stays in the cache while
-    # each of its columns is written
+    # each of its fields is written
     block = max(1, BLOCK_BYTES // width)
     for lo in range(0, n, block):
-        rows = out[lo : lo + block]
-        for j, column in columns:
-            rows[:, j] = column[lo : lo + block]
+        for place, items in fields:
+            place[lo : lo + block] = items[lo : lo + block]
     if not ragged:
         return out.reshape(-1)
     mask = np.ones((n, width), dtype=bool)

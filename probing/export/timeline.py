@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -143,9 +144,51 @@ def _ints(part: pa.Table, name: str) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _said(values: pa.Array) -> pa.Array:
-    """``values`` with empty strings null (what Python's ``or`` skips)."""
-    return pc.if_else(pc.equal(values, ""), pa.scalar(None, values.type), values)
+def _codes(values: pa.Array) -> tuple[np.ndarray, list[str]]:
+    """A string column as codes into its distinct strings (-1: null or empty,
+    what Python's ``or`` skips)."""
+    enc = pc.dictionary_encode(values)
+    if isinstance(enc, pa.ChunkedArray):
+        enc = enc.combine_chunks()
+    words = enc.dictionary.to_pylist()
+    codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    unsaid = np.array([not w for w in words] + [True])  # [-1]: the null's
+    return np.where(unsaid[codes], -1, codes), words
+
+
+class Names(NamedTuple):
+    """Each call's slice name, category (dictionary arrays) and whether it names an op."""
+
+    name: pa.Array
+    category: pa.Array
+    op: np.ndarray  # bool
+
+
+def _names(table: str, api: pa.Array, op: pa.Array, kernel: pa.Array) -> Names:
+    """The name is the op, else the kernel, else the API call, else the table;
+    the category ``cuda.sync`` (a synchronisation), ``cuda.kernel`` (a
+    launch), else the family. Worked out once per distinct (op, kernel, api)."""
+    (o, ops), (k, kernels), (a, apis) = _codes(op), _codes(kernel), _codes(api)
+    key = ((o + 1) * (len(kernels) + 1) + (k + 1)) * (len(apis) + 1) + (a + 1)
+    combos, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    family = table.split(".")[0]
+    names, categories = [], []
+    for i in first.tolist():
+        said = (ops[o[i]] if o[i] >= 0 else None, kernels[k[i]] if k[i] >= 0 else None,
+                apis[a[i]] if a[i] >= 0 else None)  # fmt: skip
+        names.append(next((w for w in said if w), table))
+        if family != "cuda":
+            categories.append(family)
+        elif said[2] and "Synchronize" in said[2]:
+            categories.append("cuda.sync")
+        else:
+            categories.append("cuda.kernel" if said[1] else "cuda")
+    index = pa.array(inverse.reshape(-1).astype(np.int32))
+    return Names(
+        pa.DictionaryArray.from_arrays(index, pa.array(names, pa.string())),
+        pa.DictionaryArray.from_arrays(index, pa.array(categories, pa.string())),
+        o >= 0,
+    )
 
 
 def _const(text: str, n: int) -> pa.Array:
@@ -179,12 +222,12 @@ def _set(args: dict[str, list[tuple[str, pa.Array]]], name: str, value: pa.Array
 
 
 def _collectives(
-    part: pa.Table, rank: np.ndarray, ts: np.ndarray, colls: CollectiveIndex,
-    offsets: dict[str, int],
+    part: pa.Table, rank: np.ndarray, ts: np.ndarray, has_op: np.ndarray,
+    colls: CollectiveIndex, offsets: dict[str, int],
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Each call's collective (index into ``colls``, -1: none) and flow id (0: none)."""
     which = np.full(len(ts), -1, dtype=np.int64)
-    called = np.flatnonzero(_said(_column(part, "op")).is_valid().to_numpy(zero_copy_only=False))
+    called = np.flatnonzero(has_op)
     if len(called) and len(colls.comm):
         nodes = pc.dictionary_encode(_column(part, "node").take(pa.array(called)))
         shift = np.array([offsets.get(n, 0) for n in nodes.dictionary.to_pylist()] + [0])
@@ -210,16 +253,6 @@ def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Arr
     return sites, texts
 
 
-def _category(table: str, api: pa.Array, kernel: pa.Array) -> pa.Array:
-    """``cuda.sync`` (a synchronisation), ``cuda.kernel`` (a launch), else the family."""
-    category = table.split(".")[0]
-    if category != "cuda":
-        return _const(category, len(api))
-    sync = pc.fill_null(pc.match_substring(_said(api), "Synchronize"), False)
-    kern = _said(kernel).is_valid()
-    return pc.if_else(sync, "cuda.sync", pc.if_else(kern, "cuda.kernel", "cuda"))
-
-
 def write_slices(
     w: TraceWriter,
     table: str,
@@ -239,7 +272,8 @@ def write_slices(
     extra = [c for c in part.column_names if c not in _PLACE and part.column(c).null_count < n]
     args = {c: [(c, _column(part, c))] for c in extra}
     args["api"] = [("api", api)]
-    which, flow = _collectives(part, rank, ts, colls, offsets)
+    names = _names(table, api, op, kernel)
+    which, flow = _collectives(part, rank, ts, names.op, colls, offsets)
     if (which >= 0).any():
         hit = pa.array(which >= 0)
         comm = pa.array(colls.comm, pa.string()).take(pa.array(np.maximum(which, 0)))
@@ -251,11 +285,10 @@ def write_slices(
         _set(args, "callsite", site)
         _set(args, "stack", text)
     dur = _column(part, "dur_ns", pa.int64())
-    name = pc.coalesce(_said(op), _said(kernel), _said(api), pa.scalar(table))
     w.add_slices(SliceChunk(
         rank=rank, track=track, ts=ts, ended=dur.is_valid().to_numpy(zero_copy_only=False),
         dur=dur.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
-        name=name, category=_category(table, api, kernel),
+        name=names.name, category=names.category,
         args=[a for group in args.values() for a in group], flow=flow,
     ))  # fmt: skip
 
