@@ -133,7 +133,10 @@ class TraceWriter:
         enc = pc.dictionary_encode(values)
         if isinstance(enc, pa.ChunkedArray):
             enc = enc.combine_chunks()
-        iids = np.array([0, *self.intern(kind, enc.dictionary.to_pylist())], dtype=np.int64)
+        words = enc.dictionary.to_pylist()  # (a dictionary array's may hold a null)
+        said = [w for w in words if w is not None]
+        ids = iter(self.intern(kind, said))
+        iids = np.array([0, *(0 if w is None else next(ids) for w in words)], dtype=np.int64)
         index = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
         return iids[index + 1]
 
@@ -297,9 +300,13 @@ class TraceWriter:
         """An arg's value: strings interned, ints (uint64 past int64: ``uint_value``),
         floats, bools; lists joined with ``x`` (a CUDA grid: ``4x1x1``); anything
         else as its text."""
+        n = len(values)
         if pa.types.is_dictionary(values.type):
+            if pa.types.is_string(values.type.value_type):  # each distinct string once
+                iids = self.intern_array("debug_annotation_string_values", values)
+                return [wire.const(wire.tag(ARG_STRING_IID, VARINT), n), wire.varints(iids)]
             values = values.cast(values.type.value_type)
-        t, n = values.type, len(values)
+        t = values.type
         if pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t):
             values, t = _joined(values), pa.string()
         if pa.types.is_string(t) or pa.types.is_large_string(t):

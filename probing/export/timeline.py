@@ -247,10 +247,19 @@ def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Arr
     pairs, index = np.unique(rank_index.reshape(-1) * len(sids) + sid_index.reshape(-1),
                              return_inverse=True)  # fmt: skip
     keys = [(int(ranks[k // len(sids)]), int(sids[k % len(sids)])) for k in pairs]
-    index = pc.if_else(has, pa.array(index.reshape(-1), pa.int64()), pa.scalar(None, pa.int64()))
-    sites = pa.array([stacks.callsites.get(k) for k in keys], pa.string()).take(index)
-    texts = pa.array([stacks.text.get(k) for k in keys], pa.string()).take(index)
-    return sites, texts
+    index = index.reshape(-1)
+    has = has.to_numpy(zero_copy_only=False)
+
+    def each(known: dict[tuple[int, int], str]) -> pa.Array:
+        # a dictionary array: each distinct text once (interned once, not per call)
+        texts = [known.get(k) for k in keys]
+        found = np.array([t is not None for t in texts] + [False], dtype=bool)
+        valid = has & found[index]
+        return pa.DictionaryArray.from_arrays(
+            pa.array(index.astype(np.int32), mask=~valid), pa.array(texts, pa.string())
+        )
+
+    return each(stacks.callsites), each(stacks.text)
 
 
 def write_slices(
