@@ -262,20 +262,16 @@ def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Arr
     return each(stacks.callsites), each(stacks.text)
 
 
-def write_slices(
-    w: TraceWriter,
-    table: str,
-    part: pa.Table,
-    colls: CollectiveIndex,
-    stacks: Stacks,
-    offsets: dict[str, int],
-) -> None:
-    """One slice per row of a calls table (ts already aligned), a chunk at a time."""
+def slices(
+    table: str, part: pa.Table, colls: CollectiveIndex, stacks: Stacks, offsets: dict[str, int]
+) -> SliceChunk | None:
+    """One slice per row of a calls table (ts already aligned), its tracks left
+    for ``write_slices`` (the writer's state): pure, so the reading thread
+    works it out while the last chunk is encoded."""
     n = part.num_rows
     if not n:
-        return
+        return None
     rank, ts = _ints(part, "rank"), _ints(part, "ts")
-    track = _tracks(w, part, rank)
     api, op, kernel = (_column(part, c) for c in ("api", "op", "kernel"))
     # args: the columns that say something in this chunk (all-NULL ones left out)
     extra = [c for c in part.column_names if c not in _PLACE and part.column(c).null_count < n]
@@ -294,12 +290,20 @@ def write_slices(
         _set(args, "callsite", site)
         _set(args, "stack", text)
     dur = _column(part, "dur_ns", pa.int64())
-    w.add_slices(SliceChunk(
-        rank=rank, track=track, ts=ts, ended=dur.is_valid().to_numpy(zero_copy_only=False),
+    return SliceChunk(
+        rank=rank, track=_ints(part, "tid"), ts=ts,
+        ended=dur.is_valid().to_numpy(zero_copy_only=False),
         dur=dur.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
         name=names.name, category=names.category,
         args=[a for group in args.values() for a in group], flow=flow,
-    ))  # fmt: skip
+    )  # fmt: skip
+
+
+def write_slices(w: TraceWriter, part: pa.Table, chunk: SliceChunk | None) -> None:
+    """A chunk of ``slices`` on its threads' tracks (declared as first met)."""
+    if chunk is not None:
+        chunk.track = _tracks(w, part, chunk.rank)
+        w.add_slices(chunk)
 
 
 def write_counters(w: TraceWriter, part: pa.Table) -> None:
@@ -342,20 +346,27 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
         win.cap.kept += part.num_rows
     colls, stacks = CollectiveIndex(win), Stacks(win)
     names = {(r["rank"], r["tid"]): r["name"] for r in win.whole(THREADS_SQL).to_pylist()}
-    # the window's chunks are read (in the probes: no GIL) while the last is encoded;
-    # nothing else is asked meanwhile: a chunk's offsets are those its query measured
+
+    # the window's chunks are read (in the probes: no GIL) and their slices worked
+    # out while the last is encoded; nothing else is asked meanwhile: a chunk's
+    # offsets are those its query measured
+    def prepare(table: str, part: pa.Table, offsets: dict[str, int]) -> SliceChunk | None:
+        return None if table in COUNTER_TABLES else slices(table, part, colls, stacks, offsets)
+
     read = win.read(SLICE_TABLES + COUNTER_TABLES)
-    with Prefetched(read, lambda: dict(src.offsets)) as chunks, open(path, "wb") as f:
+    ahead = Prefetched(read, lambda: dict(src.offsets), prepare)
+    with ahead as chunks, open(path, "wb") as f:
         w = TraceWriter(f)
         w.thread_names = names
         w.clock(win.bounds[0])
         for r in ranks:
             w.process(r.rank, r.node, r.pid)
-        for table, part, offsets in itertools.chain(inflight, chunks):
+        now = ((t, part, offsets, prepare(t, part, offsets)) for t, part, offsets in inflight)
+        for table, part, _, chunk in itertools.chain(now, chunks):
             if table in COUNTER_TABLES:
                 write_counters(w, part)
             else:
-                write_slices(w, table, part, colls, stacks, offsets)
+                write_slices(w, part, chunk)
         if win.cap.cut:
             note = w.note_track(f"probing export: {sum(win.cap.dropped.values())} events dropped")
             at = win.cap.oldest_kept_ns or win.bounds[0]

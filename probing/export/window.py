@@ -150,15 +150,21 @@ class Prefetched:
     """``items`` read on a thread of their own, at most ``ahead`` chunks before
     they are used (the probes answer while the caller encodes the last chunk),
     each with what ``snapshot()`` said right after it was read (the clock
-    offsets its query measured: the next query measures them anew);
+    offsets its query measured: the next query measures them anew) and
+    what ``prepare(table, part, snapshot)`` made of it on that thread;
     an error in the reading is raised where its chunk would have come.
     ``close()`` (safe twice; ``with`` calls it) stops the reading."""
 
     def __init__(
-        self, items: Iterator[tuple[str, pa.Table]], snapshot: Callable[[], Any], ahead: int = 1
+        self,
+        items: Iterator[tuple[str, pa.Table]],
+        snapshot: Callable[[], Any],
+        prepare: Callable[[str, pa.Table, Any], Any] = lambda table, part, snap: None,
+        ahead: int = 1,
     ) -> None:
         self._items = items
         self._snapshot = snapshot
+        self._prepare = prepare
         self._box: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read, name="probing-export-read", daemon=True)
@@ -175,14 +181,15 @@ class Prefetched:
 
     def _read(self) -> None:
         try:
-            for item in self._items:
-                if not self._put("item", (*item, self._snapshot())):
+            for table, part in self._items:
+                snap = self._snapshot()
+                if not self._put("item", (table, part, snap, self._prepare(table, part, snap))):
                     return
             self._put("end", None)
         except BaseException as err:  # handed to the caller, raised there
             self._put("error", err)
 
-    def __iter__(self) -> Iterator[tuple[str, pa.Table, Any]]:
+    def __iter__(self) -> Iterator[tuple[str, pa.Table, Any, Any]]:
         while True:
             kind, value = self._box.get()
             if kind == "end":
