@@ -272,10 +272,12 @@ def slices(
     if not n:
         return None
     rank, ts = _ints(part, "rank"), _ints(part, "ts")
-    api, op, kernel = (_column(part, c) for c in ("api", "op", "kernel"))
+    # the names, dictionary-encoded once: each distinct one worked out and interned once
+    said = {c: pc.dictionary_encode(_column(part, c)) for c in ("api", "op", "kernel")}
+    api, op, kernel = said["api"], said["op"], said["kernel"]
     # args: the columns that say something in this chunk (all-NULL ones left out)
     extra = [c for c in part.column_names if c not in _PLACE and part.column(c).null_count < n]
-    args = {c: [(c, _column(part, c))] for c in extra}
+    args = {c: [(c, said[c] if c in said else _column(part, c))] for c in extra}
     args["api"] = [("api", api)]
     names = _names(table, api, op, kernel)
     which, flow = _collectives(part, rank, ts, names.op, colls, offsets)
