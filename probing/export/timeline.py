@@ -191,10 +191,6 @@ def _names(table: str, api: pa.Array, op: pa.Array, kernel: pa.Array) -> Names:
     )
 
 
-def _const(text: str, n: int) -> pa.Array:
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([text]))
-
-
 def _tracks(w: TraceWriter, part: pa.Table, rank: np.ndarray) -> np.ndarray:
     """Each row's thread track (process and thread tracks declared as first met)."""
     tid = _ints(part, "tid")
