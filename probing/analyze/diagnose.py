@@ -659,7 +659,7 @@ def diagnose(
         dead = []
     recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
     stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
-    runq_sql = sql["runq"].format(since_ns=now - int(window_s * 1e9))
+    runq_sql = sql["runq"].format(since_ns=since)
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,

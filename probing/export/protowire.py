@@ -115,7 +115,8 @@ def blobs(values: list[bytes]) -> Bytes:
 def size(message: Message, n: int) -> np.ndarray:
     """Each row's message size in bytes (broadcast where every row has one)."""
     if all(part.size.strides[0] == 0 for part in message):
-        return np.broadcast_to(np.int64(sum(int(part.size[0]) for part in message if n)), (n,))
+        width = sum(int(part.size[0]) for part in message) if n else 0
+        return np.broadcast_to(np.int64(width), (n,))
     total = np.zeros(n, dtype=np.int64)
     for part in message:
         total += part.size

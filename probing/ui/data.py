@@ -130,14 +130,11 @@ class Latest:
 
     def get(self) -> Any:
         with self._lock:
+            if self._value is None and self._making:  # the first: wait for it
+                self._done.wait_for(lambda: not self._making)
             if self._error is not None:
                 err, self._error = self._error, None
                 raise err
-            if self._value is None and self._making:
-                self._done.wait_for(lambda: not self._making)
-                if self._error is not None:
-                    err, self._error = self._error, None
-                    raise err
             if self._value is not None:
                 made, value = self._value
                 if time.monotonic() - made >= self._max_age_s:
@@ -274,20 +271,19 @@ class JobView:
         there is one, a new one made behind it when it is older than
         ``DIAGNOSIS_AGE_S``. A diagnosis asks every rank a dozen questions
         (seconds, on busy ranks); the page shows the last while the next is made."""
-        with self._lock:
-            latest = self._latest.setdefault(
-                f"diag{window_s}", Latest(lambda: self._diagnose(window_s), DIAGNOSIS_AGE_S)
-            )
-        value: dict[str, Any] = latest.get()
+        value: dict[str, Any] = self._diagnosis(window_s).get()
         return value
 
     def warm(self, window_s: float = 60.0) -> None:
         """Start the first diagnosis (the UI starting: ready when its page is opened)."""
+        self._diagnosis(window_s).refresh()
+
+    def _diagnosis(self, window_s: float) -> Latest:
         with self._lock:
-            latest = self._latest.setdefault(
-                f"diag{window_s}", Latest(lambda: self._diagnose(window_s), DIAGNOSIS_AGE_S)
-            )
-        latest.refresh()
+            key = f"diag{window_s}"
+            if key not in self._latest:
+                self._latest[key] = Latest(lambda: self._diagnose(window_s), DIAGNOSIS_AGE_S)
+            return self._latest[key]
 
     def _diagnose(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import diagnose
