@@ -187,7 +187,7 @@ class JobView:
         self._lock = threading.RLock()
         self._latest: dict[str, Latest] = {}
         self.trace_path: str | None = None
-        self._tmp = tempfile.mkdtemp(prefix="probing-ui-")
+        self._tmp: str | None = None  # made by the first timeline export
 
     def _cached(self, key: str, ttl: float, make: Any) -> Any:
         """One computation per ``ttl`` seconds, however many pages ask at once."""
@@ -363,6 +363,9 @@ class JobView:
         """Export the current window for the packaged Perfetto UI (``/localtrace``)."""
         from probing.export import export
 
+        with self._lock:
+            if self._tmp is None:
+                self._tmp = tempfile.mkdtemp(prefix="probing-ui-")
         path = os.path.join(self._tmp, f"window-{time.time_ns()}.pftrace")
         report = export(self.source, path, window_s=window_s, max_events=max_events)
         old, self.trace_path = self.trace_path, path
@@ -377,4 +380,5 @@ class JobView:
     def close(self) -> None:
         import shutil
 
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
