@@ -366,7 +366,7 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
 
     import numpy as np
 
-    from probing.export.perfetto import SliceChunk, TraceWriter
+    from probing.export.perfetto import SliceChunk, Thread, TraceWriter
 
     f = io.BytesIO()
     w = TraceWriter(f)
@@ -374,7 +374,8 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
     track = w.thread(0, 11)
     big, neg = (1 << 64) - 5, -(1 << 40)
     w.add_slices(SliceChunk(
-        rank=np.zeros(3, np.int64), track=np.full(3, track), ts=np.array([5, 1 << 60, 300]),
+        thread=np.zeros(3, np.int64), threads=[Thread(0, 11, "n", 10)],
+        ts=np.array([5, 1 << 60, 300]),
         dur=np.array([7, 0, 0]), ended=np.array([True, True, False]),
         name=pa.array(["a", "b", "a"]), category=pa.array(["x", "x", "y"]),
         args=[("u", pa.array([big, 1, None], pa.uint64())), ("i", pa.array([neg, 0, 127])),

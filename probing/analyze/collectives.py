@@ -32,6 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from probing.analyze import columns
+
 P2P_OPS = ("send", "recv")
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
 MIN_COLLECTIVES = 5  # fewer complete collectives than this: no verdict
@@ -200,69 +202,16 @@ class Matched:
         return len(self.seq)
 
 
-def _column(table: pa.Table, name: str) -> pa.Array:
-    """A column as one array (all null where the table has none)."""
-    if name not in table.column_names or pa.types.is_null(table.column(name).type):
-        return pa.nulls(table.num_rows, pa.int64())
-    return table.column(name).combine_chunks()
-
-
-def _ints(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """An integer column as int64 (null: 0) and where it is not null."""
-    if values.null_count == 0:
-        ints = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        return ints, np.ones(len(values), dtype=bool)
-    valid = values.is_valid().to_numpy(zero_copy_only=False)
-    ints = values.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    return ints, valid
-
-
-def _codes(values: pa.Array | np.ndarray) -> tuple[np.ndarray, list[Any]]:
-    """Each value's code, numbered in the order values first appear (None is a
-    value of its own), and the values so numbered."""
-    enc = pc.dictionary_encode(values, null_encoding="encode")
-    codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    return codes, enc.dictionary.to_pylist()
-
-
-def _pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Codes of the pairs of two codes (numbered as ``_codes``)."""
-    return _codes(a * (int(b.max()) + 1) + b)[0] if len(a) else a
-
-
-def _per(codes: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """For each code, the value of its rows (the same in each)."""
-    out = np.zeros(int(codes.max()) + 1 if len(codes) else 0, dtype=values.dtype)
-    out[codes] = values
-    return out
-
-
-def _firsts(codes: np.ndarray) -> np.ndarray:
-    """Where each code first appears (codes numbered as ``_codes``: a new one
-    exceeds all before it)."""
-    before = np.maximum.accumulate(codes)
-    return np.flatnonzero(codes > np.r_[-1, before[:-1]])
-
-
-def distinct(table: pa.Table, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's combination of the columns ``names`` (absent: None), numbered in
-    the order they first appear, and the first row of each."""
-    code = np.zeros(table.num_rows, dtype=np.int64)
-    for name in names:
-        code = _pair(code, _codes(_column(table, name))[0])
-    return code, _firsts(code)
-
-
 def _comm_keys(
     backend: np.ndarray, backends: list[Any], comm: np.ndarray, comms: list[Any],
     pg: np.ndarray, pgs: list[Any], proc: np.ndarray, ts: np.ndarray, nranks: np.ndarray,
 ) -> tuple[np.ndarray, list[str]]:  # fmt: skip
     """A cross-process name for every row's communicator (see the module doc):
     each row's key, numbered in the order keys first appear, and the keys."""
-    bc = _pair(backend, comm)  # a communicator as its processes name it
-    k = _pair(proc, bc)  # ... in one process
+    bc = columns.pair(backend, comm)  # a communicator as its processes name it
+    k = columns.pair(proc, bc)  # ... in one process
     nk = int(k.max()) + 1
-    procs = np.bincount(_per(k, bc))  # processes that name each (backend, comm)
+    procs = np.bincount(columns.per(k, bc))  # processes that name each (backend, comm)
     first_ts = np.full(nk, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_ts, k, ts)
     said = np.flatnonzero(nranks != 0)  # the last row's nranks that says one
@@ -271,7 +220,9 @@ def _comm_keys(
     size = np.where(last >= 0, nranks[np.maximum(last, 0)], 0)
     # each process's comms of one backend and size, numbered by their first use
     # (a tie: the one first in the table, as k is numbered)
-    group = _pair(_pair(_per(k, proc), _per(k, backend)), _codes(size)[0])
+    group = columns.pair(
+        columns.pair(columns.per(k, proc), columns.per(k, backend)), columns.codes(size)[0]
+    )
     order = np.lexsort((first_ts, group))
     ranked = group[order]
     starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
@@ -283,18 +234,18 @@ def _comm_keys(
 
     def name(rows: np.ndarray, code: np.ndarray, text: Callable[[int], str]) -> None:
         if len(rows):
-            dense = _codes(code[rows])[0]
-            ids = [names.setdefault(text(int(rows[i])), len(names)) for i in _firsts(dense)]
+            dense = columns.codes(code[rows])[0]
+            ids = [names.setdefault(text(int(rows[i])), len(names)) for i in columns.firsts(dense)]
             label[rows] = np.array(ids, dtype=np.int64)[dense]
 
     has_pg = np.array([v is not None for v in pgs])[pg]
     shared = ~has_pg & (procs[bc] > 1) & np.array([v is not None for v in comms])[comm]
-    name(np.flatnonzero(has_pg), _pair(backend, pg),
+    name(np.flatnonzero(has_pg), columns.pair(backend, pg),
          lambda i: f"{backends[backend[i]]}/pg{pgs[pg[i]]}")  # fmt: skip
     name(np.flatnonzero(shared), bc, lambda i: f"{backends[backend[i]]}:{int(comms[comm[i]]):x}")
     name(np.flatnonzero(~has_pg & ~shared), k,
          lambda i: f"{backends[backend[i]]}/n{int(size[k[i]])}#{int(ordinal[k[i]])}")  # fmt: skip
-    key, seen = _codes(label)
+    key, seen = columns.codes(label)
     text = list(names)
     return key, [text[i] for i in seen]
 
@@ -302,21 +253,21 @@ def _comm_keys(
 def matched(table: pa.Table) -> Matched:
     """Every collective call matched across ranks by communicator and aligned
     sequence, column by column (see ``Matched``; ``match`` for the rules)."""
-    op_all = _column(table, "op").cast(pa.string())
+    op_all = columns.column(table, "op").cast(pa.string())
     # point-to-point transfers pair two ranks, not a group: analyze.pipeline's
     said = pc.invert(pc.is_in(op_all, value_set=pa.array(["", *P2P_OPS], pa.string())))
-    said = pc.and_(pc.and_(op_all.is_valid(), _column(table, "ts").is_valid()), said)
+    said = pc.and_(pc.and_(op_all.is_valid(), columns.column(table, "ts").is_valid()), said)
     row = np.flatnonzero(said.to_numpy(zero_copy_only=False))
     if not len(row):
         return Matched.empty()
     every = len(row) == table.num_rows
 
     def ints(name: str) -> tuple[np.ndarray, np.ndarray]:
-        values, valid = _ints(_column(table, name))
+        values, valid = columns.ints(columns.column(table, name))
         return (values, valid) if every else (values[row], valid[row])
 
     def codes(column: pa.Array) -> tuple[np.ndarray, list[Any]]:
-        numbers, values = _codes(column)  # numbered over the table: only told apart
+        numbers, values = columns.codes(column)  # numbered over the table: only told apart
         return (numbers if every else numbers[row]), values
 
     ts, _ = ints("ts")
@@ -327,17 +278,19 @@ def matched(table: pa.Table) -> Matched:
     comm_rank, has_comm_rank = ints("comm_rank")
     rank = np.where(has_rank & (rank >= 0), rank, np.where(has_comm_rank, comm_rank, -1))
     op, ops = codes(op_all)
-    backend, backends = codes(_column(table, "backend"))
-    comm, comms = codes(_column(table, "comm"))
-    pg, pgs = codes(_column(table, "pg"))
-    proc = _pair(codes(_column(table, "node"))[0], codes(_column(table, "pid"))[0])
+    backend, backends = codes(columns.column(table, "backend"))
+    comm, comms = codes(columns.column(table, "comm"))
+    pg, pgs = codes(columns.column(table, "pg"))
+    proc = columns.pair(
+        codes(columns.column(table, "node"))[0], codes(columns.column(table, "pid"))[0]
+    )
     key, keys = _comm_keys(backend, backends, comm, comms, pg, pgs, proc, ts, nranks)
     end = ts + dur
 
     # each communicator's calls rank by rank (both first seen first), each rank's in
     # its order: the order in which calls join collectives (the first one names it)
-    kr = _pair(key, _codes(rank)[0])
-    kr_key, kr_rank = _per(kr, key), _per(kr, rank)
+    kr = columns.pair(key, columns.codes(rank)[0])
+    kr_key, kr_rank = columns.per(kr, key), columns.per(kr, rank)
     groups = np.argsort(kr_key, kind="stable")  # kr is numbered first seen first
     place = np.empty(len(groups), dtype=np.int64)
     place[groups] = np.arange(len(groups))
@@ -391,7 +344,7 @@ def matched(table: pa.Table) -> Matched:
     count = np.bincount(coll, minlength=len(named))
     first = np.r_[0, np.cumsum(count)]
     size = np.maximum(np.maximum.reduceat(nranks[calls], first[:-1]), count)
-    nbytes = _column(table, "bytes").take(pa.array(row[named])).to_pylist()
+    nbytes = columns.column(table, "bytes").take(pa.array(row[named])).to_pylist()
     return Matched(
         keys=keys, row=row[calls], rank=rank[calls], ts=ts[calls], end=end[calls],
         done=done[calls], coll=coll, key=key[named], seq=aligned[named],

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from probing.analyze import collectives as coll
+from probing.analyze import columns
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze import pipeline as pp
@@ -771,7 +772,7 @@ def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     names = {
         (*(g[c] for c in key_cols), g["backend"], g["comm"]): g["pg"] for g in groups.to_pylist()
     }
-    code, firsts = coll.distinct(table, [*key_cols, "backend", "comm"])
+    code, firsts = columns.distinct(table, [*key_cols, "backend", "comm"])
     cols = [
         table.column(c).take(pa.array(firsts)).to_pylist() for c in (*key_cols, "backend", "comm")
     ]

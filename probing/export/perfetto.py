@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +41,7 @@ from probing.export.protowire import FIXED64, LEN, VARINT, Bytes, Message
 
 SEQUENCE_ID = 7919
 SYNTHETIC_BASE = 1 << 22  # above Linux's pid_max default (4M)
+MAX_LAYOUTS = 8  # a chunk's rows written in up to this many parts (``SliceChunk.layouts``)
 TE = pb.TrackEvent
 # field numbers (perfetto's protos/perfetto/trace/trace_packet.proto, track_event/*.proto)
 PACKET, TIMESTAMP, SEQ_ID, TRACK_EVENT, INTERNED, SEQ_FLAGS = 1, 8, 10, 11, 12, 13
@@ -220,8 +221,23 @@ class TraceWriter:
         return uuid
 
     def add_slices(self, chunk: SliceChunk) -> None:
-        """A chunk of slices: begin packets (with their args and flows) and, for
-        the calls that ended, end packets, in row order (begin, end, begin, ...)."""
+        """A chunk of slices on its threads' tracks (declared as first met): begin
+        packets (with their args and flows) and, for the calls that ended, end
+        packets (begin, end, begin, ...), the rows that have the same fields
+        together (``SliceChunk.layouts``)."""
+        tracks = []
+        for t in chunk.threads:
+            self.process(t.rank, t.node, t.pid)
+            tracks.append(self.thread(t.rank, t.tid))
+        uuids = np.array(tracks, dtype=np.int64)
+        for part in chunk.layouts():
+            self._add_slices(part, uuids[part.thread])
+        ranks = [t.rank for t in chunk.threads]
+        _count(self.slices, ranks, np.bincount(chunk.thread, minlength=len(ranks)))
+        flows = np.bincount(chunk.thread[chunk.flow != 0], minlength=len(ranks))
+        _count(self.flow_slices, ranks, flows)
+
+    def _add_slices(self, chunk: SliceChunk, track: np.ndarray) -> None:
         n = len(chunk.ts)
         if not n:
             return
@@ -237,16 +253,14 @@ class TraceWriter:
             const(_field(TYPE, VARINT, TE.TYPE_SLICE_BEGIN), n),
             const(wire.tag(NAME_IID, VARINT), n),
             wire.varints(self.intern_array("event_names", chunk.name)),
-            *self._track(chunk.track),
+            *self._track(track),
             *flow,
         ]
-        end_event = [const(_field(TYPE, VARINT, TE.TYPE_SLICE_END), n), *self._track(chunk.track)]
+        end_event = [const(_field(TYPE, VARINT, TE.TYPE_SLICE_END), n), *self._track(track)]
         end_ts = chunk.ts + np.maximum(chunk.dur, 0)
         end = wire.nested(PACKET, _packet(end_ts, wire.nested(TRACK_EVENT, end_event, n), n), n)
         self._write(_packet(chunk.ts, wire.nested(TRACK_EVENT, event, n), n),
                     wire.only(end, chunk.ended), n)  # fmt: skip
-        _count(self.slices, chunk.rank)
-        _count(self.flow_slices, chunk.rank[chunk.flow != 0])
 
     def add_counters(
         self, rank: np.ndarray, track: np.ndarray, ts: np.ndarray, value: np.ndarray
@@ -262,7 +276,8 @@ class TraceWriter:
             wire.fixed64(value.astype(np.float64)),
         ]
         self._write(_packet(ts, wire.nested(TRACK_EVENT, event, n), n), [], n)
-        _count(self.counter_values, rank)
+        ranks, per = np.unique(rank, return_counts=True)
+        _count(self.counter_values, ranks.tolist(), per)
 
     @staticmethod
     def _track(track: np.ndarray) -> Message:
@@ -355,9 +370,10 @@ def _packet(ts: np.ndarray, event: Message, n: int) -> Message:
     ]
 
 
-def _count(counts: dict[int, int], rank: np.ndarray) -> None:
-    for r, k in zip(*np.unique(rank, return_counts=True), strict=True):
-        counts[int(r)] = counts.get(int(r), 0) + int(k)
+def _count(counts: dict[int, int], ranks: list[int], each: np.ndarray) -> None:
+    """``counts[ranks[i]] += each[i]``."""
+    for r, k in zip(ranks, each.tolist(), strict=True):
+        counts[r] = counts.get(r, 0) + k
 
 
 def _joined(values: pa.Array) -> pa.Array:
@@ -369,12 +385,21 @@ def _joined(values: pa.Array) -> pa.Array:
     return pa.array([None if v is None else "x".join(str(x) for x in v) for v in rows], pa.string())
 
 
+class Thread(NamedTuple):
+    """A traced thread of a rank: the track its slices go on."""
+
+    rank: int
+    tid: int
+    node: str
+    pid: int
+
+
 @dataclass
 class SliceChunk:
     """A chunk of slices, column by column (one entry per slice, in the order written)."""
 
-    rank: np.ndarray  # int64
-    track: np.ndarray  # the track uuids (``TraceWriter.thread``)
+    thread: np.ndarray  # int64: each slice's thread, an index into ``threads``
+    threads: list[Thread]
     ts: np.ndarray  # int64 ns
     dur: np.ndarray  # int64 ns (anything where not ``ended``)
     ended: np.ndarray  # bool: False for a call still in flight (a begin only)
@@ -382,6 +407,35 @@ class SliceChunk:
     category: pa.Array  # string
     args: list[tuple[str, pa.Array]]  # in the order shown; null: left out of that slice
     flow: np.ndarray  # uint64 flow ids (``flow_id``), 0: none
+
+    def take(self, rows: np.ndarray) -> SliceChunk:
+        index = pa.array(rows)
+        return SliceChunk(
+            thread=self.thread[rows], threads=self.threads, ts=self.ts[rows], dur=self.dur[rows],
+            ended=self.ended[rows], name=self.name.take(index),
+            category=self.category.take(index),
+            args=[(k, v.take(index)) for k, v in self.args], flow=self.flow[rows],
+        )  # fmt: skip
+
+    def layouts(self) -> list[SliceChunk]:
+        """The chunk cut by which fields its rows have (args not null, a flow, an
+        end), in the order of each kind's first row, so that every part lays out
+        in one (n, width) matrix with no mask (``protowire.join``): the chunk
+        whole where there would be more than ``MAX_LAYOUTS`` parts. Perfetto
+        sorts the packets by time; a slice's end stays right after its begin."""
+        n = len(self.ts)
+        has = [v.is_valid().to_numpy(zero_copy_only=False) for _, v in self.args]
+        mixed = [h for h in [*has, self.flow != 0, self.ended] if h.any() and not h.all()]
+        if not mixed or len(mixed) > 16:
+            return [self]
+        key = np.zeros(n, dtype=np.int64)
+        for bit, h in enumerate(mixed):
+            key |= h.astype(np.int64) << bit
+        kinds = np.flatnonzero(np.bincount(key))
+        if len(kinds) > MAX_LAYOUTS:
+            return [self]
+        rows = [np.flatnonzero(key == k) for k in kinds.tolist()]
+        return [self.take(r) for r in sorted(rows, key=lambda r: int(r[0]))]
 
 
 def read_trace(data: bytes) -> pb.Trace:

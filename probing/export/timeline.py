@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from probing.export.perfetto import SliceChunk, TraceWriter, flow_id
+from probing.analyze import columns
+from probing.export.perfetto import SliceChunk, Thread, TraceWriter, flow_id
 from probing.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Prefetched, Window
 
 # columns that are the slice itself, not its args
@@ -131,29 +132,35 @@ class Stacks:
         self.text = {k: "\n".join(line for _, line in sorted(v)) for k, v in frames.items()}
 
 
-def _column(part: pa.Table, name: str, kind: pa.DataType | None = None) -> pa.Array:
-    """A column as one array (all null, of ``kind`` or string, where the table has none)."""
-    if name not in part.column_names:
-        return pa.nulls(part.num_rows, kind or pa.string())
-    return part.column(name).combine_chunks()
+def _column(part: pa.Table, name: str) -> pa.Array:
+    """A text column as one array (all null where the table has none)."""
+    return columns.column(part, name, pa.string())
 
 
 def _ints(part: pa.Table, name: str) -> np.ndarray:
     """An integer column as int64 (null: 0, as the slice's ``or 0`` did)."""
-    values = _column(part, name, pa.int64()).fill_null(0)
-    return values.to_numpy(zero_copy_only=False).astype(np.int64)
+    return columns.ints(columns.column(part, name))[0]
 
 
-def _codes(values: pa.Array) -> tuple[np.ndarray, list[str]]:
-    """A string column as codes into its distinct strings (-1: null or empty,
-    what Python's ``or`` skips)."""
-    enc = pc.dictionary_encode(values)
-    if isinstance(enc, pa.ChunkedArray):
-        enc = enc.combine_chunks()
-    words = enc.dictionary.to_pylist()
-    codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-    unsaid = np.array([not w for w in words] + [True])  # [-1]: the null's
-    return np.where(unsaid[codes], -1, codes), words
+def _said(values: pa.Array) -> tuple[np.ndarray, list[str]]:
+    """A dictionary-encoded string column as its indices (-1: null or empty, what
+    Python's ``or`` skips) and its dictionary."""
+    words = values.dictionary.to_pylist()
+    unsaid = np.array([not w for w in words] + [True], dtype=bool)  # [-1]: the null's
+    index = values.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    return np.where(unsaid[index], -1, index), words
+
+
+def _numbered(key: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's number among the distinct keys (all in [0, size)), and those keys:
+    counted where they fit a small array, else hashed."""
+    if size > 4 * len(key) + 1024:
+        number = columns.codes(key)[0]
+        return number, key[columns.firsts(number)]
+    used = np.flatnonzero(np.bincount(key, minlength=size))
+    numbers = np.zeros(size, dtype=np.int64)
+    numbers[used] = np.arange(len(used))
+    return numbers[key], used
 
 
 class Names(NamedTuple):
@@ -168,14 +175,16 @@ def _names(table: str, api: pa.Array, op: pa.Array, kernel: pa.Array) -> Names:
     """The name is the op, else the kernel, else the API call, else the table;
     the category ``cuda.sync`` (a synchronisation), ``cuda.kernel`` (a
     launch), else the family. Worked out once per distinct (op, kernel, api)."""
-    (o, ops), (k, kernels), (a, apis) = _codes(op), _codes(kernel), _codes(api)
-    key = ((o + 1) * (len(kernels) + 1) + (k + 1)) * (len(apis) + 1) + (a + 1)
-    combos, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    (o, ops), (k, kernels), (a, apis) = _said(op), _said(kernel), _said(api)
+    size = (len(kernels) + 1) * (len(apis) + 1)
+    key = (o + 1) * size + (k + 1) * (len(apis) + 1) + (a + 1)
+    combo, used = _numbered(key, size * (len(ops) + 1))
     family = table.split(".")[0]
     names, categories = [], []
-    for i in first.tolist():
-        said = (ops[o[i]] if o[i] >= 0 else None, kernels[k[i]] if k[i] >= 0 else None,
-                apis[a[i]] if a[i] >= 0 else None)  # fmt: skip
+    for u in used.tolist():
+        i, j, m = u // size - 1, u % size // (len(apis) + 1) - 1, u % (len(apis) + 1) - 1
+        said = (ops[i] if i >= 0 else None, kernels[j] if j >= 0 else None,
+                apis[m] if m >= 0 else None)  # fmt: skip
         names.append(next((w for w in said if w), table))
         if family != "cuda":
             categories.append(family)
@@ -183,7 +192,7 @@ def _names(table: str, api: pa.Array, op: pa.Array, kernel: pa.Array) -> Names:
             categories.append("cuda.sync")
         else:
             categories.append("cuda.kernel" if said[1] else "cuda")
-    index = pa.array(inverse.reshape(-1).astype(np.int32))
+    index = pa.array(combo.astype(np.int32))
     return Names(
         pa.DictionaryArray.from_arrays(index, pa.array(names, pa.string())),
         pa.DictionaryArray.from_arrays(index, pa.array(categories, pa.string())),
@@ -191,18 +200,15 @@ def _names(table: str, api: pa.Array, op: pa.Array, kernel: pa.Array) -> Names:
     )
 
 
-def _tracks(w: TraceWriter, part: pa.Table, rank: np.ndarray) -> np.ndarray:
-    """Each row's thread track (process and thread tracks declared as first met)."""
+def _threads(part: pa.Table, rank: np.ndarray) -> tuple[np.ndarray, list[Thread]]:
+    """Each row's thread (an index into the threads, numbered as first met)."""
     tid = _ints(part, "tid")
-    key = (rank << 32) | (tid & 0xFFFFFFFF)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    uuids = np.zeros(len(first), dtype=np.int64)
+    thread = columns.codes((rank << 32) | (tid & 0xFFFFFFFF))[0]
     nodes, pids = _column(part, "node"), _ints(part, "pid")
-    for k in np.argsort(first, kind="stable"):
-        i = int(first[k])
-        w.process(int(rank[i]), nodes[i].as_py(), int(pids[i]))
-        uuids[k] = w.thread(int(rank[i]), int(tid[i]))
-    return uuids[inverse.reshape(-1)]
+    first = columns.firsts(thread).tolist()
+    return thread, [
+        Thread(int(rank[i]), int(tid[i]), nodes[i].as_py(), int(pids[i])) for i in first
+    ]
 
 
 def _null_where(values: pa.Array, where: np.ndarray) -> pa.Array:
@@ -235,24 +241,17 @@ def _collectives(
 
 def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Array, pa.Array]:
     """Each call's callsite and stack text (null: no stack id, or none known)."""
-    sid = _column(part, "stack_id", pa.int64())
-    has = sid.is_valid()
-    sids, sid_index = np.unique(sid.fill_null(0).to_numpy(zero_copy_only=False),
-                                return_inverse=True)  # fmt: skip
-    ranks, rank_index = np.unique(rank, return_inverse=True)
-    pairs, index = np.unique(rank_index.reshape(-1) * len(sids) + sid_index.reshape(-1),
-                             return_inverse=True)  # fmt: skip
-    keys = [(int(ranks[k // len(sids)]), int(sids[k % len(sids)])) for k in pairs]
-    index = index.reshape(-1)
-    has = has.to_numpy(zero_copy_only=False)
+    sid, sids = columns.codes(columns.column(part, "stack_id"))  # a null: a code of its own
+    pairs = columns.pair(rank - rank.min(), sid)
+    keys = [(int(rank[i]), sids[sid[i]]) for i in columns.firsts(pairs).tolist()]
+    index = pairs.astype(np.int32)
 
     def each(known: dict[tuple[int, int], str]) -> pa.Array:
         # a dictionary array: each distinct text once (interned once, not per call)
         texts = [known.get(k) for k in keys]
-        found = np.array([t is not None for t in texts] + [False], dtype=bool)
-        valid = has & found[index]
+        unknown = np.array([t is None for t in texts], dtype=bool)
         return pa.DictionaryArray.from_arrays(
-            pa.array(index.astype(np.int32), mask=~valid), pa.array(texts, pa.string())
+            pa.array(index, mask=unknown[pairs]), pa.array(texts, pa.string())
         )
 
     return each(stacks.callsites), each(stacks.text)
@@ -261,9 +260,8 @@ def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Arr
 def slices(
     table: str, part: pa.Table, colls: CollectiveIndex, stacks: Stacks, offsets: dict[str, int]
 ) -> SliceChunk | None:
-    """One slice per row of a calls table (ts already aligned), its tracks left
-    for ``write_slices`` (the writer's state): pure, so the reading thread
-    works it out while the last chunk is encoded."""
+    """One slice per row of a calls table (ts already aligned): pure, so the
+    reading thread works it out while the last chunk is encoded."""
     n = part.num_rows
     if not n:
         return None
@@ -283,25 +281,19 @@ def slices(
         _set(args, "comm", pc.if_else(hit, comm, pa.scalar(None, pa.string())))
         seq = pa.array(colls.seq[np.maximum(which, 0)])
         _set(args, "seq", pc.if_else(hit, seq, pa.scalar(None, pa.int64())))
-    if _column(part, "stack_id", pa.int64()).null_count < n:
+    if columns.column(part, "stack_id").null_count < n:
         site, text = _callsites(part, rank, stacks)
         _set(args, "callsite", site)
         _set(args, "stack", text)
-    dur = _column(part, "dur_ns", pa.int64())
+    dur = columns.column(part, "dur_ns")
+    thread, threads = _threads(part, rank)
     return SliceChunk(
-        rank=rank, track=_ints(part, "tid"), ts=ts,
+        thread=thread, threads=threads, ts=ts,
         ended=dur.is_valid().to_numpy(zero_copy_only=False),
         dur=dur.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
         name=names.name, category=names.category,
         args=[a for group in args.values() for a in group], flow=flow,
     )  # fmt: skip
-
-
-def write_slices(w: TraceWriter, part: pa.Table, chunk: SliceChunk | None) -> None:
-    """A chunk of ``slices`` on its threads' tracks (declared as first met)."""
-    if chunk is not None:
-        chunk.track = _tracks(w, part, chunk.rank)
-        w.add_slices(chunk)
 
 
 def write_counters(w: TraceWriter, part: pa.Table) -> None:
@@ -311,7 +303,7 @@ def write_counters(w: TraceWriter, part: pa.Table) -> None:
     if not n or not m:
         return
     rank, ts = _ints(part, "rank"), _ints(part, "ts")
-    gpu = _column(part, "gpu", pa.int64())
+    gpu = columns.column(part, "gpu")
     values = np.stack([
         _column(part, c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
         for c, _, _ in have], axis=1)  # fmt: skip
@@ -319,15 +311,16 @@ def write_counters(w: TraceWriter, part: pa.Table) -> None:
                       for c, _, _ in have], axis=1)  # fmt: skip
     # (row, metric) in row-major order, where a value was sampled
     row, metric = (x.reshape(-1)[valid.reshape(-1)] for x in np.indices((n, m)))
-    # one int64 per (rank, GPU, no GPU, metric): np.unique over rows sorts far slower
+    # one int64 per (rank, GPU, no GPU, metric)
     no_gpu = gpu.is_null().to_numpy(zero_copy_only=False)[row].astype(np.int64)
     key = (rank[row] << 32) | ((_ints(part, "gpu")[row] & 0xFFFFFF) << 8) | (no_gpu << 7) | metric
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    tracks = np.zeros(len(first), dtype=np.int64)
-    for k in np.argsort(first, kind="stable"):
-        i, (_, label, unit) = int(row[first[k]]), have[metric[first[k]]]
-        tracks[k] = w.counter_track(int(rank[i]), f"gpu{gpu[i].as_py()} {label}", unit)
-    w.add_counters(rank[row], tracks[inverse.reshape(-1)], ts[row], values[row, metric])
+    track = columns.codes(key)[0]
+    first = columns.firsts(track)
+    uuids = np.zeros(len(first), dtype=np.int64)
+    for k, j in enumerate(first.tolist()):
+        i, (_, label, unit) = int(row[j]), have[metric[j]]
+        uuids[k] = w.counter_track(int(rank[i]), f"gpu{gpu[i].as_py()} {label}", unit)
+    w.add_counters(rank[row], uuids[track], ts[row], values[row, metric])
 
 
 def export_perfetto(win: Window, path: str) -> ExportReport:
@@ -363,8 +356,8 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
         for table, part, _, chunk in itertools.chain(now, chunks):
             if table in COUNTER_TABLES:
                 write_counters(w, part)
-            else:
-                write_slices(w, part, chunk)
+            elif chunk is not None:
+                w.add_slices(chunk)
         if win.cap.cut:
             note = w.note_track(f"probing export: {sum(win.cap.dropped.values())} events dropped")
             at = win.cap.oldest_kept_ns or win.bounds[0]
