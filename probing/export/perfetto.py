@@ -51,10 +51,20 @@ ARG_NAME_IID, ARG_BOOL, ARG_UINT, ARG_INT, ARG_DOUBLE, ARG_STRING, ARG_STRING_II
     1, 2, 3, 4, 5, 6, 17)  # fmt: skip
 
 
-def flow_id(comm: str, seq: int) -> int:
-    """A 64-bit id for collective ``seq`` of communicator ``comm``, the same in every rank."""
-    digest = hashlib.blake2b(f"{comm}#{seq}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") or 1
+def flow_ids(comms: list[str], comm: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """64-bit ids of collectives (``comm``: indices into ``comms``; ``seq``), the
+    same in every rank and never 0: each communicator's name hashed once
+    (blake2b), mixed with the sequence number by splitmix64's finalizer."""
+    names = [hashlib.blake2b(c.encode(), digest_size=8).digest() for c in comms]
+    base = np.array([int.from_bytes(d, "little") for d in names], dtype=np.uint64)
+    x = base[comm] ^ (seq.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    x[x == 0] = 1
+    return x
 
 
 def _field(field: int, wire_type: int, value: int = 0) -> bytes:
@@ -406,7 +416,7 @@ class SliceChunk:
     name: pa.Array  # string
     category: pa.Array  # string
     args: list[tuple[str, pa.Array]]  # in the order shown; null: left out of that slice
-    flow: np.ndarray  # uint64 flow ids (``flow_id``), 0: none
+    flow: np.ndarray  # uint64 flow ids (``flow_ids``), 0: none
 
     def take(self, rows: np.ndarray) -> SliceChunk:
         index = pa.array(rows)

@@ -86,10 +86,14 @@ def varints(values: np.ndarray) -> Bytes:
     n = len(v)
     if not n or int(v.max()) < 0x80:  # one byte each (ids, flags, small counts)
         return bytes_each(v.astype(np.uint8).reshape(-1, 1))
-    width = int(np.searchsorted(_WIDTHS, v.max(), side="right")) + 1
+    low, high = int(v.min()), int(v.max())
+    width = int(np.searchsorted(_WIDTHS, high, side="right")) + 1
     data = np.empty((n, width), dtype=np.uint8)
     for k in range(width):
-        data[:, k] = (v >> np.uint64(7 * k)).astype(np.uint8)  # the low 8 bits
+        if low >> 7 * k == high >> 7 * k:  # the same from here up in every row (timestamps)
+            data[:, k] = (low >> 7 * k) & 0xFF
+        else:
+            data[:, k] = (v >> np.uint64(7 * k)).astype(np.uint8)  # the low 8 bits
     data[:, :-1] |= 0x80
     data[:, -1] &= 0x7F
     return bytes_each(data)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from probing.analyze import columns
-from probing.export.perfetto import SliceChunk, Thread, TraceWriter, flow_id
+from probing.export.perfetto import SliceChunk, Thread, TraceWriter, flow_ids
 from probing.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Prefetched, Window
 
 # columns that are the slice itself, not its args
@@ -85,10 +85,10 @@ class CollectiveIndex:
         except ProbingError:  # a probe without comm.groups: matched by size and order
             pass
         m = matched(table)
-        self.comm: list[str] = [m.keys[k] for k in m.key.tolist()]
+        self.comms = list(m.keys)  # each collective's communicator: comms[comm[i]]
+        self.comm = m.key.astype(np.int32)
         self.seq = m.seq.astype(np.int64)
-        flows = [flow_id(c, s) for c, s in zip(self.comm, self.seq.tolist(), strict=True)]
-        self.flow = np.array(flows, dtype=np.uint64)
+        self.flow = flow_ids(self.comms, self.comm, self.seq)
         # rank -> its calls' ts (sorted; a tie: the first collective first) and collective
         self._by_rank: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         order = np.lexsort((m.coll, m.ts, m.rank))
@@ -100,6 +100,8 @@ class CollectiveIndex:
 
     def lookup(self, rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """Each call's collective (an index into ``comm``/``seq``/``flow``), -1: none."""
+        if not len(self.seq):
+            return np.full(len(ts), -1, dtype=np.int64)
         out = np.full(len(ts), -1, dtype=np.int64)
         for r in np.unique(rank):
             known = self._by_rank.get(int(r))
@@ -230,13 +232,13 @@ def _collectives(
     """Each call's collective (index into ``colls``, -1: none) and flow id (0: none)."""
     which = np.full(len(ts), -1, dtype=np.int64)
     called = np.flatnonzero(has_op)
-    if len(called) and len(colls.comm):
+    if len(called) and len(colls.seq):
         nodes = pc.dictionary_encode(_column(part, "node").take(pa.array(called)))
         shift = np.array([offsets.get(n, 0) for n in nodes.dictionary.to_pylist()] + [0])
         index = nodes.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
         which[called] = colls.lookup(rank[called], ts[called] + shift[index])  # probe ts
-    flow = np.where(which >= 0, colls.flow[np.maximum(which, 0)] if len(colls.comm) else 0, 0)
-    return which, flow.astype(np.uint64)
+    flow = colls.flow[np.maximum(which, 0)] if len(colls.seq) else np.zeros(len(ts), np.uint64)
+    return which, np.where(which >= 0, flow, np.uint64(0))
 
 
 def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Array, pa.Array]:
@@ -276,11 +278,10 @@ def slices(
     names = _names(table, api, op, kernel)
     which, flow = _collectives(part, rank, ts, names.op, colls, offsets)
     if (which >= 0).any():
-        hit = pa.array(which >= 0)
-        comm = pa.array(colls.comm, pa.string()).take(pa.array(np.maximum(which, 0)))
-        _set(args, "comm", pc.if_else(hit, comm, pa.scalar(None, pa.string())))
-        seq = pa.array(colls.seq[np.maximum(which, 0)])
-        _set(args, "seq", pc.if_else(hit, seq, pa.scalar(None, pa.int64())))
+        miss, which = which < 0, np.maximum(which, 0)
+        comm = pa.array(colls.comm[which], mask=miss)
+        _set(args, "comm", pa.DictionaryArray.from_arrays(comm, pa.array(colls.comms, pa.string())))
+        _set(args, "seq", pa.array(colls.seq[which], mask=miss))
     if columns.column(part, "stack_id").null_count < n:
         site, text = _callsites(part, rank, stacks)
         _set(args, "callsite", site)
