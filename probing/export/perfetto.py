@@ -147,9 +147,8 @@ class TraceWriter:
         words = enc.dictionary.to_pylist()  # (a dictionary array's may hold a null)
         said = [w for w in words if w is not None]
         ids = iter(self.intern(kind, said))
-        iids = np.array([0, *(0 if w is None else next(ids) for w in words)], dtype=np.int64)
-        index = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-        return iids[index + 1]
+        iids = np.array([*(0 if w is None else next(ids) for w in words), 0], dtype=np.int64)
+        return iids[enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)]  # -1: the last
 
     def clock(self, ts: int) -> None:
         """Declare the timestamps REALTIME (wall clock), so the UI can show UTC."""
@@ -434,7 +433,7 @@ class SliceChunk:
         whole where there would be more than ``MAX_LAYOUTS`` parts. Perfetto
         sorts the packets by time; a slice's end stays right after its begin."""
         n = len(self.ts)
-        has = [v.is_valid().to_numpy(zero_copy_only=False) for _, v in self.args]
+        has = [v.is_valid().to_numpy(zero_copy_only=False) for _, v in self.args if v.null_count]
         mixed = [h for h in [*has, self.flow != 0, self.ended] if h.any() and not h.all()]
         if not mixed or len(mixed) > 16:
             return [self]

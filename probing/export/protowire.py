@@ -90,12 +90,14 @@ def varints(values: np.ndarray) -> Bytes:
     width = int(np.searchsorted(_WIDTHS, high, side="right")) + 1
     data = np.empty((n, width), dtype=np.uint8)
     for k in range(width):
+        more = 0x80 if k < width - 1 else 0  # the top bit: another byte follows
         if low >> 7 * k == high >> 7 * k:  # the same from here up in every row (timestamps)
-            data[:, k] = (low >> 7 * k) & 0xFF
+            data[:, k] = (low >> 7 * k) & 0x7F | more
         else:
-            data[:, k] = (v >> np.uint64(7 * k)).astype(np.uint8)  # the low 8 bits
-    data[:, :-1] |= 0x80
-    data[:, -1] &= 0x7F
+            group = (v >> np.uint64(7 * k)).astype(np.uint8)  # the low 8 bits
+            group &= 0x7F
+            group |= more
+            data[:, k] = group
     return bytes_each(data)
 
 
