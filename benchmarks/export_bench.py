@@ -4,6 +4,10 @@ A scripted 4-rank job (``tests/test_export.py``'s ``EngineProbe``: each rank a
 real probing Engine over known rows, asked through the same ``Source`` the CLI
 uses) holds ``--events`` events: per step one Gloo all-reduce, ``--kernels``
 CUDA kernel launches and one stream sync per rank, NVML samples at 10 Hz.
+With ``--probes processes`` (the default) each rank's probe is served by a
+process of its own and asked over its socket, as ``probing export --pid``
+asks a job's; ``inline``, all four answer in this process (their DataFusion
+work then shares this process's GIL with the export's).
 Measured in one run, each ``--repeat`` times (best kept):
 
 * ``perfetto``: ``export(..., fmt="perfetto")``, the whole command's work;
@@ -11,7 +15,7 @@ Measured in one run, each ``--repeat`` times (best kept):
 * ``query_only`` (the baseline): reading the same rows from the probes with
   the same chunked queries, writing nothing: what the export adds is the rest.
 
-    python benchmarks/export_bench.py [--events 1000000] [--repeat 2]
+    python benchmarks/export_bench.py [--events 1000000] [--repeat 2] [--probes inline]
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,8 +40,10 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("PROBING_QUERY_MEMORY_MB", "1024")
 
 from probing.bpf import families  # noqa: E402
+from probing.bpf.pystacks import CALLSITES_SQL  # noqa: E402
 from probing.export import Source, export  # noqa: E402
 from probing.export.window import EVENT_TABLES, Window  # noqa: E402
+from probing.tables.trace import COLLECTIVES_SQL  # noqa: E402
 from tests.test_export import EngineProbe, ScriptedJob, rank_tables  # noqa: E402
 
 WORLD = 4
@@ -89,20 +97,57 @@ def rank_rows(rank: int, steps: int, kernels: int, base: int) -> dict[str, pa.Ta
             "nccl.calls": fam["nccl"].schema.empty_table()}  # fmt: skip
 
 
-def job(events: int, kernels: int) -> tuple[ScriptedJob, int]:
+def job(
+    events: int, kernels: int, probes: list[subprocess.Popen[str]] | None
+) -> tuple[Source, int]:
+    """The scripted job's source and window. ``probes`` None: each rank an
+    ``EngineProbe`` in this process; else each rank's probe served by a process
+    of its own (started here, appended to ``probes``) and asked over its
+    socket, as ``probing export --pid`` asks a job's."""
     per_step = 1 + kernels + 1  # all-reduce + launches + sync
     steps = max(1, events // (WORLD * per_step))
     base = time.time_ns() - steps * 10_000_000 - 5_000_000_000
-    src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
-    src.probes = {1000 + r: EngineProbe(rank_rows(r, steps, kernels, base)) for r in range(WORLD)}
-    window_s = min(3600.0, (time.time_ns() - base) / 1e9 + 10)
-    return src, int(window_s)
+    window_s = int(min(3600.0, (time.time_ns() - base) / 1e9 + 10))
+    if probes is None:
+        src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
+        src.probes = {
+            1000 + r: EngineProbe(rank_rows(r, steps, kernels, base)) for r in range(WORLD)
+        }
+        return src, window_s
+    for r in range(WORLD):
+        code = f"import export_bench; export_bench.serve({r}, {steps}, {kernels}, {base})"
+        env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'benchmarks'}", "RANK": str(r)}
+        probes.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE))  # fmt: skip
+    for p in probes:  # each says when it serves
+        if p.stdout is None or p.stdout.readline().strip() != "serving":
+            raise SystemExit(f"the probe of pid {p.pid} did not start")
+    return Source(pids=[p.pid for p in probes]), window_s
+
+
+def serve(rank: int, steps: int, kernels: int, base: int) -> None:
+    """Rank ``rank``'s probe over its rows (an ``EngineProbe``'s tables and
+    views), served on this process's socket until stdin closes."""
+    from probing.probe.runtime import enable
+
+    tables = rank_rows(rank, steps, kernels, base)
+
+    def install(engine: Any, ctx: Any) -> None:
+        for qualified, t in tables.items():
+            schema, name = qualified.split(".")
+            engine.register_table(schema, name, lambda t=t: t)
+        engine.register_view("comm", "collectives", COLLECTIVES_SQL)
+        engine.register_view("python", "callsites", CALLSITES_SQL)
+
+    enable(installers=(install,))
+    print("serving", flush=True)
+    sys.stdin.read()
 
 
 def query_only(src: Source, window_s: float) -> int:
     win = Window(src, window_s=window_s)
     win.count()
-    return sum(part.num_rows for _, part in win.read(EVENT_TABLES))
+    return sum(item[1].num_rows for item in win.read(EVENT_TABLES))  # (table, rows, ...)
 
 
 def best(fn, repeat: int) -> tuple[float, object]:  # type: ignore[no-untyped-def]
@@ -119,17 +164,28 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--kernels", type=int, default=6, help="kernel launches per step")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--probes", choices=("processes", "inline"), default="processes",
+                    help="each rank's probe a process of its own, or all in this one")  # fmt: skip
     args = ap.parse_args()
-    src, window_s = job(args.events, args.kernels)
+    probes: list[subprocess.Popen[str]] | None = [] if args.probes == "processes" else None
+    try:
+        out = measure(*job(args.events, args.kernels, probes), args.repeat)
+    finally:
+        for p in probes or []:
+            p.communicate(timeout=30)  # stdin closed: the probe exits
+    print(json.dumps({**out, "probes": args.probes, "cpus": os.cpu_count()}, indent=1))
+
+
+def measure(src: Source, window_s: int, repeat: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         pf = os.path.join(d, "job.pftrace")
         pq_dir = os.path.join(d, "pq")
-        q_s, rows = best(lambda: query_only(src, window_s), args.repeat)
-        p_s, rep = best(lambda: export(src, pf, window_s=window_s), args.repeat)
+        q_s, rows = best(lambda: query_only(src, window_s), repeat)
+        p_s, rep = best(lambda: export(src, pf, window_s=window_s), repeat)
         k_s, krep = best(lambda: export(src, pq_dir, fmt="parquet", window_s=window_s),
-                         args.repeat)  # fmt: skip
+                         repeat)  # fmt: skip
         millions = rep.events / 1e6
-        out = {
+        return {
             "events": rep.events,
             "ranks": rep.ranks,
             "perfetto": {
@@ -150,9 +206,8 @@ def main() -> None:
                 "rows": rows,
                 "s_per_million": round(q_s / millions, 2),
             },  # fmt: skip
-            "cpus": os.cpu_count(),
+            "perfetto_over_query": round(p_s / q_s, 2),
         }
-    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

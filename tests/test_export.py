@@ -422,18 +422,19 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
 
 def test_each_chunk_is_matched_with_the_offsets_its_own_query_measured(job, tmp_path) -> None:
     """A cluster query measures the clock offsets anew each time, and the next
-    chunk is read while the last is written: a call's collective (and flow) is
-    found with the offsets that moved that chunk, not whatever was asked last."""
+    chunks are read while the collectives are asked and the last chunk is
+    written: a call's collective (and flow) is found with the offsets that
+    moved that chunk, not whatever was asked last."""
     import itertools
 
     asked = itertools.count(1)
     node = socket.gethostname()
 
     class Drifting(ScriptedJob):
-        def ask(self, sql: str) -> pa.Table:
-            table = super().ask(sql)
+        def measured(self, sql: str) -> tuple[pa.Table, dict[str, int]]:
+            table, _ = super().measured(sql)
             self.offsets = {node: 1000 * next(asked)}  # the estimate moves, the clocks do not
-            return table
+            return table, dict(self.offsets)
 
     drifting = Drifting(pids=job.pids)
     drifting.probes = job.probes

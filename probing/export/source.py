@@ -79,12 +79,18 @@ class Source(Job):
         ``sql``, ``{tags}`` stands for the tag columns a cluster query must
         select by name (``, node, rank``; nothing for local probes, whose rows
         are tagged here; ``SELECT *`` has them either way)."""
+        return self.measured(sql)[0]
+
+    def measured(self, sql: str) -> tuple[pa.Table, dict[str, int]]:
+        """``ask``, and the clock offsets this very query measured: a cluster
+        query measures them anew (``offsets`` then holds the last measured);
+        local probes share this host's clock (``offsets`` as set)."""
         sql = sql.replace("{tags}", ", node, rank" if self.remote else "")
         if self.remote:
             return self._cluster(sql)
-        return self._local(sql)
+        return self._local(sql), dict(self.offsets)
 
-    def _cluster(self, sql: str) -> pa.Table:
+    def _cluster(self, sql: str) -> tuple[pa.Table, dict[str, int]]:
         if self.addr:
             res = cluster_query(sql, addr=self.addr, timeout=self.timeout)
         else:
@@ -96,7 +102,7 @@ class Source(Job):
             if by_node:
                 self.offsets = {n: int(statistics.median(v)) for n, v in by_node.items()}
             self.missing = [f"rank {m.rank} ({m.node or m.addr}): {m.reason}" for m in res.missing]
-        return res.table
+            return res.table, dict(self.offsets)
 
     def client(self, pid: int) -> Any:
         """The client of a local probe (anything with ``query(sql) -> pa.Table``)."""
@@ -122,13 +128,17 @@ class Source(Job):
         seen = {r["rank"]: RankInfo(r["rank"], r["node"], r["pid"]) for r in rows}
         return [seen[r] for r in sorted(seen)]
 
-    def align(self, table: pa.Table, column: str = "ts") -> pa.Table:
-        """``table`` with ``column`` moved onto the asker's clock (per-node offsets)."""
-        if not any(self.offsets.values()) or column not in table.column_names:
+    def align(
+        self, table: pa.Table, column: str = "ts", offsets: dict[str, int] | None = None
+    ) -> pa.Table:
+        """``table`` with ``column`` moved onto the asker's clock: by the per-node
+        ``offsets`` its query measured (``measured``), else the last measured."""
+        offsets = self.offsets if offsets is None else offsets
+        if not any(offsets.values()) or column not in table.column_names:
             return table
         if not table.num_rows:
             return table
-        shift = [self.offsets.get(n, 0) for n in table.column("node").to_pylist()]
+        shift = [offsets.get(n, 0) for n in table.column("node").to_pylist()]
         moved = pc.subtract(table.column(column), pa.array(shift, pa.int64()))
         i = table.column_names.index(column)
         return table.set_column(i, column, moved.cast(table.schema.field(column).type))

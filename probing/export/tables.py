@@ -40,7 +40,7 @@ def export_parquet(win: Window, out_dir: str) -> ExportReport:
     rows: dict[str, int] = {}
     paths = {t: os.path.join(out_dir, f"{t}.parquet") for t in EVENT_TABLES + SNAPSHOT_TABLES}
     try:
-        for table, part in win.read(EVENT_TABLES):
+        for table, part, _ in win.read(EVENT_TABLES):
             if table not in writers:
                 writers[table] = pq.ParquetWriter(paths[table], part.schema)
             writers[table].write_table(part.cast(writers[table].schema))

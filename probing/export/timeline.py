@@ -262,8 +262,7 @@ def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Arr
 def slices(
     table: str, part: pa.Table, colls: CollectiveIndex, stacks: Stacks, offsets: dict[str, int]
 ) -> SliceChunk | None:
-    """One slice per row of a calls table (ts already aligned): pure, so the
-    reading thread works it out while the last chunk is encoded."""
+    """One slice per row of a calls table (ts already moved by ``offsets``)."""
     n = part.num_rows
     if not n:
         return None
@@ -330,34 +329,30 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
     ranks = src.ranks()
     win.count()
     # calls still in flight (where a hang shows): open slices, kept first; each
-    # with the clock offsets its query measured (the next query measures anew)
+    # moved by the clock offsets its own query measured
     inflight = []
     for table, view in INFLIGHT.items():
-        part = src.align(win.whole(f"SELECT * FROM {view}"))
-        inflight.append((table, part, dict(src.offsets)))
-        win.cap.kept += part.num_rows
-    colls, stacks = CollectiveIndex(win), Stacks(win)
-    names = {(r["rank"], r["tid"]): r["name"] for r in win.whole(THREADS_SQL).to_pylist()}
-
-    # the window's chunks are read (in the probes: no GIL) and their slices worked
-    # out while the last is encoded; nothing else is asked meanwhile: a chunk's
-    # offsets are those its query measured
-    def prepare(table: str, part: pa.Table, offsets: dict[str, int]) -> SliceChunk | None:
-        return None if table in COUNTER_TABLES else slices(table, part, colls, stacks, offsets)
-
-    read = win.read(SLICE_TABLES + COUNTER_TABLES)
-    ahead = Prefetched(read, lambda: dict(src.offsets), prepare)
-    with ahead as chunks, open(path, "wb") as f:
+        part, offsets = src.measured(f"SELECT * FROM {view}")
+        inflight.append((table, src.align(part, offsets=offsets), offsets))
+        win.cap.kept += inflight[-1][1].num_rows
+    # the window's chunks are read on a thread of their own (the probes answer,
+    # no GIL held) from now on, while the collectives, stacks and threads are
+    # asked and each chunk read before is written
+    with Prefetched(win.read(SLICE_TABLES + COUNTER_TABLES)) as chunks, open(path, "wb") as f:
+        colls, stacks = CollectiveIndex(win), Stacks(win)
         w = TraceWriter(f)
-        w.thread_names = names
+        w.thread_names = {
+            (r["rank"], r["tid"]): r["name"] for r in win.whole(THREADS_SQL).to_pylist()
+        }
         w.clock(win.bounds[0])
         for r in ranks:
             w.process(r.rank, r.node, r.pid)
-        now = ((t, part, offsets, prepare(t, part, offsets)) for t, part, offsets in inflight)
-        for table, part, _, chunk in itertools.chain(now, chunks):
+        for table, part, offsets in itertools.chain(inflight, chunks):
             if table in COUNTER_TABLES:
                 write_counters(w, part)
-            elif chunk is not None:
+                continue
+            chunk = slices(table, part, colls, stacks, offsets)
+            if chunk is not None:
                 w.add_slices(chunk)
         if win.cap.cut:
             note = w.note_track(f"probing export: {sum(win.cap.dropped.values())} events dropped")

@@ -13,9 +13,9 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 
@@ -27,6 +27,7 @@ SLICE_TABLES = ("nccl.calls", "gloo.calls", "cuda.calls")
 COUNTER_TABLES = ("nvml.gpu",)
 EVENT_TABLES = SLICE_TABLES + COUNTER_TABLES
 CHUNK_ROWS = 250_000
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,10 +108,11 @@ class Window:
         edges[-1] = hi
         return [(edges[i], edges[i + 1]) for i in reversed(range(k))]
 
-    def read(self, tables: tuple[str, ...]) -> Iterator[tuple[str, pa.Table]]:
-        """``(table, rows)`` in the window, chunk by chunk (newest chunk first),
-        ts on the asker's clock, cut to what ``--max-events`` leaves room for.
-        Once the cap is full nothing more is read: the counts say what is left."""
+    def read(self, tables: tuple[str, ...]) -> Iterator[tuple[str, pa.Table, dict[str, int]]]:
+        """``(table, rows, offsets)`` in the window, chunk by chunk (newest chunk
+        first), ts on the asker's clock (moved by the clock ``offsets`` the
+        chunk's own query measured), cut to what ``--max-events`` leaves room
+        for. Once the cap is full nothing more is read: the counts say what is left."""
         if not self.counts:
             self.count()
         kept = dict.fromkeys(tables, 0)
@@ -118,10 +120,11 @@ class Window:
             for table in tables:
                 if self.cap.room() == 0:
                     break
-                part = self.source.ask(f"SELECT * FROM {table} WHERE {self._where(lo, hi)}")
-                part = self._capped(self.source.align(part))
+                sql = f"SELECT * FROM {table} WHERE {self._where(lo, hi)}"
+                part, offsets = self.source.measured(sql)
+                part = self._capped(self.source.align(part, offsets=offsets))
                 kept[table] += part.num_rows
-                yield table, part
+                yield table, part, offsets
         if self.cap.limit is not None:
             self.cap.dropped = {t: max(0, self.counts.get(t, 0) - kept[t]) for t in tables}
 
@@ -146,25 +149,14 @@ class Window:
         return self.source.ask(sql)
 
 
-class Prefetched:
-    """``items`` read on a thread of their own, at most ``ahead`` chunks before
-    they are used (the probes answer while the caller encodes the last chunk),
-    each with what ``snapshot()`` said right after it was read (the clock
-    offsets its query measured: the next query measures them anew) and
-    what ``prepare(table, part, snapshot)`` made of it on that thread;
-    an error in the reading is raised where its chunk would have come.
-    ``close()`` (safe twice; ``with`` calls it) stops the reading."""
+class Prefetched(Generic[T]):
+    """``items`` read on a thread of their own, at most ``ahead`` before they are
+    used (the probes answer while the caller works on the last one); an error
+    in the reading is raised where its item would have come. ``close()``
+    (safe twice; ``with`` calls it) stops the reading."""
 
-    def __init__(
-        self,
-        items: Iterator[tuple[str, pa.Table]],
-        snapshot: Callable[[], Any],
-        prepare: Callable[[str, pa.Table, Any], Any] = lambda table, part, snap: None,
-        ahead: int = 1,
-    ) -> None:
+    def __init__(self, items: Iterator[T], ahead: int = 2) -> None:
         self._items = items
-        self._snapshot = snapshot
-        self._prepare = prepare
         self._box: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read, name="probing-export-read", daemon=True)
@@ -181,15 +173,14 @@ class Prefetched:
 
     def _read(self) -> None:
         try:
-            for table, part in self._items:
-                snap = self._snapshot()
-                if not self._put("item", (table, part, snap, self._prepare(table, part, snap))):
+            for item in self._items:
+                if not self._put("item", item):
                     return
             self._put("end", None)
         except BaseException as err:  # handed to the caller, raised there
             self._put("error", err)
 
-    def __iter__(self) -> Iterator[tuple[str, pa.Table, Any, Any]]:
+    def __iter__(self) -> Iterator[T]:
         while True:
             kind, value = self._box.get()
             if kind == "end":
@@ -202,7 +193,7 @@ class Prefetched:
         self._stop.set()
         self._reader.join()
 
-    def __enter__(self) -> Prefetched:
+    def __enter__(self) -> Prefetched[T]:
         return self
 
     def __exit__(self, *exc: object) -> None:
