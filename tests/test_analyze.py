@@ -251,7 +251,7 @@ def test_the_json_and_the_tables_have_every_field_of_a_finding() -> None:
     are JSON text in SQL."""
     import dataclasses
 
-    from probing.analyze.schema import table_of
+    from probing.schema import table_of
 
     t = job(straggler=2, seed=4)
     d = analyze(t, now_ns=T0)

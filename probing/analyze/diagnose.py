@@ -809,8 +809,8 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
     """``analyze.stragglers``, ``analyze.slow_links``, ``analyze.hangs``,
     ``analyze.ranks``, ``analyze.collectives`` (the gathered rows),
     ``analyze.why``, ``analyze.stages`` and ``analyze.transfers`` (pipelines):
-    the findings' dataclasses as tables (``analyze.schema``)."""
-    from probing.analyze.schema import table_of
+    the findings' dataclasses as tables (``probing.schema``)."""
+    from probing.schema import table_of
 
     return {
         "stragglers": table_of(coll.Straggler, d.stragglers),

@@ -26,20 +26,10 @@ from probing.bpf.symbols import (
     exported_matching,
     file_offsets,
 )
+from probing.schema import schema_of, table_of
 
 if TYPE_CHECKING:
     from probing.bpf.drain import Live
-
-PROBES_SCHEMA = pa.schema(
-    [
-        ("family", pa.string()),
-        ("library", pa.string()),
-        ("symbol", pa.string()),
-        ("kind", pa.string()),
-        ("attached", pa.bool_()),
-        ("error", pa.string()),
-    ]
-)
 
 
 @dataclasses.dataclass
@@ -52,6 +42,9 @@ class Probe:
     kind: str  # "entry" | "return"
     attached: bool
     error: str | None = None
+
+
+PROBES_SCHEMA = schema_of(Probe)  # trace.probes
 
 
 def symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
@@ -128,5 +121,4 @@ class Uprobes:
             p.attached = False
 
     def table(self) -> pa.Table:
-        rows = [dataclasses.asdict(p) for p in self.probes]
-        return pa.Table.from_pylist(rows, schema=PROBES_SCHEMA)
+        return table_of(Probe, self.probes)

@@ -1,6 +1,6 @@
-"""The analyze.* tables' columns, from the dataclasses the analysis returns.
+"""A table's columns from the dataclass of its rows (analyze.*, trace.probes).
 
-A finding's dataclass is its schema: each field a column of the Arrow type
+A row's dataclass is its schema (a finding's, a uprobe's): each field a column of the Arrow type
 its annotation names (``int`` int64, ``float`` float64, ``str`` string,
 ``bool`` bool, ``list[X]`` a list of X, ``X | None`` X, nullable), so the
 JSON of ``probing diagnose`` (``dataclasses.asdict``) and the SQL tables
