@@ -381,6 +381,7 @@ def analyze(
     ranks_of: dict[str, list[int]] | None = None,
     dead: list[dict[str, Any]] | None = None,
     runq: Callable[[], pa.Table | None] | None = None,
+    matched: list[coll.Collective] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
@@ -388,10 +389,11 @@ def analyze(
     ``ranks_of`` (each group's global ranks) names a transfer's peer; ``dead``
     (``DEAD_SQL`` rows) the ranks that died, said first in the verdict; ``runq``
     asks RUNQ_SQL, only where a slow link is suspected: its ranks may be
-    waiting for a CPU instead."""
+    waiting for a CPU instead; ``matched``: ``table``'s collectives, when the
+    caller matched them already."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
-    matched = coll.match(table)
+    matched = coll.match(table) if matched is None else matched
     nodes = {}
     if table.num_rows and "node" in table.column_names:
         tags = zip(table.column("node").to_pylist(), table.column("rank").to_pylist(), strict=True)
@@ -661,10 +663,15 @@ def diagnose(
     recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
     stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
     runq_sql = sql["runq"].format(since_ns=since)
+    matched = coll.match(table)  # once: each analyze below, and why a straggler is slow
+
+    def runq() -> pa.Table | None:
+        return optional(ask, runq_sql)
+
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
-        dead=dead, runq=lambda: optional(ask, runq_sql),
+        dead=dead, runq=runq, matched=matched,
     )  # fmt: skip
     progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
@@ -683,7 +690,7 @@ def diagnose(
                 table, frames=frames, states=states, now_ns=time.time_ns(),
                 stalled_s=round(stalled + time.monotonic() - watched, 1),
                 window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
-                ranks_of=ranks_of, dead=dead,
+                ranks_of=ranks_of, dead=dead, runq=runq, matched=matched,
             )  # fmt: skip
     d.missing = missing_ranks(table)
     slow_stage = d.pipeline is not None and d.pipeline.slow is not None
@@ -693,8 +700,7 @@ def diagnose(
         ask = asked_at_once(ask, (*extra_sql.values(), *sites))
         extra = {n: optional(ask, q) for n, q in extra_sql.items()}
         d.why = explain_stragglers(
-            d.stragglers, coll.match(table), extra["samples"], extra["cuda"], extra["nvml"],
-            extra["cpu"],
+            d.stragglers, matched, extra["samples"], extra["cuda"], extra["nvml"], extra["cpu"],
         )  # fmt: skip
         d.why += explain_stage(d.pipeline, extra["samples"])
         d.verdict = verdict(
