@@ -6,6 +6,7 @@ Perfetto file is parsed back with Perfetto's protos; Parquet with pyarrow.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -385,10 +386,24 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
         flow=np.array([0, (1 << 64) - 1, 3], np.uint64),
     ))  # fmt: skip
     w.flush()
-    trace = read_trace(f.getvalue())
+    got = written_events(f.getvalue())
+    B, E = 1, 2  # noqa: N806  (TYPE_SLICE_BEGIN, TYPE_SLICE_END)
+    assert got == [
+        (5, B, track, "a", ["x"], [], {"u": big, "i": neg, "f": 0.5, "b": True, "l": "4x1x1",
+                                       "s": "α" * 300}),
+        (12, E, track, None, [], [], {}),
+        (1 << 60, B, track, "b", ["x"], [(1 << 64) - 1], {"u": 1, "i": 0, "b": False}),
+        (1 << 60, E, track, None, [], [], {}),
+        (300, B, track, "a", ["y"], [3], {"i": 127, "f": -2.0, "l": "2", "s": "z"}),
+    ]  # fmt: skip
+
+
+def written_events(data: bytes) -> list[tuple[Any, ...]]:
+    """Each TrackEvent of a ``TraceWriter``'s file in file order: (ts, type, track,
+    name, categories, flow ids, args), interned ids resolved."""
     names: dict[str, dict[int, Any]] = defaultdict(dict)
     events = []
-    for p in trace.packet:
+    for p in read_trace(data).packet:
         for kind in ("event_names", "event_categories", "debug_annotation_names"):
             names[kind].update({e.iid: e.name for e in getattr(p.interned_data, kind)})
         names["s"].update(
@@ -409,15 +424,53 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
         cats = [names["event_categories"][c] for c in e.category_iids]
         name = names["event_names"].get(e.name_iid)
         got.append((ts, e.type, e.track_uuid, name, cats, list(e.flow_ids), args))
-    B, E = 1, 2  # noqa: N806  (TYPE_SLICE_BEGIN, TYPE_SLICE_END)
-    assert got == [
-        (5, B, track, "a", ["x"], [], {"u": big, "i": neg, "f": 0.5, "b": True, "l": "4x1x1",
-                                       "s": "α" * 300}),
-        (12, E, track, None, [], [], {}),
-        (1 << 60, B, track, "b", ["x"], [(1 << 64) - 1], {"u": 1, "i": 0, "b": False}),
-        (1 << 60, E, track, None, [], [], {}),
-        (300, B, track, "a", ["y"], [3], {"i": 127, "f": -2.0, "l": "2", "s": "z"}),
-    ]  # fmt: skip
+    return got
+
+
+@pytest.mark.parametrize("args", [1, 6])
+def test_rows_with_other_fields_are_written_apart_or_whole_and_read_back_the_same(
+    args: int,
+) -> None:
+    """A chunk whose rows have a few kinds of fields (the syncs without a kernel
+    arg) is written a kind at a time, without a mask; one of many kinds whole,
+    with a mask. Either way every slice reads back with its own args, its end
+    right after its begin."""
+    import io
+    import random
+
+    import numpy as np
+
+    from probing.export.perfetto import MAX_LAYOUTS, SliceChunk, Thread, TraceWriter
+
+    rng = random.Random(args)
+    n, t0 = 500, 1_795_000_000_000_000_000
+    columns = {f"a{j}": [rng.choice([None, f"v{i % 7}"]) for i in range(n)] for j in range(args)}
+    kinds = len({tuple(c[i] is None for c in columns.values()) for i in range(n)})
+    assert kinds == 2 if args == 1 else kinds > MAX_LAYOUTS
+    f = io.BytesIO()
+    w = TraceWriter(f)
+    w.add_slices(SliceChunk(
+        thread=np.arange(n) % 2, threads=[Thread(0, 5, "n", 1), Thread(0, 6, "n", 1)],
+        ts=np.arange(n) * 100 + t0, dur=np.full(n, 10), ended=np.ones(n, bool),
+        name=pa.array(["call"] * n), category=pa.array(["c"] * n),
+        args=[(a, pa.array(v, pa.string())) for a, v in columns.items()],
+        flow=np.zeros(n, np.uint64),
+    ))  # fmt: skip
+    w.flush()
+    got = written_events(f.getvalue())
+    begins = [g for g in got if g[1] == 1]
+    order = [(g[0] - t0) // 100 for g in begins]
+    assert sorted(order) == list(range(n))
+    for ts, _, track, _, _, _, said in begins:
+        i = (ts - t0) // 100
+        assert said == {a: v[i] for a, v in columns.items() if v[i] is not None}
+        assert track == w.thread(0, 5 + i % 2)
+    for at, g in enumerate(got):  # each end right after its begin, on its track
+        if g[1] == 2:
+            assert got[at - 1][1] == 1 and g[0] == got[at - 1][0] + 10 and g[2] == got[at - 1][2]
+    # a few kinds: each written together (rows in order within); many: in row order
+    runs = sum(1 for a, b in itertools.pairwise(order) if b < a) + 1
+    assert runs == (kinds if kinds <= MAX_LAYOUTS else 1)
 
 
 def test_each_chunk_is_matched_with_the_offsets_its_own_query_measured(job, tmp_path) -> None:

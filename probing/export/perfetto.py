@@ -418,6 +418,7 @@ class SliceChunk:
     flow: np.ndarray  # uint64 flow ids (``flow_ids``), 0: none
 
     def take(self, rows: np.ndarray) -> SliceChunk:
+        """The slices ``rows`` (indices, in the order given)."""
         index = pa.array(rows)
         return SliceChunk(
             thread=self.thread[rows], threads=self.threads, ts=self.ts[rows], dur=self.dur[rows],
@@ -435,7 +436,7 @@ class SliceChunk:
         n = len(self.ts)
         has = [v.is_valid().to_numpy(zero_copy_only=False) for _, v in self.args if v.null_count]
         mixed = [h for h in [*has, self.flow != 0, self.ended] if h.any() and not h.all()]
-        if not mixed or len(mixed) > 16:
+        if not mixed or len(mixed) > 16:  # (a key of 16 bits at most: counted, not hashed)
             return [self]
         key = np.zeros(n, dtype=np.int64)
         for bit, h in enumerate(mixed):

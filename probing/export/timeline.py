@@ -100,8 +100,6 @@ class CollectiveIndex:
 
     def lookup(self, rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """Each call's collective (an index into ``comm``/``seq``/``flow``), -1: none."""
-        if not len(self.seq):
-            return np.full(len(ts), -1, dtype=np.int64)
         out = np.full(len(ts), -1, dtype=np.int64)
         for r in np.unique(rank):
             known = self._by_rank.get(int(r))
