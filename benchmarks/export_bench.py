@@ -128,7 +128,7 @@ def job(
 def serve(rank: int, steps: int, kernels: int, base: int) -> None:
     """Rank ``rank``'s probe over its rows (an ``EngineProbe``'s tables and
     views), served on this process's socket until stdin closes."""
-    from probing.probe.runtime import enable
+    from probing.probe.runtime import disable, enable
 
     tables = rank_rows(rank, steps, kernels, base)
 
@@ -142,6 +142,7 @@ def serve(rank: int, steps: int, kernels: int, base: int) -> None:
     enable(installers=(install,))
     print("serving", flush=True)
     sys.stdin.read()
+    disable()  # its socket removed
 
 
 def query_only(src: Source, window_s: float) -> int:

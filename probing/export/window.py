@@ -4,7 +4,8 @@ The window ends now and reaches ``window_s`` back. Each event table is
 counted first (one aggregate per rank), the window is cut into chunks of
 about ``CHUNK_ROWS`` rows, and the chunks are read newest first, so that
 ``--max-events`` keeps the most recent events and says what it left out
-(``Cap``). Nothing but one chunk of one table is held at a time.
+(``Cap``). No more than a few chunks of one table each are held at a time:
+the one being written and those read ahead (``Prefetched``).
 """
 
 from __future__ import annotations
