@@ -36,11 +36,13 @@ def free_ports(n: int) -> list[int]:
 
 
 def wait_ready(pid: int, timeout: float = 15.0) -> dict:
-    """The probe's /health once its cluster side is up (TCP bound, published)."""
+    """The probe's /health once its cluster side is up (TCP bound, and the
+    address published where the other ranks read it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         health = ProbeClient.for_pid(pid).health()
-        if (health.get("cluster") or {}).get("addr"):
+        cluster = health.get("cluster") or {}
+        if cluster.get("addr") and cluster.get("published"):
             return health
         time.sleep(0.05)
     raise AssertionError(f"pid {pid} never entered cluster mode: {health}")

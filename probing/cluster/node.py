@@ -97,6 +97,7 @@ class ClusterNode:
             "world_size": self.ident.world_size,
             "node": self.ident.node,
             "addr": self.addr,
+            "published": self.published,  # the address is where the others read it
             "source": self.ident.source,
             "peers": len(self.registry.peers()),
             "error": self.error,
