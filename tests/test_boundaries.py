@@ -356,6 +356,33 @@ def test_torch_groups_skip_what_torch_refuses(monkeypatch) -> None:
     assert groups.torch_groups() == []
 
 
+def test_a_context_is_its_own_groups_when_the_search_reads_into_a_neighbour() -> None:
+    """Two Gloo groups' C++ objects side by side in memory, each holding its
+    context vector at the same offset: the search past the first object's
+    end reads the second's vector too, and each context is still named once,
+    by the group that holds it (comm.groups; a context named by two groups
+    swapped a tensor-parallel hang's ranks in CI)."""
+    import ctypes
+
+    from probing.guest import inside
+
+    words = inside.OBJECT_BYTES // 8
+    ctx_a, ctx_b = 0x5A5A_0000, 0x5B5B_0000
+    vec_a, vec_b = (ctypes.c_uint64 * 2)(ctx_a, 0), (ctypes.c_uint64 * 2)(ctx_b, 0)  # shared_ptrs
+    heap = (ctypes.c_uint64 * (2 * words))()
+    half = words // 2  # the second object starts inside the first one's search
+    for at, vec in ((8, vec_a), (half + 8, vec_b)):  # a std::vector's begin and end
+        heap[at], heap[at + 1] = ctypes.addressof(vec), ctypes.addressof(vec) + 16
+    # pybind11 keeps the C++ object's address after the object header, as ctypes does
+    a = (ctypes.c_uint64 * half).from_buffer(heap)
+    b = (ctypes.c_uint64 * half).from_buffer(heap, 8 * half)
+    found = [("1", [0, 2], 0, a), ("3", [0, 1], 0, b)]
+    rows = inside.groups([ctx_a, ctx_b], find=lambda: found)
+    assert [(r["comm"], r["pg"]) for r in rows] == [(ctx_a, "1"), (ctx_b, "3")]
+    rows = inside.groups([ctx_a, ctx_b], find=lambda: found[::-1])  # either order
+    assert [(r["comm"], r["pg"]) for r in rows] == [(ctx_a, "1"), (ctx_b, "3")]
+
+
 def test_check_bcc_says_why_bcc_cannot_be_imported(monkeypatch) -> None:
     from probing import checks
 

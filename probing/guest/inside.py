@@ -429,17 +429,19 @@ class Memory:
         return struct.unpack(f"<{count}Q", data) if data else ()
 
 
-def contexts_of(mem: Any, obj: int, wanted: set[int]) -> set[int]:
-    """The ``wanted`` context pointers held by the C++ object at ``obj``: each
-    a ``shared_ptr`` element of a vector (begin, end words) inside it."""
-    found: set[int] = set()
+def contexts_of(mem: Any, obj: int, wanted: set[int]) -> dict[int, int]:
+    """The ``wanted`` context pointers held by the C++ object at ``obj``, each a
+    ``shared_ptr`` element of a vector (begin, end words) inside it, with the
+    offset of those words from ``obj`` (the first where one is held twice)."""
+    found: dict[int, int] = {}
     words = mem.words(obj, OBJECT_BYTES // 8)
-    for begin, end in zip(words, words[1:], strict=False):
+    for i, (begin, end) in enumerate(zip(words, words[1:], strict=False)):
         span = end - begin
         if begin <= 0 or span <= 0 or span % 16 or span > 16 * MAX_CONTEXTS:
             continue
-        elems = mem.words(begin, span // 8)
-        found.update(ptr for ptr in elems[0::2] if ptr in wanted)
+        for ptr in mem.words(begin, span // 8)[0::2]:
+            if ptr in wanted:
+                found.setdefault(ptr, 8 * i)
     return found
 
 
@@ -484,25 +486,35 @@ def groups(traced: list[int], find: Any = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     if not wanted:
         return rows
+    # the search reads OBJECT_BYTES past each object's start, its size being
+    # torch's business: a neighbouring group's vector may be read too. Every
+    # group keeps its contexts at the same offset in its object, so a context
+    # is the group's that holds it nearest its start (its own send/recv: -1)
+    owner: dict[int, tuple[int, str, list[int], int]] = {}
     mem = Memory()
     try:
         for name, ranks, my_rank, backend in (find or torch_groups)():
             head = mem.words(id(backend) + PYOBJECT_HEAD, 1)
             if not head:
                 continue
-            # its send/recv name the backend itself, its collectives its contexts
-            own = {head[0]} & wanted
-            for ctx in sorted(own | contexts_of(mem, head[0], wanted)):
-                rows.append(
-                    {
-                        "backend": "gloo",
-                        "comm": ctx,
-                        "pg": name,
-                        "ranks": ranks,
-                        "group_rank": my_rank,
-                        "nranks": len(ranks),
-                    }
-                )
+            held = contexts_of(mem, head[0], wanted)
+            if head[0] in wanted:
+                held[head[0]] = -1
+            for ctx, at in held.items():
+                if ctx not in owner or at < owner[ctx][0]:
+                    owner[ctx] = (at, name, ranks, my_rank)
+        for ctx in sorted(owner):
+            _, name, ranks, my_rank = owner[ctx]
+            rows.append(
+                {
+                    "backend": "gloo",
+                    "comm": ctx,
+                    "pg": name,
+                    "ranks": ranks,
+                    "group_rank": my_rank,
+                    "nranks": len(ranks),
+                }
+            )
     finally:
         mem.close()
     return rows
