@@ -264,7 +264,7 @@ def test_an_idle_probe_uses_no_cpu_once_joined(spawn) -> None:  # type: ignore[n
     not there yet, the retries cost little. Both measured and printed."""
     import psutil
 
-    from probing.client import ProbeClient
+    from tests.test_cluster import wait_ready
 
     port = free_port()
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -279,10 +279,7 @@ def test_an_idle_probe_uses_no_cpu_once_joined(spawn) -> None:  # type: ignore[n
 
     waiting = cpu_s(2.0)  # retrying every 0.5 s: no store yet
     master = _master(port)
-    deadline = time.monotonic() + 10
-    while not (ProbeClient.for_pid(t.pid).health().get("cluster") or {}).get("addr"):
-        assert time.monotonic() < deadline, "never joined"
-        time.sleep(0.05)
+    wait_ready(t.pid, 10)  # joined: bound and published
     joined = cpu_s(3.0)
     wait_ms, joined_ms = waiting / 2 * 1e3, joined / 3 * 1e3
     print(f"idle probe CPU: {wait_ms:.2f} ms/s waiting, {joined_ms:.2f} ms/s joined")
