@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from probing.client import ProbeClient  # noqa: E402
+from probing.cli.client import ProbeClient  # noqa: E402
 from tests.stall_host import SCRIPT, StallHost, other_threads_cpu_s  # noqa: E402
 
 TOKEN = "attack-bench-token"

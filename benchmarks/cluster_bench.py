@@ -54,13 +54,13 @@ def worker(ranks: list[int], world: int) -> None:
     """Host ``ranks``: print their addresses, read everyone's, serve until EOF."""
     import numpy as np
 
-    from probing.cluster.discovery import PeerInfo
-    from probing.cluster.identity import Identity
-    from probing.cluster.node import ClusterNode
-    from probing.engine import Engine
-    from probing.probe.api import make_app
-    from probing.probe.server import UnixHTTPServer
-    from probing.store import Store
+    from probing.node.cluster.discovery import PeerInfo
+    from probing.node.cluster.identity import Identity
+    from probing.node.cluster.node import ClusterNode
+    from probing.node.probe.api import make_app
+    from probing.node.probe.server import UnixHTTPServer
+    from probing.node.sql import Engine
+    from probing.node.store import Store
 
     servers, nodes = [], []
     for rank in ranks:
@@ -127,7 +127,7 @@ def cpu_s(pids: list[int]) -> list[float]:
 def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
     """Median wall time of ``runs`` queries, and CPU per query: all processes,
     the asker's process (rank 0 and the peers it hosts), the others' mean."""
-    from probing.client import cluster_query
+    from probing.cli.client import cluster_query
 
     times, rows, missing = [], 0, 0
     cpu0 = cpu_s(pids)
@@ -205,7 +205,7 @@ def real_probes(runs: int) -> dict:
     """4 real probes (PROBING=1 processes, PROBING_PEERS): the CLI end to end
     (a fresh `probing` process each time) and the API call from a warm client."""
     from probing import paths
-    from probing.client import cluster_query
+    from probing.cli.client import cluster_query
 
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(4))
     env = dict(os.environ, PROBING="1", PROBING_TOKEN=TOKEN, PROBING_PEERS=peers)

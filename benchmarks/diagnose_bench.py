@@ -1,6 +1,6 @@
 """How well ``probing diagnose`` finds a straggler, and how fast (root; one JSON object).
 
-A real 4-rank DDP job (Gloo, CPU; ``probing/demo/job.py``) started
+A real 4-rank DDP job (Gloo, CPU; ``probing/cli/demo/job.py``) started
 without probing and traced with ``probing trace`` on every rank. Its slow
 rank is read from a file every step, so one job serves every run: each run
 draws a rank (or none, for a healthy run) and a delay, waits for the job to
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from probing.analyze import diagnose
 from probing.analyze.collectives import match
-from probing.demo import DemoJob, trace_all
+from probing.cli.demo import DemoJob, trace_all
 
 WORLD = 4
 
@@ -51,7 +51,7 @@ def naive(table) -> int | None:  # type: ignore[no-untyped-def]
 
 
 def one_run(pids: list[int], truth: int | None, window: float) -> dict:  # type: ignore[type-arg]
-    from probing.client import Job
+    from probing.cli.client import Job
 
     d, table = diagnose(Job(pids=pids), window_s=window, hang_after_s=3600)
     named = [s.rank for s in d.stragglers]

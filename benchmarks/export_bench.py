@@ -39,11 +39,11 @@ sys.path.insert(0, str(REPO))
 # events need more than a probe's default 256 MiB of query memory
 os.environ.setdefault("PROBING_QUERY_MEMORY_MB", "1024")
 
-from probing.bpf import families  # noqa: E402
-from probing.bpf.pystacks import CALLSITES_SQL  # noqa: E402
-from probing.export import Source, export  # noqa: E402
-from probing.export.window import EVENT_TABLES, Window  # noqa: E402
-from probing.tables.trace import COLLECTIVES_SQL  # noqa: E402
+from probing.cli.export import Source, export  # noqa: E402
+from probing.cli.export.window import EVENT_TABLES, Window  # noqa: E402
+from probing.node.bpf import families  # noqa: E402
+from probing.node.bpf.pystacks import CALLSITES_SQL  # noqa: E402
+from probing.node.tables.trace import COLLECTIVES_SQL  # noqa: E402
 from tests.test_export import EngineProbe, ScriptedJob, rank_tables  # noqa: E402
 
 WORLD = 4
@@ -128,7 +128,7 @@ def job(
 def serve(rank: int, steps: int, kernels: int, base: int) -> None:
     """Rank ``rank``'s probe over its rows (an ``EngineProbe``'s tables and
     views), served on this process's socket until stdin closes."""
-    from probing.probe.runtime import disable, enable
+    from probing.node.probe.runtime import disable, enable
 
     tables = rank_rows(rank, steps, kernels, base)
 

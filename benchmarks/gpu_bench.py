@@ -70,8 +70,8 @@ def _free_port() -> int:
 
 def main() -> None:
     sys.path.insert(0, str(REPO))
-    from probing.client import ProbeClient
-    from probing.doctor import check_bcc
+    from probing.cli.client import ProbeClient
+    from probing.cli.doctor import check_bcc
 
     try:
         import torch

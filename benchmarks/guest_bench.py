@@ -5,7 +5,7 @@ BENCH_BASELINE=<git rev> (default: the tree before the split, 8661f14) is
 checked out into a temporary worktree and run through the same steps, taking
 turns with this tree (BENCH_REPEATS rounds, default 3):
 
-- rss: a 2-rank torch Gloo job (probing/demo/job.py) attached later: rank
+- rss: a 2-rank torch Gloo job (probing/cli/demo/job.py) attached later: rank
   0's RSS before the inject, after it (idle), tracing, and after 5 queries;
   the engine's own RSS next to it (this tree only: the old probe had none).
 - cpu: rank 0's CPU seconds per second over 5 s untraced, then 5 s traced;
@@ -93,7 +93,7 @@ class Tree:
             time.sleep(0.05)
 
     def job(self, world: int, **env: str) -> object:
-        from probing.demo import DemoJob
+        from probing.cli.demo import DemoJob
 
         return DemoJob(world, job_args=["--work", "4"], env=self.env(**env))
 

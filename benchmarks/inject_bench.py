@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
 from probing.inject import inject
 
 TARGET = """
@@ -49,7 +49,7 @@ RUNS = int(os.environ.get("BENCH_INJECT_RUNS", 10))
 _MEASURE = """
 import json, sys, time
 import pyarrow  # the client's decoder, loaded before the clock starts
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
 from probing.inject import inject
 pid = int(sys.argv[1])
 t0 = time.monotonic()

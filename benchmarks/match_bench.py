@@ -46,8 +46,8 @@ os.environ.setdefault("PROBING_QUERY_MEMORY_MB", "1024")
 
 from probing.analyze import collectives  # noqa: E402
 from probing.analyze.diagnose import queries, with_groups  # noqa: E402
-from probing.export import timeline  # noqa: E402
-from probing.export.window import Window  # noqa: E402
+from probing.cli.export import timeline  # noqa: E402
+from probing.cli.export.window import Window  # noqa: E402
 
 BASELINE = "e4fd78e"  # main before the columnar match
 
@@ -190,9 +190,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = load(args.baseline, "probing/analyze/collectives.py", "old_collectives", tmp)
-        old_perfetto = load(args.baseline, "probing/export/perfetto.py", "old_perfetto", tmp)
-        with swapped(old_perfetto, "probing.export.perfetto"):
-            old_timeline = load(args.baseline, "probing/export/timeline.py", "old_timeline", tmp)
+        old_perfetto = load(args.baseline, "probing/cli/export/perfetto.py", "old_perfetto", tmp)
+        with swapped(old_perfetto, "probing.cli.export.perfetto"):
+            old_timeline = load(
+                args.baseline, "probing/cli/export/timeline.py", "old_timeline", tmp
+            )
         src, window_s = job(args.events, args.kernels)
         win = Window(src, window_s=window_s)
         sql = queries(win.source.remote)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
 
 REPO = Path(__file__).resolve().parent.parent
 WINDOW_S = 10.0

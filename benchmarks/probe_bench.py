@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
 
 IDLE = "import time\nwhile True: time.sleep(0.5)\n"
 WINDOW_S = float(os.environ.get("BENCH_IDLE_S", 10))
@@ -53,9 +53,9 @@ IMPORT_STEPS = (
     ("numpy", "import numpy"),
     ("pyarrow", "import pyarrow"),
     ("datafusion", "import datafusion"),
-    ("probing.store", "import probing.store"),
-    ("probing.engine", "import probing.engine"),
-    ("probing.tables", "import probing.tables"),
+    ("probing.node.store", "import probing.node.store"),
+    ("probing.node.sql", "import probing.node.sql"),
+    ("probing.node.tables", "import probing.node.tables"),
     ("engine built, first query", "probing.context().engine.sql('SELECT pid FROM process.info')"),
 )
 # loaded by none of the steps above, now (pyarrow.dataset: rows reach

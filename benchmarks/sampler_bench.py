@@ -5,7 +5,7 @@ torch's default threads, ~``--work-ms`` of Python work, a ``--sleep-ms``
 data-loader sleep) in rounds of three phases, interleaved so the machine's
 drift hits each alike: untraced, traced (the gloo family, Python stacks)
 with the sampler off (``PROBING_SAMPLE_HZ=0``), and traced with the sampler
-on at its default rate (``probing.bpf.sampler.SAMPLE_HZ``). Figures: the
+on at its default rate (``probing.node.bpf.sampler.SAMPLE_HZ``). Figures: the
 median step time of each phase and the per-round step-time differences
 (noisy on a busy machine), and the sampler's direct cost per step: the CPU
 time of its reading thread plus the kernel time of its BPF programs
@@ -25,9 +25,9 @@ import time
 import torch
 from torch import nn
 
-from probing.bpf import sampler as smp
-from probing.bpf.tracer import Tracer
-from probing.store import Store
+from probing.node.bpf import sampler as smp
+from probing.node.bpf.tracer import Tracer
+from probing.node.store import Store
 
 
 def load_batch(ms: float) -> torch.Tensor:

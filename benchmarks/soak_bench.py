@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from probing.client import ProbeClient  # noqa: E402
-from probing.demo import trace_all  # noqa: E402
+from probing.cli.client import ProbeClient  # noqa: E402
+from probing.cli.demo import trace_all  # noqa: E402
 from tests.jobs.launch import WORLD, Launch  # noqa: E402
 
 QUERIES = [

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import pyarrow as pa
 
-from probing.engine import Engine
-from probing.store import CODECS, DEFAULT_CODEC, Store
-from probing.tables import ExternalTable, install
+from probing.node.sql import Engine
+from probing.node.store import CODECS, DEFAULT_CODEC, Store
+from probing.node.tables import ExternalTable, install
 
 ROWS = int(os.environ.get("BENCH_ROWS", 10_000_000))
 BATCH = 1 << 16

@@ -75,7 +75,7 @@ def build_loop(d: str) -> ctypes.CDLL:
 
 
 def cudart_path() -> str:
-    from probing.bpf.tracer import installed_libraries
+    from probing.node.bpf.tracer import installed_libraries
 
     for p in installed_libraries():
         if os.path.basename(p).startswith("libcudart"):
@@ -125,8 +125,8 @@ def at_depth(depth: int, fn):  # type: ignore[no-untyped-def]
 def traced_per_call(  # type: ignore[no-untyped-def]
     loop: ctypes.CDLL, cudart: ctypes.CDLL, stacks: bool, launches: bool, depth: int = 0
 ):
-    from probing.bpf.tracer import Tracer
-    from probing.store import Store
+    from probing.node.bpf.tracer import Tracer
+    from probing.node.store import Store
 
     store = Store()
     tracer = Tracer(["cuda"], store=store, stacks=stacks, launch_stacks=launches)
@@ -150,8 +150,8 @@ class BareUprobes:
     EMPTY = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])  # r0 = 0; exit
 
     def __init__(self, path: str, multi: bool) -> None:
-        from probing.bpf import kernel
-        from probing.bpf.symbols import exported, file_offsets
+        from probing.node.bpf import kernel
+        from probing.node.bpf.symbols import exported, file_offsets
 
         names = exported(path, ["cudaLaunchKernel", "cudaStreamSynchronize"])
         offs = file_offsets(path, names.values())
@@ -192,8 +192,8 @@ def sustained_drain(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ig
     (a C loop, called every 10 ms) makes up for a late slice in the next one,
     so it holds the rate wherever the CPU allows; drops are the BPF side's
     count (the ``dropped`` map: a full ring), events what reached the store."""
-    from probing.bpf.tracer import Tracer
-    from probing.store import Store
+    from probing.node.bpf.tracer import Tracer
+    from probing.node.store import Store
 
     store = Store()
     tracer = Tracer(["cuda"], store=store)
@@ -236,8 +236,8 @@ def drain_rate(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict:  # type: ignore[
     store, so ``all_cpu_ns_per_event`` is the whole cost of an event.
     ``host_thread_longest_wait_ms``: the longest a Python thread that wakes
     every ms waited for the GIL (and a CPU) while the drains ran."""
-    from probing.bpf.tracer import Tracer
-    from probing.store import Store
+    from probing.node.bpf.tracer import Tracer
+    from probing.node.store import Store
 
     store = Store()
     tracer = Tracer(["cuda"], store=store, interval_s=3600)  # we drain, timed
@@ -343,7 +343,7 @@ def loop(n):
 for _ in range(50):
     dist.all_reduce(t)
 base = loop(2000)
-from probing.probe.context import ProbeContext
+from probing.node.probe.context import ProbeContext
 ctx = ProbeContext()
 tr = ctx.start_trace(["gloo"])
 dist.barrier()
@@ -441,7 +441,7 @@ def lifecycle(multi: bool) -> dict:  # type: ignore[type-arg]
     again, `--stop`, and the exit after SIGTERM/SIGKILL, traced and not."""
     import signal
 
-    from probing.bpf import loader
+    from probing.node.bpf import loader
 
     cache = tempfile.mkdtemp(prefix="probing-bench-cache-")
     env = dict(os.environ, **{loader.ENV_CACHE: cache})
@@ -488,7 +488,7 @@ def lifecycle(multi: bool) -> dict:  # type: ignore[type-arg]
 def ranks_together(n: int = 8) -> dict:  # type: ignore[type-arg]
     """`probing trace --background` on ``n`` processes at once: with an empty
     cache (one compiles, the others wait for it) and with a warm one."""
-    from probing.bpf import loader
+    from probing.node.bpf import loader
 
     cache = tempfile.mkdtemp(prefix="probing-bench-cache-")
     ts = Targets(dict(os.environ, **{loader.ENV_CACHE: cache}))
@@ -582,7 +582,7 @@ def traced_step() -> dict:  # type: ignore[type-arg]
     import socket
     import threading
 
-    from probing.client import ProbeClient
+    from probing.cli.client import ProbeClient
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -717,7 +717,7 @@ def main() -> None:
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
-    from probing.bpf import loader
+    from probing.node.bpf import loader
 
     result: dict = {"uprobe_multi_available": loader.has_uprobe_multi()}  # type: ignore[type-arg]
     path = cudart_path()
@@ -751,7 +751,7 @@ def main() -> None:
 
 
 def calls_section(loop: ctypes.CDLL, cudart: ctypes.CDLL, path: str) -> dict:  # type: ignore[type-arg]
-    from probing.bpf import loader
+    from probing.node.bpf import loader
 
     result: dict = {"calls": CALLS, "rounds": ROUNDS}  # type: ignore[type-arg]
     # every set-up takes turns (REPEATS times), the baselines too, so a noisy

@@ -1,7 +1,7 @@
 """``probing ui``: page load times, and what a page refreshing every second costs
 the probes; prints JSON. Root (BPF) and chromium needed.
 
-A 4-rank DDP job (``probing.demo.DemoJob``, Gloo, one rank slowed) is traced
+A 4-rank DDP job (``probing.cli.demo.DemoJob``, Gloo, one rank slowed) is traced
 with dynamic injection; ``probing ui --pid P`` runs as a user runs it, and
 headless Chromium (``tests/chromium.py``) opens its pages.
 
@@ -35,11 +35,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from probing.demo import DemoJob, trace_all  # noqa: E402
+from probing.cli.demo import DemoJob, trace_all  # noqa: E402
 from tests.chromium import Browser  # noqa: E402
 
 WORLD = 4
-CACHE_S = 2.5  # longer than the UI's cache of an answer (probing.ui.data)
+CACHE_S = 2.5  # longer than the UI's cache of an answer (probing.cli.ui.data)
 SQL = "SELECT rank, op, count(*) AS calls FROM comm.collectives GROUP BY rank, op"
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -30,8 +30,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probing.client import ProbeClient  # noqa: E402
-from probing.demo import free_port  # noqa: E402
+from probing.cli.client import ProbeClient  # noqa: E402
+from probing.cli.demo import free_port  # noqa: E402
 
 WORLD = 4
 TOKEN = "bench-token"
@@ -57,7 +57,7 @@ def engines(runtime: str) -> list[int]:
             env = p.info["environ"] or {}
         except psutil.Error:
             continue
-        if "probing.service" in cmd and env.get("PROBING_RUNTIME_DIR") == runtime:
+        if "probing.node.service" in cmd and env.get("PROBING_RUNTIME_DIR") == runtime:
             out.append(p.pid)
     return out
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probing.demo import trace_all  # noqa: E402 - after the path for tests.jobs
+from probing.cli.demo import trace_all  # noqa: E402 - after the path for tests.jobs
 from tests.jobs.framework import CAUSES, ENV, FUNCTION, WORLD, Slowed, applies  # noqa: E402
 
 SIZES_MS = (30, 60, 100)
@@ -84,7 +84,7 @@ def one_run(framework: str, cause: str, rng: random.Random, window: float) -> di
 def samples_by_rank(pid: int, window: float) -> dict:  # type: ignore[type-arg]
     """What each rank's sampler recorded over the window (rows, seconds by kind),
     and who did not answer: a wrong headline's first question."""
-    from probing.client import cluster_query
+    from probing.cli.client import cluster_query
     from probing.errors import ProbingError
 
     since = time.time_ns() - int(window * 1e9)

@@ -85,7 +85,7 @@ int cuda_launchkernelexc(struct pt_regs *ctx) {
 /* Where each loaded libcudart lies (the tracer fills it from /proc/self/maps).
  * The runtime launches through the driver's own cuLaunchKernel: a call from
  * there is a cudaLaunchKernel already recorded, not a second launch. */
-#define RUNTIME_RANGES 8 /* RUNTIME_RANGES in probing/bpf/tracer.py */
+#define RUNTIME_RANGES 8 /* RUNTIME_RANGES in probing/node/bpf/tracer.py */
 struct text_range {
     u64 start, end;
 };

@@ -1,5 +1,5 @@
 /* cuda: one event per CUDA runtime / driver call. Shared by cuda.bpf.c and
- * probing/bpf/families.py. */
+ * probing/node/bpf/families.py. */
 #ifndef PROBING_CUDA_H
 #define PROBING_CUDA_H
 

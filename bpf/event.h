@@ -1,5 +1,5 @@
 /* The header every probing event starts with; shared by all families and
- * mirrored by probing/bpf/families.py (HEADER). */
+ * mirrored by probing/node/bpf/families.py (HEADER). */
 #ifndef PROBING_EVENT_H
 #define PROBING_EVENT_H
 

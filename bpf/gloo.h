@@ -1,5 +1,5 @@
 /* gloo: one event per Gloo collective in the torch CPU library. Shared by
- * gloo.bpf.c and probing/bpf/families.py. */
+ * gloo.bpf.c and probing/node/bpf/families.py. */
 #ifndef PROBING_GLOO_H
 #define PROBING_GLOO_H
 

@@ -1,4 +1,4 @@
-/* nccl: one event per NCCL call. Shared by nccl.bpf.c and probing/bpf/families.py
+/* nccl: one event per NCCL call. Shared by nccl.bpf.c and probing/node/bpf/families.py
  * (which checks the enum and the struct size against its own copy). */
 #ifndef PROBING_NCCL_H
 #define PROBING_NCCL_H

@@ -1,5 +1,5 @@
 /* The part every probe family's program shares: the loader
- * (probing/bpf/loader.py) puts this file in front of bpf/<family>.bpf.c and
+ * (probing/node/bpf/loader.py) puts this file in front of bpf/<family>.bpf.c and
  * compiles the two as one source, with -DPROBING_FAMILY_H="<family>.h"
  * naming the family's header, which defines EVENT (its event struct).
  * Map calls are written here, in the main source, because BCC rewrites only

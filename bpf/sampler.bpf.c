@@ -18,7 +18,7 @@
  *   match the kernel.
  *
  * Totals accumulate in `samples` (tid, stack, kind) -> (count, ns); the probe
- * reads them on a timer and stores the differences (probing/bpf/sampler.py).
+ * reads them on a timer and stores the differences (probing/node/bpf/sampler.py).
  * The traced process and the period are in `config` (written by the probe),
  * so the bytecode is the same for every process and is compiled once per
  * node; WAKEUP_PID_OFF (the woken pid's offset in the sched_wakeup record,

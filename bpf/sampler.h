@@ -1,4 +1,4 @@
-/* The sampler's map entries; mirrored by probing/bpf/sampler.py (KINDS and
+/* The sampler's map entries; mirrored by probing/node/bpf/sampler.py (KINDS and
  * the config it writes). */
 #ifndef PROBING_SAMPLER_H
 #define PROBING_SAMPLER_H

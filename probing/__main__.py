@@ -6,7 +6,7 @@ probe, take a fast path: their few flags are read here and the probe is
 asked over its socket without importing typer (pydantic, rich) or pyarrow,
 and print exactly what the typer commands print. Any other command, any
 flag this reader does not know (``--help``, ``--cluster``, ``--addr``), a
-missing or malformed value: the typer app (``probing.cli``) takes the whole
+missing or malformed value: the typer app (``probing.cli.app``) takes the whole
 command line and says what is wrong.
 """
 
@@ -84,8 +84,8 @@ def _echo(text: str, err: bool = False) -> None:
 
 
 def _query(pid: int, fmt: str, sql: str) -> None:
-    from probing.client import ProbeClient
-    from probing.render import write_answer
+    from probing.cli.client import ProbeClient
+    from probing.cli.render import write_answer
 
     write_answer(ProbeClient.for_pid(pid), sql, fmt, _echo)
 
@@ -93,8 +93,8 @@ def _query(pid: int, fmt: str, sql: str) -> None:
 def _stack(pid: int, fmt: str, inject: bool = True) -> None:
     import json
 
-    from probing.client import stacks
-    from probing.render import format_stacks
+    from probing.cli.client import stacks
+    from probing.cli.render import format_stacks
 
     info, frames = stacks(pid, inject=inject, note=lambda m: _echo(m, err=True))
     if fmt == "json":
@@ -104,8 +104,8 @@ def _stack(pid: int, fmt: str, inject: bool = True) -> None:
 
 
 def _ps() -> None:
+    from probing.cli.render import format_rows
     from probing.procs import python_processes
-    from probing.render import format_rows
 
     rows = [[p.pid, p.user, p.probe, p.cmdline] for p in python_processes()]
     _echo(format_rows(["PID", "USER", "PROBE", "COMMAND"], rows))
@@ -147,13 +147,13 @@ def fast(argv: list[str]) -> Callable[[], int] | None:
 def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["run"]:
-        from probing.cli import run_script
+        from probing.cli.app import run_script
 
         sys.exit(run_script(argv[1:]))
     go = fast(argv)
     if go is not None:
         sys.exit(go())
-    from probing.cli import main as cli_main
+    from probing.cli.app import main as cli_main
 
     cli_main()
 

@@ -42,7 +42,7 @@ def require(condition: bool, reason: str) -> None:
 
 def require_bpf() -> None:
     """Root, BCC, kernel headers and tracefs, or skip (fail in CI) naming the fix."""
-    from probing import doctor
+    from probing.cli import doctor
 
     require(os.geteuid() == 0, "needs root (CAP_BPF, CAP_PERFMON)")
     for check in (doctor.check_bcc(), doctor.check_headers(), doctor.check_tracefs()):

@@ -14,9 +14,9 @@ from probing.analyze import analyze
 from probing.analyze import collectives as coll
 from probing.analyze import hangs as hg
 from probing.analyze.diagnose import sql_tables
-from probing.engine import Engine
-from probing.render import diagnosis as render
-from probing.store import Store
+from probing.cli.render import diagnosis as render
+from probing.node.sql import Engine
+from probing.node.store import Store
 
 T0 = 1_763_880_000 * 10**9  # a wall-clock ns
 
@@ -297,8 +297,8 @@ def test_stack_paths_are_short_and_collective_frames_are_seen() -> None:
 def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
     import time
 
-    from probing import install_tables
-    from probing.bpf.families import GLOO_SCHEMA
+    from probing.node.assemble import install_tables
+    from probing.node.bpf.families import GLOO_SCHEMA
 
     engine = Engine(Store())
     install_tables(engine)
@@ -377,7 +377,7 @@ def test_callsites_pick_each_ranks_most_frequent() -> None:
     # the query plans against a probe's real tables (comm.collectives with
     # stack_id, the python.callsites view); nothing traced: no rows
     engine = Engine(Store())
-    from probing.tables import install
+    from probing.node.tables import install
 
     install(engine)
     assert engine.sql(queries(False)["callsites"].format(since_ns=0)).num_rows == 0

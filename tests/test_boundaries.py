@@ -16,13 +16,13 @@ import pyarrow as pa
 import pytest
 
 from probing import errors
-from probing.engine import Engine, run
-from probing.probe import connections
-from probing.probe import server as srv
-from probing.probe.context import ProbeContext, base_tables
-from probing.probe.http import Response
-from probing.probe.request import Head, answer
-from probing.store import Store
+from probing.node.probe import connections
+from probing.node.probe import server as srv
+from probing.node.probe.context import ProbeContext, base_tables
+from probing.node.probe.http import Response
+from probing.node.probe.request import Head, answer
+from probing.node.sql import Engine, run
+from probing.node.store import Store
 
 
 def _raised(err: BaseException) -> BaseException:
@@ -87,7 +87,7 @@ def test_sql_errors_stay_400_and_a_bug_in_the_engine_is_not_bad_sql(monkeypatch)
 
 
 def test_the_final_step_of_a_cluster_query_sorts_its_errors_alike(monkeypatch) -> None:
-    from probing.cluster import plan
+    from probing.node.cluster import plan
 
     table = pa.table({"a": [1, 2]})
     tables = {"t.x": table}
@@ -106,7 +106,7 @@ def test_the_final_step_of_a_cluster_query_sorts_its_errors_alike(monkeypatch) -
 def test_a_bug_in_the_engine_answers_500_with_its_traceback_in_the_log(
     runtime_dir, capfd, monkeypatch
 ) -> None:
-    from probing.client import ProbeClient, UnixTransport
+    from probing.cli.client import ProbeClient, UnixTransport
 
     path = runtime_dir / f"probing-{os.getuid()}" / "engine-bug.sock"
     ctx = ProbeContext(installers=(base_tables,), socket_path=str(path))
@@ -267,7 +267,7 @@ def test_a_failed_seal_drops_and_counts_its_rows_a_bug_with_its_traceback(
 
 
 def test_the_nvml_thread_counts_a_bug_every_turn_and_logs_it_once(capfd) -> None:
-    from probing.tables.nvml import Sampler
+    from probing.node.tables.nvml import Sampler
 
     sampler = Sampler(Store())
     calls = []
@@ -305,7 +305,7 @@ def test_a_bad_cluster_setting_is_one_line_a_bug_has_its_traceback(capfd) -> Non
 
 
 def test_the_join_loop_stays_local_on_a_bug_and_logs_it(capfd) -> None:
-    from probing.cluster.node import ClusterNode
+    from probing.node.cluster.node import ClusterNode
 
     def try_join(budget: float) -> bool:
         raise IndexError("a bug in joining")

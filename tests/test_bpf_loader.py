@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 
-from probing.bpf import families as fam
-from probing.bpf import kernel, loader
 from probing.errors import ProbingError
+from probing.node.bpf import families as fam
+from probing.node.bpf import kernel, loader
 
 HDR = [
     "probing_hdr",

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from probing.__main__ import parse
-from probing.client import ProbeClient
-from probing.render import format_arrow, format_table
+from probing.cli.client import ProbeClient
+from probing.cli.render import format_arrow, format_table
 from tests.conftest import IDLE_LOOP, SLOWDOWN, cli
 
 
@@ -77,7 +77,9 @@ main()
 def _run(*args: str, typer: bool = False) -> subprocess.CompletedProcess[str]:
     """The ``probing`` command through the fast path, or (``typer``) straight
     through the typer app, with the heavy modules it imported on stderr."""
-    code = SHOW_MODULES.replace("from probing.__main__ import main", "from probing.cli import main")
+    code = SHOW_MODULES.replace(
+        "from probing.__main__ import main", "from probing.cli.app import main"
+    )
     return subprocess.run(
         [sys.executable, "-c", code if typer else SHOW_MODULES, *args],
         capture_output=True,
@@ -174,8 +176,8 @@ def test_rows_are_encoded_in_steps_and_capped() -> None:
 
     import pyarrow as pa
 
-    from probing.engine.limits import LimitExceeded
-    from probing.probe.api import json_columns
+    from probing.node.probe.api import json_columns
+    from probing.node.sql.limits import LimitExceeded
 
     table = pa.table({"a": list(range(50_000)), "b": [str(i) for i in range(50_000)]})
     got = json.loads(json_columns(table, 1 << 30))

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from probing.client import ProbeClient, cluster_query
+from probing.cli.client import ProbeClient, cluster_query
 from probing.errors import AccessDenied, PeerUnreachable
 from tests.conftest import IDLE_LOOP, cli
 

@@ -7,11 +7,11 @@ import socket
 import threading
 import time
 
-from probing.cluster.discovery import PeerInfo
-from probing.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
-from probing.cluster.identity import Identity
-from probing.cluster.node import ClusterNode
-from probing.cluster.wire import unpack
+from probing.node.cluster.discovery import PeerInfo
+from probing.node.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
+from probing.node.cluster.identity import Identity
+from probing.node.cluster.node import ClusterNode
+from probing.node.cluster.wire import unpack
 
 
 def listener() -> socket.socket:

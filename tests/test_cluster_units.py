@@ -5,10 +5,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from probing.cluster import identity, plan
-from probing.cluster.discovery import PeerInfo, Registry, parse_published
-from probing.cluster.wire import clock_offset, pack, unpack
 from probing.errors import ProbingError, QueryError
+from probing.node.cluster import identity, plan
+from probing.node.cluster.discovery import PeerInfo, Registry, parse_published
+from probing.node.cluster.wire import clock_offset, pack, unpack
 
 THREADS = plan.tagged_schema(pa.schema([("tid", pa.int64()), ("name", pa.string())]))
 COLL = plan.tagged_schema(
@@ -257,7 +257,7 @@ def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
     import threading
     import time
 
-    from probing.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
+    from probing.node.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
 
     def listener() -> socket.socket:
         s = socket.socket()
@@ -304,9 +304,9 @@ def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
 
 
 def test_a_peer_without_a_usable_answer_raises_peer_failure_with_its_reason() -> None:
-    from probing.cluster.exchange import Reply
-    from probing.cluster.fanout import PeerFailure, PeerLate, answer_of, reply_of
     from probing.errors import PeerUnreachable
+    from probing.node.cluster.exchange import Reply
+    from probing.node.cluster.fanout import PeerFailure, PeerLate, answer_of, reply_of
 
     peer = PeerInfo(1, "n1", "h:1")
     cases = [
@@ -326,8 +326,8 @@ def test_a_peer_without_a_usable_answer_raises_peer_failure_with_its_reason() ->
 
 
 def test_a_gatherers_answer_brings_its_members_on_my_clock() -> None:
-    from probing.cluster.exchange import Reply
-    from probing.cluster.fanout import answer_of
+    from probing.node.cluster.exchange import Reply
+    from probing.node.cluster.fanout import answer_of
 
     meta = {
         "node": "n1",
@@ -366,7 +366,7 @@ def test_a_peers_tables_are_read_tagged_with_its_node_and_rank() -> None:
 
 
 def test_a_control_fan_out_names_each_rank_it_could_not_ask() -> None:
-    from probing.cluster import fanout
+    from probing.node.cluster import fanout
 
     class Node:
         ident = identity.Identity(0, 3, 0, "n0", 0, None, "run", (), 0)

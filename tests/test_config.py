@@ -48,7 +48,7 @@ def test_the_cli_waits_for_a_probe_as_long_as_it_is_told(
     import socket
     import time
 
-    from probing.client import UnixTransport
+    from probing.cli.client import UnixTransport
     from probing.errors import NoProbe
 
     path = str(tmp_path / "mute.sock")

@@ -8,9 +8,9 @@ import sys
 
 import pyarrow as pa
 
-from probing.client import ProbeClient, UnixTransport
-from probing.probe.context import ProbeContext
-from probing.tables.external import ExternalTable
+from probing.cli.client import ProbeClient, UnixTransport
+from probing.node.probe.context import ProbeContext
+from probing.node.tables.external import ExternalTable
 
 
 def test_two_probes_in_one_process_are_isolated(runtime_dir) -> None:
@@ -78,12 +78,12 @@ def test_disable_keeps_the_data_and_enable_serves_it_again(runtime_dir) -> None:
 
 def test_the_probe_module_state_is_one_slot() -> None:
     """No module of the probe's core keeps its parts in globals: the one
-    ``ProbeContext`` slot of ``probing.probe.runtime`` is all there is."""
+    ``ProbeContext`` slot of ``probing.node.probe.runtime`` is all there is."""
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "probing"
-    core = ["probe", "store", "engine", "tables", "cluster", "bpf"]
+    root = Path(__file__).resolve().parent.parent / "probing" / "node"
+    core = ["probe", "store", "sql", "tables", "cluster", "bpf"]
     found = []
     paths = [root / p for p in core if p.endswith(".py")]
     paths += [f for p in core if not p.endswith(".py") for f in (root / p).glob("**/*.py")]
@@ -97,8 +97,8 @@ def test_the_probe_module_state_is_one_slot() -> None:
 def test_two_probes_tracers_share_no_helper_and_no_stacks() -> None:
     """Each tracer has its own helper process for what it attaches, and each
     store its own record of the stacks already in python.stacks."""
-    from probing.bpf.pystacks import STACKS_SCHEMA, PyStacks
-    from probing.bpf.tracer import Tracer
+    from probing.node.bpf.pystacks import STACKS_SCHEMA, PyStacks
+    from probing.node.bpf.tracer import Tracer
 
     a, b = ProbeContext(), ProbeContext()
     ta, tb = Tracer(["gloo"], store=a.store), Tracer(["gloo"], store=b.store)

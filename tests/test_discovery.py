@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from probing.cluster.discovery import StoreDirectory
-from probing.cluster.identity import Identity
-from probing.cluster.node import ClusterNode
-from probing.cluster.tcpstore import StoreError, TCPStoreClient
-from probing.demo import free_port
-from probing.probe import imports
-from probing.probe.server import UnixHTTPServer
+from probing.cli.demo import free_port
+from probing.node.cluster.discovery import StoreDirectory
+from probing.node.cluster.identity import Identity
+from probing.node.cluster.node import ClusterNode
+from probing.node.cluster.tcpstore import StoreError, TCPStoreClient
+from probing.node.probe import imports
+from probing.node.probe.server import UnixHTTPServer
 
 dist = pytest.importorskip("torch.distributed")
 

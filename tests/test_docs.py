@@ -14,7 +14,7 @@ README = DOCS.parent / "README.md"
 def test_every_cli_command_is_in_the_cli_reference() -> None:
     import typer.main
 
-    from probing.cli import app
+    from probing.cli.app import app
 
     commands = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
     assert len(commands) >= 10
@@ -24,12 +24,12 @@ def test_every_cli_command_is_in_the_cli_reference() -> None:
 
 
 def test_every_table_a_probe_answers_is_in_the_sql_reference() -> None:
-    import probing
-    from probing.engine import Engine
-    from probing.store import Store
+    from probing.node import assemble
+    from probing.node.sql import Engine
+    from probing.node.store import Store
 
     engine = Engine(Store())
-    probing.install_tables(engine)
+    assemble.install_tables(engine)
     names = [  # static tables, views and store tables: what the catalog knows
         f"{schema}.{table}"
         for schema in engine.catalog.schema_names()
@@ -42,7 +42,7 @@ def test_every_table_a_probe_answers_is_in_the_sql_reference() -> None:
 
 
 def test_every_http_endpoint_is_in_the_http_reference() -> None:
-    from probing.probe.api import ROUTES
+    from probing.node.probe.api import ROUTES
 
     text = (DOCS / "http.md").read_text()
     missing = [f"{m} {p}" for m, p in ROUTES if f"`{m} {p}`" not in text]
@@ -87,27 +87,69 @@ def test_the_docs_state_the_python_versions_whose_frames_probing_reads() -> None
     assert refusal.group(1).split() == ", ".join(SUPPORTED).split()
 
 
-def test_the_design_layout_names_every_module() -> None:
-    """docs/design.md's layout is the tree: each package of ``probing/`` has
-    its entry, and each module is named in its package's entry."""
+def _layout_entries() -> dict[str, str]:
+    """docs/design.md's layout block, by folder: "node/bpf" -> its lines,
+    "" -> the lines of probing/'s own files. A folder's entry starts where
+    its name stands at its depth's indent (2 spaces a level under probing/)."""
     text = (DOCS / "design.md").read_text()
     block = text.split("## Layout", 1)[1].split("```")[1]
-    entries: dict[str, str] = {}  # "cluster" -> its lines; "" -> the top-level files
+    block = block.split("probing/\n", 1)[1]
+    entries: dict[str, str] = {"": ""}
+    stack: list[str] = []  # the folders open at each depth
     current = ""
     for line in block.splitlines():
-        head = re.match(r"  (\S+?)(/)?\s", line + " ")
-        if head and not line.startswith("   "):
-            current = head.group(1) if head.group(2) else ""
+        indent = len(line) - len(line.lstrip(" "))
+        token = line.split()[0] if line.strip() else ""
+        if indent == 0:
+            break  # bpf/, tests/: out of probing/
+        if indent % 2 == 0 and indent <= 2 * (len(stack) + 1) and token.endswith("/"):
+            depth = indent // 2 - 1
+            stack = stack[:depth] + [token.rstrip("/")]
+            current = "/".join(stack)
+        elif indent % 2 == 0 and indent <= 2 * (len(stack) + 1) and token.endswith(".py"):
+            stack = stack[: indent // 2 - 1]
+            current = "/".join(stack)
         entries[current] = entries.get(current, "") + line + "\n"
+    return entries
+
+
+def test_the_design_layout_names_every_folder_and_module() -> None:
+    """docs/design.md's layout is the tree: each package of ``probing/`` at
+    any depth has its entry, under its parent's, and each module is named
+    in its package's entry."""
+    entries = _layout_entries()
     pkg = Path(__file__).resolve().parent.parent / "probing"
     missing = []
     for path in sorted(pkg.rglob("*.py")):
         rel = path.relative_to(pkg)
-        if rel.name in ("__init__.py", "__main__.py") or len(rel.parts) > 2:
+        if "static" in rel.parts:
             continue
-        where = rel.parts[0] if len(rel.parts) == 2 else ""
+        where = "/".join(rel.parts[:-1])
         if where and where not in entries:
             missing.append(f"{where}/")
-        elif not re.search(rf"\b{re.escape(path.stem)}\b", entries.get(where, "")):
+        elif rel.name not in ("__init__.py", "__main__.py") and not re.search(
+            rf"\b{re.escape(path.stem)}\b", entries.get(where, "")
+        ):
             missing.append(str(rel))
+    stale = [d for d in entries if d and not (pkg / d / "__init__.py").exists()]
     assert not missing, f"name each in docs/design.md's layout: {sorted(set(missing))}"
+    assert not stale, f"docs/design.md's layout names folders the tree lacks: {stale}"
+
+
+def test_the_design_names_every_import_contract() -> None:
+    """Each import-linter contract of pyproject.toml is explained in
+    docs/design.md's Layers, by its id, and the count there is right."""
+    import tomllib
+
+    config = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    text = (DOCS / "design.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
+    assert f"checks {words[len(contracts)]} contracts" in text
+    for contract in contracts:
+        label = {
+            "cycles": "no cycles",
+            "collectors": "collectors never import each other",
+            "guest": "the guest imports only the standard library",
+        }.get(contract["id"], contract["id"])
+        assert f"**{label}**" in text, f"docs/design.md's Layers does not explain {contract['id']}"

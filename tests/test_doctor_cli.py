@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import json
 
-from probing import doctor
-from probing.render import format_rows
+from probing.cli import doctor
+from probing.cli.render import format_rows
 from tests.conftest import cli
 
 ROOT_CAPS = 0x000001FFFFFFFFFF  # a root shell with every capability

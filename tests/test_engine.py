@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pytest
 
-from probing.engine import Engine
 from probing.errors import QueryError
 from probing.guest.inside import columns, expr
-from probing.store import Store
-from probing.tables import ExternalTable, install
-from probing.tables.python import to_arrow
+from probing.node.sql import Engine
+from probing.node.store import Store
+from probing.node.tables import ExternalTable, install
+from probing.node.tables.python import to_arrow
 
 
 @pytest.fixture

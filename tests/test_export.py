@@ -18,14 +18,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from probing.bpf import families
-from probing.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
-from probing.engine import Engine
-from probing.export import Source, export
-from probing.export.perfetto import read_trace
-from probing.store import Store
-from probing.tables.nvml import GPU_SCHEMA
-from probing.tables.trace import COLLECTIVES_SQL
+from probing.cli.export import Source, export
+from probing.cli.export.perfetto import read_trace
+from probing.node.bpf import families
+from probing.node.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
+from probing.node.sql import Engine
+from probing.node.store import Store
+from probing.node.tables.nvml import GPU_SCHEMA
+from probing.node.tables.trace import COLLECTIVES_SQL
 from tests.conftest import cli
 
 WORLD = 4
@@ -367,7 +367,7 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
 
     import numpy as np
 
-    from probing.export.perfetto import SliceChunk, Thread, TraceWriter
+    from probing.cli.export.perfetto import SliceChunk, Thread, TraceWriter
 
     f = io.BytesIO()
     w = TraceWriter(f)
@@ -440,7 +440,7 @@ def test_rows_with_other_fields_are_written_apart_or_whole_and_read_back_the_sam
 
     import numpy as np
 
-    from probing.export.perfetto import MAX_LAYOUTS, SliceChunk, Thread, TraceWriter
+    from probing.cli.export.perfetto import MAX_LAYOUTS, SliceChunk, Thread, TraceWriter
 
     rng = random.Random(args)
     n, t0 = 500, 1_795_000_000_000_000_000

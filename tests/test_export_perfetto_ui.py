@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from probing.cli.export import export
+from probing.cli.ui.data import JobView
+from probing.cli.ui.server import UIServer
 from probing.errors import ProbingError
-from probing.export import export
-from probing.ui.data import JobView
-from probing.ui.server import UIServer
 from tests.chromium import Browser, find_chromium
 from tests.conftest import require
 from tests.test_export import METRICS, SAMPLES, SLOW, STEPS, WORLD, job, parse  # noqa: F401
@@ -113,7 +113,7 @@ def test_the_ui_server_refuses_requests_without_the_token(job, path: str) -> Non
 
 def test_job_page_data_flags_the_late_rank_and_a_rank_missing_from_a_hang(job) -> None:  # noqa: F811
     from probing.analyze.collectives import match
-    from probing.ui.data import Hang, heatmap
+    from probing.cli.ui.data import Hang, heatmap
 
     data = JobView(job).job(60)
     assert [s["rank"] for s in data["stragglers"]] == [SLOW] and not data["hangs"]
@@ -145,7 +145,7 @@ def test_the_latest_diagnosis_is_shown_at_once_while_the_next_is_made() -> None:
     request after that makes a value itself."""
     import threading
 
-    from probing.ui.data import Latest
+    from probing.cli.ui.data import Latest
 
     made: list[int] = []
     gate = threading.Event()

@@ -19,11 +19,11 @@ from probing.analyze import analyze
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze.diagnose import sql_tables
-from probing.engine import Engine
+from probing.cli.render import diagnosis as render
 from probing.guest import flight as guest
-from probing.render import diagnosis as render
-from probing.store import Store
-from probing.tables import flight as tables
+from probing.node.sql import Engine
+from probing.node.store import Store
+from probing.node.tables import flight as tables
 from tests.conftest import REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "flight"
@@ -108,11 +108,11 @@ def test_a_process_without_torch_distributed_is_told_off(monkeypatch) -> None:  
 
 RECORDING_JOB = """
 import json, os, sys, torch, torch.distributed as dist
-import probing
-from probing.engine import Engine
-from probing.store import Store
+from probing.node import assemble
+from probing.node.sql import Engine
+from probing.node.store import Store
 engine = Engine(Store())
-probing.install_tables(engine)
+assemble.install_tables(engine)
 ask = lambda sql: engine.sql(sql).to_pylist()
 before = ask("SELECT state, records FROM comm.flight_status")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
@@ -129,7 +129,7 @@ print(json.dumps({
 
 @pytest.mark.parametrize("size", ["", "0"], ids=["default", "off"])
 def test_a_real_process_group_through_sql(size: str) -> None:
-    from probing.demo import free_port
+    from probing.cli.demo import free_port
 
     env = {k: v for k, v in os.environ.items() if "BUFFER_SIZE" not in k}
     if size:

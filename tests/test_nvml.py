@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from probing.client import ProbeClient
-from probing.tables.nvml import parse_interval, visible_indices
+from probing.cli.client import ProbeClient
+from probing.node.tables.nvml import parse_interval, visible_indices
 from tests.conftest import build_lib, cli
 
 GIB, MIB = 1 << 30, 1 << 20

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
 from probing.errors import NoProbe, NoSuchProcess, QueryError
 from tests.conftest import IDLE_LOOP, cli
 
@@ -226,7 +226,7 @@ def test_idle_probe_is_quiet(spawn) -> None:
 
 def test_subprocess_without_env_has_no_probe(runtime_dir) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import probing.probe.runtime as r; print(r.current())"],
+        [sys.executable, "-c", "import probing.node.probe.runtime as r; print(r.current())"],
         capture_output=True,
         text=True,
         env=dict(os.environ, PROBING="0"),
@@ -238,9 +238,9 @@ def test_request_threads_are_reused_then_leave(tmp_path, monkeypatch) -> None:
     """Back-to-back requests share one thread; it exits once idle for LINGER_S."""
     import threading
 
-    from probing.probe import server as srv
-    from probing.probe.connections import Workers
-    from probing.probe.http import Request, Response
+    from probing.node.probe import server as srv
+    from probing.node.probe.connections import Workers
+    from probing.node.probe.http import Request, Response
 
     monkeypatch.setattr(Workers, "LINGER_S", 0.3)
     seen: list[int] = []

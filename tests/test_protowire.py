@@ -1,4 +1,4 @@
-"""``probing.export.protowire``: the wire format for many rows at once, checked
+"""``probing.cli.export.protowire``: the wire format for many rows at once, checked
 against a byte-by-byte reading of each row."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from probing.export import protowire as wire
+from probing.cli.export import protowire as wire
 
 
 def read_varint(row: bytes) -> tuple[int, int]:

@@ -233,10 +233,10 @@ def test_the_committed_table_is_the_generators_output() -> None:
 def test_callsites_view_gives_the_innermost_user_frame() -> None:
     import pyarrow as pa
 
-    from probing.bpf.pystacks import STACKS_SCHEMA, is_user_file
-    from probing.engine import Engine
-    from probing.store import Store
-    from probing.tables import install
+    from probing.node.bpf.pystacks import STACKS_SCHEMA, is_user_file
+    from probing.node.sql import Engine
+    from probing.node.store import Store
+    from probing.node.tables import install
 
     lib = f"{sys.prefix}/lib/python3/site-packages/torch/distributed/c10d.py"
     assert not is_user_file(lib) and not is_user_file("<frozen runpy>")

@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import pytest
 
-from probing.client import ProbeClient
-from probing.engine import Engine
-from probing.engine.limits import LimitExceeded, Limits, check_sql
-from probing.probe.api import json_rows
-from probing.store import Store
+from probing.cli.client import ProbeClient
+from probing.node.probe.api import json_rows
+from probing.node.sql import Engine
+from probing.node.sql.limits import LimitExceeded, Limits, check_sql
+from probing.node.store import Store
 from tests.conftest import REPO
 from tests.stall_host import SCRIPT, StallHost, other_threads_cpu_s
 
@@ -147,7 +147,7 @@ def test_the_deepest_allowed_query_plans_on_a_host_with_tiny_thread_stacks() -> 
     code = textwrap.dedent(
         """
         import sys, threading
-        from probing.engine import Engine
+        from probing.node.sql import Engine
         threading.stack_size(256 << 10)
         eng = Engine()
         for sql in sys.argv[1:]:
@@ -473,9 +473,9 @@ def test_hypothesis_sql_against_a_live_probe(host) -> None:  # type: ignore[no-u
 def test_functions_that_allocate_outside_the_pool_are_bounded(sql: str) -> None:
     """Output-growing functions allocate outside DataFusion's memory pool
     (``repeat('x', 1e9)``: 7 GB): refused before planning, naming the setting."""
-    from probing.engine import Engine
-    from probing.engine.limits import LimitExceeded
-    from probing.store import Store
+    from probing.node.sql import Engine
+    from probing.node.sql.limits import LimitExceeded
+    from probing.node.store import Store
 
     t0 = time.monotonic()
     with pytest.raises(LimitExceeded, match="PROBING_SQL_MAX_REPEAT"):
@@ -493,7 +493,7 @@ def test_functions_that_allocate_outside_the_pool_are_bounded(sql: str) -> None:
     ],
 )
 def test_bounded_uses_of_those_functions_still_run(sql: str) -> None:
-    from probing.engine import Engine
-    from probing.store import Store
+    from probing.node.sql import Engine
+    from probing.node.store import Store
 
     assert Engine(Store()).sql(sql).num_rows >= 1

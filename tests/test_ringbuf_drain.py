@@ -8,9 +8,9 @@ import struct
 
 import numpy as np
 
-from probing.bpf import families as fam
-from probing.bpf.cuda import KERNEL_SLOTS, KernelSlots
-from probing.bpf.ringbuf import HDR_SIZE, record_dtype, record_size, take_records, unstage
+from probing.node.bpf import families as fam
+from probing.node.bpf.cuda import KERNEL_SLOTS, KernelSlots
+from probing.node.bpf.ringbuf import HDR_SIZE, record_dtype, record_size, take_records, unstage
 
 SAMPLE = np.dtype([("a", "<u8"), ("b", "<u4", (2,)), ("c", "<u2")], align=True)  # 24 bytes
 

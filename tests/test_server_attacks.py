@@ -19,13 +19,13 @@ from collections.abc import Iterator
 import pytest
 
 from probing import paths
-from probing.client import ProbeClient
-from probing.demo import free_port
+from probing.cli.client import ProbeClient
+from probing.cli.demo import free_port
 from probing.errors import AccessDenied
-from probing.probe import server as srv
-from probing.probe.connections import EVICT_AFTER_S
-from probing.probe.http import Request, Response
-from probing.probe.request import HttpError, head_end, parse_head
+from probing.node.probe import server as srv
+from probing.node.probe.connections import EVICT_AFTER_S
+from probing.node.probe.http import Request, Response
+from probing.node.probe.request import HttpError, head_end, parse_head
 from tests.stall_host import SCRIPT, StallHost
 
 TOKEN = "attack-test-token"

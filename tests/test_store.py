@@ -6,9 +6,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from probing.engine import Engine
-from probing.store import CODECS, Store
-from probing.tables import ExternalTable, install
+from probing.node.sql import Engine
+from probing.node.store import CODECS, Store
+from probing.node.tables import ExternalTable, install
 
 
 def events(n: int, start: int = 0, seed: int = 0) -> pa.Table:
@@ -204,7 +204,7 @@ def test_deferred_seals_keep_rows_readable_and_flush_waits_for_them() -> None:
 def test_a_writer_that_outruns_the_sealer_seals_itself(monkeypatch) -> None:
     """Past SEAL_QUEUE chunks waiting, append_batch seals in the writer: the
     rows held in memory stay bounded."""
-    from probing.store import store as store_mod
+    from probing.node.store import store as store_mod
 
     monkeypatch.setattr(store_mod, "SEAL_QUEUE", 0)
     store = Store(chunk_rows=1_000)
@@ -221,7 +221,7 @@ def test_chunk_files_live_in_one_directory_per_process(tmp_path, monkeypatch) ->
     monkeypatch.setenv("PROBING_CHUNK_DIR", str(tmp_path))
     code = (
         "import os, sys, numpy as np\n"
-        "from probing.store import Store\n"
+        "from probing.node.store import Store\n"
         "s = Store(chunk_rows=10)\n"
         "s.table('t', 'x').append_batch({'a': np.arange(100)})\n"
         "print(s.chunk_root(), flush=True)\n"

@@ -14,12 +14,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from probing.bpf import families as fam
-from probing.bpf.output import OutputWriter
-from probing.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, record_size, take_records
-from probing.bpf.symbols import RuntimeNames, Symbolizer, demangle, exported, exported_matching
-from probing.bpf.tracer import installed_libraries
-from probing.tables.trace import COLLECTIVES_SQL
+from probing.node.bpf import families as fam
+from probing.node.bpf.output import OutputWriter
+from probing.node.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, record_size, take_records
+from probing.node.bpf.symbols import RuntimeNames, Symbolizer, demangle, exported, exported_matching
+from probing.node.bpf.tracer import installed_libraries
+from probing.node.tables.trace import COLLECTIVES_SQL
 
 SAMPLE = np.dtype([("a", "<u8"), ("b", "<u4"), ("c", "<u4")])  # 16 bytes
 
@@ -70,12 +70,12 @@ def test_empty_ring() -> None:
 
 @pytest.mark.parametrize("name", sorted(fam.FAMILIES))
 def test_python_mirrors_the_c_enum(name: str) -> None:
-    text = (files("probing.bpf") / "programs" / f"{name}.h").read_text()
+    text = (files("probing.node.bpf") / "programs" / f"{name}.h").read_text()
     enum = fam.parse_enum(text)
     family = fam.FAMILIES[name]
     assert [f.enum for f in family.funcs] == sorted(enum, key=enum.__getitem__)
     assert [enum[f.enum] for f in family.funcs] == list(range(len(family.funcs)))
-    source = (files("probing.bpf") / "programs" / family.source).read_text()
+    source = (files("probing.node.bpf") / "programs" / family.source).read_text()
     for f in family.funcs:  # every function has its probe in C (loaded in tests/privileged)
         assert f.enum in source or f"int {f.entry}(" in source, f.enum
 
@@ -244,9 +244,9 @@ def test_a_kernel_that_cannot_run_the_stage_flush_keeps_tracing(monkeypatch) -> 
     once, and its stages go out when full or with another event."""
     import errno
 
-    from probing.bpf import kernel
-    from probing.bpf.drain import Live
     from probing.errors import BPFUnavailable
+    from probing.node.bpf import kernel
+    from probing.node.bpf.drain import Live
 
     tried: list[int] = []
 

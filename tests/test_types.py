@@ -9,12 +9,12 @@ import pyarrow as pa
 import pytest
 
 from probing import errors
-from probing.bpf.state import TracerState
-from probing.client import ProbeClient, UnixTransport
-from probing.engine import Engine
-from probing.engine.limits import LimitExceeded
-from probing.probe.context import ProbeContext, base_tables
-from probing.store import Store
+from probing.cli.client import ProbeClient, UnixTransport
+from probing.node.bpf.state import TracerState
+from probing.node.probe.context import ProbeContext, base_tables
+from probing.node.sql import Engine
+from probing.node.sql.limits import LimitExceeded
+from probing.node.store import Store
 
 
 @pytest.mark.parametrize("cls", sorted(errors.ERRORS.values(), key=lambda c: c.__name__))
@@ -63,7 +63,7 @@ def test_a_providers_bug_answers_500_with_its_traceback_in_the_log(runtime_dir, 
 
 def test_a_failed_flush_before_a_read_is_counted_in_probing_tables() -> None:
     engine = Engine(Store())
-    from probing.tables import install
+    from probing.node.tables import install
 
     install(engine)
     table = engine.store.table("test", "rows")
@@ -89,7 +89,7 @@ def test_tracer_state_is_an_enum_that_reads_as_its_value() -> None:
 
 
 def test_cluster_work_is_a_dataclass_with_a_mode_enum_on_the_wire() -> None:
-    from probing.cluster.plan import Mode, ScanSpec, Work
+    from probing.node.cluster.plan import Mode, ScanSpec, Work
 
     work = Work(Mode.AGG_NODE, "SELECT node, count(*) FROM t.x GROUP BY node",
                 {"t.x": ScanSpec(["node"], "ts > 0")})  # fmt: skip
@@ -103,8 +103,8 @@ def test_cluster_work_is_a_dataclass_with_a_mode_enum_on_the_wire() -> None:
 
 
 def test_one_http_codec_for_the_server_the_client_and_the_peers() -> None:
-    from probing.probe import http
-    from probing.probe.request import parse_head
+    from probing.node.probe import http
+    from probing.node.probe.request import parse_head
 
     raw = http.request_bytes("/query", b'{"sql": "SELECT 1"}', b"tok")
     head = parse_head(raw[: raw.index(b"\r\n\r\n") + 4])  # the server's strict parser takes it

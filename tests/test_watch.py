@@ -12,7 +12,7 @@ import pyarrow as pa
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing.analyze.watch import Watch
-from probing.cluster.wire import MissingPeer, PeerTiming
+from probing.node.cluster.wire import MissingPeer, PeerTiming
 from tests.test_analyze import job
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from probing.analyze import analyze
 from probing.analyze import collectives as coll
-from probing.render import diagnosis as render
+from probing.cli.render import diagnosis as render
 from tests.test_analyze import T0, job
 
 

@@ -1,7 +1,7 @@
 """Stragglers, slow links and hangs, from every rank's collectives and stacks.
 
 ``analyze`` is pure and works on the gathered table; ``diagnose`` asks a
-``Job`` (``probing.client.Job``: local pids, or the cluster) and analyzes.
+``Job`` (``probing.cli.client.Job``: local pids, or the cluster) and analyzes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Arrow columns as numpy, and rows told apart by hashing instead of sorting.
 
 The collective matching (``collectives.matched``) and the Perfetto export
-(``probing.export.timeline``) work a million rows at a time, column by
+(``probing.cli.export.timeline``) work a million rows at a time, column by
 column. Both number the distinct values of a column, or of a few columns
 together, with ``codes``: Arrow's hash-based dictionary encoding numbers
 them in the order they first appear, several times faster than

@@ -592,7 +592,7 @@ def _states(
 
 
 class Job(Protocol):
-    """The ranks a diagnosis asks (``probing.client.Job``: local pids over
+    """The ranks a diagnosis asks (``probing.cli.client.Job``: local pids over
     their sockets, or the cluster through one probe)."""
 
     @property

@@ -1,6 +1,6 @@
 """Rows gathered from every rank of a job, tagged ``node`` and ``rank``.
 
-The asking is the client's (``probing.client.Job``: local pids over their
+The asking is the client's (``probing.cli.client.Job``: local pids over their
 sockets, or the cluster through one probe); here are the pieces both sides
 share: the tags, the rank expression, and the ranks a gather missed.
 """
@@ -35,7 +35,7 @@ _RANKS: dict[tuple[int, float], int] = {}  # (pid, its start time) -> rank
 
 
 class Queries(Protocol):
-    """What ``process_rank`` needs of a probe's client (``probing.client.ProbeClient``)."""
+    """What ``process_rank`` needs of a probe's client (``probing.cli.client.ProbeClient``)."""
 
     def query(self, sql: str) -> pa.Table: ...
 

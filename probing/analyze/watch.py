@@ -13,7 +13,7 @@ set when it is gone; each new or cleared finding is one ``probing:`` line
 on the job's stderr. ``metrics()`` is the OpenMetrics text of ``GET
 /metrics``: the step, each rank's lateness, the findings, the events dropped.
 
-The node (``probing.cluster.node.ClusterNode``) is handed in: this layer
+The node (``probing.node.cluster.node.ClusterNode``) is handed in: this layer
 does not import the cluster's.
 """
 

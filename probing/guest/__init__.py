@@ -9,7 +9,7 @@ numpy, no pyarrow, so the same source runs in every CPython probing supports
 What it keeps in the process is what only the process knows (``inside``):
 its threads and stacks, ``python.`expr```, ``eval``, torch's process groups.
 Everything else (BPF, the store, SQL, NVML, the cluster) is the node's
-engine (``probing.service``), run by probing's own Python beside the job;
+engine (``probing.node.service``), run by probing's own Python beside the job;
 the guest hands it the process at start (``agent``) over a unix socket.
 Nothing starts on import: ``start()`` does.
 """

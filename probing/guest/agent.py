@@ -1,7 +1,7 @@
 """The guest's life in the host: serve, hand the process to the engine, fork.
 
 ``start()`` opens ``<pid>.guest`` and hands the process to the node's engine
-(``probing.service``, run by probing's own Python), starting the engine when
+(``probing.node.service``, run by probing's own Python), starting the engine when
 none answers: ``probing inject`` waits for its answer, a host starting up
 (``PROBING=1``) does not. The engine then serves the pid's probe socket.
 """
@@ -81,7 +81,7 @@ class Guest:
         self.server = server
 
     def _caller(self, pid: int) -> None:
-        """The engine asking (a ``probing.service`` process): let it read this
+        """The engine asking (a ``probing.node.service`` process): let it read this
         process's memory where Yama allows only ancestors to (once per engine)."""
         if pid != self.ptracer and pid > 0 and place.is_engine(pid):
             self.ptracer = pid
@@ -132,7 +132,7 @@ class Guest:
         # SIGTERM would never stop it)
         return os.posix_spawn(
             self.engine_python,
-            [self.engine_python, "-m", "probing.service", "--daemon"],
+            [self.engine_python, "-m", "probing.node.service", "--daemon"],
             self._engine_env(),
             setsigmask=(),
             setsigdef=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP),

@@ -2,7 +2,7 @@
 
 ``$PROBING_RUNTIME_DIR`` (default ``/tmp``) holds one ``probing-<uid>``
 directory per user, mode 0700. In it: ``<pid>.sock``, the pid's probe (served
-by the node's engine, ``probing.service``); ``<pid>.guest``, the guest inside
+by the node's engine, ``probing.node.service``); ``<pid>.guest``, the guest inside
 the pid; ``engine-<key>.sock``, ``.lock`` and ``.log``, an engine's own (one
 per set of ``PROBING_*`` settings: ``engine_key``).
 """
@@ -64,13 +64,13 @@ def engine_path(directory: str | None = None, key: str = "", suffix: str = "sock
 
 
 def is_engine(pid: int) -> bool:
-    """Whether ``pid`` runs probing's engine (``python -m probing.service``)."""
+    """Whether ``pid`` runs probing's engine (``python -m probing.node.service``)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             args = f.read().split(b"\0")
     except OSError:
         return False
-    return b"probing.service" in args[:4]
+    return b"probing.node.service" in args[:4]
 
 
 def ensure_private_dir(directory: str) -> None:

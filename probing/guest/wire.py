@@ -2,7 +2,7 @@
 only the process knows, and the client the guest and the engine share.
 
 One request per connection, JSON both ways, ``Connection: close``: the same
-HTTP/1.0 shape as the probe's own server (``probing.probe.server``), so the
+HTTP/1.0 shape as the probe's own server (``probing.node.probe.server``), so the
 guest's client also talks to the engine. Only the process's own user and
 root may connect (``SO_PEERCRED``), on top of the directory's mode 0700.
 """

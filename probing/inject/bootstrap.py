@@ -13,10 +13,10 @@ Every exception is caught and reported; nothing is printed in the target.
 import sys
 
 NAME = "__probing_inject__"
-LOAD_SWITCH_S = 0.00005  # probing.probe.imports.LOAD_SWITCH_INTERVAL_S
+LOAD_SWITCH_S = 0.00005  # probing.node.probe.imports.LOAD_SWITCH_INTERVAL_S
 
 # First of all, a short GIL switch interval (see
-# probing.probe.imports.SwitchInterval): in a host whose thread spins in
+# probing.node.probe.imports.SwitchInterval): in a host whose thread spins in
 # Python, each file read of an import waits a whole switch interval (5 ms)
 # to get the GIL back.
 HOST_SWITCH = sys.getswitchinterval()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from probing.client import ProbeClient
-from probing.demo import free_port
+from probing.cli.client import ProbeClient
+from probing.cli.demo import free_port
 from tests.conftest import require_bpf
 from tests.privileged.helpers import MARK, line_after, wait_line
 

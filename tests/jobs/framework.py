@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from probing.demo import free_port
+from probing.cli.demo import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "frameworks"

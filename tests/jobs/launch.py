@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from probing.demo import free_port
+from probing.cli.demo import free_port
 from tests.conftest import REPO
 from tests.jobs.framework import kill_trees
 
@@ -128,7 +128,7 @@ def uprobe_pids() -> set[int]:
     """The pids uprobes are attached for now: the pid filter of every multi-uprobe
     link (held by the tracer's helper process, so ``bpftool perf`` shows the helper),
     and the holders of perf-event uprobes."""
-    from probing.bpf.kernel import uprobe_links
+    from probing.node.bpf.kernel import uprobe_links
 
     out = subprocess.run(["bpftool", "perf", "-j"], capture_output=True, text=True, check=True)
     held = {e["pid"] for e in json.loads(out.stdout or "[]") if e.get("fd_type") == "uprobe"}

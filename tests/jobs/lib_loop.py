@@ -16,7 +16,7 @@ import ctypes
 import os
 import time
 
-from probing.bpf.tracer import installed_libraries
+from probing.node.bpf.tracer import installed_libraries
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from probing.demo import DemoJob, free_port
+from probing.cli.demo import DemoJob, free_port
 
 JOB = Path(__file__).resolve().parent / "noisy_job.py"
 WORLD = 4

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from probing.bpf.kernel import uprobe_links
-from probing.bpf.tracer import installed_libraries
+from probing.node.bpf.kernel import uprobe_links
+from probing.node.bpf.tracer import installed_libraries
 from tests.conftest import require, require_bpf
 
 
@@ -47,7 +47,7 @@ def perf_uprobes(pid: int) -> list[dict]:  # type: ignore[type-arg]
 
 def no_uprobes_left(pid: int, timeout: float = 60) -> None:
     """Until ``pid`` has no uprobe: the helper process that holds them
-    (probing.bpf.loader.Holder) lets go just after a stop or an exit."""
+    (probing.node.bpf.loader.Holder) lets go just after a stop or an exit."""
     deadline = time.monotonic() + timeout
     while perf_uprobes(pid):
         assert time.monotonic() < deadline, f"uprobes of pid {pid} left: {perf_uprobes(pid)}"

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from probing.bpf import loader
-from probing.bpf.kernel import uprobe_links
-from probing.bpf.tracer import Tracer
-from probing.client import ProbeClient
-from probing.store import Store
+from probing.cli.client import ProbeClient
+from probing.node.bpf import loader
+from probing.node.bpf.kernel import uprobe_links
+from probing.node.bpf.tracer import Tracer
+from probing.node.store import Store
 from tests.conftest import REPO
 from tests.privileged.helpers import installed_lib, require_privileged, wait_line
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.privileged
 FLAGS = ["-DRINGBUF_PAGES=1024", "-Wno-unused-function"]
 OBTAIN = """
 import json, sys
-from probing.bpf import loader
+from probing.node.bpf import loader
 compiled, cached = loader.obtain("gloo.bpf.c", "gloo.h", json.loads(sys.argv[1]))
 print(json.dumps({"cached": cached, "key": compiled.key}))
 """
@@ -101,8 +101,8 @@ def test_a_second_trace_loads_from_the_cache(
 
 WARM = """
 import json, sys
-from probing.bpf.tracer import Tracer
-from probing.store import Store
+from probing.node.bpf.tracer import Tracer
+from probing.node.store import Store
 tracer = Tracer(["cuda", "nccl", "gloo"], store=Store())
 tracer.start()
 sampling = tracer.sampler is not None

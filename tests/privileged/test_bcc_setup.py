@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from probing import doctor
+from probing.cli import doctor
 from tests.conftest import require_bpf
 
 pytestmark = pytest.mark.privileged

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from probing import doctor
-from probing.client import ProbeClient, cluster_query
+from probing.cli import doctor
+from probing.cli.client import ProbeClient, cluster_query
 from probing.inject import inject
 from tests.conftest import IDLE_LOOP, require
 from tests.test_cluster import GROUP_BY_RANK, TOKEN, free_ports, wait_ready

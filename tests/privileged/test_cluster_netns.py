@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from probing.client import cluster_query
+from probing.cli.client import cluster_query
 from tests.conftest import IDLE_LOOP, cli, require
 from tests.test_cluster import TOKEN, wait_ready
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from probing.client import ProbeClient
-from probing.demo import free_port
+from probing.cli.client import ProbeClient
+from probing.cli.demo import free_port
 from probing.errors import ProbingError
 from tests.conftest import SLOWDOWN, cli, require_bpf
 from tests.test_cluster import TOKEN, wait_ready

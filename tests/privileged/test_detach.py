@@ -18,8 +18,8 @@ import time
 import pytest
 
 from probing import checks
-from probing.bpf import loader
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
+from probing.node.bpf import loader
 from tests.conftest import REPO, cli, require
 from tests.privileged.helpers import perf_uprobes, require_privileged, wait_line
 

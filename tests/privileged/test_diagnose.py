@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from probing.demo import JOB_SCRIPT, DemoJob, trace_all
+from probing.cli.demo import JOB_SCRIPT, DemoJob, trace_all
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
 
 pytestmark = pytest.mark.privileged

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from probing.demo import trace_all
+from probing.cli.demo import trace_all
 from tests.conftest import cli, require_bpf
 from tests.jobs.noisy import WORLD, NoisyJob
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from probing.bpf import drain as drain_mod
-from probing.bpf.tracer import Tracer, installed_libraries
-from probing.engine import Engine
-from probing.store import Store
+from probing.node.bpf import drain as drain_mod
+from probing.node.bpf.tracer import Tracer, installed_libraries
+from probing.node.sql import Engine
+from probing.node.store import Store
 from tests.conftest import require_bpf
 
 pytestmark = pytest.mark.privileged

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from probing.demo import trace_all
+from probing.cli.demo import trace_all
 from tests.conftest import cli, require_bpf
 from tests.jobs.launch import GROUP_BY_RANK, WORLD
 from tests.jobs.launch import uprobe_pids as _uprobe_pids

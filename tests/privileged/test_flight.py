@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from probing.demo import DemoJob
+from probing.cli.demo import DemoJob
 from tests.conftest import SLOWDOWN, cli
 
 pytestmark = pytest.mark.privileged

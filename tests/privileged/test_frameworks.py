@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from probing.demo import trace_all
+from probing.cli.demo import trace_all
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
 from tests.jobs.framework import ENV, JOBS, WORLD, Job, Slowed, start, torchrun
 

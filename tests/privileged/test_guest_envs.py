@@ -183,7 +183,7 @@ def test_a_rank_killed_while_traced_still_answers(runtime_dir) -> None:
     """A 4-rank torch job in its own numpy 1.26 venv: traced, diagnosed; a
     rank killed with SIGKILL still answers from what it left."""
     require_bpf()
-    from probing.demo import DemoJob, trace_all
+    from probing.cli.demo import DemoJob, trace_all
 
     python = env_python("torch-np126")
     job = DemoJob(4, job_args=["--slow-rank", "2", "--slow-ms", "40"], python=python,

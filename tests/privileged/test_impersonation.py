@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from probing.client import ProbeClient
+from probing.cli.client import ProbeClient
 from probing.errors import AccessDenied, NoProbe
 from tests.conftest import IDLE_LOOP, cli, require
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from probing import doctor, paths
-from probing.client import ProbeClient
+from probing import paths
+from probing.cli import doctor
+from probing.cli.client import ProbeClient
 from probing.inject import inject
 from tests.conftest import SLOWDOWN, cli, require
 

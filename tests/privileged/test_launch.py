@@ -27,8 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from probing.client import ProbeClient
-from probing.demo import trace_all
+from probing.cli.client import ProbeClient
+from probing.cli.demo import trace_all
 from tests.conftest import cli, require_bpf
 from tests.jobs.launch import GROUP_BY_RANK, REF_STEPS, SLOW_MS, SLOW_RANK, WORLD, Launch
 from tests.jobs.launch import uprobe_pids as _uprobe_pids
@@ -159,7 +159,7 @@ def test_two_kinds_of_process_group(launch) -> None:  # type: ignore[no-untyped-
     job.wait_steps(max(len(v) for v in job.losses().values()) + 6)
     from probing.analyze import collectives as coll
     from probing.analyze.diagnose import diagnose
-    from probing.client import Job
+    from probing.cli.client import Job
 
     _, table = diagnose(Job(pids=[ranks[0]], cluster=True, timeout=10))
     assert "pg" in table.column_names, table.schema

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from probing.client import ProbeClient
-from probing.demo import free_port
+from probing.cli.client import ProbeClient
+from probing.cli.demo import free_port
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
 from tests.privileged.helpers import MARK, installed_lib, line_after, wait_line
 

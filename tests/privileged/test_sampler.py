@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from probing.bpf import sampler as smp
-from probing.store import Store
+from probing.node.bpf import sampler as smp
+from probing.node.store import Store
 from tests.conftest import require_bpf
 
 pytestmark = pytest.mark.privileged

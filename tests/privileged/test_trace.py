@@ -18,13 +18,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from probing import checks, doctor
-from probing.bpf import families as fam
-from probing.bpf.tracer import Tracer
-from probing.client import ProbeClient
-from probing.demo import free_port
-from probing.engine import Engine
-from probing.store import Store
+from probing import checks
+from probing.cli import doctor
+from probing.cli.client import ProbeClient
+from probing.cli.demo import free_port
+from probing.node.bpf import families as fam
+from probing.node.bpf.tracer import Tracer
+from probing.node.sql import Engine
+from probing.node.store import Store
 from tests.conftest import SLOWDOWN, build_lib, cli
 from tests.privileged.helpers import (
     installed_lib,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from probing.demo import DemoJob, trace_all
-from probing.export.perfetto import read_trace
+from probing.cli.demo import DemoJob, trace_all
+from probing.cli.export.perfetto import read_trace
 from tests.chromium import Browser, find_chromium
 from tests.conftest import cli, require, require_bpf
 from tests.test_export_perfetto_ui import ARTIFACTS, PER_PROCESS_SQL, ui_rows

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from probing.demo import free_port, trace_all
+from probing.cli.demo import free_port, trace_all
 from tests.conftest import SLOWDOWN, build_lib, cli, require_bpf
 
 pytestmark = pytest.mark.privileged

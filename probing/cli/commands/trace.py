@@ -1,0 +1,124 @@
+"""``probing trace``: one process (followed live until --duration or Ctrl-C),
+or every rank of its job (``--cluster`` through its peers, ``--job`` on this
+machine)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import typer
+
+from probing.cli.commands.common import client, probe_client
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """What to trace: the options a probe's ``trace_start`` takes."""
+
+    families: list[str]
+    stacks: bool = True
+    launch_stacks: bool = False
+
+
+def trace_one(
+    pid: int, options: TraceOptions, *, inject: bool, stop: bool, background: bool,
+    duration: float | None, output: str | None,
+) -> None:  # fmt: skip
+    """Stop ``pid``'s trace (``stop``), or start one and, unless ``background``,
+    follow it live until ``duration`` or Ctrl-C, then stop it and summarize."""
+    from probing.cli.render import TraceMonitor
+    from probing.errors import NoProbe, NoSuchProcess
+
+    if stop:
+        typer.echo(TraceMonitor.summary(client(pid).trace_stop()))
+        return
+    probe = probe_client(pid, inject)
+    out = os.path.abspath(output) if output else None
+    status = probe.trace_start(**asdict(options), output=out)
+    monitor = TraceMonitor(pid, status)
+    typer.echo(monitor.started())
+    if background:
+        typer.echo(f"tracing in the background; stop with: probing trace --pid {pid} --stop")
+        return
+    try:
+        monitor.follow(probe.trace_status, duration)
+    except (NoProbe, NoSuchProcess):
+        typer.echo(monitor.target_exited(out), err=True)
+        return
+    except KeyboardInterrupt:
+        pass
+    if monitor.status.get("state") != "tracing":  # the target is exiting: its probe stopped
+        monitor.wait_exit()
+        monitor.wait_stopped(probe.trace_status)
+        typer.echo(monitor.target_exited(out), err=True)
+        return
+    try:
+        typer.echo(TraceMonitor.summary(probe.trace_stop()))
+    except (NoProbe, NoSuchProcess):
+        typer.echo(monitor.target_exited(out), err=True)
+
+
+def trace_many(
+    pid: int, options: TraceOptions, *, job: bool, inject: bool, stop: bool,
+    background: bool, duration: float | None, timeout: float,
+) -> int:  # fmt: skip
+    """``trace --cluster`` (every rank, through ``pid``'s peers) or ``--job``
+    (every rank of its job on this machine, each through its own probe):
+    start (and, unless ``background``, stop after ``duration`` or Ctrl-C);
+    the exit status: 2 where a rank did not."""
+    import time
+
+    from probing.cli.render import control_rows
+
+    who = ("pid",) if job else ("rank", "node", "addr")
+    flag = "--job" if job else "--cluster"
+
+    def act(action: str) -> list[dict[str, Any]]:
+        if job:
+            return job_trace(pid, action, inject, options)
+        if action != "start":
+            return client(pid).cluster_trace(action, timeout=timeout)
+        return probe_client(pid, inject).cluster_trace(action, timeout=timeout, **asdict(options))
+
+    rows = act("stop" if stop else "start")
+    typer.echo(control_rows(rows, "stopped" if stop else "tracing", who))
+    if stop or background:
+        if not stop:
+            typer.echo(f"stop every rank with: probing trace --pid {pid} {flag} --stop")
+        return 0 if all(r["ok"] for r in rows) else 2
+    try:
+        if duration:
+            time.sleep(duration)
+        else:
+            wait_forever()
+    except KeyboardInterrupt:
+        pass
+    typer.echo(control_rows(act("stop"), "stopped", who))
+    return 0
+
+
+def job_trace(pid: int, action: str, inject: bool, options: TraceOptions) -> list[dict[str, Any]]:
+    """Start or stop tracing in every rank of ``pid``'s job on this machine."""
+    from probing.errors import ProbingError, control_outcome, outcome_of
+    from probing.procs import job_pids
+
+    rows = []
+    for p in job_pids(pid):
+        try:
+            if action == "start":
+                reply = probe_client(p, inject).trace_start(**asdict(options))
+            else:
+                reply = client(p).trace_stop()
+            rows.append({"pid": p, **control_outcome(200, reply)})
+        except ProbingError as err:
+            rows.append({"pid": p, **outcome_of(err)})
+    return rows
+
+
+def wait_forever() -> None:
+    """Until Ctrl-C."""
+    import threading
+
+    threading.Event().wait()

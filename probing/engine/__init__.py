@@ -1,6 +1,0 @@
-"""DataFusion session, catalog/schema providers, read-only SQL."""
-
-from probing.engine.providers import ProbeCatalog, ProbeSchema, as_table
-from probing.engine.session import CATALOG, READ_ONLY, Engine
-
-__all__ = ["CATALOG", "READ_ONLY", "Engine", "ProbeCatalog", "ProbeSchema", "as_table"]

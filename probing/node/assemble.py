@@ -1,0 +1,94 @@
+"""A probe put together: the tables of the layers under the probe, the
+``analyze`` tables, the cluster node and the always-on watch. The probe
+(``probing.node.probe``) never imports these layers itself; the engine's
+service (``probing.node.service``) and ``probing.enable()`` hand them to it
+from here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from probing.node.probe.context import ProbeContext
+    from probing.node.sql import Engine
+
+
+def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
+    """Every table of a probe: the base tables, then ``analyze.*`` (which read
+    ``comm.collectives``). ``probing.analyze`` is imported at the first query
+    that names the schema ``analyze`` or lists tables, not with the engine."""
+    from probing.node.tables import install
+
+    install(engine, ctx)
+    engine.defer("analyze", lambda: _install_analyze(engine, ctx))
+
+
+def _install_analyze(engine: Engine, ctx: ProbeContext | None) -> None:
+    from probing import analyze
+    from probing.analyze import watch
+
+    analyze.install(engine)
+
+    def findings() -> Any:
+        detector = getattr(ctx.cluster, "watch", None) if ctx is not None else None
+        return detector.table() if detector is not None else watch.empty()
+
+    engine.register_table("analyze", "findings", findings)
+
+
+def cluster_node(ctx: ProbeContext) -> Any:
+    """The cluster node of a process: a rank of a multi-process job, a
+    process given ``PROBING_PEERS``, or one that may become a rank once it
+    calls ``init_process_group`` (Lightning, ``mp.spawn``: the node waits
+    for it); None with ``PROBING_CLUSTER=off``. Its TCP port and
+    publication start in the background."""
+    from probing import config
+    from probing.node.cluster import identity
+
+    environ = ctx.target.environ()
+    if config.from_env(environ).cluster_off:
+        return None
+    from probing.node.cluster.node import ClusterNode
+
+    ident = identity.from_env(environ)
+    node = ClusterNode(ident, lambda: ctx.engine, pid=ctx.pid, learn=ctx.target.distributed)
+    node.detector = lambda: _detector(ctx, node)  # made at the first trace (POST /trace/start)
+    return node
+
+
+def _detector(ctx: ProbeContext, node: Any) -> Any:
+    """The always-on detector of ``ctx`` (``probing.analyze.watch``)."""
+    from probing.analyze.watch import Watch
+
+    def tracing() -> bool:
+        tracer = ctx.tracer
+        return tracer is not None and tracer.status().get("state") == "tracing"
+
+    def dropped() -> dict[str, int]:
+        tracer = ctx.tracer
+        families = tracer.status().get("families", {}) if tracer is not None else {}
+        return {f: int(v.get("dropped") or 0) for f, v in families.items()}
+
+    return Watch(node, tracing, dropped)
+
+
+def context() -> ProbeContext:
+    """This process's probe context (created on first use, not serving)."""
+    from probing.node.probe import runtime
+
+    return runtime.context(installers=(install_tables,), cluster=cluster_node)
+
+
+def enable() -> ProbeContext:
+    """Start the probe in this process (idempotent); returns its context."""
+    from probing.node.probe import runtime
+
+    return runtime.enable(installers=(install_tables,), cluster=cluster_node)
+
+
+def disable() -> None:
+    """Stop this process's probe, if any. Data already stored stays."""
+    from probing.node.probe import runtime
+
+    runtime.disable()

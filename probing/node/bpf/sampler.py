@@ -1,0 +1,282 @@
+"""Where this process's threads spend their wall-clock time, by Python stack.
+
+``Sampler`` loads ``programs/sampler.bpf.c`` while the tracer traces, the
+way the families load: compiled by BCC once per node (``loader.obtain``),
+then loaded with bpf() and attached with perf_event_open and
+``BPF_RAW_TRACEPOINT_OPEN``. CPU-clock perf events sample what runs on
+every CPU (``SAMPLE_HZ``); the ``sched_switch`` raw tracepoint charges the
+time each thread of this process spends off a CPU to the stack it left
+with, and the ``sched_wakeup`` tracepoints split it: blocked (``off``) until
+it was woken, then waiting for a CPU (``runq``), as is all of a preempted
+thread's wait. The kernel keeps running totals per (thread, stack, kind); a
+thread of ours reads them every ``interval_s`` and appends the differences
+to ``python.samples``, plus one ``tick`` row per read (its ``dur_ns``: the
+wall time that read covers). Stacks resolve into ``python.stacks`` like the
+families' (``PyStacks``). The probe's own threads are left out (its Python
+threads by name, its query engine's native ones by ``ENGINE_THREADS``). A
+thread Python did not start (Gloo's, OpenMP's) is named by its kernel comm.
+``PROBING_SAMPLE_HZ=0`` turns sampling off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from probing.errors import BPFUnavailable
+
+SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
+DEFAULT_INTERVAL_S = 0.5
+KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
+SAMPLES_MAX = 16384
+# threads the probe's query engine (DataFusion's tokio runtime) starts in the host:
+# left out with the probe's own Python threads (a host running tokio would lose its own)
+ENGINE_THREADS = frozenset({"tokio-rt-worker"})
+
+SCHEMA = pa.schema(
+    [
+        ("ts", pa.int64()),  # wall ns of the read that produced the row
+        ("tid", pa.int64()),
+        ("thread", pa.string()),
+        ("stack_id", pa.int64()),  # python.stacks; 0: no Python frame
+        ("kind", pa.string()),  # cpu | off | runq | tick
+        ("count", pa.int64()),  # samples, or off-CPU intervals
+        ("dur_ns", pa.int64()),  # time: samples x period, or the intervals' sum
+    ]
+)
+
+
+def sample_hz() -> int:
+    """The configured rate (``PROBING_SAMPLE_HZ``: 0 no sampling, -1 ``SAMPLE_HZ``)."""
+    from probing import config
+
+    hz = int(config.load().sample_hz)
+    return SAMPLE_HZ if hz < 0 else hz
+
+
+class Sampler:
+    def __init__(
+        self,
+        store: Any,
+        *,
+        hz: int = SAMPLE_HZ,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        holder: Any = None,
+        known: set[int] | None = None,
+        target: Any = None,
+    ) -> None:
+        from probing.node.bpf.pystacks import PyStacks
+
+        self.store = store
+        self.holder = holder  # loader.Holder: keeps the perf events (None: we do)
+        self.cached = False  # the program came from the node's cache
+        self.hz = hz
+        self.period_ns = 1_000_000_000 // max(hz, 1)
+        self.interval_s = interval_s
+        self.target = target  # the sampled process (probing.target); None: this one
+        self.pid = target.pid if target is not None else os.getpid()
+        self.table = store.table("python", "samples", SCHEMA)
+        self.py = PyStacks(store, known, target)
+        self.bpf: Any = None
+        self.reads = 0
+        self.dropped = 0
+        self.last_error: str | None = None
+        self.read_errors = 0
+        self._prev: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._last_read = 0
+        self._ours: set[int] = set()  # the probe's own threads, left out
+        self._comms: dict[int, str | None] = {}  # threads without Python: the kernel's name
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Load (from the node's cache: BCC runs once per node) and attach."""
+        from probing.node.bpf import kernel, loader
+
+        wakeup_pid = 24  # sched_wakeup's pid (its tracefs format says, where it can)
+        with contextlib.suppress(kernel.BPFError):
+            wakeup_pid = kernel.tracepoint_field("sched", "sched_wakeup", "pid")
+        cflags = [
+            f"-DSAMPLES_MAX={SAMPLES_MAX}",
+            f"-DWAKEUP_PID_OFF={wakeup_pid}",
+            "-Wno-unused-function",
+            *self.py.cflags(),
+        ]
+        try:
+            compiled, self.cached = loader.obtain("sampler.bpf.c", None, cflags)
+        except BPFUnavailable as err:
+            raise BPFUnavailable(
+                str(err), pid=self.pid,
+                hint="run `probing doctor`; PROBING_SAMPLE_HZ=0 traces without sampling",
+            ) from err  # fmt: skip
+        prog = loader.Program(compiled, multi=False, holder=self.holder)
+        attached = False
+        try:
+            cfg = prog["config"]
+            cfg[ctypes.c_int(0)] = cfg.Leaf(tgid=self.pid, sample_ns=self.period_ns)
+            fds: list[int] = []
+            try:
+                on_cpu = prog.prog_fd("on_cpu", kernel.PROG_TYPE_PERF_EVENT)
+                fds += [kernel.cpu_clock(on_cpu, c, self.period_ns) for c in kernel.online_cpus()]
+            except kernel.BPFError as err:
+                loader.close_all(fds)
+                raise BPFUnavailable(
+                    f"cannot open CPU-clock perf events: {err}",
+                    pid=self.pid,
+                    hint="check /proc/sys/kernel/perf_event_paranoid; PROBING_SAMPLE_HZ=0 "
+                    "traces without sampling",
+                ) from err
+            switch = prog.prog_fd("raw_tracepoint__sched_switch", kernel.PROG_TYPE_RAW_TRACEPOINT)
+            try:
+                fds.append(kernel.raw_tracepoint(switch, "sched_switch"))
+            except kernel.BPFError as err:
+                loader.close_all(fds)
+                raise BPFUnavailable(f"no off-CPU time: {err}", pid=self.pid) from err
+            for name, fn in (("sched_wakeup", "on_wakeup"), ("sched_wakeup_new", "on_wakeup_new")):
+                try:  # without them, the wait for a CPU after a wake-up counts as blocked
+                    fd = prog.prog_fd(fn, kernel.PROG_TYPE_TRACEPOINT)
+                    fds.append(kernel.tracepoint(fd, "sched", name))
+                except kernel.BPFError as err:
+                    self.last_error = f"no wake-ups ({name}): {err}"
+            # the holder process keeps them: a tracepoint's perf event waits for
+            # an RCU grace period when it goes, and neither a stop nor an exit
+            # should wait for that
+            prog.keep(loader.Attached("sampler", fds, []))
+            attached = True
+        finally:
+            if not attached:
+                prog.close()
+        self.bpf = prog
+        self.py.sync([prog])
+        self._last_read = time.monotonic_ns()
+        self.table.add_before_read(self.read)
+        self._thread = threading.Thread(target=self._run, name="probing-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Read what is left and unload. Safe twice."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self.table.remove_before_read(self.read)
+        try:
+            self.read()
+        finally:
+            with self._lock:
+                bpf, self.bpf = self.bpf, None
+            if bpf is not None:
+                bpf.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.read()
+            except Exception as err:  # noqa: BLE001
+                # this thread runs inside the traced job: a failed read (a bug
+                # too) must not end sampling or reach the host; counted, shown
+                # in status, and the next read tries again
+                self.read_errors += 1
+                self.last_error = f"{type(err).__name__}: {err}"
+
+    def read(self) -> int:
+        """Append what the kernel counted since the last read; returns the rows."""
+        with self._lock:
+            if self.bpf is None:
+                return 0
+            return self._read_locked(self.bpf)
+
+    def _read_locked(self, bpf: Any) -> int:
+        self.py.sync([bpf])
+        now_mono = time.monotonic_ns()
+        now = time.time_ns()
+        names = self._names()
+        self._ours |= {tid for tid, name in names.items() if (name or "").startswith("probing")}
+        ours = self._ours
+        if len(self._comms) > SAMPLES_MAX:  # threads come and go: forget the old ones
+            self._comms.clear()
+        m = bpf["samples"]
+        rows: dict[str, list[Any]] = {f.name: [] for f in SCHEMA}
+
+        def put(tid: int, sid: int, kind: str, count: int, ns: int) -> None:
+            for k, v in zip(
+                SCHEMA.names, (now, tid, names.get(tid), sid, kind, count, ns), strict=True
+            ):
+                rows[k].append(v)
+
+        put(0, 0, "tick", 1, now_mono - self._last_read)
+        self._last_read = now_mono
+        cur = {
+            (int(k.tid), int(k.stack_id), int(k.kind)): (int(v.count), int(v.ns))
+            for k, v in m.items()
+        }
+        for key, (count, ns) in cur.items():
+            pc, pn = self._prev.get(key, (0, 0))
+            if count > pc and key[0] not in ours and key[2] < len(KINDS):
+                if key[0] not in names:  # a thread Python did not start: its comm
+                    names[key[0]] = self._comm(key[0])
+                    if names[key[0]] in ENGINE_THREADS:  # the probe's query engine
+                        ours.add(key[0])
+                        continue
+                put(key[0], key[1], KINDS[key[2]], count - pc, ns - pn)
+        self._prev = cur
+        if len(cur) > SAMPLES_MAX // 2:  # start over before the map fills
+            m.clear()
+            self._prev = {}
+        self.dropped = int(bpf["dropped"][ctypes.c_int(0)].value)
+        self.py.collect(bpf, np.array(rows["stack_id"], dtype=np.uint32))
+        self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA))
+        self.reads += 1
+        return len(rows["ts"])
+
+    def _names(self) -> dict[int, str | None]:
+        """native tid -> ``threading`` name of the sampled process's threads."""
+        if self.target is None or self.target.local:
+            return {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+        try:
+            return {t["tid"]: t["name"] for t in self.target.threads()}
+        except Exception:  # noqa: BLE001 - a process gone or not answering: no names this read
+            return {}
+
+    def _comm(self, tid: int) -> str | None:
+        """The kernel's name of thread ``tid`` of this process (``pt_gloo_runloop``,
+        an OpenMP worker's inherited ``python``), read once; None once it is gone."""
+        if tid not in self._comms:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/comm") as f:
+                    self._comms[tid] = f.read().strip() or None
+            except OSError:
+                self._comms[tid] = None
+        return self._comms[tid]
+
+    def status(self) -> dict[str, Any]:
+        return {"hz": self.hz, "reads": self.reads, "dropped": self.dropped,
+                "read_errors": self.read_errors, "last_error": self.last_error,
+                "cached": self.cached}  # fmt: skip
+
+
+def start_for(tracer: Any) -> Sampler | None:
+    """A running sampler for ``tracer``'s process, or None (sampling off, no
+    Python stacks, or it could not start: the tracer's ``last_error`` says)."""
+    from probing.errors import ProbingError
+
+    hz = sample_hz()
+    if not hz or not tracer.stacks or tracer._py is None:
+        return None
+    try:
+        s = Sampler(
+            tracer.store, hz=hz, holder=tracer.holder, known=tracer._py.known,
+            target=tracer.target,
+        )  # fmt: skip
+        s.start()
+        return s
+    except ProbingError as err:
+        tracer.last_error = f"no sampling: {err}"
+        return None

@@ -1,0 +1,382 @@
+"""The tracer inside the probe: compile, attach, drain, detach.
+
+One ``Tracer`` per process at a time. ``start()`` compiles each family's
+BPF program (BCC), attaches its uprobes to the libraries this process has
+mapped (and to the NVIDIA/torch libraries it can load later, found on
+``sys.path``: uprobes attach to a file, mapped or not), then a thread wakes
+every ``interval_s`` to drain the ring buffers in bulk into the store and
+look for newly mapped libraries. ``stop()`` drains once more and detaches
+every uprobe. The traced threads never wait for any of this.
+
+The tracer owns the lifecycle (its state, the timer thread, the helper
+process holding what is attached, the threads' hook, the sampler) and the
+status it reports; the parts it runs have their own modules:
+
+* ``drain``: the families loaded (``Live``) and their rings drained into
+  the store (``Drainer``);
+* ``attach``: the uprobes on the mapped libraries (``Uprobes``, ``Probe``);
+* ``cuda``: the cuda family's kernel names (``KernelNames``);
+* ``output``: the trace's Parquet copy (``OutputWriter``).
+
+What goes wrong in a part that must not end the trace (a family's stages
+that cannot be sent, a tick of the timer) is kept in ``last_error``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from probing import checks
+from probing.errors import BPFUnavailable, ProbingError
+from probing.node.bpf import families as fam
+from probing.node.bpf import loader
+from probing.node.bpf.attach import Probe, Uprobes
+from probing.node.bpf.cuda import KernelNames
+from probing.node.bpf.drain import Drainer, Live, compile_family
+from probing.node.bpf.output import OutputWriter
+from probing.node.bpf.pystacks import PyStacks
+from probing.node.bpf.state import TracerState
+from probing.node.bpf.symbols import mapped_files
+
+if TYPE_CHECKING:
+    from probing.node.bpf.sampler import Sampler
+
+DEFAULT_INTERVAL_S = 0.05
+BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
+REFILL_TO = 0.25  # the next drain comes when the fastest ring may be this full again
+RESCAN_EVERY_S = 0.5
+
+
+def require_bpf() -> None:
+    """Raise ``BPFUnavailable`` naming what is missing and how to get it
+    (BCC and the kernel headers only matter when a program is compiled:
+    ``loader.obtain`` checks those)."""
+    caps = checks.check_bpf_caps()
+    if not caps.ok:
+        raise BPFUnavailable(
+            f"this process (pid {os.getpid()}) cannot load BPF programs: {caps.detail}",
+            pid=os.getpid(),
+            hint=caps.fix or "run the job as root, or grant CAP_BPF and CAP_PERFMON",
+        )
+
+
+def clock_offset_ns() -> int:
+    """wall clock - CLOCK_MONOTONIC (what bpf_ktime_get_ns reads), from the
+    tightest of a few bracketed readings."""
+    best = None
+    for _ in range(5):
+        a = time.monotonic_ns()
+        w = time.time_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) // 2)
+    assert best is not None
+    return best[1]
+
+
+def installed_libraries() -> list[str]:
+    """Libraries this process may load later: NVIDIA wheels and torch on sys.path."""
+    found = []
+    for entry in sys.path:
+        for pattern in (
+            "nvidia/nccl/lib/libnccl.so*",
+            "nvidia/cuda_runtime/lib/libcudart.so*",  # CUDA 12 wheels
+            "nvidia/cu[0-9]*/lib/libcudart.so*",  # CUDA 13 wheels: nvidia/cu13/lib
+            "torch/lib/libtorch_cpu.so",
+        ):
+            found.extend(glob.glob(os.path.join(entry, pattern)))
+    return found
+
+
+class Tracer:
+    """Trace ``families`` of process ``target`` (this one by default) into
+    ``store``: ``start()``, ``stop()``, ``status()``."""
+
+    def __init__(
+        self,
+        families: Sequence[str] = ("nccl", "cuda", "gloo"),
+        *,
+        store: Any,
+        output: str | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        stacks: bool = True,
+        launch_stacks: bool = False,
+        target: Any = None,
+    ) -> None:
+        unknown = [f for f in families if f not in fam.FAMILIES]
+        if unknown:
+            raise ProbingError(
+                f"unknown probe families {unknown} (known: {', '.join(fam.FAMILIES)})"
+            )
+        self.store = store  # a probe's store (ProbeContext.start_trace)
+        self.families = [fam.FAMILIES[f] for f in families]
+        self.interval_s = interval_s
+        self.stacks = stacks
+        self.launch_stacks = launch_stacks
+        self._py: PyStacks | None = None
+        # the traced process (probing.target: this one, or a job's beside the engine)
+        self.target = target
+        self.pid = target.pid if target is not None else os.getpid()
+        self.state = TracerState.STOPPED
+        self.started_ns = 0
+        self.stopped_ns = 0
+        self.last_error: str | None = None
+        self.tick_errors = 0  # the drain thread's ticks that failed (last_error says why)
+        self._uprobes = Uprobes(self.pid)
+        self._kernel_names = KernelNames(self.pid, lambda: self._drainer.loaded)
+        self._writer = OutputWriter(output) if output else None
+        decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
+        self._drainer = Drainer(store, decoded, self._writer, self._note_error)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        # the helper process that holds this tracer's links and perf events
+        self.holder = loader.Holder(self.pid)
+        # how start() went: compiled or from the cache, seconds to load and to be ready
+        self.load_info: dict[str, Any] = {"cached": {}}
+        for f in self.families:
+            self.store.table(f.table, "calls", f.schema)
+
+    @property
+    def probes(self) -> list[Probe]:
+        """Every uprobe tried, attached or with why not."""
+        return self._uprobes.probes
+
+    def _note_error(self, msg: str) -> None:
+        self.last_error = msg
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        require_bpf()
+        t0 = time.perf_counter()
+        py_flags: list[str] = []
+        if self.stacks:
+            try:
+                self._py = PyStacks(self.store, target=self.target)
+                py_flags = self._py.cflags(hot=self.launch_stacks)
+            except ProbingError as err:  # an unsupported CPython: trace without stacks
+                self.last_error = f"no Python stacks: {err}"
+        self._drainer.stacks = self._py
+        started = False
+        try:
+            self.holder.start()  # its interpreter starts while the programs load
+            multi = loader.has_uprobe_multi()
+            for f in self.families:
+                compiled, cached = compile_family(f, py_flags)
+                self.load_info["cached"][f.name] = cached
+                self._load(Live.load(f, compiled, multi=multi, holder=self.holder))
+            self.load_info["uprobe_multi"] = multi
+            self.load_info["load_s"] = time.perf_counter() - t0
+            self._sync_threads()
+            if self._py is not None:
+                self._hook_threads()
+            self.attach_new_libraries()
+            self.holder.sync()  # what attached is held by the helper, not in flight
+            self.load_info["ready_s"] = time.perf_counter() - t0
+            # the helper process that holds the links or perf events (loader.Holder)
+            self.load_info["holder_pid"] = self.holder.pid
+            started = True
+        finally:
+            if not started:  # whatever stopped it (an interrupt too): nothing stays attached
+                self._detach()
+                if self._writer is not None:
+                    self._writer.close()
+        self.state = TracerState.TRACING
+        self.started_ns = time.time_ns()
+        for f in self.families:  # a query sees every event committed before it
+            self.store.table(f.table, "calls").add_before_read(self.drain)
+        if self._py is not None:  # ... and the stacks of those events and of calls in flight
+            self._py.table.add_before_read(self._drainer.resolve_stacks)
+        self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
+        self._thread.start()
+        # Python stacks sampled on and off CPU meanwhile. Started here, not in a
+        # thread of its own: its BCC compile beside the host's threads crashed
+        # a host calling into libnccl at that moment (seen in test_trace)
+        self.sampler: Sampler | None = None
+        self._start_sampler()
+
+    def _load(self, live: Live) -> None:
+        """A family loaded: drained from now on, its stages sent at a switch."""
+        self._drainer.add(live)
+        try:
+            live.flush_on_switch()
+        except BPFUnavailable as err:  # it traces all the same
+            self.last_error = str(err)
+
+    def _hook_threads(self) -> None:
+        """New threads get into the maps as they start: this process's by a
+        hook here, a process beside us by its guest telling ``register_thread``."""
+        assert self._py is not None
+        if self.target is None or self.target.local:
+            self._py.hook_threads(self._drainer.programs)
+            return
+        try:
+            self.target.hook_threads(True)
+        except ProbingError as err:  # picked up by the drain's sync instead
+            self.last_error = f"new threads wait for the next sync: {err}"
+
+    def _unhook_threads(self) -> None:
+        assert self._py is not None
+        if self.target is None or self.target.local:
+            self._py.unhook_threads()
+            return
+        try:
+            self.target.hook_threads(False)
+        except ProbingError:  # gone: nothing hooked any more
+            pass
+
+    def register_thread(self, tid: int, tstate: int) -> None:
+        """A new thread of the traced process, told by its guest as it starts."""
+        if self._py is not None and self.state is TracerState.TRACING:
+            self._py.register(tid, tstate, self._drainer.programs())
+
+    def _start_sampler(self) -> None:
+        from probing.node.bpf import sampler
+
+        with self._lock:
+            if self.state is not TracerState.TRACING:
+                return
+        started = sampler.start_for(self)
+        with self._lock:
+            if self.state is TracerState.TRACING:
+                self.sampler = started
+                return
+        if started is not None:  # the trace stopped meanwhile
+            started.stop()
+
+    def stop(self) -> None:
+        """Drain what is left, detach every uprobe, close the output. Safe twice."""
+        with self._lock:
+            if self.state is not TracerState.TRACING:
+                return
+            self.state = TracerState.STOPPING
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        for f in self.families:
+            self.store.table(f.table, "calls").remove_before_read(self.drain)
+        if self._py is not None:
+            self._py.table.remove_before_read(self._drainer.resolve_stacks)
+        sampler = getattr(self, "sampler", None)  # absent before start()
+        if sampler is not None:
+            sampler.stop()
+        try:
+            self.drain()
+        finally:
+            self._detach()
+            for f in self.families:
+                self.store.table(f.table, "calls").flush()
+            if self._writer is not None:
+                self._writer.close()
+            self.state = TracerState.STOPPED
+            self.stopped_ns = time.time_ns()
+
+    def _detach(self) -> None:
+        if self._py is not None:
+            self._unhook_threads()
+        live_families = self._drainer.release()
+        # every family's uprobes released at once: each release waits for an
+        # RCU grace period, and releases in flight together share one
+        loader.close_all([fd for live in live_families for a in live.bpf.attached for fd in a.fds])
+        for live in live_families:
+            live.bpf.attached = []
+            try:
+                live.reader.close()
+            except (BufferError, OSError) as err:  # a view of the ring still exported
+                self.last_error = f"{live.family.name}: ring buffer: {err}"
+            try:
+                live.bpf.close()
+            except OSError as err:
+                self.last_error = f"{live.family.name}: detach: {err}"
+        self.holder.close()  # it lets go of what it holds, and exits
+        self._uprobes.detached()
+
+    def _run(self) -> None:
+        last_scan = time.monotonic()
+        wait = self.interval_s
+        last = time.monotonic()
+        while not self._stop.wait(wait):
+            try:
+                self._sync_threads()
+                # a ring filling fast is drained sooner: by the fill rate since
+                # the last drain, before it is REFILL_TO full again
+                filled, now = self._drainer.backlog(), time.monotonic()
+                wait = self.interval_s
+                if filled > 0:
+                    wait = min(self.interval_s, (now - last) * REFILL_TO / filled)
+                    wait = max(BUSY_INTERVAL_S, wait)
+                last = now
+                if time.monotonic() - last_scan >= RESCAN_EVERY_S:
+                    last_scan = time.monotonic()
+                    self.attach_new_libraries()
+            except Exception as err:  # noqa: BLE001
+                # this thread runs inside the traced job: whatever goes wrong
+                # in a tick (a bug too) must not end tracing or reach the
+                # host, so it is counted and shown in status, and the next
+                # tick tries again
+                self.tick_errors += 1
+                self.last_error = f"{type(err).__name__}: {err}"
+
+    def _sync_threads(self) -> None:
+        if self._py is not None:
+            self._py.sync(self._drainer.programs())
+
+    def attach_new_libraries(self) -> None:
+        """Attach to every matching library not attached yet (by inode)."""
+        maps = mapped_files(self.pid)
+        self._kernel_names.mark_runtime_text(maps, self._drainer.live)
+        # what the process has: a library it maps later is found by the next
+        # scan (RESCAN_EVERY_S)
+        self._uprobes.attach_new(maps, self._drainer.live)
+
+    # -- reading ---------------------------------------------------------------------
+    def drain(self) -> int:
+        """Move every event made so far into the store (staged ones too);
+        returns how many."""
+        return self._drainer.drain()
+
+    def inflight(self, family: str) -> pa.Table:
+        """Calls entered and not returned yet (from the pairing map), as rows
+        of ``<family>.calls`` with a NULL ``dur_ns``."""
+        if self.state is not TracerState.TRACING:
+            return fam.FAMILIES[family].schema.empty_table()
+        return self._drainer.inflight(family, self.pid)
+
+    # -- status -----------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        per = {}
+        for live in self._drainer.loaded:
+            per[live.family.name] = {
+                "events": live.events,
+                "dropped": live.drops_seen,
+                "saved": live.saved,
+                "libraries": sorted(live.libraries),
+                "uprobes": self._uprobes.attached(live.family.name),
+            }
+        return {
+            "state": self.state.value,
+            "pid": self.pid,
+            "started_ns": self.started_ns,
+            "stopped_ns": self.stopped_ns or None,
+            "families": per,
+            "output": self._writer.path if self._writer else None,
+            "stacks": self._py is not None,
+            "launch_stacks": self._py is not None and self.launch_stacks,
+            "stacks_resolved": self._py.resolved if self._py is not None else 0,
+            # threads the start hook could not register (they come with the next sync)
+            "stack_hook_errors": self._py.hook_errors if self._py is not None else 0,
+            "last_error": self.last_error,
+            "tick_errors": self.tick_errors,
+            "load": self.load_info,
+        }
+
+    def probes_table(self) -> pa.Table:
+        return self._uprobes.table()

@@ -1,0 +1,381 @@
+"""Asking the peers: one request to many at once, within one deadline.
+
+Two kinds of asking, both over one ``Exchange`` (every socket served by the
+asking thread):
+
+* ``gather``: a share of a cluster query from every member, with my own
+  share computed meanwhile. Flat, every member asked directly; or a tree,
+  one gatherer per other node asking its node's ranks for me. A gatherer
+  that fails is named missing and its node's others are asked directly
+  (once, while the deadline allows); a gatherer that is late makes its
+  members late with it.
+* ``control``: the same POST (start or stop a trace) to every peer, one
+  row per rank of the job, never discovered ones included.
+
+A peer that gives no usable answer raises ``PeerFailure`` here, caught by
+the asker, which names the peer missing with the failure's ``reason``
+(``timeout``, ``refused``, ``401``, ``bad answer: ...``): the reason
+``probing.peers`` and ``MissingPeer`` show. ``Peer`` is what asking needs
+of the cluster node.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from probing.errors import ProbingError
+from probing.node.cluster.discovery import PeerInfo, Registry
+from probing.node.cluster.exchange import Exchange, PeerFailure, PeerLate, Reply
+from probing.node.cluster.identity import Identity, split_addr
+from probing.node.cluster.wire import MissingPeer, PeerTiming, clock_offset, unpack
+from probing.node.probe.http import request_bytes
+
+if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
+    import pyarrow as pa
+
+    from probing.node.cluster import plan as planner
+
+FANOUTS = ("auto", "flat", "tree")
+TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
+
+
+class Peer(Protocol):
+    """What asking needs of the cluster node (``probing.node.cluster.node.ClusterNode``)."""
+
+    ident: Identity
+    rank: int
+    addr: str | None
+    token: bytes | None
+    registry: Registry
+
+    def refresh(self, budget: float = 2.0) -> None: ...
+
+    def others(self) -> list[PeerInfo]: ...
+
+    def run_local(self, work: planner.Work) -> dict[str, pa.Table]: ...
+
+
+@dataclass
+class Gathered:
+    """What one gatherer collected: tables by name, who was missing, who answered."""
+
+    tables: dict[str, list[pa.Table]] = field(default_factory=dict)
+    missing: list[MissingPeer] = field(default_factory=list)
+    peers: list[PeerTiming] = field(default_factory=list)
+
+    def add_tables(self, tables: dict[str, pa.Table]) -> None:
+        for name, t in tables.items():
+            self.tables.setdefault(name, []).append(t)
+
+    def extend(self, other: Gathered) -> None:
+        for name, ts in other.tables.items():
+            self.tables.setdefault(name, []).extend(ts)
+        self.missing.extend(other.missing)
+        self.peers.extend(other.peers)
+
+    def merged(self) -> dict[str, pa.Table]:
+        return {n: concat(ts) for n, ts in self.tables.items()}
+
+
+def concat(tables: list[pa.Table]) -> pa.Table:
+    """One table of several peers' (columns a peer lacks are null)."""
+    import pyarrow as pa
+
+    tables = [t for t in tables if t.num_columns]
+    if len(tables) == 1:
+        return tables[0]
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def node_key(p: PeerInfo) -> str:
+    """What groups peers into nodes: the node name, else the address's host."""
+    if p.node and p.node != "?":
+        return p.node
+    return p.addr.rpartition(":")[0]
+
+
+def is_tree(members: list[PeerInfo], fanout: str) -> bool:
+    """Whether ``fanout`` asks ``members`` through one gatherer per node."""
+    return fanout == "tree" or (
+        fanout == "auto"
+        and len(members) >= TREE_MIN_PEERS
+        and len({node_key(p) for p in members}) > 1
+    )
+
+
+def http_reason(status: int, data: bytes) -> str:
+    """A peer's error answer as a missing peer's reason: the status, and its message."""
+    try:
+        msg = json.loads(data).get("error", "")
+    except (ValueError, AttributeError):
+        msg = ""
+    return str(status) if status == 401 or not msg else f"{status}: {msg}"
+
+
+def reply_of(replies: list[Reply | PeerFailure | None], index: int) -> Reply:
+    """The exchange's ``index``-th answer; ``PeerLate`` when the deadline
+    came first, ``PeerFailure`` when the connection failed."""
+    got = replies[index]
+    if got is None:
+        raise PeerLate()
+    if isinstance(got, PeerFailure):
+        raise got
+    return got
+
+
+def answer_of(peer: PeerInfo, reply: Reply) -> Gathered:
+    """One gatherer's answer (with its members'); ``PeerFailure`` when it is none."""
+    if reply.status != 200:
+        raise PeerFailure(http_reason(reply.status, reply.body))
+    try:
+        head, tables = unpack(reply.body)
+    except ValueError as err:
+        raise PeerFailure(f"bad answer: {err}") from err
+    t0, t3 = reply.t_send_ns, reply.t_done_ns
+    offset = clock_offset(t0, head["t_recv_ns"], head["t_send_ns"], t3)
+    peer.node = head.get("node", peer.node)
+    out = Gathered()
+    out.add_tables(tables)
+    out.peers.append(PeerTiming(peer.rank, peer.node, peer.addr, (t3 - t0) / 1e6, offset))
+    for m in head.get("missing", []):
+        out.missing.append(MissingPeer(**m))
+    for t in head.get("peers", []):  # measured by that gatherer: my clock = its + offset
+        t = PeerTiming(**t)
+        if t.rank != peer.rank:
+            t.clock_offset_ns += offset
+            out.peers.append(t)
+    return out
+
+
+# -- gathering: me and the peers I am asked to ask ---------------------------------
+
+
+@dataclass
+class _Ask:
+    """One gatherer asked: where its answer will be, or why it was never asked."""
+
+    peer: PeerInfo
+    members: list[PeerInfo]
+    index: int = -1
+    failure: PeerFailure | None = None
+
+    def reply(self, replies: list[Reply | PeerFailure | None]) -> Reply:
+        """Its HTTP answer; ``PeerFailure`` (``PeerLate``) when none came."""
+        if self.failure is not None:
+            raise self.failure
+        return reply_of(replies, self.index)
+
+    def answer(self, replies: list[Reply | PeerFailure | None]) -> Gathered:
+        return answer_of(self.peer, self.reply(replies))
+
+
+def _ask(
+    exchange: Exchange,
+    peer: PeerInfo,
+    path: str,
+    body: bytes,
+    token: bytes | None,
+    members: list[PeerInfo] | None = None,
+) -> _Ask:
+    """Start one POST to ``peer`` (gathering for ``members``); a bad address
+    is its failure."""
+    ask = _Ask(peer, members or [])
+    try:
+        host, port = split_addr(peer.addr)
+    except ProbingError:
+        ask.failure = PeerFailure("bad address")
+        return ask
+    ask.index = exchange.add(host, port, request_bytes(path, body, token))
+    return ask
+
+
+def gather(
+    node: Peer,
+    work: planner.Work,
+    members: list[PeerInfo],
+    timeout: float,
+    fanout: str = "flat",
+    *,
+    with_self: bool = True,
+) -> Gathered:
+    """My share of ``work`` (``with_self``) and every member's, within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    exchange = Exchange(deadline)
+    asked: list[_Ask] = []
+    for peer, sub in _route(node, members, fanout):
+        # a peer of my own node sends me its rows: I aggregate my node
+        w = work.for_member() if node_key(peer) == node.ident.node else work
+        asked.append(_send(node, exchange, peer, w, sub, deadline))
+    result, replies = _run(node, work, exchange, with_self, concurrently=bool(asked))
+    retry = _collect(asked, replies, result)
+    if retry and deadline - time.monotonic() > 0.05:
+        left = deadline - time.monotonic()
+        result.extend(gather(node, work.for_member(), retry, left, "flat", with_self=False))
+    elif retry:
+        result.missing.extend(MissingPeer(p.rank, p.node, p.addr, "timeout") for p in retry)
+    for m in result.missing:
+        node.registry.mark_missing(m.rank, m.reason)
+    for t in result.peers:
+        node.registry.mark_up(t.rank, t.response_ms, t.clock_offset_ns)
+    return result
+
+
+def _route(
+    node: Peer, members: list[PeerInfo], fanout: str
+) -> list[tuple[PeerInfo, list[PeerInfo]]]:
+    """Whom to ask directly, each with whom it asks for me (tree: its node)."""
+    if not is_tree(members, fanout):
+        return [(p, []) for p in members]
+    by_node: dict[str, list[PeerInfo]] = {}
+    for p in members:
+        by_node.setdefault(node_key(p), []).append(p)
+    out: list[tuple[PeerInfo, list[PeerInfo]]] = []
+    for key, group in by_node.items():
+        group.sort(key=lambda p: p.rank)
+        if key == node.ident.node:  # my own node: I am its gatherer
+            out.extend((p, []) for p in group)
+        else:
+            out.append((group[0], group[1:]))
+    return out
+
+
+def _send(
+    node: Peer,
+    exchange: Exchange,
+    peer: PeerInfo,
+    work: planner.Work,
+    members: list[PeerInfo],
+    deadline: float,
+) -> _Ask:
+    """Start asking ``peer`` (and, through it, ``members``)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return _Ask(peer, members, failure=PeerFailure("timeout"))
+    body = json.dumps(
+        {
+            "work": work.to_json(),
+            "members": [vars(m) for m in members],
+            "timeout": left * 0.8,  # its members must be answered before I give up on it
+        }
+    ).encode()
+    return _ask(exchange, peer, "/cluster/gather", body, node.token, members)
+
+
+def _run(
+    node: Peer, work: planner.Work, exchange: Exchange, with_self: bool, *, concurrently: bool
+) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
+    """Serve the exchange; my own share too (``with_self``), on a thread of its
+    own while the answers come in when there are any (``concurrently``)."""
+    mine: list[Any] = []
+    runner = None
+    if with_self and concurrently:
+        runner = threading.Thread(
+            target=_run_self, args=(node, work, mine), name="probing-cluster", daemon=True
+        )
+        runner.start()
+    elif with_self:
+        _run_self(node, work, mine)
+    replies = exchange.run()
+    if runner is not None:
+        runner.join()
+    if mine and isinstance(mine[0], BaseException):
+        raise mine[0]
+    result = Gathered()
+    for item in mine:
+        result.extend(item)
+    return result, replies
+
+
+def _run_self(node: Peer, work: planner.Work, out: list[Any]) -> None:
+    """My own share into ``out`` (a Gathered, or the exception it raised)."""
+    try:
+        t0 = time.perf_counter()
+        mine = Gathered()
+        mine.add_tables(node.run_local(work.for_member()))
+        ms = (time.perf_counter() - t0) * 1e3
+        mine.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
+        out.append(mine)
+    except BaseException as err:  # noqa: BLE001 - raised again by the asking thread
+        out[:] = [err]
+
+
+def _collect(
+    asked: list[_Ask], replies: list[Reply | PeerFailure | None], result: Gathered
+) -> list[PeerInfo]:
+    """Every gatherer's answer into ``result``; the members of those that
+    failed, to be asked directly."""
+    retry: list[PeerInfo] = []
+    for ask in asked:
+        try:
+            result.extend(ask.answer(replies))
+        except PeerLate:  # the deadline passed: its members are late with it
+            for p in [ask.peer, *ask.members]:
+                result.missing.append(MissingPeer(p.rank, p.node, p.addr, "timeout"))
+        except PeerFailure as err:
+            p = ask.peer
+            result.missing.append(MissingPeer(p.rank, p.node, p.addr, err.reason))
+            retry.extend(ask.members)  # its node's others, asked directly
+    return retry
+
+
+# -- control: the same request to every peer -----------------------------------------
+
+
+def control(
+    node: Peer, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
+) -> list[dict[str, Any]]:
+    """POST ``body`` to ``path`` on every other peer (of ``ranks``) at once,
+    with the token (a control action: starting or stopping a trace); one
+    row per rank of the job but mine: ``rank, node, addr, status`` (the
+    HTTP status, 0 where none came) and ``reply`` (its JSON) or ``reason``."""
+    _await_ranks(node, ranks, timeout)
+    others = [p for p in node.others() if ranks is None or p.rank in ranks]
+    exchange = Exchange(time.monotonic() + timeout)
+    asked = [_ask(exchange, p, path, body, node.token) for p in others]
+    replies = exchange.run()
+    rows = [_control_row(ask, replies) for ask in asked]
+    seen = {node.rank, *(p.rank for p in others)}
+    for rank in range(node.ident.world_size):  # never discovered: no probe, no port
+        if rank not in seen and (ranks is None or rank in ranks):
+            rows.append({"rank": rank, "node": "?", "addr": "", "status": 0,
+                         "reason": "not discovered (no probe, or not joined yet)"})  # fmt: skip
+    return sorted(rows, key=lambda r: r["rank"])  # a slow control answer marks nobody missing
+
+
+def _await_ranks(node: Peer, ranks: set[int] | None, timeout: float) -> None:
+    """A job just started: its ranks publish their addresses one by one. Re-read
+    discovery until every rank wanted is known, for at most a quarter of
+    ``timeout`` (0.5 to 5 s)."""
+    wanted = set(range(node.ident.world_size)) - {node.rank}
+    if ranks is not None:
+        wanted &= ranks
+    deadline = time.monotonic() + min(5.0, max(0.5, timeout / 4))
+    while True:
+        node.refresh(budget=max(0.1, min(2.0, deadline - time.monotonic())))
+        known = {p.rank for p in node.others()}
+        if wanted <= known or time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)
+
+
+def _control_row(ask: _Ask, replies: list[Reply | PeerFailure | None]) -> dict[str, Any]:
+    """One peer's row: its status and JSON reply, or the reason it has none."""
+    p = ask.peer
+    row: dict[str, Any] = {"rank": p.rank, "node": p.node, "addr": p.addr, "status": 0}
+    try:
+        got = ask.reply(replies)
+    except PeerFailure as err:
+        row["reason"] = err.reason
+        return row
+    row["status"] = got.status
+    try:
+        row["reply"] = json.loads(got.body)
+    except ValueError:
+        row["reason"] = http_reason(got.status, got.body)
+    if got.status != 200:
+        row["reason"] = http_reason(got.status, got.body)
+    return row

@@ -1,0 +1,286 @@
+"""This probe as a cluster peer: who it is in the job, and the parts that ask and answer.
+
+``ClusterNode`` owns this peer's membership: its identity (learned from the
+job's default process group when the environment does not name the rank),
+its token, its TCP port and its publication, and the peers it discovered.
+``ClusterNode.start`` returns at once; a short-lived background thread
+reads the token, binds the TCP port and publishes the address, then ends.
+Nothing runs between queries: no heartbeat, no polling. The peers' state
+in ``probing.peers`` is what discovery published and what the last
+cluster query measured.
+
+The rest has one owner each, which the node composes and the probe's
+callers reach through it (``coordinate``, ``gather``, ``fan_out``, ...):
+
+* ``share``: this peer's share of a query, its tables tagged (SQL text: ``plan``);
+* ``fanout``: asking peers at once, retries, deadlines (``PeerFailure``);
+* ``coordinator``: one query end to end, and a gatherer's answer;
+* ``endpoints``: the ``/cluster/*`` requests and answers over HTTP;
+* the always-on detector (``probing.analyze.watch``), made at the first trace.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from probing import config
+from probing.errors import ProbingError
+from probing.node.cluster import coordinator, endpoints, join
+from probing.node.cluster import fanout as asking  # "fanout" names a kind of fan-out here
+from probing.node.cluster.discovery import (
+    STORE_TIMEOUT_S,
+    PeerInfo,
+    Registry,
+    StoreDirectory,
+    static_peers,
+)
+from probing.node.cluster.identity import (
+    Identity,
+    job_address,
+    known,
+    learned,
+    split_addr,
+    token_from_env,
+)
+from probing.node.cluster.share import Share
+from probing.node.probe.http import Request, Response
+
+if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
+    import pyarrow as pa
+
+    from probing.node.cluster import plan as planner
+    from probing.node.cluster.fanout import Gathered
+
+
+class ClusterNode:
+    """One peer: its identity, its peers, its token; a facade over its share,
+    its fan-out, its coordinator and its endpoints."""
+
+    def __init__(
+        self,
+        ident: Identity,
+        engine: Callable[[], Any],
+        *,
+        token: bytes | None = None,
+        pid: int | None = None,
+        learn: Callable[[], Mapping[str, Any] | None] | None = None,
+    ) -> None:
+        self.ident = ident
+        # where rank, size and store come from when the environment does not
+        # say (``Target.distributed``): None once known
+        self.learn = None if known(ident) else learn
+        self.engine = engine
+        self.token = token
+        self.pid = pid if pid is not None else os.getpid()
+        self.rank = ident.rank
+        self.addr: str | None = None
+        self.registry = Registry()
+        self.directory = StoreDirectory(ident) if ident.master and not ident.peers else None
+        self.ready = threading.Event()  # set once the first attempt to join is over
+        self.error: str | None = None
+        self.published = False
+        self._server: Any = None
+        self._join_lock = threading.Lock()
+        self.share = Share(self)  # my share of a query, and what it caches
+        self.watch: Any = None  # the always-on detector (probing.analyze.watch), once made
+        self.detector: Callable[[], Any] | None = None  # makes it (given by probing.enable)
+        if self.learn is not None:
+            self.error = join.WAITING
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.ident.world_size,
+            "node": self.ident.node,
+            "addr": self.addr,
+            "published": self.published,  # the address is where the others read it
+            "source": self.ident.source,
+            "peers": len(self.registry.peers()),
+            "error": self.error,
+        }
+
+    # -- start-up: joining the job, however late its store comes ---------------
+    def start(self, server: Any) -> None:
+        """Join in the background; the host never waits on the network."""
+        self._server = server
+        threading.Thread(target=join.run, args=(self,), name="probing-cluster", daemon=True).start()
+
+    @property
+    def learning(self) -> bool:
+        """Still waiting for the job to say who this process is."""
+        return self.learn is not None
+
+    def take_rank(self, dist: Mapping[str, Any]) -> None:
+        """The job's default process group (``dist``: its rank, world size and
+        store) says who this process is: from now on, that rank of the job."""
+        self.ident = learned(self.ident, dist)
+        self.rank = self.ident.rank
+        if self.ident.master is not None:
+            self.directory = StoreDirectory(self.ident)
+        self.learn = None
+
+    def _join_store(self) -> None:
+        """Try to join until it works (``join.keep_trying``)."""
+        join.keep_trying(self)
+
+    def setup(self, server: Any) -> None:
+        """Join now (blocking; tests and the benchmark call it directly)."""
+        self._server = server
+        try:
+            if not self.try_join(STORE_TIMEOUT_S):
+                raise ProbingError(self.error or "cannot join the job")
+        finally:
+            self.ready.set()
+
+    def try_join(self, budget: float) -> bool:
+        """One attempt at each step not done yet: token, TCP port, publication.
+
+        Returns whether this probe is in the job now; False (and ``error``
+        says why) while the store does not answer. Raises ``ProbingError``
+        when it never will (no token, no listed address to bind).
+        """
+        with self._join_lock:
+            if self.published:
+                return True
+            try:
+                self._join_steps(budget)
+            except OSError as err:  # the store is not there (yet): try again later
+                self.error = f"rendezvous store: {err}"
+                return False
+            self.error = None
+            return True
+
+    def _join_steps(self, budget: float) -> None:
+        ident = self.ident
+        if self.token is None:
+            self.token = token_from_env()
+        if self.token is None and self.directory is not None:
+            self.token = self.directory.token(budget)
+        if not self.token:
+            raise ProbingError(
+                "no token for the peer port", hint="set PROBING_TOKEN (the same for every peer)"
+            )
+        if ident.peers:
+            self._listen_listed(self._server)
+            for info in static_peers(ident, self.rank, self.pid):
+                self.registry.upsert(info)
+            self.published = True
+            return
+        if self.addr is None:
+            host = config.load().host or job_address(ident.master)
+            bound = self._server.listen_tcp(host, ident.port, self.token)
+            self.addr = f"{bound[0]}:{bound[1]}"
+            me = PeerInfo(
+                self.rank, ident.node, self.addr, self.pid, "torchrun", time.time_ns(), "self"
+            )
+            self.registry.upsert(me)
+        if self.directory is not None:
+            me = next(p for p in self.registry.peers() if p.rank == self.rank)
+            self.directory.publish(me, budget)
+        self.published = True
+        self._read_store(budget)  # whoever published before me
+
+    def _listen_listed(self, server: Any) -> None:
+        """Bind my entry of PROBING_PEERS: ``RANK``'s, else the first I can bind."""
+        ident = self.ident
+        order = [self.rank] if 0 <= self.rank < len(ident.peers) else range(len(ident.peers))
+        last: OSError | None = None
+        for i in order:
+            host, port = split_addr(ident.peers[i])
+            try:
+                server.listen_tcp(host, port, self.token)
+            except OSError as err:
+                last = err
+                continue
+            self.rank, self.addr = i, ident.peers[i]
+            return
+        raise ProbingError(f"cannot listen on any PROBING_PEERS address: {last}")
+
+    # -- discovery ------------------------------------------------------------
+    def refresh(self, budget: float = 2.0) -> None:
+        """Join if not yet, and re-read the store (within ``budget`` s); when it
+        is gone, what was known stays."""
+        if self.directory is None:
+            return
+        if not self.published:
+            try:
+                if not self.try_join(budget):
+                    return
+            except ProbingError:
+                return
+        self._read_store(budget)
+
+    def _read_store(self, budget: float) -> None:
+        if self.directory is None:
+            return
+        try:
+            for info in self.directory.read(budget):
+                if info.rank != self.rank:
+                    self.registry.upsert(info)
+        except OSError as err:
+            self.error = f"rendezvous store: {err}"
+
+    def others(self) -> list[PeerInfo]:
+        return [p for p in self.registry.peers() if p.rank != self.rank]
+
+    # -- asking and answering: the parts, composed ------------------------------------
+    def run_local(self, work: planner.Work) -> dict[str, pa.Table]:
+        """This peer's rows for ``work`` (``share``)."""
+        return self.share.run(work)
+
+    def gather(
+        self,
+        work: planner.Work,
+        members: list[PeerInfo],
+        timeout: float,
+        fanout: str = "flat",
+        *,
+        with_self: bool = True,
+    ) -> Gathered:
+        """My share and ``members``' (``fanout.gather``)."""
+        return asking.gather(self, work, members, timeout, fanout, with_self=with_self)
+
+    def coordinate(
+        self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
+    ) -> tuple[pa.Table, Gathered, planner.Plan]:
+        """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
+        return coordinator.coordinate(self, sql, timeout=timeout, strict=strict, fanout=fanout)
+
+    def answer_gather(self, payload: dict[str, Any], t_recv_ns: int) -> bytes:
+        """My share, plus my members' when I gather for someone (``coordinator``)."""
+        return coordinator.answer_gather(self, payload, t_recv_ns)
+
+    def fan_out(
+        self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
+    ) -> list[dict[str, Any]]:
+        """POST ``body`` to ``path`` on every other peer (of ``ranks``): one row
+        per rank of the job but mine (``fanout.control``)."""
+        return asking.control(self, path, body, timeout, ranks)
+
+    def serve_query(self, req: Request) -> Response:
+        """POST /cluster/query (``endpoints.cluster_query``)."""
+        return endpoints.cluster_query(self, req)
+
+    def serve_gather(self, req: Request) -> Response:
+        """POST /cluster/gather (``endpoints.cluster_gather``)."""
+        return endpoints.cluster_gather(self, req)
+
+    # -- the always-on detector -----------------------------------------------------
+    def ensure_watch(self, start: bool = True) -> Any:
+        """The always-on detector (made once), started unless ``start`` is
+        False (``GET /metrics`` before any trace); None where none is given."""
+        with self._join_lock:
+            if self.watch is None and self.detector is not None:
+                self.watch = self.detector()
+            if self.watch is not None and start:
+                self.watch.start()
+            return self.watch
+
+    def stop(self) -> None:
+        """The probe stops: so does its detector."""
+        if self.watch is not None:
+            self.watch.stop()

@@ -1,0 +1,448 @@
+"""The probe's HTTP endpoints, one function each, transport-agnostic."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from probing import config
+from probing.errors import (
+    AccessDenied,
+    EvalError,
+    NotTracing,
+    ProbingError,
+    QueryError,
+    control_outcome,
+    http_status,
+    log_unexpected,
+    wire_type,
+)
+from probing.node.probe.http import Request, Response
+from probing.node.probe.imports import quick_gil_handoff, settle
+
+
+class Probe(Protocol):
+    """What the endpoints use of a probe (``probing.node.probe.context.ProbeContext``)."""
+
+    tracer: Any
+    cluster: Any
+    target: Any  # probing.target: the process described
+
+    @property
+    def engine(self) -> Any: ...
+
+    @property
+    def nvml(self) -> Any: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def note_query(self) -> None: ...
+
+    def start_trace(self, families: Sequence[str], **options: Any) -> Any: ...
+
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+FORMATS = ("arrow", "json", "csv", "rows")
+
+
+def _sql_request(req: Request) -> tuple[str, str]:
+    fmt = req.query.get("format", "")
+    if req.body[:1] == b"{":
+        try:
+            payload = json.loads(req.body)
+        except ValueError as err:
+            raise QueryError(f"request body is not JSON: {err}") from err
+        sql = payload.get("sql", "")
+        fmt = payload.get("format", fmt)
+    else:
+        sql = req.body.decode("utf-8", "replace")
+    fmt = fmt or "arrow"
+    if fmt not in FORMATS:
+        raise QueryError(f"unknown format {fmt!r} (use one of {', '.join(FORMATS)})")
+    return sql, fmt
+
+
+# values (rows x columns) encoded per step: the GIL is held for one step at
+# a time (a few ms), so the host's threads never wait long for it
+ENCODE_VALUES = 20_000
+
+
+def _steps(table: object) -> Iterator[object]:
+    import pyarrow as pa
+
+    assert isinstance(table, pa.Table)
+    rows = max(1, ENCODE_VALUES // max(1, table.num_columns))
+    yield from table.to_batches(max_chunksize=rows)
+
+
+def _over(what: str, size: int, limit: int) -> ProbingError:
+    from probing.node.sql.limits import LimitExceeded  # the engine loads on the first query
+
+    return LimitExceeded(
+        f"the result as {what} is over the limit of {limit >> 20} MiB (at {size >> 20} MiB); "
+        "ask for fewer rows, or for format arrow (compact)",
+        setting="PROBING_QUERY_MAX_RESULT_MB",
+        limit=limit >> 20,
+    )
+
+
+def result_limit() -> int:
+    from probing.node.sql.limits import Limits
+
+    return Limits.from_env().result_bytes
+
+
+def json_rows(table: object, limit: int, prefix: bytes = b"") -> bytearray:
+    """``table`` as a JSON array of row objects, encoded a bounded step at a
+    time into one growing buffer (no copy of the whole answer while the GIL
+    is held), after ``prefix``; over ``limit`` bytes it stops with
+    ``LimitExceeded``."""
+    out = bytearray(prefix + b"[")
+    first = len(out)
+    for batch in _steps(table):
+        rows = batch.to_pylist()  # type: ignore[attr-defined]
+        if not rows:
+            continue
+        if len(out) > first:
+            out += b","
+        out += json.dumps(rows, default=str).encode()[1:-1]
+        if len(out) > limit:
+            raise _over("JSON", len(out), limit)
+    out += b"]"
+    return out
+
+
+def _plain(values: list[Any]) -> list[Any]:
+    """Values JSON keeps as they are (null, booleans, numbers, text); any
+    other (a timestamp, a list, a struct) as its ``str()``."""
+    return [v if v is None or isinstance(v, bool | int | float | str) else str(v) for v in values]
+
+
+def _column(col: Any) -> list[Any]:
+    """A column's values for ``json_columns``; a nanosecond timestamp (which
+    ``datetime`` cannot hold) as Arrow's text of it."""
+    try:
+        return _plain(col.to_pylist())
+    except ValueError:
+        import pyarrow as pa
+
+        if not pa.types.is_timestamp(col.type):
+            raise
+        return col.cast(pa.string()).to_pylist()
+
+
+def json_columns(table: object, limit: int) -> bytearray:
+    """``table`` as ``{"columns": [name...], "rows": [[value...]...]}``, the
+    values as ``_plain`` gives them: every column, in order, even with no
+    rows, and rows a terminal table is printed from without pyarrow in the
+    client (``probing query``). Encoded in bounded steps, as ``json_rows``."""
+    names = list(table.column_names)  # type: ignore[attr-defined]
+    out = bytearray(b'{"columns": ' + json.dumps(names).encode() + b', "rows": [')
+    first = len(out)
+    for batch in _steps(table):
+        cols = [_column(col) for col in batch.columns]  # type: ignore[attr-defined]
+        n = batch.num_rows  # type: ignore[attr-defined]
+        rows = [list(r) for r in zip(*cols, strict=True)] if cols else [[]] * n
+        if not rows:
+            continue
+        if len(out) > first:
+            out += b","
+        out += json.dumps(rows).encode()[1:-1]
+        if len(out) > limit:
+            raise _over("JSON", len(out), limit)
+    out += b"]}"
+    return out
+
+
+def encode(table: object, fmt: str, limit: int | None = None) -> Response:
+    """``table`` in ``fmt`` (arrow, json, csv, rows), at most ``limit`` bytes
+    (``PROBING_QUERY_MAX_RESULT_MB`` when None)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.ipc as ipc
+
+    assert isinstance(table, pa.Table)
+    if limit is None:
+        limit = result_limit()
+    if fmt == "json":
+        return Response(200, "application/json", json_rows(table, limit))  # type: ignore[arg-type]
+    if fmt == "rows":
+        return Response(200, "application/json", json_columns(table, limit))  # type: ignore[arg-type]
+    sink = pa.BufferOutputStream()
+    if fmt == "csv":
+        with pacsv.CSVWriter(sink, table.schema) as writer:
+            for batch in _steps(table):
+                writer.write_batch(batch)
+                if sink.tell() > limit:
+                    raise _over("CSV", sink.tell(), limit)
+        return Response(200, "text/csv", sink.getvalue().to_pybytes())
+    with ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return Response(200, ARROW_STREAM, sink.getvalue().to_pybytes())
+
+
+def health(probe: Probe, req: Request) -> Response:
+    return Response.json(probe.describe())
+
+
+def query(probe: Probe, req: Request) -> Response:
+    sql, fmt = _sql_request(req)
+    resp = encode(probe.engine.sql(sql, allow_code=_code_allowed(req), gone=req.gone), fmt)
+    probe.note_query()
+    return resp
+
+
+def tables(probe: Probe, req: Request) -> Response:
+    out = probe.engine.sql(
+        "SELECT table_schema AS schema, table_name AS table, table_type AS kind "
+        "FROM information_schema.tables WHERE table_schema <> 'information_schema' "
+        "ORDER BY 1, 2"
+    )
+    return Response.json(out.to_pylist())
+
+
+def evaluate(probe: Probe, req: Request) -> Response:
+    """POST /eval {"code": ...}: local (unix socket) callers only; the
+    process runs it (``probing.guest.inside.run``)."""
+    if not _code_allowed(req):
+        return Response.error(403, "eval is served on the local socket only", AccessDenied.__name__)
+    try:
+        code = json.loads(req.body)["code"]
+    except (ValueError, KeyError, TypeError):
+        return Response.error(400, 'body must be JSON: {"code": "..."}')
+    try:
+        return Response.json(probe.target.eval(code))
+    except EvalError as err:
+        body = {"error": str(err), "type": wire_type(err), "detail": err.detail}
+        return Response.json(body, http_status(err))
+
+
+def nvml(probe: Probe, req: Request) -> Response:
+    """POST /nvml {"interval": "100ms"} starts (or re-times) sampling; {"stop": true} stops."""
+    from probing.node.tables import nvml as gpu
+
+    try:
+        payload = json.loads(req.body or b"{}")
+        sampler = probe.nvml
+        if payload.get("stop"):
+            sampler.stop()
+        else:
+            sampler.start(gpu.parse_interval(payload.get("interval", "100ms")))
+    except (ValueError, AttributeError) as err:
+        return Response.error(400, f"bad /nvml request: {err}")
+    return Response.json(sampler.status_table().to_pylist()[0])
+
+
+def trace_start(probe: Probe, req: Request) -> Response:
+    """POST /trace/start {"families": ["nccl", "cuda", "gloo"], "output": path,
+    "stacks": true, "launch_stacks": false}."""
+    try:
+        payload = json.loads(req.body or b"{}")
+        families = list(payload.get("families") or ("nccl", "cuda", "gloo"))
+        output = payload.get("output")
+        stacks = bool(payload.get("stacks", True))
+        launch_stacks = bool(payload.get("launch_stacks", False))
+    except (ValueError, AttributeError, TypeError) as err:
+        return Response.error(400, f"bad /trace/start request: {err}")
+    if output and req.remote is not None:  # a peer names no file to write on this node
+        return Response.error(
+            403, "a trace started over TCP writes no file (no output)", AccessDenied.__name__
+        )
+    started = probe.start_trace(families, output=output, stacks=stacks, launch_stacks=launch_stacks)
+    if probe.cluster is not None:  # the job is watched from its first trace on
+        probe.cluster.ensure_watch()
+    return Response.json(started.status())
+
+
+def trace_stop(probe: Probe, req: Request) -> Response:
+    """POST /trace/stop: drain, detach every uprobe; the tables stay."""
+    from probing.node.bpf.state import TracerState
+
+    current = probe.tracer
+    if current is None or current.state is not TracerState.TRACING:
+        raise NotTracing("this process is not tracing", hint="nothing to stop")
+    current.stop()
+    return Response.json(current.status())
+
+
+def trace_thread(probe: Probe, req: Request) -> Response:
+    """POST /trace/thread {"tid", "tstate"}: a new thread of the traced process,
+    told by its guest as it starts (local socket only)."""
+    if req.remote is not None:
+        return Response.error(403, "served on the local socket only", AccessDenied.__name__)
+    try:
+        payload = json.loads(req.body)
+        tid, tstate = int(payload["tid"]), int(payload["tstate"])
+    except (ValueError, KeyError, TypeError) as err:
+        return Response.error(400, f"bad /trace/thread request: {err}")
+    current = probe.tracer
+    if current is not None:
+        current.register_thread(tid, tstate)
+    return Response.json({"ok": True})
+
+
+def trace_status(probe: Probe, req: Request) -> Response:
+    current = probe.tracer
+    return Response.json(current.status() if current else {"state": "stopped", "families": {}})
+
+
+def _cluster(probe: Probe) -> Any:
+    node = probe.cluster
+    if node is None:
+        raise ProbingError(
+            "this probe is not in cluster mode",
+            hint="PROBING_CLUSTER=off, or its cluster settings were refused (the job's stderr "
+            "says why)",
+        )
+    node.ready.wait(5.0)
+    if node.learning:
+        raise ProbingError(
+            f"this probe is not in cluster mode: {node.error}",
+            hint="it joins once the job calls torch.distributed.init_process_group; "
+            "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or PROBING_PEERS",
+        )
+    return node
+
+
+def peers(probe: Probe, req: Request) -> Response:
+    """GET /peers: ``probing.peers`` as JSON (empty outside cluster mode)."""
+    if probe.cluster is None:
+        return Response.json([])
+    return Response.json(probe.cluster.registry.table().to_pylist())
+
+
+def cluster_query(probe: Probe, req: Request) -> Response:
+    """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}: this
+    probe asks every peer and answers with the merged result, the missing
+    peers and each peer's response time and clock offset (the cluster node's
+    ``serve_query``)."""
+    resp: Response = _cluster(probe).serve_query(req)
+    if resp.status == 200:
+        probe.note_query()
+    return resp
+
+
+def cluster_gather(probe: Probe, req: Request) -> Response:
+    """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
+    resp: Response = _cluster(probe).serve_gather(req)
+    if resp.status == 200:
+        probe.note_query()
+    return resp
+
+
+CONTROL = {"start": "/trace/start", "stop": "/trace/stop"}  # POST /cluster/trace's actions
+
+
+def cluster_trace(probe: Probe, req: Request) -> Response:
+    """POST /cluster/trace {"action": "start" | "stop", "families", "stacks",
+    "launch_stacks", "timeout", "ranks"}: the same on this process and, over
+    the peer port with the token, on every peer (of ``ranks``, all when
+    absent); one row per rank: ``rank, node, addr, ok`` (tracing, or stopped),
+    ``done`` (by this request: not tracing already), ``state``, ``reason``
+    (``probing trace --cluster``)."""
+    node = _cluster(probe)
+    try:
+        payload = json.loads(req.body or b"{}")
+        path = CONTROL[payload.get("action")]
+        timeout = min(max(float(payload.get("timeout", 10.0)), 1.0), 600.0)
+        options = {k: payload[k] for k in ("families", "stacks", "launch_stacks") if k in payload}
+        ranks = None if payload.get("ranks") is None else {int(r) for r in payload["ranks"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return Response.error(400, f'bad /cluster/trace request (want {{"action": ...}}): {err}')
+    body = json.dumps(options).encode()
+    rows = []
+    if ranks is None or node.rank in ranks:
+        try:
+            mine = ROUTES[("POST", path)](probe, req._replace(path=path, body=body))
+        except ProbingError as err:  # this process could not: said in its row, the peers go on
+            mine = Response.error(http_status(err), str(err), wire_type(err))
+        except Exception as err:  # noqa: BLE001 - a bug: logged, said in its row, peers go on
+            log_unexpected("trace control", err)
+            mine = Response.error(500, f"{type(err).__name__}: {err}")
+        try:
+            reply = json.loads(mine.body)
+        except ValueError:
+            reply = {}
+        rows.append({"rank": node.rank, "node": node.ident.node, "addr": node.addr or "local",
+                     "status": mine.status, "reply": reply})  # fmt: skip
+    rows += node.fan_out(path, body, timeout, ranks)
+    out = []
+    for row in rows:
+        did = control_outcome(row["status"], row.get("reply") or {}, row.get("reason"))
+        out.append({"rank": row["rank"], "node": row["node"], "addr": row["addr"], **did})
+    return Response.json(sorted(out, key=lambda r: r["rank"]))
+
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def metrics(probe: Probe, req: Request) -> Response:
+    """GET /metrics: OpenMetrics for Prometheus (on the peer port: the token
+    as bearer): the step, each rank's lateness, the findings active, the
+    events dropped, from this probe's always-on detector."""
+    node = probe.cluster  # before any trace: no detection yet, the counters at 0
+    detector = node.ensure_watch(start=False) if node is not None else None
+    if detector is None:
+        raise ProbingError(
+            "no detector here: /metrics is served in cluster mode",
+            hint="a rank of a multi-process job, or PROBING_PEERS",
+        )
+    return Response(200, OPENMETRICS, detector.metrics().encode())
+
+
+def _code_allowed(req: Request) -> bool:
+    """Code runs for local callers; over TCP only with PROBING_REMOTE_CODE=1."""
+    return req.remote is None or config.load().remote_code
+
+
+# what a TCP caller (with the token) may reach without PROBING_REMOTE_CODE=1:
+# reading, and starting or stopping a trace (a control action: no file written)
+TCP_ROUTES = {
+    ("GET", "/health"),
+    ("GET", "/tables"),
+    ("GET", "/peers"),
+    ("POST", "/query"),
+    ("POST", "/cluster/query"),
+    ("POST", "/cluster/gather"),
+    ("POST", "/trace/start"),
+    ("POST", "/trace/stop"),
+    ("GET", "/metrics"),
+}
+
+ROUTES = {
+    ("GET", "/health"): health,
+    ("POST", "/query"): query,
+    ("GET", "/tables"): tables,
+    ("POST", "/eval"): evaluate,
+    ("POST", "/nvml"): nvml,
+    ("POST", "/trace/start"): trace_start,
+    ("POST", "/trace/stop"): trace_stop,
+    ("GET", "/trace/status"): trace_status,
+    ("POST", "/trace/thread"): trace_thread,
+    ("GET", "/peers"): peers,
+    ("POST", "/cluster/query"): cluster_query,
+    ("POST", "/cluster/gather"): cluster_gather,
+    ("POST", "/cluster/trace"): cluster_trace,
+    ("GET", "/metrics"): metrics,
+}
+
+
+def make_app(probe: Probe) -> Callable[[Request], Response]:
+    def app(req: Request) -> Response:
+        route = ROUTES.get((req.method, req.path))
+        if route is None:
+            known = ", ".join(f"{m} {p}" for m, p in ROUTES)
+            return Response.error(404, f"no endpoint {req.method} {req.path} (known: {known})")
+        if (req.method, req.path) not in TCP_ROUTES and not _code_allowed(req):
+            return Response.error(
+                403, f"{req.method} {req.path} is served on the local socket only", "AccessDenied"
+            )
+        settle()  # what the route imports, the host is not importing now
+        try:
+            with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
+                return route(probe, req)
+        except ProbingError as err:
+            return Response.error(http_status(err), str(err), wire_type(err))
+
+    return app

@@ -1,0 +1,299 @@
+"""``ProbeContext``: everything one probe owns, in one object.
+
+The store, the SQL engine, the tracer, the NVML sampler, the cluster node
+and the HTTP server of a probe live here, not in module globals: the HTTP
+app, the table installers and the tracer are handed the context. Two
+contexts in one process are two isolated probes (tests build them).
+
+Parts are built on first use: an idle probe imports neither pyarrow nor
+datafusion. The layers above the probe (``analyze``, ``cluster``) plug in
+through ``installers`` and ``cluster`` (given by ``probing.enable()``), so
+this module never imports them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from probing import config, paths
+from probing.errors import ProbingError, log_unexpected, tell
+from probing.node.probe.imports import quick_gil_handoff, settle
+from probing.target import Local, Target
+
+if TYPE_CHECKING:
+    from probing.node.bpf.tracer import Tracer
+    from probing.node.probe.server import UnixHTTPServer
+    from probing.node.sql import Engine
+    from probing.node.store import Store
+    from probing.node.tables.nvml import Sampler
+
+# registers tables on a new engine: (engine, context)
+Installer = Callable[["Engine", "ProbeContext"], None]
+# the cluster node of a context in cluster mode, or None (probing.node.cluster)
+ClusterFactory = Callable[["ProbeContext"], Any]
+
+
+def base_tables(engine: Engine, ctx: ProbeContext) -> None:
+    """The tables of the layers under the probe (``probing.tables``)."""
+    from probing.node.tables import install
+
+    install(engine, ctx)
+
+
+class ProbeContext:
+    """One probe: its parts, its lifecycle, its fork.
+
+    ``serve()`` opens the unix socket (and the cluster node's TCP port);
+    ``stop()`` closes them and keeps the data. ``after_fork()`` carries the
+    context into a forked child, in one order.
+    """
+
+    def __init__(
+        self,
+        *,
+        installers: Sequence[Installer] = (base_tables,),
+        cluster: ClusterFactory | None = None,
+        store: Store | None = None,
+        socket_path: str | None = None,
+        target: Target | None = None,
+    ) -> None:
+        self.target: Target = target if target is not None else Local()
+        self.pid = self.target.pid
+        self.started_ns = time.time_ns()
+        self.installers = tuple(installers)
+        self.cluster_factory = cluster
+        self.socket_path = socket_path or paths.socket_path(self.pid)
+        self.queries = 0
+        self.tracer: Tracer | None = None  # the last tracer started here
+        self.cluster: Any = None  # a ClusterNode in cluster mode (probing.node.cluster)
+        self.server: UnixHTTPServer | None = None
+        self._store = store
+        self._engine: Engine | None = None
+        self._sampler: Sampler | None = None
+        self._lock = threading.RLock()
+        self._trace_lock = threading.Lock()
+        self._stop_at_exit = False
+
+    # -- parts, built on first use ----------------------------------------------------
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    from probing.node.store import Store
+
+                    self._store = Store()
+        return self._store
+
+    @property
+    def engine(self) -> Engine:
+        """The SQL engine over every table, built on the first query."""
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    with quick_gil_handoff():
+                        from probing.node.sql import Engine
+
+                        eng = Engine(self.store)
+                        for install in self.installers:
+                            install(eng, self)
+                    self._engine = eng
+        return self._engine
+
+    @property
+    def engine_loaded(self) -> bool:
+        return self._engine is not None
+
+    def preload(self) -> None:
+        """Build the engine in a thread of its own, now, and plan one query:
+        after ``probing inject`` a query is on its way, and finds it (partly)
+        loaded. It
+        imports once the host imports nothing (``settle``), as a query
+        would; a host already exiting is left alone."""
+
+        def load() -> None:
+            try:
+                settle()
+                if threading.main_thread().is_alive():
+                    engine = self.engine
+                    with quick_gil_handoff():
+                        # DataFusion's first plan sets up what every later one
+                        # reuses: 30 ms for the first query, 3 ms after this
+                        engine.sql("SELECT 1")
+            except Exception as err:  # noqa: BLE001 - the top of a probe thread; the query says it too
+                log_unexpected("SQL engine not preloaded", err)
+
+        # not a daemon: an exit waits for its imports rather than cutting them short
+        threading.Thread(target=load, name="probing-engine-load").start()
+
+    @property
+    def nvml(self) -> Sampler:
+        """The NVML sampler writing ``nvml.gpu`` into this context's store."""
+        if self._sampler is None:
+            with self._lock:
+                if self._sampler is None:
+                    from probing.node.tables.nvml import Sampler
+
+                    self._sampler = Sampler(self.store, self.target.environ, self.target.pid)
+        return self._sampler
+
+    # -- tracing ----------------------------------------------------------------------
+
+    def start_trace(self, families: Sequence[str], **options: Any) -> Tracer:
+        """Trace this process into this context's store (one tracer at a time)."""
+        from probing.errors import AlreadyTracing, NoSuchProcess
+        from probing.node.bpf.state import TracerState
+        from probing.node.bpf.tracer import Tracer
+
+        if not self.target.alive():  # a dead process's probe answers, but nothing runs
+            raise NoSuchProcess(
+                f"pid {self.pid} has exited: nothing to trace (what it recorded is kept)",
+                pid=self.pid,
+            )
+        with self._trace_lock:
+            current = self.tracer
+            if current is not None and current.state is TracerState.TRACING:
+                raise AlreadyTracing(
+                    f"pid {self.pid} is already tracing "
+                    f"({', '.join(f.name for f in current.families)}); stop it first",
+                    hint=f"probing trace --pid {self.pid} --stop",
+                )
+            _ = self.engine  # the tables exist before the first event arrives
+            tracer = Tracer(families, store=self.store, target=self.target, **options)
+            tracer.start()
+            self.tracer = tracer
+            if self.target.local and not self._stop_at_exit:  # detach before the interpreter goes
+                atexit.register(self.stop_trace)
+                self._stop_at_exit = True
+            return tracer
+
+    def stop_trace(self) -> Tracer | None:
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.stop()
+        return tracer
+
+    # -- serving ----------------------------------------------------------------------
+
+    def note_query(self) -> None:
+        self.queries += 1
+
+    def describe(self) -> dict[str, Any]:
+        from probing.config import VERSION
+
+        try:
+            about = self.target.about()
+        except ProbingError:
+            about = {}
+        return {
+            "pid": self.pid,
+            "version": VERSION,
+            "python": about.get("python"),
+            "executable": about.get("executable"),
+            "argv": about.get("argv", []),
+            "alive": self.target.alive(),
+            "engine_pid": os.getpid(),
+            "started_ns": self.started_ns,
+            "socket": self.socket_path,
+            "engine_loaded": self.engine_loaded,
+            "queries": self.queries,
+            "cluster": self.cluster.describe() if self.cluster is not None else None,
+        }
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None
+
+    def serve(self) -> None:
+        """Open the unix socket; the cluster node and NVML start in the background."""
+        from probing.node.probe.api import make_app
+        from probing.node.probe.server import UnixHTTPServer
+
+        server = UnixHTTPServer(self.socket_path, make_app(self))
+        node = self._cluster_node()
+        self.cluster = node  # before the socket exists: a caller never sees it unset
+        server.start()
+        self.server = server
+        if node is not None:
+            node.start(server)
+        interval = config.load().nvml_interval
+        if interval:  # off the caller's thread: NVML and pyarrow load in the background
+            threading.Thread(
+                target=self._start_nvml, args=(interval,), name="probing-nvml-start", daemon=True
+            ).start()
+
+    def stop(self) -> None:
+        """Close the socket; the data stays (``serve()`` opens it again)."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+        if self.cluster is not None:  # its detector too (probing.analyze.watch)
+            self.cluster.stop()
+
+    def _cluster_node(self) -> Any:
+        if self.cluster_factory is None:
+            return None
+        try:
+            return self.cluster_factory(self)
+        except (ProbingError, ValueError, OSError) as err:  # a bad PROBING_PEERS, no port
+            tell(f"cluster mode off: {err}", self.pid)
+            return None
+        except Exception as err:  # noqa: BLE001 - in the host's enable(): a bug is logged, not raised
+            log_unexpected("cluster mode off", err)
+            return None
+
+    def _start_nvml(self, interval: str) -> None:
+        try:
+            settle()  # NVML and pyarrow load only once the host imports nothing
+            from probing.config import parse_interval
+
+            self.nvml.start(parse_interval(interval))
+        except ValueError as err:  # a bad PROBING_NVML_INTERVAL (NVML's own errors: nvml.status)
+            tell(f"NVML sampling not started: {err}", self.pid)
+        except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+            log_unexpected("NVML sampling not started", err)
+
+    # -- fork ---------------------------------------------------------------------------
+
+    def after_fork(self) -> bool:
+        """In a forked child, in this order: fresh locks; the store's chunks
+        linked into a directory of the child's own; the query threads, the
+        tracer (its uprobes filter on the parent's pid) and the NVML thread
+        dropped; the parent's socket abandoned and its cluster node left to
+        the parent (the job's peer for this rank). With ``PROBING_FORK=child``
+        the child serves this context, with the data carried over, on its own
+        pid (a DataLoader worker gets no probe by default). True if it does."""
+        self._lock = threading.RLock()
+        self._trace_lock = threading.Lock()
+        self.target = Local()
+        self.pid = self.target.pid
+        if self._store is not None:
+            self._store.reinit_after_fork()
+        if self._engine is not None:
+            self._engine.threads.after_fork()
+        if self.tracer is not None:
+            self.tracer = None
+            from probing.node.bpf.pystacks import PyStacks
+
+            PyStacks.unhook_threads()
+        if self._sampler is not None:
+            self._sampler.after_fork()
+        was_serving = self.server is not None
+        if self.server is not None:
+            self.server.abandon_after_fork()
+            self.server = None
+        self.cluster = None
+        self.cluster_factory = None
+        if not was_serving or config.load().fork != "child":
+            return False
+        self.started_ns = time.time_ns()
+        self.queries = 0
+        self.socket_path = paths.socket_path(self.pid)
+        self.serve()
+        return True

@@ -1,0 +1,5 @@
+"""``python -m probing.node.service [--daemon]``: run this node's engine."""
+
+from probing.node.service.engine import main
+
+main()

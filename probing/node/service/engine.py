@@ -1,0 +1,298 @@
+"""The engine process: probes for the processes guests hand it, their deaths."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from probing import config
+from probing.errors import ProbingError, log_unexpected
+from probing.guest import place
+from probing.node.probe.context import ProbeContext
+from probing.node.probe.http import Request, Response
+from probing.target import Guest, proc_environ
+
+TICK_S = 1.0
+
+
+@dataclass
+class Entry:
+    ctx: ProbeContext
+    target: Guest
+    pidfd: int
+    died_at: float | None = None  # monotonic, once the process is gone
+
+
+class Service:
+    """The probes of one node's processes, in one engine process."""
+
+    def __init__(self, directory: str | None = None, key: str | None = None) -> None:
+        env = config.load()
+        self.directory = directory or place.user_dir(root=env.runtime_dir)
+        self.key = place.engine_key(dict(os.environ)) if key is None else key
+        self.keep_dead_s = env.keep_dead_s
+        self.idle_s = env.engine_idle_s
+        self.entries: dict[int, Entry] = {}
+        self._lock = threading.Lock()
+        self._attaching = threading.Lock()
+        self._empty_since = time.monotonic()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.server: Any = None
+
+    # -- the engine's own socket -------------------------------------------------------
+
+    def app(self, req: Request) -> Response:
+        if req.peer_uid not in (0, os.getuid()):
+            return Response.error(403, "not this engine's user", "AccessDenied")
+        try:
+            if (req.method, req.path) == ("POST", "/attach"):
+                args = json.loads(req.body)
+                return Response.json(self.attach(int(args["pid"]), str(args["guest"])))
+            if (req.method, req.path) == ("GET", "/health"):
+                return Response.json(self.describe())
+        except (ValueError, KeyError, TypeError) as err:
+            return Response.error(400, f"bad request: {err}")
+        except ProbingError as err:
+            return Response.error(500, str(err))
+        return Response.error(404, f"no {req.method} {req.path} on the engine")
+
+    def describe(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "engine_pid": os.getpid(),
+                "processes": {
+                    pid: {"alive": e.died_at is None, "socket": e.ctx.socket_path}
+                    for pid, e in self.entries.items()
+                },
+            }
+
+    def attach(self, pid: int, guest: str) -> dict[str, Any]:
+        """A probe for ``pid`` (whose guest listens at ``guest``), serving its socket."""
+        with self._attaching:  # one at a time: a guest may announce itself twice
+            return self._attach(pid, guest)
+
+    def _attach(self, pid: int, guest: str) -> dict[str, Any]:
+        from probing.node.assemble import cluster_node, install_tables
+
+        with self._lock:
+            old = self.entries.get(pid)
+        if old is not None and old.died_at is None and old.target.socket == guest:
+            return {"engine_pid": os.getpid(), "socket": old.ctx.socket_path, "already": True}
+        if old is not None:  # a pid reused, or a guest started again: the old probe goes
+            self._retire(pid)
+        self._free_ports()
+        pidfd = os.pidfd_open(pid)
+        _say(f"attach pid {pid} ({guest})")
+        target = Guest(pid, guest)
+        ctx = ProbeContext(installers=(install_tables,), cluster=cluster_node, target=target)
+        try:
+            ctx.serve()
+        except BaseException:
+            os.close(pidfd)
+            raise
+        with self._lock:
+            self.entries[pid] = Entry(ctx, target, pidfd)
+        os.write(self._wake_w, b"x")
+        return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False}
+
+    def adopt(self) -> None:
+        """Attach every live guest of this directory whose process runs with
+        our settings: the guests that started this engine without waiting."""
+        for name in os.listdir(self.directory):
+            if not name.endswith(".guest") or not name[:-6].isdigit():
+                continue
+            pid = int(name[:-6])
+            env = proc_environ(pid)
+            with self._lock:
+                known = pid in self.entries
+            if known or not env or place.engine_key(env) != self.key:
+                continue
+            try:
+                self.attach(pid, os.path.join(self.directory, name))
+            except (ProbingError, OSError) as err:  # gone meanwhile, or not ours
+                _say(f"guest of pid {pid} not adopted: {err}")
+
+    # -- deaths and retirement ------------------------------------------------------
+
+    def watch(self) -> None:
+        """Until stopped: a process that dies stops tracing (what it left stays
+        queryable); one dead for ``keep_dead_s`` is retired; an engine with no
+        process for ``idle_s`` stops."""
+        while not self._stop.is_set():
+            with self._lock:
+                live = {e.pidfd: pid for pid, e in self.entries.items() if e.died_at is None}
+            poll = select.poll()
+            poll.register(self._wake_r, select.POLLIN)
+            for fd in live:
+                poll.register(fd, select.POLLIN)
+            for fd, _ in poll.poll(TICK_S * 1000):
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                elif fd in live:
+                    self._died(live[fd])
+            self._tidy()
+
+    def _died(self, pid: int) -> None:
+        with self._lock:
+            entry = self.entries.get(pid)
+        if entry is None or entry.died_at is not None:
+            return
+        entry.died_at = time.monotonic()
+        entry.target.died_ns = time.time_ns()
+        _say(f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s")
+        # its peer port stays open: a cluster query gets what it did last, marked dead
+        # (process.info.died_ns), until a process takes its place (``_attach``)
+        _stop_tracing(entry)
+
+    def _free_ports(self) -> None:
+        """A new process may be a dead rank started again, on the port the
+        job lists for that rank (``PROBING_PEERS``): the dead ones with listed
+        ports leave the job's peers (local queries go on). A rank found
+        through the job's store publishes its new address instead."""
+        with self._lock:
+            dead = [e for e in self.entries.values() if e.died_at is not None]
+        closing = []
+        for e in dead:
+            node, server = e.ctx.cluster, e.ctx.server
+            if server is not None and node is not None and node.ident.peers:
+                server.close_tcp()
+                closing.append(server)
+        deadline = time.monotonic() + 2.0  # the loop closes them: before the new one binds
+        while any(s.tcp_address is not None for s in closing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _tidy(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [p for p, e in self.entries.items()
+                   if e.died_at is not None and now - e.died_at > self.keep_dead_s]  # fmt: skip
+        for pid in old:
+            entry = self._retire(pid)
+            if entry is not None:  # the killed process's guest left its socket behind
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.target.socket)
+        with self._lock:
+            if self.entries:
+                self._empty_since = now
+            elif now - self._empty_since > self.idle_s:
+                self._stop.set()
+
+    def _retire(self, pid: int) -> Entry | None:
+        """Its probe closed and its data dropped; the guest's socket is left
+        alone (a live process, or a reused pid's new guest, still has it)."""
+        with self._lock:
+            entry = self.entries.pop(pid, None)
+        if entry is None:
+            return None
+        _stop_tracing(entry)
+        entry.ctx.stop()
+        with contextlib.suppress(OSError):
+            os.close(entry.pidfd)
+        entry.ctx.store.close()
+        return entry
+
+    def stop(self) -> None:
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+
+    # -- running ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve ``engine-<key>.sock`` until idle (the caller holds its lock)."""
+        from probing.node.probe.server import UnixHTTPServer
+
+        self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
+        self.server.start()
+        self.adopt()
+        threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
+        try:
+            self.watch()
+        finally:
+            self.server.stop()
+            for pid in list(self.entries):
+                self._retire(pid)
+
+
+def _stop_tracing(entry: Entry) -> None:
+    try:
+        entry.ctx.stop_trace()
+    except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
+        log_unexpected(f"tracing of pid {entry.target.pid} not stopped", err)
+
+
+def _say(msg: str) -> None:
+    print(f"probing engine {os.getpid()}: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr,
+          flush=True)  # fmt: skip
+
+
+def _unpin() -> None:
+    """Run on any CPU the node lets us use, not on the core of the rank whose
+    guest started us (a job that pins each rank to its cores would otherwise
+    have the node's engine share one rank's core)."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            spans = [part.split("-") for part in f.read().strip().split(",") if part]
+        cpus = {c for span in spans for c in range(int(span[0]), int(span[-1]) + 1)}
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError):  # a cpuset narrower than the node: keep what we were given
+        pass
+
+
+def _preload() -> None:
+    """The query engine's libraries, loaded once for every process of the
+    node before the first query needs them."""
+    try:
+        from probing.node.sql import Engine
+        from probing.node.store import Store
+
+        Engine(Store()).sql("SELECT 1")
+    except Exception as err:  # noqa: BLE001 - the first query says it again
+        log_unexpected("SQL engine not preloaded", err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m probing.node.service [--daemon]``: run the node's engine for this
+    environment's settings unless one runs already (``engine-<key>.lock``);
+    ``--daemon`` detaches first."""
+    args = sys.argv[1:] if argv is None else argv
+    directory = place.user_dir(root=config.load().runtime_dir)
+    place.ensure_private_dir(directory)
+    if "--daemon" in args and os.fork() != 0:
+        os._exit(0)  # the guest that started us reaps this parent at once
+    key = place.engine_key(dict(os.environ))  # the guest gave us the settings it hashed
+    lock = open(place.engine_path(directory, key, "lock"), "a")  # noqa: SIM115 - held for life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another engine serves this node and user
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")  # who serves: `probing ps`, tests
+    lock.flush()
+    if "--daemon" in args:
+        os.setsid()
+        _log_to(place.engine_path(directory, key, "log"))
+        _unpin()
+    service = Service(directory, key)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    service.run()
+
+
+def _log_to(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)

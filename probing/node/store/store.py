@@ -1,0 +1,206 @@
+"""A probe's store: every table, one byte budget, one age limit."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import re
+import shutil
+import tempfile
+import threading
+import time
+
+import pyarrow as pa
+
+from probing import config
+from probing.node.store.codec import DEFAULT_CODEC, get_codec
+from probing.node.store.table import EventTable, TableStats
+from probing.paths import ensure_private_dir
+
+DEFAULT_MAX_BYTES = 256 << 20
+DEFAULT_CHUNK_ROWS = 1 << 16
+SEAL_QUEUE = 4  # chunks waiting for the sealer thread; past that, the writer seals
+
+
+_ROOT_NAME = re.compile(r"^chunks-(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def chunk_base(need_bytes: int) -> str:
+    """Where chunk files go: ``$PROBING_CHUNK_DIR``, else /dev/shm (memory,
+    like the rest of the process's data) when it has room for the whole
+    budget, else the temp directory."""
+    explicit = config.load().chunk_dir
+    if explicit:
+        return explicit
+    try:
+        st = os.statvfs("/dev/shm")
+        if os.access("/dev/shm", os.W_OK) and st.f_bavail * st.f_frsize >= need_bytes:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+def remove_stale_roots(user_dir: str) -> None:
+    """Remove chunk directories left by processes that died without cleaning up."""
+    try:
+        names = os.listdir(user_dir)
+    except OSError:
+        return
+    for name in names:
+        m = _ROOT_NAME.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
+
+
+class Store:
+    """Append-only compressed column tables with retention by bytes and age.
+
+    Sealed chunks are files under one directory per process (on tmpfs when it
+    has room), removed when the process exits, or by the next probe of this
+    user if the process was killed. Retention retires whole sealed chunks,
+    oldest first across all tables, and counts what it retired per table
+    (``retired_rows``/``retired_bytes``); nothing disappears without a count
+    in ``probing.tables``.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int | None = None,
+        max_age_s: float | None = None,
+        chunk_rows: int | None = None,
+        codec: str | None = None,
+        seal_after_s: float = 2.0,
+    ) -> None:
+        env = config.load()
+        self.max_bytes = int(max_bytes or env.store_bytes)
+        self.max_age_s = max_age_s if max_age_s is not None else (env.store_age_s or None)
+        self.chunk_rows = int(chunk_rows or DEFAULT_CHUNK_ROWS)
+        self.codec = get_codec(codec or env.store_codec or DEFAULT_CODEC)
+        self.seal_after_s = seal_after_s
+        self._root: str | None = None
+        self._root_pid = 0
+        self._tables: dict[tuple[str, str], EventTable] = {}
+        self._lock = threading.RLock()
+        self._seal_queue: queue.SimpleQueue[tuple[EventTable, int, list[pa.RecordBatch]]] = (
+            queue.SimpleQueue()
+        )
+        self._sealer: threading.Thread | None = None
+        self._sealer_pid = 0
+        self._queued = 0
+
+    def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
+        """Hand a chunk to the sealer thread, which compresses it (the Parquet
+        and IPC writers let go of the GIL meanwhile). False when SEAL_QUEUE
+        chunks already wait: the caller seals this one itself, which bounds
+        the rows held in memory and slows a writer that outruns the sealer."""
+        with self._lock:
+            if self._queued >= SEAL_QUEUE:
+                return False
+            if self._sealer is None or self._sealer_pid != os.getpid():
+                self._sealer = threading.Thread(
+                    target=self._seal_forever, name="probing-seal", daemon=True
+                )
+                self._sealer_pid = os.getpid()
+                self._sealer.start()
+            self._queued += 1
+        self._seal_queue.put((table, chunk_id, batches))
+        return True
+
+    def _seal_forever(self) -> None:
+        while True:
+            table, chunk_id, batches = self._seal_queue.get()
+            try:
+                table._seal(chunk_id, batches)  # never raises: a failure is counted there
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+    def chunk_root(self) -> str:
+        """This process's chunk directory, created on first use."""
+        with self._lock:
+            if self._root is None or self._root_pid != os.getpid():
+                user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
+                ensure_private_dir(user_dir)  # never through another user's symlink
+                remove_stale_roots(user_dir)
+                self._root = tempfile.mkdtemp(prefix=f"chunks-{os.getpid()}-", dir=user_dir)
+                self._root_pid = os.getpid()
+                atexit.register(self.close)
+            return self._root
+
+    def close(self) -> None:
+        """Remove this process's chunk files (at exit; safe to call twice)."""
+        with self._lock:
+            root, self._root = self._root, None
+        if root is not None and self._root_pid == os.getpid():
+            shutil.rmtree(root, ignore_errors=True)
+
+    def table(self, schema: str, name: str, arrow_schema: pa.Schema | None = None) -> EventTable:
+        """The table ``schema.name``, created on first use."""
+        key = (schema, name)
+        with self._lock:
+            tbl = self._tables.get(key)
+            if tbl is None:
+                tbl = self._tables[key] = EventTable(self, schema, name, arrow_schema)
+            return tbl
+
+    def get(self, schema: str, name: str) -> EventTable | None:
+        with self._lock:
+            return self._tables.get((schema, name))
+
+    def tables(self, schema: str | None = None) -> list[EventTable]:
+        with self._lock:
+            return [t for (s, _), t in self._tables.items() if schema in (None, s)]
+
+    def stats(self) -> list[TableStats]:
+        return [t.stats() for t in self.tables()]
+
+    def total_bytes(self) -> int:
+        return sum(t.stored_bytes() for t in self.tables())
+
+    def enforce_retention(self) -> None:
+        """Retire the oldest chunks until the store fits its byte and age limits."""
+        with self._lock:
+            tables = list(self._tables.values())
+            if self.max_age_s is not None:
+                horizon = time.monotonic() - self.max_age_s
+                for t in tables:
+                    while (c := t.oldest_chunk()) is not None and c.sealed_at < horizon:
+                        t.retire_oldest()
+            total = sum(t.stored_bytes() for t in tables)
+            while total > self.max_bytes:
+                candidates = [(c.sealed_at, t) for t in tables if (c := t.oldest_chunk())]
+                if not candidates:
+                    break  # only pending rows left; they are bounded by chunk_rows
+                _, victim = min(candidates, key=lambda pair: pair[0])
+                chunk = victim.retire_oldest()
+                total -= chunk.stored_bytes if chunk else 0
+
+    def reinit_after_fork(self) -> None:
+        """In a forked child: fresh locks, and the chunks hard-linked into a
+        directory of the child's own, so the two processes never share files."""
+        self._lock = threading.RLock()
+        # the parent's sealer thread is not in this process; what it had
+        # queued is pending again in each table (EventTable.reinit_after_fork)
+        self._seal_queue = queue.SimpleQueue()
+        self._sealer, self._queued = None, 0
+        old_root = self._root
+        self._root = None
+        for t in self._tables.values():
+            t.reinit_after_fork()
+        if old_root is not None:
+            new_root = self.chunk_root()
+            for t in self._tables.values():
+                t.relink_chunks(old_root, new_root)

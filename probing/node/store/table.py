@@ -1,0 +1,383 @@
+"""One append-only column table: pending batches, sealed compressed chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import pyarrow as pa
+
+from probing.errors import log_unexpected
+from probing.node.store.codec import Codec
+
+
+class Host(Protocol):
+    """What a table needs of the store that holds it (``probing.node.store.Store``)."""
+
+    codec: Codec
+    chunk_rows: int
+    seal_after_s: float
+
+    def chunk_root(self) -> str: ...
+
+    def enforce_retention(self) -> None: ...
+
+    def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
+        """Queue a chunk to be sealed off the caller's thread; False: seal it now."""
+        ...
+
+
+_chunk_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Chunk:
+    id: int
+    path: str
+    rows: int
+    raw_bytes: int
+    stored_bytes: int
+    sealed_at: float  # time.monotonic()
+
+
+CHUNK_COL = "__probing_chunk"  # hive-style partition column: one directory per chunk
+
+
+class Snapshot(NamedTuple):
+    """What a query reads, consistent at one instant: sealed chunks
+    ``first_chunk..last_chunk`` under ``chunk_dir`` (``chunk_dir`` is None
+    when there are none) and the rows not sealed yet, as one Arrow table.
+
+    Chunks sealed after the snapshot (from rows that are in ``pending``) fall
+    outside the chunk range, so no row is read twice.
+    """
+
+    schema: pa.Schema
+    container: str  # the codec's: "parquet" or "ipc"
+    chunk_dir: str | None
+    first_chunk: int
+    last_chunk: int
+    sealing: tuple[int, ...]  # ids in that range whose files may appear: not ours
+    paths: tuple[str, ...]
+    pending: pa.Table
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStats:
+    schema: str
+    table: str
+    rows: int
+    raw_bytes: int
+    stored_bytes: int
+    compression_ratio: float | None
+    chunks: int
+    pending_rows: int
+    retired_rows: int
+    retired_bytes: int
+    dropped_events: int
+    read_errors: int  # a writer's flush before a read failed (its rows may lag)
+
+
+class EventTable:
+    """Rows arrive as Arrow batches; every ``chunk_rows`` they are sealed.
+
+    Sealing concatenates the pending batches and encodes them with the
+    store's codec into one file in the table's chunk directory (on tmpfs),
+    which DataFusion scans natively. Queries see sealed chunks, batches being
+    sealed and pending batches alike, so no row is ever invisible.
+    """
+
+    def __init__(self, store: Host, schema_name: str, name: str, schema: pa.Schema | None) -> None:
+        self._store = store
+        self.schema_name = schema_name
+        self.name = name
+        self._schema = schema
+        # Column names known before any row (ExternalTable without types):
+        # until the first rows fix the types, queries see them as NULL columns.
+        self.column_names: list[str] | None = None
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = 0
+        self._pending_since = 0.0
+        self._sealing: dict[int, list[pa.RecordBatch]] = {}  # chunk id -> rows
+        self._chunks: list[Chunk] = []
+        self.retired_rows = 0
+        self.retired_bytes = 0
+        self.dropped_events = 0
+        self.read_errors = 0
+        self.last_read_error: str | None = None
+        self._logged: set[str] = set()  # the read errors written to the log (each once)
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._sealed = threading.Condition(self._lock)  # a chunk left _sealing
+        # Called before every read: writers that buffer rows of their own
+        # (ExternalTable) hand them over here, so queries see every row.
+        self._before_read: list[Callable[[], None]] = []
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema_name}.{self.name}"
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        return self._schema
+
+    def reinit_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._sealed = threading.Condition(self._lock)
+        # chunks the parent's sealer thread had not written: pending again here
+        # (that thread is not in this process)
+        waiting = [b for group in self._sealing.values() for b in group]
+        if waiting:
+            self._pending[:0] = waiting
+            self._pending_rows += sum(b.num_rows for b in waiting)
+            self._pending_since = self._pending_since or time.monotonic()
+        self._sealing = {}
+
+    # -- writing -------------------------------------------------------------
+    def append_batch(
+        self,
+        batch: pa.RecordBatch | pa.Table | Mapping[str, Any],
+        *,
+        since: float | None = None,
+        defer_seal: bool = False,
+    ) -> int:
+        """Append many rows at once; returns the number of rows appended.
+
+        ``batch`` is a RecordBatch, a Table, or a mapping of column name to
+        an array-like (numpy array, list, pyarrow array) of equal lengths.
+        ``since`` is when the oldest of these rows was produced (monotonic
+        clock), for a writer that buffered them: pending rows older than
+        ``seal_after_s`` are sealed (compressed) at the next read or append,
+        so the store's budget holds even when nobody reads this table.
+        ``defer_seal``: a chunk this append completes is compressed by the
+        store's sealer thread, not by the caller (the tracer's drain); its
+        rows stay readable meanwhile.
+        """
+        batches = self._conform(batch)
+        rows: int = sum(b.num_rows for b in batches)
+        if rows == 0:
+            return 0
+        to_seal = None
+        with self._lock:
+            if not self._pending:
+                self._pending_since = since if since is not None else time.monotonic()
+            self._pending.extend(batches)
+            self._pending_rows += rows
+            aged = time.monotonic() - self._pending_since > self._store.seal_after_s
+            if self._pending_rows >= self._store.chunk_rows or aged:
+                to_seal = self._take_pending_locked()
+        if to_seal is not None and not (defer_seal and self._store.seal_later(self, *to_seal)):
+            self._seal(*to_seal)
+        return rows
+
+    def count_dropped(self, n: int) -> None:
+        """Record events that never reached the table (ring buffer full, bad rows)."""
+        with self._lock:
+            self.dropped_events += int(n)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Seal whatever is pending now, and wait for chunks being sealed."""
+        with self._lock:
+            to_seal = self._take_pending_locked() if self._pending else None
+        if to_seal is not None:
+            self._seal(*to_seal)
+        with self._lock:
+            self._sealed.wait_for(lambda: not self._sealing, timeout=timeout_s)
+
+    def _conform(
+        self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]
+    ) -> list[pa.RecordBatch]:
+        if isinstance(batch, Mapping):
+            batch = pa.table(dict(batch))
+        if isinstance(batch, pa.RecordBatch) and batch.schema is self._schema:
+            return [batch]  # built for this table (a decoder's): nothing to check
+        if isinstance(batch, pa.RecordBatch):
+            batch = pa.Table.from_batches([batch])
+        if not isinstance(batch, pa.Table):
+            raise TypeError(
+                f"append_batch takes a RecordBatch, Table or mapping, not {type(batch)}"
+            )
+        with self._lock:
+            if self._schema is None:
+                self._schema = batch.schema
+            schema = self._schema
+        if batch.schema != schema:
+            try:
+                batch = batch.select(schema.names).cast(schema)
+            except (KeyError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+                self.count_dropped(batch.num_rows)
+                raise ValueError(
+                    f"rows do not fit {self.qualified_name} ({schema}): {err}"
+                ) from err
+        batches: list[pa.RecordBatch] = batch.to_batches()
+        return batches
+
+    def _take_pending_locked(self) -> tuple[int, list[pa.RecordBatch]]:
+        chunk_id = next(_chunk_ids)
+        batches = self._pending
+        self._pending = []
+        self._pending_rows = 0
+        self._sealing[chunk_id] = batches
+        return chunk_id, batches
+
+    @property
+    def chunk_dir(self) -> str:
+        return os.path.join(self._store.chunk_root(), self.schema_name, self.name)
+
+    def _seal(self, chunk_id: int, batches: list[pa.RecordBatch]) -> None:
+        """Encode ``batches`` into a chunk file. A failure (disk full, …) drops
+        and counts those rows and never raises into the writer."""
+        # the encoder takes the batches as they are (no combine: one copy less)
+        table = pa.Table.from_batches(batches, schema=self._schema)
+        codec = self._store.codec
+        part = os.path.join(self.chunk_dir, f"{CHUNK_COL}={chunk_id}")
+        path = os.path.join(part, f"{chunk_id}{codec.extension}")
+        try:
+            os.makedirs(part, exist_ok=True)
+            buf = codec.encode(table)
+            tmp = path + ".tmp"  # queries list *.parquet / *.arrow only
+            with open(tmp, "wb") as f:
+                f.write(buf)
+            os.rename(tmp, path)
+        except Exception as err:  # noqa: BLE001 - never into the writer (an external table's is the host)
+            if not isinstance(err, (OSError, pa.ArrowException)):  # not disk full, not the encoder
+                log_unexpected(f"{self.qualified_name}: sealing", err)
+            with self._lock:
+                del self._sealing[chunk_id]
+                self._sealed.notify_all()
+                self.dropped_events += table.num_rows
+                self.last_error = f"sealing failed, {table.num_rows} rows dropped: {err}"
+            print(f"probing: {self.qualified_name}: {self.last_error}", file=sys.stderr)
+            return
+        chunk = Chunk(chunk_id, path, table.num_rows, table.nbytes, buf.size, time.monotonic())
+        with self._lock:
+            self._chunks.append(chunk)
+            del self._sealing[chunk_id]
+            self._sealed.notify_all()
+        self._store.enforce_retention()
+
+    # -- retention (called by the store) --------------------------------------
+    def oldest_chunk(self) -> Chunk | None:
+        with self._lock:
+            return self._chunks[0] if self._chunks else None
+
+    def retire_oldest(self) -> Chunk | None:
+        with self._lock:
+            if not self._chunks:
+                return None
+            chunk = self._chunks.pop(0)
+            self.retired_rows += chunk.rows
+            self.retired_bytes += chunk.raw_bytes
+        try:
+            os.unlink(chunk.path)  # a query that already opened it still reads it
+            os.rmdir(os.path.dirname(chunk.path))
+        except OSError:
+            pass
+        return chunk
+
+    def relink_chunks(self, old_root: str, new_root: str) -> None:
+        """After fork: hard-link this table's chunks into the child's own directory."""
+        with self._lock:
+            kept = []
+            for c in self._chunks:
+                new = new_root + c.path[len(old_root) :]
+                os.makedirs(os.path.dirname(new), exist_ok=True)
+                try:
+                    os.link(c.path, new)
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:  # the parent retired it meanwhile
+                    self.retired_rows += c.rows
+                    self.retired_bytes += c.raw_bytes
+                    continue
+                c.path = new
+                kept.append(c)
+            self._chunks = kept
+
+    def stored_bytes(self) -> int:
+        with self._lock:
+            pending: int = sum(b.nbytes for b in self._pending)
+            return sum(c.stored_bytes for c in self._chunks) + pending
+
+    # -- reading -------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Every live row: the chunk directory plus the rows not sealed yet."""
+        self._run_before_read()
+        if self._pending and time.monotonic() - self._pending_since > self._store.seal_after_s:
+            self.flush()
+        with self._lock:
+            schema = self._schema or pa.schema([(n, pa.null()) for n in self.column_names or []])
+            chunks = list(self._chunks)
+            sealing = tuple(self._sealing)
+            batches = self._unsealed_locked()
+        ids = [c.id for c in chunks]
+        return Snapshot(
+            schema,
+            self._store.codec.container,
+            self.chunk_dir if chunks else None,
+            min(ids, default=0),
+            max(ids, default=-1),
+            sealing,
+            tuple(c.path for c in chunks),
+            pa.Table.from_batches(batches, schema=schema),
+        )
+
+    def _unsealed_locked(self) -> list[pa.RecordBatch]:
+        """Rows not in a chunk file yet: being sealed, then pending."""
+        return [b for group in self._sealing.values() for b in group] + list(self._pending)
+
+    def to_arrow(self) -> pa.Table:
+        """Every live row as one Arrow table (reads the chunk files)."""
+        snap = self.snapshot()
+        parts = [self._store.codec.decode(p, snap.schema) for p in snap.paths]
+        return pa.concat_tables([*parts, snap.pending])
+
+    def add_before_read(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` before every read (to flush a writer's own buffer)."""
+        with self._lock:
+            self._before_read.append(hook)
+
+    def remove_before_read(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if hook in self._before_read:
+                self._before_read.remove(hook)
+
+    def _run_before_read(self) -> None:
+        for hook in list(self._before_read):
+            try:
+                hook()
+            except Exception as err:  # noqa: BLE001 - a collector's drain: counted, logged once; reads go on
+                with self._lock:
+                    self.read_errors += 1
+                    self.last_read_error = f"{type(err).__name__}: {err}"
+                log_unexpected(f"{self.qualified_name}: a flush before a read", err, self._logged)
+
+    def stats(self) -> TableStats:
+        self._run_before_read()
+        with self._lock:
+            sealed = self._chunks
+            pending = self._unsealed_locked()
+            pend_rows = sum(b.num_rows for b in pending)
+            pend_bytes = sum(b.nbytes for b in pending)
+            raw = sum(c.raw_bytes for c in sealed) + pend_bytes
+            stored = sum(c.stored_bytes for c in sealed) + pend_bytes
+            return TableStats(
+                schema=self.schema_name,
+                table=self.name,
+                rows=sum(c.rows for c in sealed) + pend_rows,
+                raw_bytes=raw,
+                stored_bytes=stored,
+                compression_ratio=round(raw / stored, 2) if stored else None,
+                chunks=len(sealed),
+                pending_rows=pend_rows,
+                retired_rows=self.retired_rows,
+                retired_bytes=self.retired_bytes,
+                dropped_events=self.dropped_events,
+                read_errors=self.read_errors,
+            )

@@ -1,0 +1,76 @@
+"""Table providers: process, python, probing (store statistics), external.
+
+``install(engine, ctx)`` registers them; ``ctx`` (a ``ProbeContext``) gives
+the parts of the probe they show: its tracer, NVML sampler and cluster
+node. Without one (an engine built alone, as in tests) those tables answer
+as an idle probe's would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from probing.node.sql import Engine
+from probing.node.tables import flight, groups, meta, nvml, process, python, samples, stacks, trace
+from probing.node.tables.external import ExternalTable, Puller
+
+
+class Context(Protocol):
+    """What the tables read of a probe (``probing.node.probe.context.ProbeContext``)."""
+
+    tracer: Any  # a probing.node.bpf.tracer.Tracer, or None
+    cluster: Any  # a ClusterNode in cluster mode, or None
+    target: Any  # the process described (probing.target: Local or Guest)
+
+    @property
+    def nvml(self) -> nvml.Sampler: ...
+
+
+class Alone:
+    """The ``Context`` of an engine outside a probe: no tracer, no peers."""
+
+    def __init__(self, engine: Engine) -> None:
+        from probing.target import Local
+
+        self.tracer = None
+        self.cluster = None
+        self.target = Local()
+        self.nvml = nvml.Sampler(engine.store)
+
+
+def install(engine: Engine, ctx: Context | None = None) -> None:
+    """Register every built-in table with ``engine``."""
+    probe: Context = ctx if ctx is not None else Alone(engine)
+    target = probe.target
+    engine.register_table("process", "info", lambda: process.info(target))
+    engine.register_table("process", "threads", lambda: process.threads(target))
+    engine.register_table("process", "cpu", lambda: process.cpu(target))
+    engine.register_table("process", "stacks", stacks.provider(target.stacks))
+    engine.register_table("probing", "tables", lambda: _pulled(puller, engine))
+    gpu = probe.nvml  # creates the (typed, maybe empty) nvml.gpu table
+    engine.register_table("nvml", "status", gpu.status_table)
+    engine.register_table("nvml", "devices", gpu.devices_table)
+    puller = Puller(target.external, engine.store)
+    engine.register_resolver("python", python.resolver(target.expr, puller.pull, engine.store))
+    trace.install(engine, lambda: probe.tracer)
+    samples.install(engine)
+    engine.register_table("comm", "groups", groups.provider(target.groups, engine.store))
+    engine.register_table("comm", "flight", flight.provider(target.flight))
+    engine.register_table("comm", "flight_status", flight.status_provider(target.flight))
+    engine.register_table("probing", "peers", lambda: _peers(probe.cluster))
+
+
+def _pulled(puller: Any, engine: Engine) -> Any:
+    """``probing.tables``, with the process's ExternalTables taken first."""
+    puller.pull()
+    return meta.tables(engine.store)
+
+
+def _peers(node: Any) -> Any:
+    """``probing.peers`` of a probe (no rows outside cluster mode)."""
+    if node is not None:
+        return node.registry.table()
+    return meta.PEERS_SCHEMA.empty_table()
+
+
+__all__ = ["Alone", "Context", "ExternalTable", "install"]

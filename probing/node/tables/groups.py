@@ -1,0 +1,65 @@
+"""``comm.groups``: which torch process group (``pg``) each traced Gloo context is.
+
+A Gloo collective's ``comm`` is the address of its ``gloo::Context``: local to
+the process. Two groups of the same size (data- and tensor-parallel groups
+made with ``new_group``) cannot be told apart across ranks by size and order
+of use. torch names its groups the same in every rank of an SPMD job (every
+rank creates every group, in the same order), so a context is named across
+the job by its group: this table maps each traced context to the group's
+name and its global ranks.
+
+The map is read from the process's own memory, with nothing to guess: each
+group's ``ProcessGroupGloo`` (the C++ object behind the pybind11 object
+torch gives, its address right after the Python object header) holds its
+contexts in a ``std::vector<std::shared_ptr<gloo::Context>>``; a context
+pointer the trace saw, found as an element of such a vector inside one
+group's object, belongs to that group. Memory is read with ``pread`` on
+``/proc/self/mem`` (an unmapped address is an error, never a crash). torch
+is used only when the host has fully imported it (``sys.modules``), never
+imported there (``probing.guest.inside.groups`` does the reading).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA = pa.schema(
+    [
+        ("backend", pa.string()),
+        ("comm", pa.uint64()),
+        ("pg", pa.string()),
+        ("ranks", pa.list_(pa.int64())),
+        ("group_rank", pa.int64()),
+        ("nranks", pa.int64()),
+    ]
+)
+
+
+def provider(
+    groups_of: Callable[[list[int]], list[dict[str, Any]]], store: Any
+) -> Callable[[], pa.Table]:
+    """``comm.groups`` over a target's ``groups`` (``probing.target``):
+    the process reads its own memory (``probing.guest.inside.groups``)."""
+
+    def table() -> pa.Table:
+        traced = traced_gloo_contexts(store)
+        rows = groups_of(traced) if traced else []
+        return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+    return table
+
+
+def traced_gloo_contexts(store: Any) -> list[int]:
+    """The distinct contexts in this process's ``gloo.calls``."""
+    import pyarrow.compute as pc
+
+    from probing.node.sql.providers import snapshot_dataset
+
+    tbl = store.get("gloo", "calls")
+    if tbl is None:
+        return []
+    comm = snapshot_dataset(tbl.snapshot()).to_table(columns=["comm"]).column("comm")
+    return [c for c in pc.unique(comm).to_pylist() if c]

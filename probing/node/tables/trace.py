@@ -1,0 +1,72 @@
+"""The traced tables: ``<family>.calls`` (store), ``<family>.inflight``,
+``probing.uprobes``, ``python.stacks`` (store) and the views
+``comm.collectives`` and ``python.callsites``.
+
+The store tables exist, typed and empty, before any tracing, so queries and
+views over them work whether or not a trace ever ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from probing.node.bpf import families
+from probing.node.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
+from probing.node.sql import Engine
+
+_COLLECTIVE_COLUMNS = (
+    "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id, {p2p}"
+)
+# send/recv: the peer rank (in the group), the tag and the time blocked in
+# wait() where the backend has them (NCCL's peer column holds a root too)
+_COMM = {
+    "nccl": ("COALESCE(comm_id, comm)", "CASE WHEN op IN ('send', 'recv') THEN peer END AS peer, "
+             "CAST(NULL AS INT) AS tag, CAST(NULL AS BIGINT) AS wait_ns"),
+    "gloo": ("comm", "peer, tag, wait_ns"),
+}  # fmt: skip
+
+# every collective and point-to-point call of every backend, finished or not
+# (a call still in flight has a NULL dur_ns: where a hang shows)
+COLLECTIVES_SQL = "\nUNION ALL\n".join(
+    f"SELECT '{backend}' AS backend, {_COLLECTIVE_COLUMNS.format(comm=comm, p2p=p2p)} "
+    f"FROM {backend}.{table} WHERE op IS NOT NULL"
+    for backend, (comm, p2p) in _COMM.items()
+    for table in ("calls", "inflight")
+)
+
+
+# the probe's tracer now (None before the first trace): ProbeContext.tracer
+CurrentTracer = Callable[[], Any]
+
+
+def _inflight(family: str, current: CurrentTracer) -> Callable[[], pa.Table]:
+    schema = families.FAMILIES[family].schema
+
+    def produce() -> pa.Table:
+        tracer = current()
+        return tracer.inflight(family) if tracer is not None else schema.empty_table()
+
+    return produce
+
+
+def _uprobes(current: CurrentTracer) -> Callable[[], pa.Table]:
+    def produce() -> pa.Table:
+        from probing.node.bpf.attach import PROBES_SCHEMA
+
+        tracer = current()
+        return tracer.probes_table() if tracer is not None else PROBES_SCHEMA.empty_table()
+
+    return produce
+
+
+def install(engine: Engine, current: CurrentTracer = lambda: None) -> None:
+    for name, family in families.FAMILIES.items():
+        engine.store.table(family.table, "calls", family.schema)
+        engine.register_table(family.table, "inflight", _inflight(name, current))
+    engine.register_table("probing", "uprobes", _uprobes(current))
+    engine.register_view("comm", "collectives", COLLECTIVES_SQL)
+    engine.store.table("python", "stacks", STACKS_SCHEMA)
+    engine.register_view("python", "callsites", CALLSITES_SQL)
