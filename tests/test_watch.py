@@ -33,6 +33,9 @@ class Node:
         self.asked: list[str] = []
         self.lower: dict[int, dict[str, Any]] = {}  # what the ranks below answer (alive?)
         self.asked_ranks: list[int] = []
+        # trace.intervals: every rank tracing since long ago, unless a test says
+        self.intervals = [{"start_ns": 0, "stop_ns": None, "state": "tracing", "rank": r}
+                          for r in range(4)]  # fmt: skip
 
     def fan_out(self, path: str, body: bytes, timeout: float, ranks: set[int]) -> list[dict]:  # type: ignore[type-arg]
         assert path == "/query" and b"process.info" in body
@@ -43,6 +46,8 @@ class Node:
         self.asked.append(sql)
         if "FROM process.info" in sql:  # who died: nobody, or ``self.dead``
             return pa.Table.from_pylist(self.dead), Got(), None
+        if "FROM trace.intervals" in sql:
+            return pa.Table.from_pylist(self.intervals), Got(), None
         if "FROM python.samples" in sql:
             return pa.Table.from_pylist(self.runq), Got(), None
         table, got = self.answers.pop(0)
@@ -72,6 +77,25 @@ def test_a_straggler_is_one_finding_until_it_is_gone() -> None:
     rows = w.table().to_pylist()
     assert [(r["kind"], r["rank"]) for r in rows] == [("straggler", 2)]
     assert rows[0]["cleared_ns"] == _now(healthy)  # gone: cleared, kept
+
+
+def test_no_finding_from_a_window_where_not_every_rank_traced() -> None:
+    """Only rank 2 traces (the others stopped before the window): its rows
+    alone are no straggler, no hang; with every rank tracing, the same rows
+    are one."""
+    slow = job(straggler=2, lag_ms=60, seed=1)
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+    node.intervals = [
+        {"start_ns": 0, "stop_ns": None if r == 2 else 1, "state": "tracing" if r == 2
+         else "stopped", "rank": r}
+        for r in range(4)
+    ]  # fmt: skip
+    node.answers = [(slow, _answered())]
+    assert w.once(now_ns=_now(slow)) == []
+    node.intervals = [dict(i, stop_ns=None, state="tracing") for i in node.intervals]
+    node.answers = [(slow, _answered())]
+    assert [f["kind"] for f in w.once(now_ns=_now(slow))] == ["straggler"]
 
 
 def test_a_rank_that_stops_answering_is_gone_after_two_detections() -> None:

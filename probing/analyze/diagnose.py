@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from probing.analyze import collectives as coll
 from probing.analyze import columns
+from probing.analyze import coverage as cv
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze import pipeline as pp
@@ -106,7 +107,7 @@ def queries(remote: bool) -> dict[str, str]:
         for name, sql in (
             ("stacks", STACKS_SQL), ("groups", GROUPS_SQL), ("dead", DEAD_SQL),
             ("counts", COUNTS_SQL), ("cuda", CUDA_SQL), ("cpu", CPU_SQL),
-            ("runq", RUNQ_SQL), ("nvml", NVML_SQL),
+            ("runq", RUNQ_SQL), ("nvml", NVML_SQL), ("intervals", cv.INTERVALS_SQL),
         )
     }  # fmt: skip
     out["collectives"] = COLLECTIVES_SQL.format(
@@ -215,6 +216,9 @@ class Diagnosis:
     pipeline: pp.Pipeline | None = None  # the stages, where the ranks send and receive
     transfers: list[pp.Transfer] = dataclasses.field(default_factory=list)  # sends met
     dead: dict[int, Death] = dataclasses.field(default_factory=dict)  # the ranks that died
+    # the ranks not tracing at the end of the window (trace.intervals): the
+    # verdict is judged only over the span in which every rank traced
+    untraced: list[cv.Untraced] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON object (plus ``summary`` and ``ranks``)."""
@@ -235,6 +239,7 @@ class Diagnosis:
             "flight": self.flight,
             "pipeline": dataclasses.asdict(self.pipeline) if self.pipeline else None,
             "dead": {str(r): dataclasses.asdict(x) for r, x in self.dead.items()},
+            "untraced": [dataclasses.asdict(u) for u in self.untraced],
         }
 
 
@@ -382,6 +387,7 @@ def analyze(
     dead: list[dict[str, Any]] | None = None,
     runq: Callable[[], pa.Table | None] | None = None,
     matched: list[coll.Collective] | None = None,
+    coverage: cv.Coverage | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
@@ -390,7 +396,8 @@ def analyze(
     (``DEAD_SQL`` rows) the ranks that died, said first in the verdict; ``runq``
     asks RUNQ_SQL, only where a slow link is suspected: its ranks may be
     waiting for a CPU instead; ``matched``: ``table``'s collectives, when the
-    caller matched them already."""
+    caller matched them already; ``coverage``: the span every rank traced in,
+    which ``table`` was cut to (``judge``), said in the verdict."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table) if matched is None else matched
@@ -436,10 +443,51 @@ def analyze(
         transfers=pp.match_transfers(rows, ranks_of),
         dead=deaths(dead or [], matched),
     )
+    if coverage is not None:
+        d.untraced = coverage.untraced
+        d.verdict = covered_text(d.verdict, coverage, bool(hangs), window_s)
     if d.dead:
         d.healthy = False
         d.verdict = f"{death_text(d.dead)}; {d.verdict}"
     return _flight_noted(d, recorded, traced=bool(matched) or bool(rows))
+
+
+def covered_text(said: str, cov: cv.Coverage, hang: bool, window_s: float) -> str:
+    """The verdict ``said`` over ``cov``'s span, with the ranks not tracing:
+    no verdict where no instant had every rank tracing (a hang seen in the
+    stacks and counts stands: it needs no trace)."""
+    note = cov.note()
+    if not note:
+        return said
+    if cov.span is None and not hang:
+        return (
+            f"no verdict: not every rank traced in the last {window_s:g} s ({note}); "
+            "trace every rank: probing trace --pid P --cluster --background"
+        )
+    if cov.span is None or cov.now:
+        return f"{said}; {note}"
+    start, end = cov.span
+    return f"{said} (judged over {cv.hms(start)}-{cv.hms(end)}, while every rank traced; {note})"
+
+
+def judge(
+    table: pa.Table,
+    intervals: pa.Table | None,
+    ranks: Sequence[int],
+    dead: Sequence[dict[str, Any]],
+    since_ns: int,
+    now_ns: int,
+) -> tuple[pa.Table, cv.Coverage | None]:
+    """``table`` cut to the span in which every live rank of ``ranks`` traced
+    (``intervals``: ``trace.intervals`` rows tagged ``rank``), and that span;
+    ``table`` as it is where the probes have no ``trace.intervals``. A rank
+    that died is said as a death, not compared."""
+    if intervals is None:
+        return table, None
+    died = {int(r["rank"]) for r in dead if r.get("died_ns") and r.get("rank") is not None}
+    rows = [r for r in intervals.to_pylist() if int(r["rank"]) not in died]
+    cov = cv.coverage(rows, [r for r in ranks if r not in died], since_ns, now_ns)
+    return cv.judged(table, cov), cov
 
 
 def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> Diagnosis:
@@ -637,7 +685,7 @@ def diagnose(
     tags = ", node, rank" if job.remote else ""
     first: tuple[str, ...] = (
         sql["collectives"].format(since_ns=since), sql["groups"], sql["stacks"],
-        sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags))  # fmt: skip
+        sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags), sql["intervals"])  # fmt: skip
     if eager:
         explain = ("samples", "cuda", "nvml", "cpu", "callsites")
         first += (
@@ -661,7 +709,12 @@ def diagnose(
     except ProbingError:  # a probe of an older probing: no died_ns
         dead = []
     recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
-    stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1)
+    answered = _ranks_of(table) | set(frames) | {s.rank for s in states}
+    table, cov = judge(table, optional(ask, sql["intervals"]), sorted(answered), dead, since, now)
+    # the trace tells how long nothing moved only while every rank traces; else
+    # the counts are watched (below)
+    traced_now = cov is None or cov.now
+    stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1) if traced_now else 0.0
     runq_sql = sql["runq"].format(since_ns=since)
     matched = coll.match(table)  # once: each analyze below, and why a straggler is slow
 
@@ -671,9 +724,9 @@ def diagnose(
     d = analyze(
         table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
         window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
-        dead=dead, runq=runq, matched=matched,
+        dead=dead, runq=runq, matched=matched, coverage=cov,
     )  # fmt: skip
-    progressing = table.num_rows > 0 and stalled < 1.0  # traced calls in the last second
+    progressing = traced_now and table.num_rows > 0 and stalled < 1.0  # traced in the last second
     if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
         watched = time.monotonic()
         if on_wait is not None:
@@ -690,7 +743,7 @@ def diagnose(
                 table, frames=frames, states=states, now_ns=time.time_ns(),
                 stalled_s=round(stalled + time.monotonic() - watched, 1),
                 window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
-                ranks_of=ranks_of, dead=dead, runq=runq, matched=matched,
+                ranks_of=ranks_of, dead=dead, runq=runq, matched=matched, coverage=cov,
             )  # fmt: skip
     d.missing = missing_ranks(table)
     slow_stage = d.pipeline is not None and d.pipeline.slow is not None
@@ -706,6 +759,8 @@ def diagnose(
         d.verdict = verdict(
             d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why, d.pipeline
         )
+        if cov is not None:
+            d.verdict = covered_text(d.verdict, cov, bool(d.hangs), window_s)
         if d.dead:
             d.verdict = f"{death_text(d.dead)}; {d.verdict}"
     if d.stragglers or d.hangs:
@@ -784,6 +839,12 @@ def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     ]
     pg = pa.array([names.get(k) for k in zip(*cols, strict=True)], pa.string())
     return table.append_column("pg", pg.take(pa.array(code)))
+
+
+def _ranks_of(table: pa.Table) -> set[int]:
+    if not table.num_rows or "rank" not in table.column_names:
+        return set()
+    return {int(r) for r in table.column("rank").unique().to_pylist() if r is not None}
 
 
 def _counts_differ(states: list[hg.RankState]) -> bool:

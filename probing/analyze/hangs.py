@@ -9,8 +9,9 @@ Three kinds of evidence, all pure functions here:
   enters or returns any more, so nothing is traced): every rank's
   collective count per process group (torch's own sequence numbers) and its
   current Python stacks. Ranks whose count is ahead entered a collective
-  the others never reached; the counts must not have moved for
-  ``hang_after_s`` (the caller observes that);
+  the others never reached, and their stacks sit in one now; the counts
+  must not have moved for ``hang_after_s`` (the caller observes that: a
+  trace that stopped says nothing of how long they stood still);
 * recorded, traced or not: PyTorch's Flight Recorder (``comm.flight``)
   of every rank, its own sequence numbers, ops and sizes, stamped with
   when each collective was issued (``probing.analyze.flight``).
@@ -132,12 +133,15 @@ def snapshot_hangs(
         for g, n in s.counts.items():
             groups[g][s.rank] = n
     out = []
+    frames = {s.rank: s.frames for s in states}
     for g, counts in groups.items():
         top = max(counts.values())
         missing = sorted(r for r, n in counts.items() if n < top)
         waiting = sorted(r for r, n in counts.items() if n == top)
         if not missing:
             continue
+        if any(frames.get(r) and not in_collective(frames[r]) for r in waiting):
+            continue  # a rank ahead that is not in a collective now does not wait in one
         label = f"process group {g}"
         out.append(Hang(label, top - 1, None, missing, waiting, stalled_s, "stacks and counts", {}))
     if not groups:  # no counts at all: who sits in a collective, who does not

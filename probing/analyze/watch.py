@@ -136,7 +136,7 @@ class Watch:
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """One detection: ask, analyze, record; the findings new in it."""
-        from probing.analyze.diagnose import analyze, death_text, optional, queries
+        from probing.analyze.diagnose import analyze, death_text, judge, optional, queries
 
         now = now_ns or time.time_ns()
         sql = queries(remote=True)
@@ -150,9 +150,13 @@ class Watch:
             sql["collectives"].format(since_ns=since), timeout=timeout
         )
         runq_sql = sql["runq"].format(since_ns=since)
+        dead = ask(sql["dead"]).to_pylist()
+        # judged only over the span in which every rank that answered traced
+        answered = sorted({t.rank for t in got.peers})
+        table, cov = judge(table, optional(ask, sql["intervals"]), answered, dead, since, now)
         d = analyze(
             table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
-            dead=ask(sql["dead"]).to_pylist(), runq=lambda: optional(ask, runq_sql),
+            dead=dead, runq=lambda: optional(ask, runq_sql), coverage=cov,
         )  # fmt: skip
         found: dict[tuple[Any, ...], dict[str, Any]] = {}
         for s in d.stragglers:
@@ -183,7 +187,6 @@ class Watch:
             found[("rank_gone", r)] = _row(
                 "rank_gone", r, None, None, None, x.died_ns or None, death_text({r: x})
             )
-        answered = {t.rank for t in got.peers}
         for m in got.missing:
             self._misses[m.rank] = self._misses.get(m.rank, 0) + 1
             if self._misses[m.rank] >= GONE_AFTER:

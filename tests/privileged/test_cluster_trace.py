@@ -32,14 +32,32 @@ while True:
     dist.all_reduce(t)
 """
 
+# a job whose ranks outlive a peer that dies: Gloo raises in the survivors'
+# next collective (a real job's ranks abort then, which is what a test that
+# kills a rank and expects the others to live must not leave to chance);
+# these wait, as ranks do while an elastic agent restarts the job
+SURVIVING_JOB = """
+import time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(256)
+while True:
+    time.sleep(0.02)
+    try:
+        dist.all_reduce(t)
+    except RuntimeError:  # a peer died
+        while True:
+            time.sleep(1)
+"""
+
 PER_RANK = "SELECT rank, count(*) AS n FROM comm.collectives GROUP BY rank ORDER BY rank"
 
 
-def _job(spawn) -> list[int]:  # type: ignore[no-untyped-def]
+def _job(spawn, code: str = JOB) -> list[int]:  # type: ignore[no-untyped-def]
     port = free_port()
     ranks = [
         spawn(
-            JOB,
+            code,
             env={
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),
@@ -88,7 +106,7 @@ def test_one_command_traces_and_stops_every_rank(spawn) -> None:  # type: ignore
 
 def test_a_rank_that_cannot_is_named_and_the_others_trace(spawn) -> None:  # type: ignore[no-untyped-def]
     require_bpf()
-    pids = _job(spawn)
+    pids = _job(spawn, SURVIVING_JOB)
     os.kill(pids[3], signal.SIGKILL)  # gone: its probe is kept, but nothing is left to trace
     r = cli("trace", "--pid", str(pids[1]), "--cluster", "--background", "--no-nccl",
             "--no-cuda", timeout=180)  # fmt: skip
@@ -263,3 +281,31 @@ def test_a_killed_rank_still_answers_and_is_named_dead(spawn) -> None:  # type: 
     assert "3" in d["dead"] and d["dead"]["3"]["pid"] == pids[3], d["dead"]
     assert d["verdict"].startswith(f"rank 3 (pid {pids[3]}) died at "), d["verdict"]
     assert "allreduce #" in d["verdict"].split(";")[0], d["verdict"]
+
+
+def test_a_trace_stopped_while_the_job_trains_is_no_hang(spawn) -> None:  # type: ignore[no-untyped-def]
+    """Issue 43: ``trace --stop``, then the job trains on; a diagnosis once
+    ``HANG_AFTER_S`` has passed is no hang, over the cluster or the pids, and
+    says the ranks stopped tracing."""
+    from probing.analyze.hangs import HANG_AFTER_S
+
+    require_bpf()
+    pids = _job(spawn)
+    r = cli("trace", "--pid", str(pids[0]), "--cluster", "--background", "--no-nccl",
+            "--no-cuda", timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    deadline = time.monotonic() + 30 * SLOWDOWN
+    while min(_traced_ranks(pids[0]).values() or [0]) < 20 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    r = cli("trace", "--pid", str(pids[0]), "--cluster", "--stop", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    stopped = time.monotonic()
+    while time.monotonic() - stopped < HANG_AFTER_S + 5:  # a stall the trace would date
+        time.sleep(1)
+    for how in (["--cluster"], [a for p in pids[1:] for a in ("--pid", str(p))]):
+        r = cli("diagnose", "--pid", str(pids[0]), *how, "--format", "json", timeout=120)
+        assert r.returncode in (0, 2), r.stderr
+        d = json.loads(r.stdout)
+        assert d["hangs"] == [], (how, d["verdict"])
+        assert "stopped tracing since" in d["verdict"], (how, d["verdict"])
+        assert sorted(u["rank"] for u in d["untraced"]) == list(range(WORLD)), d["untraced"]

@@ -95,7 +95,16 @@ def test_a_cpu_starved_rank_is_named(job) -> None:  # type: ignore[no-untyped-de
     busy_cpu, free_cpu = sorted(os.sched_getaffinity(0))[:2]
     rank = random.randrange(WORLD)
     print(f"starved: rank {rank} on cpu {busy_cpu}")
-    prefix = {r: ["taskset", "-c", str(busy_cpu if r == rank else free_cpu)] for r in range(WORLD)}
+    # this test's load must dominate whatever else runs (CI builds its VM image
+    # meanwhile, in sessions of its own, which autogroup weighs as much as a
+    # rank): the healthy ranks run first in line on their CPU (SCHED_FIFO; they
+    # block in the collective most of a step), so other work slows only the
+    # starved rank, and it only more
+    prefix = {
+        r: ["taskset", "-c", str(busy_cpu)] if r == rank
+        else ["chrt", "-f", "1", "taskset", "-c", str(free_cpu)]
+        for r in range(WORLD)
+    }  # fmt: skip
     j = job("--work", "30", "--load-ms", "2", rank_prefix=prefix)
     # each hog in its own session: with autogroup scheduling a session shares a CPU
     # as one task, and every rank runs in a session of its own

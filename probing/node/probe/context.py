@@ -32,6 +32,16 @@ if TYPE_CHECKING:
     from probing.node.store import Store
     from probing.node.tables.nvml import Sampler
 
+# the traces a probe remembers (trace.intervals): a day of one a minute
+KEEP_INTERVALS = 1440
+
+
+def _interval(tracer: Tracer) -> tuple[int, int, str]:
+    """(start_ns, stop_ns or 0 while it traces, its families) of ``tracer``."""
+    stopped = tracer.stopped_ns if tracer.stopped_ns >= tracer.started_ns else 0
+    return tracer.started_ns, stopped, ",".join(f.name for f in tracer.families)
+
+
 # registers tables on a new engine: (engine, context)
 Installer = Callable[["Engine", "ProbeContext"], None]
 # the cluster node of a context in cluster mode, or None (probing.node.cluster)
@@ -70,6 +80,8 @@ class ProbeContext:
         self.socket_path = socket_path or paths.socket_path(self.pid)
         self.queries = 0
         self.tracer: Tracer | None = None  # the last tracer started here
+        # the traces before it: (start_ns, stop_ns, families), oldest first (trace.intervals)
+        self.traced: list[tuple[int, int, str]] = []
         self.cluster: Any = None  # a ClusterNode in cluster mode (probing.node.cluster)
         self.server: UnixHTTPServer | None = None
         self._store = store
@@ -167,6 +179,9 @@ class ProbeContext:
             _ = self.engine  # the tables exist before the first event arrives
             tracer = Tracer(families, store=self.store, target=self.target, **options)
             tracer.start()
+            if current is not None and current.started_ns:
+                self.traced.append(_interval(current))
+                del self.traced[:-KEEP_INTERVALS]
             self.tracer = tracer
             if self.target.local and not self._stop_at_exit:  # detach before the interpreter goes
                 atexit.register(self.stop_trace)
@@ -178,6 +193,27 @@ class ProbeContext:
         if tracer is not None:
             tracer.stop()
         return tracer
+
+    def trace_intervals(self) -> list[dict[str, Any]]:
+        """When this process was traced (``trace.intervals``): each trace's
+        start and stop, the current one open (``stop_ns`` NULL) while it
+        traces, closed at the process's death if it died tracing."""
+        rows = [
+            {"start_ns": a, "stop_ns": b, "state": "stopped", "families": f}
+            for a, b, f in self.traced
+        ]
+        tracer = self.tracer
+        if tracer is not None and tracer.started_ns:
+            start, stop, fams = _interval(tracer)
+            rows.append({"start_ns": start, "stop_ns": stop or None, "state": "stopped",
+                         "families": fams})  # fmt: skip
+            if not stop:
+                rows[-1]["state"] = "tracing"
+        died = getattr(self.target, "died_ns", None)
+        for row in rows:
+            if died and (row["stop_ns"] is None or row["stop_ns"] > died):
+                row["stop_ns"], row["state"] = died, "died"
+        return rows
 
     # -- serving ----------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ class Context(Protocol):
     @property
     def nvml(self) -> nvml.Sampler: ...
 
+    def trace_intervals(self) -> list[dict[str, Any]]: ...
+
 
 class Alone:
     """The ``Context`` of an engine outside a probe: no tracer, no peers."""
@@ -36,6 +38,9 @@ class Alone:
         self.cluster = None
         self.target = Local()
         self.nvml = nvml.Sampler(engine.store)
+
+    def trace_intervals(self) -> list[dict[str, Any]]:
+        return []
 
 
 def install(engine: Engine, ctx: Context | None = None) -> None:
@@ -52,7 +57,7 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     engine.register_table("nvml", "devices", gpu.devices_table)
     puller = Puller(target.external, engine.store)
     engine.register_resolver("python", python.resolver(target.expr, puller.pull, engine.store))
-    trace.install(engine, lambda: probe.tracer)
+    trace.install(engine, lambda: probe.tracer, probe.trace_intervals)
     samples.install(engine)
     engine.register_table("comm", "groups", groups.provider(target.groups, engine.store))
     engine.register_table("comm", "flight", flight.provider(target.flight))

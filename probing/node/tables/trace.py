@@ -1,5 +1,6 @@
 """The traced tables: ``<family>.calls`` (store), ``<family>.inflight``,
-``probing.uprobes``, ``python.stacks`` (store) and the views
+``probing.uprobes``, ``trace.intervals`` (when the process was traced),
+``python.stacks`` (store) and the views
 ``comm.collectives`` and ``python.callsites``.
 
 The store tables exist, typed and empty, before any tracing, so queries and
@@ -62,11 +63,26 @@ def _uprobes(current: CurrentTracer) -> Callable[[], pa.Table]:
     return produce
 
 
-def install(engine: Engine, current: CurrentTracer = lambda: None) -> None:
+# when the process was traced: one row a trace, stop_ns NULL while it traces;
+# state 'tracing', 'stopped' or 'died' (it died tracing: stop_ns is its death)
+INTERVALS_SCHEMA = pa.schema(
+    [("start_ns", pa.int64()), ("stop_ns", pa.int64()), ("state", pa.string()),
+     ("families", pa.string())]
+)  # fmt: skip
+
+
+def install(
+    engine: Engine,
+    current: CurrentTracer = lambda: None,
+    intervals: Callable[[], list[dict[str, Any]]] = list,
+) -> None:
     for name, family in families.FAMILIES.items():
         engine.store.table(family.table, "calls", family.schema)
         engine.register_table(family.table, "inflight", _inflight(name, current))
     engine.register_table("probing", "uprobes", _uprobes(current))
+    engine.register_table(
+        "trace", "intervals", lambda: pa.Table.from_pylist(intervals(), schema=INTERVALS_SCHEMA)
+    )
     engine.register_view("comm", "collectives", COLLECTIVES_SQL)
     engine.store.table("python", "stacks", STACKS_SCHEMA)
     engine.register_view("python", "callsites", CALLSITES_SQL)
