@@ -9,26 +9,35 @@ BPF_HASH(context_seq, u64, u64, 4096);
 
 /* torch runs Gloo collectives on ProcessGroupGloo's worker threads, which
  * have no Python stack: the stack is the one of the Python thread that
- * enqueued the work. ProcessGroupGloo::enqueue(intrusive_ptr<AsyncWork>)
- * runs on that thread (the pointer arrives by invisible reference), and
- * AsyncWork::execute(const intrusive_ptr<AsyncWork>&) on the worker. */
-BPF_HASH(work_stack, u64, u32, 4096);        /* AsyncWork* -> enqueuer's stack id */
-BPF_HASH(worker_stack, u32, u32, 4096);      /* worker tid -> stack id of its work */
+ * enqueued the work, and so is the thread the event names (`caller`: the
+ * thread that trains, whatever its name). ProcessGroupGloo::enqueue
+ * (intrusive_ptr<AsyncWork>) runs on that thread (the pointer arrives by
+ * invisible reference), and AsyncWork::execute(const intrusive_ptr<AsyncWork>&)
+ * on the worker. */
+struct enqueued {
+    u32 stack_id; /* the enqueuer's Python stack (0: none) */
+    u32 tid;      /* the enqueuer */
+};
+BPF_HASH(work_stack, u64, struct enqueued, 4096);   /* AsyncWork* -> who enqueued it */
+BPF_HASH(worker_stack, u32, struct enqueued, 4096); /* worker tid -> who enqueued its work */
 
 int gloo_enqueue(struct pt_regs *ctx) {
     u64 work = read_u64(arg(ctx, 2));
-    u32 id = py_stack_id();
-    if (work && id)
-        work_stack.update(&work, &id);
+    struct enqueued by = {.stack_id = py_stack_id(), .tid = (u32)bpf_get_current_pid_tgid()};
+    if (work)
+        work_stack.update(&work, &by);
     return 0;
 }
 int gloo_execute(struct pt_regs *ctx) {
     u64 work = read_u64(arg(ctx, 1));
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    u32 *id = work_stack.lookup(&work);
-    u32 v = id ? *id : 0;
-    if (id)
+    struct enqueued *by = work_stack.lookup(&work);
+    struct enqueued v = {};
+    if (by) {
+        v.stack_id = by->stack_id;
+        v.tid = by->tid;
         work_stack.delete(&work);
+    }
     worker_stack.update(&tid, &v);
     return 0;
 }
@@ -144,10 +153,11 @@ static __always_inline int collective(struct pt_regs *ctx, u16 fn) {
     EVENT ev = {};
     hdr_init(&ev.hdr, fn);
     ev.peer = -1;
-    if (!ev.hdr.stack_id) {
-        u32 *w = worker_stack.lookup(&ev.hdr.tid);
-        if (w)
-            ev.hdr.stack_id = *w;
+    struct enqueued *by = worker_stack.lookup(&ev.hdr.tid);
+    if (by) {
+        if (!ev.hdr.stack_id)
+            ev.hdr.stack_id = by->stack_id;
+        ev.caller = by->tid;
     }
     u64 opts = arg(ctx, 1);
     u64 context = read_u64(opts);

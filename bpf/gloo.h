@@ -65,6 +65,8 @@ struct gloo_event {
     s32 peer;        /* send/recv: the other rank (in the group), else -1 */
     s32 tag;         /* send/recv: the tag */
     u64 wait_ns;     /* send/recv: time blocked in the work's wait() (dur_ns: since posted) */
+    u32 caller;      /* a collective run on a worker thread: the thread that enqueued it */
+    u32 pad;
 };
 
 /* the event struct bpf/preamble.c builds its maps and helpers on */

@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from probing.config import VERSION as __version__
 from probing.errors import (
     AccessDenied,
     AttachError,
@@ -24,6 +23,7 @@ from probing.errors import (
     ProbingError,
     QueryError,
 )
+from probing.guest.place import VERSION as __version__
 
 if TYPE_CHECKING:
     from probing.node.probe.context import ProbeContext

@@ -24,7 +24,7 @@ FAST: dict[str, tuple[dict[str, tuple[str, object]], int]] = {
     "stack": ({**_PID, **_FMT, **_INJECT}, 0),
     "ps": ({}, 0),
 }
-FORMATS = ("table", "csv", "json")
+FORMATS = {"query": ("table", "csv", "json"), "stack": ("table", "json")}
 
 
 def parse(argv: list[str]) -> tuple[str, dict[str, object], list[str]] | None:
@@ -66,7 +66,7 @@ def parse(argv: list[str]) -> tuple[str, dict[str, object], list[str]] | None:
         opts["pid"] = int(pid)
     elif argv[0] != "ps":
         return None
-    if "--format" in spec and opts.setdefault("fmt", "table") not in FORMATS:
+    if "--format" in spec and opts.setdefault("fmt", "table") not in FORMATS[argv[0]]:
         return None
     return argv[0], opts, pos
 
@@ -104,11 +104,9 @@ def _stack(pid: int, fmt: str, inject: bool = True) -> None:
 
 
 def _ps() -> None:
-    from probing.cli.render import format_rows
-    from probing.procs import python_processes
+    from probing.cli.commands.engine import ps_text
 
-    rows = [[p.pid, p.user, p.probe, p.cmdline] for p in python_processes()]
-    _echo(format_rows(["PID", "USER", "PROBE", "COMMAND"], rows))
+    _echo(ps_text())
 
 
 def fast(argv: list[str]) -> Callable[[], int] | None:
@@ -146,6 +144,11 @@ def fast(argv: list[str]) -> Callable[[], int] | None:
 
 def main() -> None:
     argv = sys.argv[1:]
+    if argv == ["--version"]:  # as the typer app prints it, without importing it
+        from probing import __version__
+
+        _echo(f"probing {__version__}")
+        sys.exit(0)
     if argv[:1] == ["run"]:
         from probing.cli.app import run_script
 

@@ -24,8 +24,6 @@ from typing import Any
 from probing.errors import ProbingError
 from probing.guest.place import RUNTIME_DEFAULT
 
-VERSION = "0.1.0"
-
 TRUTHY = frozenset({"1", "true", "yes", "on"})
 FALSY = frozenset({"0", "false", "no", "off"})
 
@@ -66,6 +64,11 @@ class Config:
     )
     engine_idle_s: float = _setting(
         "PROBING_ENGINE_IDLE_S", 60.0, "the engine exits this long after its last process"
+    )
+    version_override: str = _setting(
+        "PROBING_VERSION_OVERRIDE",
+        "",
+        "state this version at the handshakes instead of probing's own (tests of an upgrade)",
     )
     detect_s: float = _setting(
         "PROBING_DETECT_S",
@@ -158,6 +161,11 @@ class Config:
         "PROBING_ANSWER_TIMEOUT_S",
         30.0,
         "how long `probing` waits for a probe's answer (more on a slow or emulated machine)",
+    )
+    mcp_token: str = _setting(
+        "PROBING_MCP_TOKEN",
+        "",
+        "the bearer token `probing mcp --http` requires (needed off the loopback)",
     )
 
     @property

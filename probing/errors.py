@@ -26,6 +26,14 @@ class NoSuchProcess(ProbingError):
     """The pid does not exist (or exited)."""
 
 
+def no_such_pid(pid: int, what: str = "no process with pid {pid}") -> NoSuchProcess:
+    """``pid`` names no process (or no valid one: ``what``): and where the
+    ones to give are."""
+    return NoSuchProcess(
+        what.format(pid=pid), pid=pid, hint="probing ps lists the Python processes"
+    )
+
+
 class NoProbe(ProbingError):
     """The process exists but carries no probe, or its probe does not answer."""
 
@@ -36,6 +44,11 @@ class AccessDenied(ProbingError):
 
 class QueryError(ProbingError):
     """The SQL was rejected: syntax, planning, a refused statement, a table error."""
+
+
+# the hint of a query naming no table a probe has (the engine's); the command
+# line, which knows the pid, names its own command instead
+LIST_TABLES = "SHOW TABLES lists them"
 
 
 class EvalError(ProbingError):
@@ -70,6 +83,11 @@ class NotTracing(ProbingError):
     """A stop asked of a process that is not tracing."""
 
 
+class NotInCluster(ProbingError):
+    """A question for the whole job asked of a probe that is no rank of one
+    (yet): no torch.distributed, no cluster settings, or PROBING_CLUSTER=off."""
+
+
 class ProviderError(ProbingError):
     """A table's provider failed: a bug in probing, not in the SQL. The probe
     answers 500 and writes the traceback to its log (the host's stderr)."""
@@ -93,6 +111,7 @@ ERRORS: dict[str, type[ProbingError]] = {
         UnsupportedPython,
         AlreadyTracing,
         NotTracing,
+        NotInCluster,
         ProviderError,
     )
 }
@@ -104,6 +123,7 @@ STATUS: dict[type[ProbingError], int] = {
     AccessDenied: 403,
     AlreadyTracing: 409,
     NotTracing: 409,
+    NotInCluster: 409,
     PeerUnreachable: 503,
 }
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import psutil
 
 from probing import elf, paths
+from probing.errors import NoProbe
 from probing.guest.inside import task_stat, task_syscall  # noqa: F401 - procs is their home here
 
 _PY_EXE = re.compile(r"^python(\d+(\.\d+)*)?$")
@@ -67,6 +68,28 @@ def is_python(proc: psutil.Process) -> bool:
     except psutil.Error:
         name = ""
     return bool(_PY_EXE.match(name)) or _maps_has_libpython(proc.pid)
+
+
+def no_probe(pid: int) -> NoProbe:
+    """The error of a process ``pid`` without a probe, with what to do: inject
+    one into a Python process; nothing, into any other."""
+    try:
+        proc = psutil.Process(pid)
+        python, name = is_python(proc), proc.name()
+    except psutil.Error:  # gone meanwhile, or not ours to read: say what it usually is
+        python, name = True, "?"
+    if not python:
+        return NoProbe(
+            f"process {pid} ({name}) is not a Python process: it has no probe, "
+            "and none can be injected",
+            pid=pid,
+            hint="probing ps lists the Python processes",
+        )
+    return NoProbe(
+        f"process {pid} has no probe",
+        pid=pid,
+        hint=f"start it with PROBING=1, or attach with: probing inject --pid {pid}",
+    )
 
 
 def socket_alive(path: str, timeout: float = 0.3) -> bool:

@@ -381,6 +381,10 @@ def test_callsites_pick_each_ranks_most_frequent() -> None:
 
     install(engine)
     assert engine.sql(queries(False)["callsites"].format(since_ns=0)).num_rows == 0
+    # and so do the questions of why: which thread issued what, samples and CUDA calls
+    for name in ("samples", "cuda"):
+        asked = engine.sql(queries(False)[name].format(since_ns=0))
+        assert asked.num_rows == 0 and "tid" in asked.column_names
 
 
 def test_two_groups_of_one_size_are_matched_per_group_with_comm_groups() -> None:

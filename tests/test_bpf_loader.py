@@ -40,6 +40,8 @@ GLOO_DESC = [
         ["peer", "int"],
         ["tag", "int"],
         ["wait_ns", "unsigned long long"],
+        ["caller", "unsigned int"],
+        ["pad", "unsigned int"],
     ],
     "struct_packed",
 ]
@@ -47,10 +49,10 @@ GLOO_DESC = [
 
 def test_a_c_struct_from_bccs_description_flattens_to_the_events_fields() -> None:
     ctype = loader.ctype_of(GLOO_DESC)
-    assert ctypes.sizeof(ctype) == fam.GLOO_EVENT.itemsize == 96
+    assert ctypes.sizeof(ctype) == fam.GLOO_EVENT.itemsize == 104
     fields = loader.c_fields(ctype)
     assert fields[:3] == [("ts", 0, 8), ("dur_ns", 8, 8), ("tid", 16, 4)]
-    assert fields[-1] == ("wait_ns", 88, 8)
+    assert fields[-3:] == [("wait_ns", 88, 8), ("caller", 96, 4), ("pad", 100, 4)]
     assert fields == loader.dtype_fields(fam.GLOO_EVENT)
     loader.check_dtype("gloo event", fam.GLOO_EVENT, ctype)  # the real mirror passes
 

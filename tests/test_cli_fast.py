@@ -148,8 +148,11 @@ def test_query_stack_and_ps_print_what_typer_prints_without_its_imports(spawn) -
         assert "typer" in slow[3]
     code, out, err, modules = _split(_run("ps"))
     assert code == 0 and err == ""
-    listed = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    processes, _, engines = out.partition("\n\nengines:\n")
+    listed = {line.split()[0]: line.split() for line in processes.splitlines()[2:]}
     assert listed[pid][2] == "yes"
+    serving = str(ProbeClient.for_pid(t.pid).health()["engine_pid"])
+    assert serving in {line.split()[0] for line in engines.splitlines()[2:]}, out
     assert not set(modules) & {"typer", "pyarrow", "numpy"}
 
 
@@ -168,7 +171,9 @@ def test_errors_are_one_line_on_stderr(spawn) -> None:
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith("probing: error: ") and r.stderr.endswith("\n")
     gone = cli("stack", "-p", "999999999")
-    assert gone.returncode == 1 and gone.stderr == "probing: error: no process with pid 999999999\n"
+    assert gone.returncode == 1 and gone.stderr == (
+        "probing: error: no process with pid 999999999 (probing ps lists the Python processes)\n"
+    )
 
 
 def test_rows_are_encoded_in_steps_and_capped() -> None:

@@ -54,6 +54,56 @@ def test_a_rank_the_environment_does_not_name_is_learned_from_torch() -> None:
     assert identity.learned(ident, {"rank": 1, "world": 4}).master == ("h", 7)
 
 
+STORE = {"MASTER_ADDR": "10.1.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "env", "want"),
+    [
+        ("srun (Megatron)", {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"},
+         (5, 8, 1)),
+        ("Open MPI", {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                      "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, (3, 4, 3)),
+        ("Hydra (PMI)", {"PMI_RANK": "2", "PMI_SIZE": "16", "MPI_LOCALRANKID": "2"}, (2, 16, 2)),
+        ("srun --mpi=pmix", {"PMIX_RANK": "6", "SLURM_PROCID": "6", "SLURM_NTASKS": "12",
+                             "SLURM_LOCALID": "2"}, (6, 12, 2)),
+        # mpirun inside an allocation: its ranks inherit the batch step's SLURM_PROCID=0
+        ("mpirun under sbatch", {"SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                                 "OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_SIZE": "8"},
+         (7, 8, 0)),
+        # torchrun's own variables win over the launcher's that started torchrun
+        ("torchrun under srun", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "13",
+                                 "WORLD_SIZE": "16", "LOCAL_RANK": "5"}, (13, 16, 5)),
+    ],
+)  # fmt: skip
+def test_a_rank_from_other_launchers_where_rank_is_absent(
+    launcher: str, env: dict[str, str], want: tuple[int, int, int]
+) -> None:
+    ident = identity.from_env({**env, **STORE})
+    assert (ident.rank, ident.world_size, ident.local_rank) == want, launcher
+    assert identity.known(ident)
+
+
+def test_a_kubeflow_pods_index_is_not_a_rank_but_torchruns_in_it_is() -> None:
+    """A PyTorchJob's pod 1 of 2, with torchrun starting 4 processes in it:
+    Kubeflow sets RANK to the pod's index; torchrun gives each process its own
+    (with TORCHELASTIC_RUN_ID). The launcher is no rank of the job."""
+    pod = {"RANK": "1", "WORLD_SIZE": "8", "PET_NPROC_PER_NODE": "4", "PET_NNODES": "2",
+           "PET_NODE_RANK": "1", **STORE}  # fmt: skip
+    launcher = identity.from_env(pod)
+    assert launcher.rank == -1 and not identity.known(launcher)
+    worker = {**pod, "RANK": "6", "LOCAL_RANK": "2", "GROUP_RANK": "1",
+              "TORCHELASTIC_RUN_ID": "pytorchjob-1"}  # fmt: skip
+    ident = identity.from_env(worker)
+    assert (ident.rank, ident.world_size, ident.local_rank, ident.group_rank) == (6, 8, 2, 1)
+    assert identity.known(ident)
+    # one process a pod, started without torchrun: the pod's index is its rank
+    alone = identity.from_env({**pod, "PET_NPROC_PER_NODE": "1"})
+    assert alone.rank == 1 and identity.known(alone)
+    # and PROBING_RANK says it whatever the launcher
+    assert identity.from_env({**pod, "PROBING_RANK": "3"}).rank == 3
+
+
 def test_peer_list_from_string_and_file(tmp_path) -> None:
     assert identity.parse_peers(" 10.0.0.1:7070, 10.0.0.2:7070 ,") == (
         "10.0.0.1:7070",

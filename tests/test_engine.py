@@ -61,7 +61,7 @@ def test_writes_and_statements_are_refused(engine: Engine, sql: str) -> None:
 
 
 def test_bad_sql_names_the_problem(engine: Engine) -> None:
-    with pytest.raises(QueryError, match="not found"):
+    with pytest.raises(QueryError, match="no table process.nope"):
         engine.sql("SELECT * FROM process.nope")
     with pytest.raises(QueryError):
         engine.sql("SELEC 1")

@@ -84,7 +84,7 @@ def test_event_sizes_follow_c_layout() -> None:
     # struct sizes with natural alignment, as the C compiler lays them out
     assert fam.NCCL_EVENT.itemsize == 88
     assert fam.CUDA_EVENT.itemsize == 96
-    assert fam.GLOO_EVENT.itemsize == 96
+    assert fam.GLOO_EVENT.itemsize == 104
 
 
 def _events(event_type: np.dtype, **cols: list) -> np.ndarray:  # type: ignore[type-arg]
@@ -158,6 +158,17 @@ def test_cuda_decode_without_names() -> None:
     assert (k["grid"], k["block"], k["bytes"], k["stream"], k["kind"]) == (
         [2, 3, 4], [32, 1, 1], 128, 0x77, None)  # fmt: skip
     assert (m["kind"], m["bytes"], m["grid"], m["stream"]) == ("DeviceToHost", 4096, None, None)
+
+
+def test_a_gloo_collective_is_the_thread_that_enqueued_it() -> None:
+    """A collective run by ProcessGroupGloo's worker (tid 50) for the thread
+    that trains (tid 7) is that thread's; a call with no enqueuer (a send's
+    wait, on the thread that waits) stays its own thread's."""
+    ar, send = (_fn(fam.GLOO_FUNCS, e) for e in ("GLOO_ALLREDUCE", "GLOO_SEND"))
+    ev = _events(fam.GLOO_EVENT, fn=[ar, send], flags=[1, 1], tid=[50, 8], caller=[7, 0],
+                 context=[0xC0, 0xD0])  # fmt: skip
+    rows = fam.to_batch(fam.FAMILIES["gloo"], ev, fam.Decoded(0, 1), 0).to_pylist()
+    assert [(r["op"], r["tid"]) for r in rows] == [("allreduce", 7), ("send", 8)]
 
 
 @pytest.mark.parametrize("vtable", [False, True])

@@ -246,6 +246,43 @@ def test_an_idle_thread_of_one_rank_only_is_not_its_cause() -> None:
     assert "load_batch" in d.verdict and "Observer" not in d.verdict, d.verdict
 
 
+@pytest.mark.parametrize("issues", ["collectives", "launches"])
+def test_the_thread_that_trains_is_counted_whatever_its_name(issues: str) -> None:
+    """A launcher runs the training loop in a ``threading.Thread`` while its
+    main thread waits in the launcher's own loop. The worker thread issues the
+    rank's collectives (SAMPLES_SQL's ``trains``), or launches its kernels
+    (CUDA_SQL's rows, by thread): its time off CPU counts, and the function
+    that sleeps 60 ms a step in it on rank 1 is named. A pin-memory thread
+    that only copies is still an idle helper: its longer wait on rank 1 is not."""
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {
+        r: [("off", "/job/train.py", "attention", 41, (60.0 if r == 1 else 0.3) * steps),
+            ("cpu", "/job/train.py", "step", 12, 5.0 * steps),
+            ("off", "/lib/launcher/loop.py", "Launcher.poll", 88, 110.0 * steps),
+            ("off", "/lib/torch/pin_memory.py", "_pin_memory_loop", 30,
+             (90.0 if r == 1 else 20.0) * steps)]
+        for r in range(4)
+    }  # fmt: skip
+    thread = {"Launcher.poll": ("MainThread", 100), "_pin_memory_loop": ("Thread-2", 300)}
+    rows, cuda = [], []
+    for row in _samples(per, span).to_pylist():
+        name, tid = thread.get(row["func"], ("Thread-1 (train)", 200))
+        tick = row["kind"] == "tick"  # the sampler's read: no thread's
+        rows.append({**row, "thread": None if tick else name, "tid": 0 if tick else tid,
+                     "trains": issues == "collectives" and tid == 200 and not tick})  # fmt: skip
+    for r in range(4):
+        cuda += [{"api": "cudaLaunchKernel", "tid": 200, "dur_ns": 10**6, "rank": r},
+                 {"api": "cudaMemcpyAsync", "tid": 300, "dur_ns": 10**5, "rank": r}]  # fmt: skip
+    d = analyze(job(straggler=1, lag_ms=60, seed=3), now_ns=T0, samples=pa.Table.from_pylist(rows),
+                cuda=pa.Table.from_pylist(cuda) if issues == "launches" else None)  # fmt: skip
+    assert [s.rank for s in d.stragglers] == [1], d.verdict
+    fn = [w for w in d.why if w.kind == "function"]
+    assert [w.what for w in fn] == ["attention"], d.why
+    assert fn[0].off_cpu_ms is not None and fn[0].off_cpu_ms > 50, fn[0]
+    assert "attention (/job/train.py:41)" in d.verdict and "nothing of its own" not in d.verdict
+    assert "_pin_memory_loop" not in d.verdict and "Launcher" not in d.verdict, d.verdict
+
+
 def test_a_hang_in_a_subgroup_names_only_that_groups_missing_rank() -> None:
     rows = []
     for r in (2, 3):  # a 2-rank tensor-parallel group; rank 3 never enters #10

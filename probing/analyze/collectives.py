@@ -107,6 +107,7 @@ class Straggler:
     collectives: int
     p_value: float
     groups: list[str] = dataclasses.field(default_factory=list)  # the communicators it slows
+    place: str = ""  # where it sits in the job's layout ("TP 1 of 2, PP stage 0, DP 0")
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from probing.analyze import collectives as coll
-from probing.analyze import columns
+from probing.analyze import columns, mesh
 from probing.analyze import coverage as cv
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
@@ -54,22 +54,26 @@ CALLSITES_SQL = (
 
 
 # where each rank spent its time (python.samples, by the innermost user frame,
-# and whether it waited for its DataLoader's worker processes) and in CUDA
-# calls: asked only when there is a straggler to explain
+# whether it waited for its DataLoader's worker processes, and whether its
+# thread issued collectives: the thread that trains, whatever its name) and in
+# CUDA calls (by the thread that made them): asked only when there is a straggler to explain
 SAMPLES_SQL = (
     "SELECT s.kind AS kind, c.file AS file, c.func AS func, c.line AS line, "
     "c.via_file AS via_file, c.via_func AS via_func, l.stack_id IS NOT NULL AS loader, "
-    "s.thread AS thread, sum(s.dur_ns) AS dur_ns, sum(s.count) AS n{tags} FROM python.samples s "
+    "s.thread AS thread, s.tid AS tid, t.tid IS NOT NULL AS trains, sum(s.dur_ns) AS dur_ns, "
+    "sum(s.count) AS n{tags} FROM python.samples s "
     "LEFT JOIN python.callsites c ON s.stack_id = c.stack_id{same_rank} "
     "LEFT JOIN (SELECT DISTINCT stack_id{ltags} FROM python.stacks "
     "WHERE file LIKE '%torch/utils/data/dataloader.py' AND func LIKE '%._get_data') l "
-    "ON s.stack_id = l.stack_id{loader_rank} WHERE s.ts >= {since_ns} "
+    "ON s.stack_id = l.stack_id{loader_rank} "
+    "LEFT JOIN (SELECT DISTINCT tid{ltags} FROM comm.collectives WHERE ts >= {since_ns}) t "
+    "ON s.tid = t.tid{issuer_rank} WHERE s.ts >= {since_ns} "
     "GROUP BY s.kind, c.file, c.func, c.line, c.via_file, c.via_func, l.stack_id IS NOT NULL, "
-    "s.thread{group}"
+    "s.thread, s.tid, t.tid IS NOT NULL{group}"
 )  # by thread too: the threads without Python (Gloo's, OpenMP's) wait for a CPU as well
 CUDA_SQL = (
-    "SELECT api, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
-    "WHERE ts >= {since_ns} GROUP BY api{group}"
+    "SELECT api, tid, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
+    "WHERE ts >= {since_ns} GROUP BY api, tid{group}"
 )
 
 
@@ -124,6 +128,7 @@ def queries(remote: bool) -> dict[str, str]:
         same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
         ltags=rank,
         loader_rank=" AND l.node = s.node AND l.rank = s.rank" if remote else "",
+        issuer_rank=" AND t.node = s.node AND t.rank = s.rank" if remote else "",
         group=", s.node, s.rank" if remote else "",
         since_ns="{since_ns}",
     )  # fmt: skip
@@ -316,7 +321,7 @@ def verdict(
     if stragglers:
         s = stragglers[0]
         since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
-        node = f" on node {s.node}" if s.node else ""
+        node = (f" ({s.place})" if s.place else "") + (f" on node {s.node}" if s.node else "")
         groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
         cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
         return (
@@ -417,6 +422,8 @@ def analyze(
     if not hangs and states:
         hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
     strag = [] if hangs else coll.stragglers(matched, nodes)
+    for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
+        late.place = mesh.place_text(late.rank, ranks_of or {})
     # a straggler slows the collectives too (its share of the reduction runs late)
     slow = [] if hangs or strag else coll.slow_links(matched, nodes)
     if slow and runq is not None:  # or ranks starved of CPU: the sampler tells them apart
@@ -427,7 +434,7 @@ def analyze(
         stacks.update(h.stacks)
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
     why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
-    why += explain_stage(pipe, samples)
+    why += explain_stage(pipe, samples, strag)
     d = Diagnosis(
         healthy=not (hangs or strag or slow or (pipe is not None and pipe.slow is not None)),
         verdict=verdict(strag, slow, hangs, summary, window_s, why, pipe),
@@ -540,11 +547,18 @@ def pipeline_hangs(
     ]  # fmt: skip
 
 
-def explain_stage(pipe: pp.Pipeline | None, samples: pa.Table | None) -> list[wy.Why]:
+def explain_stage(
+    pipe: pp.Pipeline | None,
+    samples: pa.Table | None,
+    stragglers: Sequence[coll.Straggler] = (),
+) -> list[wy.Why]:
     """What keeps a pipeline's slow stage busy: its functions against the
     other stages', per second of the window (a pipeline has no step the
-    collectives would give)."""
+    collectives would give); nothing where the stage is a straggler of
+    ``stragglers``, explained per step already (a function is said once)."""
     if pipe is None or pipe.slow is None or samples is None:
+        return []
+    if pipe.slow in {s.rank for s in stragglers}:
         return []
     st = pipe.stage(pipe.slow)
     extra = (st.busy_share - pp.others_busy(pipe.stages, st.rank)) * 1000.0  # ms/s of work
@@ -755,7 +769,7 @@ def diagnose(
         d.why = explain_stragglers(
             d.stragglers, matched, extra["samples"], extra["cuda"], extra["nvml"], extra["cpu"],
         )  # fmt: skip
-        d.why += explain_stage(d.pipeline, extra["samples"])
+        d.why += explain_stage(d.pipeline, extra["samples"], d.stragglers)
         d.verdict = verdict(
             d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why, d.pipeline
         )

@@ -79,7 +79,7 @@ def step_ms(collectives: list[Collective], comm: str) -> float | None:
     return float((starts[-1] - starts[0]) / 1e6 / ((len(starts) - 1) * per))
 
 
-MAIN_THREAD = "MainThread"  # Python's name for the thread that trains
+MAIN_THREAD = "MainThread"  # Python's name for the thread that usually trains
 
 
 @dataclasses.dataclass
@@ -89,7 +89,28 @@ class Profile:
     native_runq: dict[int, float]  # rank -> ns its threads without Python waited for a CPU
 
 
-def _profile(rows: list[dict[str, Any]]) -> Profile:
+def trains(row: dict[str, Any], issuers: dict[int, set[int]]) -> bool:
+    """Whether a sampled row's thread is one that trains: it issued the rank's
+    collectives (``trains``, SAMPLES_SQL) or launched its kernels (``issuers``:
+    rank -> tids, ``launchers``), whatever its name (a launcher that runs the
+    loop in a ``threading.Thread``), or it is the main thread."""
+    if row.get("trains") or row.get("thread") == MAIN_THREAD:
+        return True
+    tid = row.get("tid")
+    return tid is not None and tid in issuers.get(row["rank"], ())
+
+
+def launchers(cuda: Sequence[dict[str, Any]]) -> dict[int, set[int]]:
+    """rank -> the threads that launched its kernels (CUDA_SQL's rows): those
+    that train; a pin-memory thread copies, it launches nothing."""
+    out: dict[int, set[int]] = defaultdict(set)
+    for call in cuda:
+        if call.get("tid") is not None and "Launch" in str(call.get("api") or ""):
+            out[call["rank"]].add(int(call["tid"]))
+    return out
+
+
+def _profile(rows: list[dict[str, Any]], cuda: Sequence[dict[str, Any]] = ()) -> Profile:
     prof: dict[int, dict[Any, dict[str, Any]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(float))
     )
@@ -97,16 +118,18 @@ def _profile(rows: list[dict[str, Any]]) -> Profile:
     vias: dict[tuple[int, Any, Any], dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     span: dict[int, float] = defaultdict(float)
     native: dict[int, float] = defaultdict(float)
-    # a Python thread other than the one that trains is off CPU while it idles
-    # (Lightning's child observer, a pin-memory or logger thread): only its
-    # work and its waits for a CPU can delay the rank, not its sleep
-    main = {row["rank"] for row in rows if row.get("thread") == MAIN_THREAD}
+    # a Python thread other than those that train is off CPU while it idles
+    # (Lightning's child observer, a pin-memory or logger thread, a launcher's
+    # main thread waiting for the one that trains): only its work and its waits
+    # for a CPU can delay the rank, not its sleep
+    issuers = launchers(cuda)
+    known = {row["rank"] for row in rows if row["kind"] != "tick" and trains(row, issuers)}
     for row in rows:
         r, kind, ns = row["rank"], row["kind"], float(row["dur_ns"] or 0)
         if kind == "tick":
             span[r] += ns
             continue
-        if kind == "off" and r in main and row.get("thread") != MAIN_THREAD:
+        if kind == "off" and r in known and not trains(row, issuers):
             continue
         key = (row.get("file"), row.get("func"))
         if row.get("loader"):  # waiting for its DataLoader's workers: their slowness
@@ -157,7 +180,7 @@ def explain(
     step = step or step_ms(collectives, s.comm)
     if not step:
         return []
-    prof = _profile(samples)
+    prof = _profile(samples, cuda or [])
     r = s.rank
     others = [q for q in prof.funcs if q != r and prof.span.get(q)]
     out: list[Why] = []

@@ -30,7 +30,7 @@ app = typer.Typer(
         "  probing inject --pid 1234\n\n"
         "  probing stack --pid 1234\n\n"
         "  probing ps\n\n"
-        '  probing query --pid 1234 "SELECT name, state FROM process.threads"\n\n'
+        "  probing query --pid 1234 'SELECT name, state FROM process.threads'\n\n"
         "  probing tables --pid 1234\n\n"
         "  probing doctor"
     ),
@@ -44,6 +44,13 @@ app = typer.Typer(
 class Format(str, Enum):
     table = "table"
     csv = "csv"
+    json = "json"
+
+
+class TextFormat(str, Enum):
+    """What a command that prints no rows of a table writes: text or JSON."""
+
+    table = "table"
     json = "json"
 
 
@@ -96,30 +103,79 @@ def command(
     return register
 
 
+def _version(value: bool) -> None:
+    if value:
+        from probing import __version__
+
+        typer.echo(f"probing {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="print probing's version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Query what a running Python / PyTorch process is doing, with SQL."""
+
+
 PidOpt = Annotated[int, typer.Option("--pid", "-p", help="process id of the target")]
 
 
 @command(epilog="Examples:\n\n  probing ps")
 def ps() -> None:
-    """Python processes on this machine, and which of them carry a probe."""
-    from probing.cli.render import format_rows
-    from probing.procs import python_processes
+    """Python processes on this machine, which of them carry a probe, and
+    the node's engines that serve the probes (this user's)."""
+    from probing.cli.commands.engine import ps_text
 
-    procs = python_processes()
-    rows = [[p.pid, p.user, p.probe, p.cmdline] for p in procs]
-    typer.echo(format_rows(["PID", "USER", "PROBE", "COMMAND"], rows))
+    typer.echo(ps_text())
+
+
+class EngineAction(str, Enum):
+    list = "list"
+    stop = "stop"
+
+
+@command(
+    epilog="Examples:\n\n  probing engine list\n\n  probing engine stop\n\n"
+    "  probing engine stop --pid 4242"
+)
+def engine(
+    action: Annotated[EngineAction, typer.Argument(help="list, or stop (gracefully)")],
+    pid: Annotated[
+        int | None, typer.Option("--pid", "-p", help="the engine's pid (stop: default all)")
+    ] = None,
+) -> None:
+    """The node's engines of this user: list them, or stop one (or all).
+    A stopped engine stops tracing; its processes go on, and are served by
+    a new engine when a probe is asked for again (probing inject)."""
+    from probing.cli.commands import engine as engines
+    from probing.cli.render import format_rows
+
+    if action is EngineAction.list:
+        typer.echo(format_rows(engines.ENGINE_COLUMNS, engines.engine_rows(engines.engines())))
+        return
+    for e in engines.stop(pid):
+        typer.echo(f"engine {e.pid} ({e.install}) stopped")
 
 
 @command(
     epilog=(
         "Examples:\n\n"
-        '  probing query --pid 1234 "SELECT count(*) FROM process.threads"\n\n'
-        '  probing query -p 1234 -f json "SELECT * FROM probing.tables"\n\n'
-        '  probing query -p 1234 "SELECT * FROM python.`torch.__version__`"\n\n'
-        '  probing query -p 1234 --cluster "SELECT rank, count(*) FROM process.threads '
-        'GROUP BY rank"\n\n'
-        "  PROBING_TOKEN=... probing query --addr 10.0.0.2:7070 --cluster --strict "
-        '"SELECT node, rank, max(ts) FROM comm.collectives GROUP BY node, rank"'
+        "  probing query --pid 1234 'SELECT count(*) FROM process.threads'\n\n"
+        "  probing query -p 1234 -f json 'SELECT * FROM probing.tables'\n\n"
+        "  probing query -p 1234 'SELECT * FROM python.`torch.__version__`'\n\n"
+        "  probing query -p 1234 'SHOW COLUMNS FROM comm.collectives'\n\n"
+        "  \b\n  probing query -p 1234 'SELECT to_timestamp_nanos(ts) AS time, op, dur_ns\n"
+        "    FROM comm.collectives ORDER BY ts DESC LIMIT 5'   # ts: wall-clock ns\n\n"
+        "  \b\n  probing query -p 1234 --cluster \\\n"
+        "    'SELECT rank, count(*) FROM process.threads GROUP BY rank'\n\n"
+        "  \b\n  PROBING_TOKEN=... probing query --addr 10.0.0.2:7070 --cluster --strict \\\n"
+        "    'SELECT node, rank, max(ts) FROM comm.collectives GROUP BY node, rank'"
     )
 )
 def query(
@@ -230,7 +286,9 @@ def inject_cmd(
 def stack(
     pid: PidOpt,
     inject: InjectOpt = True,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+    fmt: Annotated[
+        TextFormat, typer.Option("--format", "-f", help="table or json")
+    ] = TextFormat.table,
 ) -> None:
     """Every thread's Python stack, like py-spy dump: name, tid, state, file:line.
 
@@ -241,7 +299,7 @@ def stack(
     from probing.cli.render import format_stacks
 
     info, frames = stacks(pid, inject=inject, note=common.note)
-    if fmt is Format.json:
+    if fmt is TextFormat.json:
         typer.echo(json.dumps({"process": info, "frames": frames}, default=str))
     else:
         typer.echo(format_stacks(info, frames))
@@ -251,8 +309,8 @@ def stack(
     name="eval",
     epilog=(
         "Examples:\n\n"
-        '  probing eval --pid 1234 "len(gc.get_objects())"\n\n'
-        '  probing eval -p 1234 "import torch; print(torch.cuda.memory_allocated())"'
+        "  probing eval --pid 1234 'len(gc.get_objects())'\n\n"
+        "  probing eval -p 1234 'import torch; print(torch.cuda.memory_allocated())'"
     ),
 )
 def eval_cmd(
@@ -272,7 +330,7 @@ def eval_cmd(
     epilog=(
         "Examples:\n\n  probing nvml --pid 1234 --interval 100ms\n\n"
         "  probing nvml --pid 1234 --stop\n\n"
-        '  probing query -p 1234 "SELECT gpu, avg(util_gpu) FROM nvml.gpu GROUP BY gpu"'
+        "  probing query -p 1234 'SELECT gpu, avg(util_gpu) FROM nvml.gpu GROUP BY gpu'"
     )
 )
 def nvml(
@@ -302,8 +360,8 @@ def _family_flag(name: str, what: str) -> Any:  # a typer.OptionInfo
         "  probing trace -p 1234 --cluster --background   # every rank of the job\n\n"
         "  probing trace -p 1234 --cluster --stop\n\n"
         "  probing trace -p 1234 --job --background   # every rank on this machine\n\n"
-        '  probing query -p 1234 "SELECT op, count(*), avg(dur_ns) FROM comm.collectives '
-        'GROUP BY op"'
+        "  probing query -p 1234 'SELECT op, count(*), avg(dur_ns) FROM comm.collectives "
+        "GROUP BY op'"
     )
 )
 def trace(
@@ -382,20 +440,18 @@ def trace(
 
 @command(epilog="Examples:\n\n  probing doctor\n\n  probing doctor --format json")
 def doctor(
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+    fmt: Annotated[
+        TextFormat, typer.Option("--format", "-f", help="table or json")
+    ] = TextFormat.table,
 ) -> None:
     """Check kernel, BTF, tracefs, BCC, headers, CAP_BPF, ptrace and NVML."""
-    from probing.cli.doctor import run_all
+    from probing.cli.doctor import format_checks, run_all
 
     checks = run_all()
-    if fmt is Format.json:
+    if fmt is TextFormat.json:
         typer.echo(json.dumps([c._asdict() for c in checks], indent=1))
     else:
-        for c in checks:
-            status = "OK" if c.ok else ("FAIL" if c.required else "WARN")
-            typer.echo(f"{status:<5} {c.name:<8} {c.detail}")
-            if not c.ok and c.fix:
-                typer.echo(f"{'':<14}fix: {c.fix}")
+        typer.echo(format_checks(checks))
     if any(c.required and not c.ok for c in checks):
         raise typer.Exit(1)
 
@@ -464,8 +520,8 @@ def hook(
         "  probing diagnose -p 101 -p 102 --window 30s --format json\n\n"
         "  probing diagnose --pid 101 --cluster\n\n"
         "  probing diagnose --pid 101 --cluster --record 15s   # an untraced job\n\n"
-        '  probing diagnose -p 101 -p 102 --sql "SELECT rank, lag_ms_p99 FROM '
-        'analyze.stragglers"'
+        "  probing diagnose -p 101 -p 102 --sql 'SELECT rank, lag_ms_p99 FROM "
+        "analyze.stragglers'"
     )
 )
 def diagnose(
@@ -487,7 +543,9 @@ def diagnose(
         str | None,
         typer.Option(help="SQL over analyze.stragglers/slow_links/hangs/ranks/collectives"),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="table or json")] = Format.table,
+    fmt: Annotated[
+        TextFormat, typer.Option("--format", "-f", help="table or json")
+    ] = TextFormat.table,
     inject: InjectOpt = True,
     timeout: Annotated[
         float, typer.Option(help="seconds to wait for the peers (--cluster, --addr)")
@@ -553,8 +611,8 @@ class ExportFormat(str, Enum):
     epilog=(
         "Examples:\n\n"
         "  probing export --pid 1234 --cluster --format perfetto -o job.pftrace\n\n"
-        "  probing export -p 1234 --cluster --window 30s --max-events 2000000 -o last30s.pftrace"
-        "\n\n"
+        "  \b\n  probing export -p 1234 --cluster --window 30s --max-events 2000000 \\\n"
+        "    -o last30s.pftrace\n\n"
         "  probing export -p 1234 --cluster --format parquet -o job-parquet/\n\n"
         "  PROBING_TOKEN=... probing export --addr 10.0.0.2:7070 -o job.pftrace\n\n"
         "  (open a .pftrace in https://ui.perfetto.dev, or offline: probing ui --pid 1234)"
@@ -620,6 +678,44 @@ def ui_cmd(
     from probing.cli.commands.ui import serve
 
     serve(pid or [], addr, port, timeout)
+
+
+@command(
+    name="mcp",
+    epilog=(
+        "Examples:\n\n"
+        "  probing mcp                      # stdio: what an agent's MCP config spawns\n\n"
+        "  probing mcp --allow-control --out-dir ~/probing-mcp\n\n"
+        "  probing mcp --http --port 8765   # http://127.0.0.1:8765/mcp\n\n"
+        "  PROBING_MCP_TOKEN=$(openssl rand -hex 16) probing mcp --http --host 0.0.0.0"
+    ),
+)
+def mcp_cmd(
+    http: Annotated[
+        bool, typer.Option("--http", help="serve streamable HTTP instead of stdio")
+    ] = False,
+    host: Annotated[
+        str, typer.Option(help="address to listen on (--http); off the loopback: a token")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (--http; 0: a free one)")] = 8765,
+    token: Annotated[
+        str | None,
+        typer.Option(help="bearer token each HTTP request must carry (default $PROBING_MCP_TOKEN)"),
+    ] = None,
+    out_dir: Annotated[
+        str | None,
+        typer.Option(help="where traces and the audit log go (default: a private temp dir)"),
+    ] = None,
+    allow_control: Annotated[
+        bool, typer.Option("--allow-control", help="serve trace_start, trace_stop and eval")
+    ] = False,
+) -> None:
+    """Serve probing to AI agents over MCP: processes, stacks, SQL, diagnose, findings."""
+    from probing.cli.mcp import Options, serve
+    from probing.config import load
+
+    token = token or load().mcp_token or None
+    serve(Options(http, host, port, token, out_dir, allow_control))
 
 
 def main() -> None:

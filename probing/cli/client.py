@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,9 +24,14 @@ from probing.errors import (
     ProbingError,
     QueryError,
     from_wire,
+    no_such_pid,
 )
 from probing.guest import place
 from probing.node.probe import http
+
+# how long a client waits for the engine a live process's guest starts after
+# the one that served it died (a guest notices at once; an engine starts in ~1 s)
+ENGINE_RESTART_S = 5.0
 
 
 def answer_timeout(timeout: float | None = None) -> float:
@@ -76,7 +82,7 @@ class UnixTransport:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
-            sock.connect(self.path)
+            self._connect(sock)
             check_peer(sock, self.path, self.pid, self.uid)  # before a byte is sent
             answer = http.exchange(sock, http.request_bytes(url, body or b"", None, method))
             return answer.status, answer.content_type, answer.body
@@ -87,6 +93,14 @@ class UnixTransport:
                 hint="run probing as the process's user or as root",
             ) from err
         except (FileNotFoundError, ConnectionRefusedError) as err:
+            if self._guest_lives():
+                raise NoProbe(
+                    f"the node's engine that served pid {self.pid} stopped, and no new one "
+                    f"answered in {ENGINE_RESTART_S:g} s",
+                    pid=self.pid,
+                    hint="its guest starts a new one: try again; if it was stopped on purpose "
+                    f"(probing engine stop), start it with: probing inject --pid {self.pid}",
+                ) from err
             raise NoProbe(
                 f"no probe answers at {self.path}",
                 pid=self.pid,
@@ -100,6 +114,35 @@ class UnixTransport:
             raise NoProbe(f"cannot talk to the probe at {self.path}: {err}", pid=self.pid) from err
         finally:
             sock.close()
+
+    def _connect(self, sock: socket.socket) -> None:
+        """Connect; where the engine that served a live process died, wait up to
+        ``ENGINE_RESTART_S`` for the one its guest starts."""
+        deadline = time.monotonic() + ENGINE_RESTART_S
+        while True:
+            try:
+                sock.connect(self.path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline or not self._guest_lives():
+                    raise
+                time.sleep(0.05)
+
+    def _guest_lives(self) -> bool:
+        """Whether the process lives and its guest answers: a probe socket
+        that refuses is then an engine that died, not a process."""
+        if self.pid is None or not os.path.exists(f"/proc/{self.pid}"):
+            return False
+        guest = os.path.join(os.path.dirname(self.path), f"{self.pid}.guest")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(0.3)
+        try:
+            probe.connect(guest)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
 
     def answers(self, timeout: float = 0.3) -> bool:
         """Whether something accepts a connection on the socket (a socket
@@ -169,7 +212,7 @@ class ProbeClient:
     def for_pid(cls, pid: int, *, timeout: float | None = None) -> ProbeClient:
         """The client of ``pid``'s probe; raises a clear error when there is none."""
         if pid <= 0:
-            raise NoSuchProcess(f"{pid} is not a valid pid", pid=pid)
+            raise no_such_pid(pid, "{pid} is not a valid pid")
         try:
             path = paths.find_socket(pid)
         except paths.UnsafePath as err:
@@ -181,12 +224,10 @@ class ProbeClient:
             ) from err
         if path is None:
             if not os.path.exists(f"/proc/{pid}"):
-                raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
-            raise NoProbe(
-                f"process {pid} has no probe",
-                pid=pid,
-                hint=f"start it with PROBING=1, or attach with: probing inject --pid {pid}",
-            )
+                raise no_such_pid(pid)
+            from probing.procs import no_probe
+
+            raise no_probe(pid)
         uid = paths.pid_owner(pid)
         if uid is None:  # exited: only its engine may answer for it, with what it left
             if not UnixTransport(path).answers():

@@ -73,6 +73,35 @@ def check_nvml() -> Check:
         pynvml.nvmlShutdown()
 
 
+def format_checks(checks: list[Check], width: int = 80) -> str:
+    """One line a check (``OK``, ``FAIL`` or ``WARN``, its name, what was
+    found), its names in one column, the fix below a failed one; a long line
+    goes on under its text, all within ``width`` columns."""
+    name_w = max(len(c.name) for c in checks) if checks else 0
+    indent = " " * (6 + name_w + 1)  # under the detail: status (5), a space, the name, a space
+    out = []
+    for c in checks:
+        status = "OK" if c.ok else ("FAIL" if c.required else "WARN")
+        head = f"{status:<5} {c.name:<{name_w}} "
+        out.append(_fill(c.detail, width, head, indent))
+        if not c.ok and c.fix:
+            out.append(_fill(c.fix, width, f"{indent}fix: ", indent))
+    return "\n".join(out)
+
+
+def _fill(text: str, width: int, first: str, rest: str) -> str:
+    import textwrap
+
+    return textwrap.fill(
+        text,
+        width,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_long_words=False,  # a path stays whole, if longer than the line
+        break_on_hyphens=False,
+    )
+
+
 def run_all() -> list[Check]:
     return [
         check_kernel(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -10,17 +12,31 @@ if TYPE_CHECKING:
 MIN_COL = 6
 
 
-def _cell(v: Any) -> str:
+def _cell(v: Any, null: str = "NULL") -> str:
     if v is None:
-        return "NULL"
+        return null
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return _float(v)
     return str(v).replace("\n", " ")
 
 
-def format_rows(names: list[str], rows: list[list[Any]], width: int = 80) -> str:
-    """Aligned text, numbers right-aligned, shrinking the widest columns to fit."""
-    cells = [[_cell(v) for v in row] for row in rows]
+def _float(v: float) -> str:
+    """A float for people: fixed-point, 2 decimals (3 significant digits
+    below 1), never an exponent but where fixed-point cannot show it."""
+    size = abs(v)
+    if not math.isfinite(v) or size >= 1e15 or 0 < size < 1e-6:
+        return f"{v:.6g}"
+    if size >= 1 or size == 0:
+        return f"{v:.2f}"
+    return f"{v:.{2 - math.floor(math.log10(size))}f}"
+
+
+def format_rows(
+    names: list[str], rows: list[list[Any]], width: int = 80, null: str = "NULL"
+) -> str:
+    """Aligned text, numbers right-aligned, shrinking the widest columns to
+    fit; a missing value shows as ``null``."""
+    cells = [[_cell(v, null) for v in row] for row in rows]
     numeric = [
         all(isinstance(r[i], int | float) or r[i] is None for r in rows) and bool(rows)
         for i in range(len(names))
@@ -45,9 +61,11 @@ def format_rows(names: list[str], rows: list[list[Any]], width: int = 80) -> str
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_table(names: list[str], rows: list[list[Any]], width: int = 80) -> str:
+def format_table(
+    names: list[str], rows: list[list[Any]], width: int = 80, null: str = "NULL"
+) -> str:
     """A query's answer: its rows aligned (``format_rows``), then the count."""
-    text = format_rows(names, rows if names else [], width)
+    text = format_rows(names, rows if names else [], width, null)
     n = len(rows)
     return f"{text}\n({n} row{'s' if n != 1 else ''})"
 
@@ -293,13 +311,56 @@ def _role(d: Diagnosis, rank: int) -> str:
 def write_answer(probe: Any, sql: str, fmt: str, echo: Any) -> None:
     """Print ``sql``'s answer from one probe client as ``fmt`` (table, csv,
     json): the probe's own bytes, or its rows as text through ``echo`` (no
-    pyarrow in this process: ``probing query``'s fast path and its command)."""
+    pyarrow in this process: ``probing query``'s fast path and its command).
+    An empty answer about traced tables of a probe that never traced says,
+    on stderr, how to trace."""
     import sys
 
-    if fmt != "table":
-        sys.stdout.buffer.write(probe.query_raw(sql, fmt))
-        if fmt == "json":
-            sys.stdout.buffer.write(b"\n")
-        sys.stdout.flush()
-        return
-    echo(format_table(*probe.query_rows(sql)))
+    from probing.errors import LIST_TABLES, QueryError
+
+    pid = getattr(probe.transport, "pid", None)
+    try:
+        if fmt != "table":
+            raw = probe.query_raw(sql, fmt)
+            sys.stdout.buffer.write(raw)
+            if fmt == "json":
+                sys.stdout.buffer.write(b"\n")
+            sys.stdout.flush()
+            empty = raw.strip() == b"[]" if fmt == "json" else raw.count(b"\n") <= 1
+        else:
+            names, rows = probe.query_rows(sql)
+            echo(format_table(names, rows))
+            empty = not rows
+    except QueryError as err:
+        if pid is None or f"({LIST_TABLES})" not in str(err):
+            raise
+        msg = str(err).replace(LIST_TABLES, f"probing tables --pid {pid} lists them")
+        raise QueryError(msg, pid=pid) from None
+    if empty and (hint := untraced(probe, sql)) is not None:
+        echo(hint, err=True)
+
+
+# the tables only a trace fills (probing trace): nccl.calls, comm.collectives...
+TRACED = re.compile(
+    r"\b(?:(?:nccl|cuda|gloo)\.(?:calls|inflight)|comm\.collectives|"
+    r"python\.(?:stacks|samples|callsites)|probing\.uprobes|analyze\.\w+)\b",
+    re.IGNORECASE,
+)
+
+
+def untraced(probe: Any, sql: str) -> str | None:
+    """The line for an empty answer of ``sql`` when it reads a table only a
+    trace fills and the probe never traced (no row in ``trace.intervals``):
+    how to start one. None otherwise, or when the probe cannot tell."""
+    from probing.errors import ProbingError
+
+    if TRACED.search(sql) is None:
+        return None
+    try:
+        _, rows = probe.query_rows("SELECT count(*) FROM trace.intervals")
+    except ProbingError:
+        return None
+    if not rows or rows[0][0]:
+        return None
+    pid = getattr(probe.transport, "pid", None)
+    return f"probing: nothing traced yet: probing trace --pid {pid if pid else 'PID'}"

@@ -36,7 +36,9 @@ class Guest:
         self.engine_python = engine_python
         self.environ = dict(os.environ if environ is None else environ)
         self.directory = place.user_dir(root=place.runtime_root(self.environ))
-        self.key = place.engine_key(self.environ)  # the engine of this environment's settings
+        # the engine of this environment's settings and of probing's Python
+        self.key = place.engine_key(self.environ, engine_python)
+        self.install = place.install(self.environ, engine_python)  # stated at the handshake
         self.pid = os.getpid()
         self.server: wire.Server | None = None
         self.engine: dict[str, Any] | None = None
@@ -56,6 +58,7 @@ class Guest:
             "POST /groups": lambda a: inside.groups([int(c) for c in a.get("comms", [])]),
             "POST /external": lambda _: outbox.take(),
             "POST /threads": self._hook_threads,
+            "GET /engine": lambda _: {"key": self.key, "install": self.install},
         }
 
     def _hook_threads(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -82,10 +85,51 @@ class Guest:
 
     def _caller(self, pid: int) -> None:
         """The engine asking (a ``probing.node.service`` process): let it read this
-        process's memory where Yama allows only ancestors to (once per engine)."""
-        if pid != self.ptracer and pid > 0 and place.is_engine(pid):
+        process's memory where Yama allows only ancestors to, and watch it, so
+        that a new one starts when it dies (once per engine). Only this
+        guest's engine (the pid its lock names) is let in."""
+        if pid != self.ptracer and pid > 0 and pid == self._engine_pid():
             self.ptracer = pid
             _allow_ptrace(pid)
+            self._watch(pid)
+
+    def _engine_pid(self) -> int:
+        """The pid of the engine of this guest's key, as its lock file says."""
+        try:
+            with open(place.engine_path(self.directory, self.key, "lock")) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def _watch(self, engine_pid: int) -> None:
+        """A thread that waits (in ``poll``, not holding the GIL) for the engine
+        to exit: then a new engine is started and this process handed to it
+        again, unless the engine was stopped on purpose (``probing engine
+        stop`` leaves ``engine-<key>.stopped``) or the host is exiting."""
+        try:
+            fd = os.pidfd_open(engine_pid)
+        except OSError:  # gone already, or a kernel without pidfds: the next call tells
+            return
+
+        def wait() -> None:
+            import select
+
+            try:
+                select.select([fd], [], [])
+            finally:
+                os.close(fd)
+            if self.ptracer != engine_pid or self.server is None:
+                return  # another engine serves us already, or the guest stopped
+            stopped = place.engine_path(self.directory, self.key, "stopped")
+            if os.path.exists(stopped) or not threading.main_thread().is_alive():
+                return
+            _say(f"the node's engine (pid {engine_pid}) stopped; starting a new one")
+            try:
+                self.register()
+            except Exception as err:  # noqa: BLE001 - a daemon thread in the host: said, not raised
+                _say(f"no new engine for pid {self.pid}: {err}")
+
+        threading.Thread(target=wait, name="probing-guest-engine", daemon=True).start()
 
     def stop(self) -> None:
         server, self.server = self.server, None
@@ -97,7 +141,7 @@ class Guest:
     def register(self, timeout: float = ENGINE_START_S) -> dict[str, Any]:
         """Hand this process to the node's engine, starting it if none answers;
         the engine's answer (its pid, the probe socket it serves)."""
-        payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
+        payload = self._payload()
         sock = place.engine_path(self.directory, self.key)
         try:
             answer = wire.request(sock, "POST", "/attach", payload, timeout=timeout)
@@ -114,7 +158,7 @@ class Guest:
         starting up, which may never let go of the GIL again): the attach is
         sent to a running engine, else an engine is started, which finds this
         guest's socket itself (``Service.adopt``)."""
-        payload = {"pid": self.pid, "guest": place.guest_path(self.pid, self.directory)}
+        payload = self._payload()
         try:
             wire.send(place.engine_path(self.directory, self.key), "POST", "/attach", payload)
             return
@@ -123,6 +167,11 @@ class Guest:
         pid = self._spawn_engine()
         threading.Thread(target=os.waitpid, args=(pid, 0), name="probing-guest-reap",
                          daemon=True).start()  # fmt: skip
+
+    def _payload(self) -> dict[str, Any]:
+        """The handshake: this pid, its guest's socket, this install of probing."""
+        guest = place.guest_path(self.pid, self.directory)
+        return {"pid": self.pid, "guest": guest, "install": self.install}
 
     def _spawn_engine(self) -> int:
         """The engine, started by probing's Python; it forks itself away and

@@ -36,7 +36,7 @@ EVAL_FILENAME = "<probing eval>"
 ENV_PREFIXES = (
     "PROBING", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "NODE_RANK", "MASTER_", "TORCHELASTIC_", "CUDA_VISIBLE_DEVICES", "SLURM_", "OMPI_",
-    "PMI_",
+    "PMI_", "PMIX_", "MPI_LOCALRANKID", "PET_",
 )  # fmt: skip
 
 

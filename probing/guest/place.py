@@ -3,8 +3,9 @@
 ``$PROBING_RUNTIME_DIR`` (default ``/tmp``) holds one ``probing-<uid>``
 directory per user, mode 0700. In it: ``<pid>.sock``, the pid's probe (served
 by the node's engine, ``probing.node.service``); ``<pid>.guest``, the guest inside
-the pid; ``engine-<key>.sock``, ``.lock`` and ``.log``, an engine's own (one
-per set of ``PROBING_*`` settings: ``engine_key``).
+the pid; ``<pid>.trace``, what it traces (kept by the engine, for the next
+one); ``engine-<key>.sock``, ``.lock``, ``.log`` and ``.stopped``, an
+engine's own (one per install of probing and set of ``PROBING_*`` settings: ``engine_key``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import stat
 
 RUNTIME_DEFAULT = "/tmp"
+VERSION = "0.1.0"  # probing's version (``probing.__version__``)
 _FIX = " (remove it if it is not yours, or point PROBING_RUNTIME_DIR elsewhere)"
 
 
@@ -32,6 +34,11 @@ def guest_path(pid: int, directory: str | None = None) -> str:
     return os.path.join(directory or user_dir(), f"{pid}.guest")
 
 
+def trace_path(pid: int, directory: str | None = None) -> str:
+    """``<pid>.trace``: what the pid traces, for the next engine (JSON)."""
+    return os.path.join(directory or user_dir(), f"{pid}.trace")
+
+
 # settings that differ between the ranks of one job: they reach the engine
 # through each process's own environment (probing.target), not the engine's
 PER_PROCESS = ("PROBING", "PROBING_RANK", "PROBING_PORT", "PROBING_FORK")
@@ -49,12 +56,31 @@ def engine_settings(environ: dict[str, str]) -> dict[str, str]:
     }
 
 
-def engine_key(environ: dict[str, str]) -> str:
-    """The name of the engine for a host with this environment: the ranks of a
-    job share one (same settings), a process set up otherwise gets its own."""
+def install(environ: dict[str, str] | None = None, python: str | None = None) -> str:
+    """This install of probing, as guests, engines and clients state it at
+    their handshakes: ``<version>@<environment>``, the environment being the
+    one of probing's own Python (``python``; this interpreter by default),
+    which runs the engine. Two venvs or two versions of probing on one node
+    are two installs, each with its own engine (a guest copied into a job's
+    environment by ``probing hook`` names its probing's Python).
+    ``PROBING_VERSION_OVERRIDE`` states another version (tests)."""
+    import sys
+
+    env = os.environ if environ is None else environ
+    version = env.get("PROBING_VERSION_OVERRIDE") or VERSION
+    where = os.path.dirname(os.path.dirname(os.path.abspath(python or sys.executable)))
+    return f"{version}@{where}"
+
+
+def engine_key(environ: dict[str, str], python: str | None = None) -> str:
+    """The name of the engine for a host with this environment and probing's
+    Python (``install``): the ranks of a job share one (same install, same
+    settings), a process set up otherwise, or with another install of
+    probing, gets its own."""
     import hashlib
 
     text = "\n".join(f"{k}={v}" for k, v in sorted(engine_settings(environ).items()))
+    text += f"\ninstall={install(environ, python)}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

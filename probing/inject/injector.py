@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from probing import elf, paths, pyframes
-from probing.errors import AccessDenied, AttachError, NoSuchProcess, ProbingError
+from probing.errors import (
+    AccessDenied,
+    AttachError,
+    NoSuchProcess,
+    ProbingError,
+    no_such_pid,
+)
 from probing.inject import build
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
@@ -89,7 +95,7 @@ def _status(pid: int) -> dict[str, str]:
         with open(f"/proc/{pid}/status") as f:
             return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
     except FileNotFoundError:
-        raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from None
+        raise no_such_pid(pid) from None
 
 
 def _user(uid: int) -> str:
@@ -133,7 +139,7 @@ def permission_error(pid: int, uid: int, what: str) -> AccessDenied:
 def inspect(pid: int) -> Target:
     """Everything injection needs, read without stopping anything."""
     if pid <= 0:
-        raise NoSuchProcess(f"{pid} is not a valid pid", pid=pid)
+        raise no_such_pid(pid, "{pid} is not a valid pid")
     if pid == os.getpid():
         raise AttachError("probing cannot inject into itself", pid=pid)
     st = _status(pid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from probing.errors import NoSuchProcess
+from probing.errors import no_such_pid
 from probing.procs import syscall_name, task_stat, task_syscall
 from probing.pyframes import remote
 
@@ -33,7 +33,7 @@ def _state(pid: int, tid: int) -> tuple[str, str | None]:
 def stacks_from_outside(pid: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(process info, frame rows) as ``probing stack`` prints them."""
     if not os.path.exists(f"/proc/{pid}"):
-        raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
+        raise no_such_pid(pid)
     interp, threads = remote.dump(pid)
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

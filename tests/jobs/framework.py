@@ -105,6 +105,7 @@ LAUNCH = {
     "lightning_ddp_spawn": lambda py: [py, str(JOBS / "lightning_job.py")],
     "mp_spawn": lambda py: [py, str(JOBS / "mp_spawn.py")],
     "pipeline": lambda py: torchrun(py, str(JOBS / "pipeline.py")),
+    "megatron": lambda py: torchrun(py, str(JOBS / "megatron_job.py")),
 }
 ENVS = {
     "lightning_ddp": {"STRATEGY": "ddp"},
@@ -144,7 +145,8 @@ HOGS = 8
 
 # what the user's own code is called in each job (where a rank is slowed)
 FUNCTION = {"hf_trainer": "collate_tokens", "fsdp2": "heavy_features",
-            "lightning_ddp": "heavy_features", "pipeline": "stage_work"}  # fmt: skip
+            "lightning_ddp": "heavy_features", "pipeline": "stage_work",
+            "megatron": "attention_block"}  # fmt: skip
 # the causes a job has: every job, but these
 ONLY = {"loader_worker": "hf_trainer", "cpu_hog": "lightning_ddp", "gpu": "lightning_ddp"}
 CAUSES = ("off_cpu", "cpu", "loader_worker", "cpu_hog", "gpu", "healthy")

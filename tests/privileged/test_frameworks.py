@@ -98,9 +98,43 @@ def test_a_framework_job_forms_a_cluster_and_its_slow_rank_is_named(
             groups = d["stragglers"][0]["groups"]
             dims = {g.split("(")[-1].rstrip(")") for g in groups}
             assert groups and dims <= {"mesh_dp", "mesh_tp"}, groups
+            # and where it sits: the 2 x 2 mesh ("dp", "tp") puts rank r at tp r % 2, dp r // 2
+            place = f"TP {slow % 2} of 2, DP {slow // 2}"
+            assert d["stragglers"][0]["place"] == place, d["stragglers"][0]
+            assert d["verdict"].startswith(f"rank {slow} ({place}) on node "), d["verdict"]
         if name == "pipeline":  # the others wait on it: victims, not stragglers
             assert sorted(d["pipeline"]["victims"]) == sorted(set(range(WORLD)) - {slow})
             assert not d["stragglers"] and "slow stage" in d["verdict"]
+    finally:
+        job.stop()
+
+
+@pytest.mark.parametrize("probing", [True, False])
+def test_a_megatron_tp_pp_straggler_is_named_with_its_place(
+    probing: bool, hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Megatron-Core's ``parallel_state``, TP 2 x PP 2 on 4 ranks (torchrun,
+    Gloo): the slowed rank is named with where it sits (rank r: TP r % 2 of
+    its stage r // 2, DP 0), and its function once, per step."""
+    require_bpf()
+    slow = random.Random(f"megatron{probing}{time.time_ns()}").randrange(WORLD)
+    print(f"straggler: rank {slow}")
+    job = start("megatron", hooked, tmp_path, probing, slow)
+    try:
+        ranks = job.wait_ready()
+        assert not trace_all(list(ranks.values()), ["gloo"])
+        r = cli("query", "--pid", str(ranks[3]), "--cluster", "--format", "json", ALL_RANKS)
+        assert r.returncode == 0, r.stderr
+        assert [row["rank"] for row in json.loads(r.stdout)] == list(range(WORLD))
+        d = diagnosed(job, slow, pipeline=False)
+        print(d["verdict"])
+        assert named(d, False) == slow, d["verdict"]
+        place = f"TP {slow % 2} of 2, PP stage {slow // 2}, DP 0"
+        assert d["stragglers"][0]["place"] == place, d["stragglers"][0]
+        assert d["verdict"].startswith(f"rank {slow} ({place}) on node "), d["verdict"]
+        assert "attention_block (" in d["verdict"], d["verdict"]
+        said = [w["text"] for w in d["why"] if "attention_block" in w["text"]]
+        assert len(said) == 1 and "ms/step" in said[0], said
     finally:
         job.stop()
 

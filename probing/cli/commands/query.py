@@ -15,21 +15,37 @@ if TYPE_CHECKING:
 
     from probing.node.cluster.query import ClusterResult
 
-TABLES_SQL = """
-SELECT t.table_schema || '.' || t.table_name AS "table", s.rows, s.stored_bytes,
-       s.compression_ratio AS ratio, s.retired_rows AS retired, s.dropped_events AS dropped
-FROM information_schema.tables t
-LEFT JOIN probing.tables s ON t.table_schema = s."schema" AND t.table_name = s."table"
-WHERE t.table_schema <> 'information_schema'
-ORDER BY 1
+# what the store keeps of its tables (the others keep nothing)
+STORED_SQL = """
+SELECT "schema" || '.' || "table" AS "table", rows, stored_bytes,
+       compression_ratio AS ratio, retired_rows AS retired, dropped_events AS dropped
+FROM probing.tables
 """
+KINDS = {
+    "stored": "rows kept by the probe (the store)",
+    "view": "SQL over other tables",
+    "live": "made from the process when queried",
+}
 
 
 def list_tables(pid: int) -> None:
-    """Print the tables ``pid``'s probe answers, with rows and compression."""
+    """Print the tables ``pid``'s probe answers: how each answers (its
+    kind), and for a stored one its rows and compression."""
+    import textwrap
+
     from probing.cli.render import format_table
 
-    typer.echo(format_table(*client(pid).query_rows(TABLES_SQL)))
+    probe = client(pid)
+    names, rows = probe.query_rows(STORED_SQL)
+    stored = {row[0]: row[1:] for row in rows}
+    blank = [None] * (len(names) - 1)
+    out = []
+    for t in probe.tables():
+        name = f"{t['schema']}.{t['table']}"
+        out.append([name, t["kind"], *stored.get(name, blank)])
+    typer.echo(format_table([names[0], "kind", *names[1:]], out, null=""))
+    legend = "; ".join(f"{kind}: {what}" for kind, what in KINDS.items())
+    typer.echo(textwrap.fill(legend, 80))
 
 
 def ask_one(sql: str, pid: int | None, addr: str | None, fmt: str) -> None:

@@ -29,10 +29,15 @@ def trace_one(
     """Stop ``pid``'s trace (``stop``), or start one and, unless ``background``,
     follow it live until ``duration`` or Ctrl-C, then stop it and summarize."""
     from probing.cli.render import TraceMonitor
-    from probing.errors import NoProbe, NoSuchProcess
+    from probing.errors import NoProbe, NoSuchProcess, NotTracing
 
     if stop:
-        typer.echo(TraceMonitor.summary(client(pid).trace_stop()))
+        try:
+            status = client(pid).trace_stop()
+        except NotTracing:  # as --job and --cluster say of such a rank: done, exit 0
+            typer.echo(f"pid {pid} is not tracing: already stopped")
+            return
+        typer.echo(TraceMonitor.summary(status))
         return
     probe = probe_client(pid, inject)
     out = os.path.abspath(output) if output else None

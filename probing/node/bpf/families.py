@@ -469,6 +469,8 @@ GLOO_EVENT = event_dtype(
         ("peer", "<i4"),
         ("tag", "<i4"),
         ("wait_ns", "<u8"),
+        ("caller", "<u4"),  # a collective a worker thread ran: the thread that enqueued it
+        ("pad", "<u4"),
     ]
 )
 GLOO_SCHEMA = pa.schema(
@@ -513,6 +515,10 @@ def decode_gloo(ev: np.ndarray, d: Decoded) -> dict[str, Any]:
     rank, size = gloo_rank_size(ev["ctx_head"])
     sized = ev["elem_size"] > 0
     p2p = fn_mask(ev, GLOO_FUNCS, GLOO_P2P, cols["_fn"])
+    # a collective's thread is the one that issued it (the one that trains), not
+    # ProcessGroupGloo's worker that ran it for that thread
+    caller = ev["caller"]
+    cols["tid"] = np.where(caller != 0, caller, ev["tid"]).astype(np.int32)
     cols.update(
         comm=_masked(ev["context"], ev["context"] != 0, pa.uint64()),
         seq=_masked(ev["seq"].astype(np.int64), ev["context"] != 0, pa.int64()),

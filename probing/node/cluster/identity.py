@@ -77,15 +77,62 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
         raise ProbingError(f"{name}={raw!r} is not an integer") from err
 
 
+# where ``RANK`` is absent, the launchers that name a process's rank and the
+# job's size otherwise, first found first: Open MPI's ``mpirun``, a PMIx
+# server (``srun --mpi=pmix``, prrte), MPICH's and Intel MPI's Hydra (PMI),
+# then Slurm's ``srun`` (Megatron's ranks read ``SLURM_PROCID``: last, as an
+# ``mpirun`` inside an allocation inherits the batch step's ``SLURM_PROCID=0``)
+LAUNCHERS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMIX_RANK", None, None),  # PMIx names no size: its launcher's (srun's, mpirun's)
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def pod_index(environ: Mapping[str, str]) -> bool:
+    """Whether ``RANK`` is a pod's index, not this process's rank: a Kubeflow
+    PyTorchJob sets it with ``PET_NPROC_PER_NODE`` for torchrun in the pod,
+    which gives each process it starts its own ``RANK`` (and
+    ``TORCHELASTIC_RUN_ID``); the process without one is the launcher."""
+    nproc = environ.get("PET_NPROC_PER_NODE", "").strip()
+    return nproc not in ("", "1") and not environ.get("TORCHELASTIC_RUN_ID")
+
+
+def launcher_rank(environ: Mapping[str, str]) -> tuple[int | None, int | None, int | None]:
+    """(rank, size, local rank) from the first launcher of ``LAUNCHERS`` that
+    names a rank, its size and local rank where it names them, else the
+    other launchers'; Nones where none names a rank."""
+    for i, (name, _, _) in enumerate(LAUNCHERS):
+        rank = _int(environ, name)
+        if rank is None:
+            continue
+        order = [LAUNCHERS[i], *LAUNCHERS[:i], *LAUNCHERS[i + 1 :]]
+        size, local = (
+            next((n for v in order if (n := _int(environ, v[k] or "")) is not None), None)
+            for k in (1, 2)
+        )
+        return rank, size, local
+    return None, None, None
+
+
 def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
     """This process's identity. With ``PROBING_PEERS``, a process that sets no
-    ``RANK`` takes the index of the first listed address it can bind."""
+    ``RANK`` takes the index of the first listed address it can bind. Without
+    ``RANK``, the rank and size an MPI launcher or Slurm's ``srun`` gives
+    (``LAUNCHERS``); a pod's index (``pod_index``) is no process's rank."""
     env = config.from_env(environ, strict=True)
     peers = parse_peers(env.peers) if env.peers else ()
     rank = env.rank
-    if rank is None:
-        rank = _int(environ, "RANK")
-    world = _int(environ, "WORLD_SIZE") or (len(peers) or 1)
+    world = _int(environ, "WORLD_SIZE")
+    local = _int(environ, "LOCAL_RANK")
+    if rank is None and environ.get("RANK", "").strip():
+        rank = None if pod_index(environ) else _int(environ, "RANK")
+    elif rank is None and not peers:
+        rank, size, local_of = launcher_rank(environ)
+        world = world or size
+        local = local if local is not None else local_of
+    world = world or (len(peers) or 1)
     if peers:
         world = len(peers)
     master = None
@@ -95,7 +142,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
     return Identity(
         rank=-1 if rank is None else rank,
         world_size=world,
-        local_rank=_int(environ, "LOCAL_RANK") or 0,
+        local_rank=local or 0,
         node=env.node or socket.gethostname(),
         group_rank=_int(environ, "GROUP_RANK"),
         master=master,

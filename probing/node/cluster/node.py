@@ -281,6 +281,10 @@ class ClusterNode:
             return self.watch
 
     def stop(self) -> None:
-        """The probe stops: so does its detector."""
+        """The probe stops: so do its detector and its connection to the
+        job's store (kept open while it lives: an engine that serves hundreds
+        of jobs would hold one per process it ever served)."""
         if self.watch is not None:
             self.watch.stop()
+        if self.directory is not None:
+            self.directory.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -10,6 +11,7 @@ from probing import config
 from probing.errors import (
     AccessDenied,
     EvalError,
+    NotInCluster,
     NotTracing,
     ProbingError,
     QueryError,
@@ -18,7 +20,7 @@ from probing.errors import (
     log_unexpected,
     wire_type,
 )
-from probing.node.probe.http import Request, Response
+from probing.node.probe.http import INSTALL, Request, Response
 from probing.node.probe.imports import quick_gil_handoff, settle
 
 
@@ -40,6 +42,8 @@ class Probe(Protocol):
     def note_query(self) -> None: ...
 
     def start_trace(self, families: Sequence[str], **options: Any) -> Any: ...
+
+    def stop_trace(self) -> Any: ...
 
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
@@ -194,12 +198,9 @@ def query(probe: Probe, req: Request) -> Response:
 
 
 def tables(probe: Probe, req: Request) -> Response:
-    out = probe.engine.sql(
-        "SELECT table_schema AS schema, table_name AS table, table_type AS kind "
-        "FROM information_schema.tables WHERE table_schema <> 'information_schema' "
-        "ORDER BY 1, 2"
-    )
-    return Response.json(out.to_pylist())
+    """GET /tables: schema, table and kind (live, view, stored) of every
+    table, none of them read."""
+    return Response.json(probe.engine.kinds())
 
 
 def evaluate(probe: Probe, req: Request) -> Response:
@@ -262,7 +263,7 @@ def trace_stop(probe: Probe, req: Request) -> Response:
     current = probe.tracer
     if current is None or current.state is not TracerState.TRACING:
         raise NotTracing("this process is not tracing", hint="nothing to stop")
-    current.stop()
+    probe.stop_trace()
     return Response.json(current.status())
 
 
@@ -290,16 +291,17 @@ def trace_status(probe: Probe, req: Request) -> Response:
 def _cluster(probe: Probe) -> Any:
     node = probe.cluster
     if node is None:
-        raise ProbingError(
+        raise NotInCluster(
             "this probe is not in cluster mode",
-            hint="PROBING_CLUSTER=off, or its cluster settings were refused (the job's stderr "
-            "says why)",
+            hint="leave --cluster out to ask this process alone; PROBING_CLUSTER=off, or its "
+            "cluster settings were refused (the job's stderr says why)",
         )
     node.ready.wait(5.0)
     if node.learning:
-        raise ProbingError(
+        raise NotInCluster(
             f"this probe is not in cluster mode: {node.error}",
-            hint="it joins once the job calls torch.distributed.init_process_group; "
+            hint="the process is not a rank of a job: leave --cluster out to ask it alone; "
+            "it joins once the job calls torch.distributed.init_process_group, "
             "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or PROBING_PEERS",
         )
     return node
@@ -428,8 +430,23 @@ ROUTES = {
 }
 
 
+def _other_install(pid: int, theirs: str) -> str:
+    """A client of another install of probing asked this probe."""
+    import sys
+
+    return (
+        f"pid {pid} is served by probing {INSTALL} (engine pid {os.getpid()}), and this "
+        f"command is probing {theirs}: ask with the probing that serves it "
+        f"({sys.executable} -m probing ...), or restart the job under this one "
+        "(docs/config.md: upgrades)"
+    )
+
+
 def make_app(probe: Probe) -> Callable[[Request], Response]:
     def app(req: Request) -> Response:
+        theirs = (req.headers or {}).get("probing-install")
+        if theirs and req.remote is None and theirs != INSTALL:
+            return Response.error(409, _other_install(probe.target.pid, theirs), "AttachError")
         route = ROUTES.get((req.method, req.path))
         if route is None:
             known = ", ".join(f"{m} {p}" for m, p in ROUTES)

@@ -82,6 +82,9 @@ class ProbeContext:
         self.tracer: Tracer | None = None  # the last tracer started here
         # the traces before it: (start_ns, stop_ns, families), oldest first (trace.intervals)
         self.traced: list[tuple[int, int, str]] = []
+        # told what is traced after each start (families, options) and stop (None):
+        # the engine keeps it, for the next engine to go on where this one was
+        self.on_trace: Callable[[dict[str, Any] | None], None] | None = None
         self.cluster: Any = None  # a ClusterNode in cluster mode (probing.node.cluster)
         self.server: UnixHTTPServer | None = None
         self._store = store
@@ -183,6 +186,8 @@ class ProbeContext:
                 self.traced.append(_interval(current))
                 del self.traced[:-KEEP_INTERVALS]
             self.tracer = tracer
+            if self.on_trace is not None:
+                self.on_trace({"families": list(families), **options})
             if self.target.local and not self._stop_at_exit:  # detach before the interpreter goes
                 atexit.register(self.stop_trace)
                 self._stop_at_exit = True
@@ -192,6 +197,8 @@ class ProbeContext:
         tracer = self.tracer
         if tracer is not None:
             tracer.stop()
+            if self.on_trace is not None:
+                self.on_trace(None)
         return tracer
 
     def trace_intervals(self) -> list[dict[str, Any]]:
@@ -221,7 +228,7 @@ class ProbeContext:
         self.queries += 1
 
     def describe(self) -> dict[str, Any]:
-        from probing.config import VERSION
+        from probing.guest.place import VERSION, install
 
         try:
             about = self.target.about()
@@ -230,6 +237,7 @@ class ProbeContext:
         return {
             "pid": self.pid,
             "version": VERSION,
+            "install": install(),  # the engine's: <version>@<its environment>
             "python": about.get("python"),
             "executable": about.get("executable"),
             "argv": about.get("argv", []),
@@ -263,6 +271,15 @@ class ProbeContext:
             threading.Thread(
                 target=self._start_nvml, args=(interval,), name="probing-nvml-start", daemon=True
             ).start()
+
+    def close(self) -> None:
+        """Stop, and let go of the tables and their data (an engine retiring
+        the probe of a process that exited)."""
+        self.stop()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+        self.store.close()
 
     def stop(self) -> None:
         """Close the socket; the data stays (``serve()`` opens it again)."""

@@ -14,6 +14,8 @@ import socket
 from collections.abc import Callable
 from typing import NamedTuple
 
+from probing.guest import place
+
 
 class Request(NamedTuple):
     method: str
@@ -69,11 +71,17 @@ def response_bytes(resp: Response) -> bytes:
     return head.encode("latin-1") + resp.body
 
 
+# this install of probing (``place.install``): a local probe answers only
+# clients of its own install
+INSTALL = place.install()
+
+
 def request_bytes(path: str, body: bytes, token: bytes | str | None, method: str = "POST") -> bytes:
     """One request: ``method path``, the bearer ``token`` if any, a JSON ``body``."""
     if isinstance(token, str):
         token = token.encode()
     head = method.encode() + b" " + path.encode() + b" HTTP/1.0\r\n"
+    head += b"Probing-Install: " + INSTALL.encode() + b"\r\n"  # who asks (the probe checks)
     if body:
         head += b"Content-Type: application/json\r\n"
     if token:

@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 from probing import config
 from probing.errors import ProbingError, log_unexpected
-from probing.guest import place
+from probing.guest import place, wire
 from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
 from probing.target import Guest, proc_environ
@@ -39,6 +40,7 @@ class Service:
         env = config.load()
         self.directory = directory or place.user_dir(root=env.runtime_dir)
         self.key = place.engine_key(dict(os.environ)) if key is None else key
+        self.install = place.install()  # guests and clients of this install only
         self.keep_dead_s = env.keep_dead_s
         self.idle_s = env.engine_idle_s
         self.entries: dict[int, Entry] = {}
@@ -57,6 +59,9 @@ class Service:
         try:
             if (req.method, req.path) == ("POST", "/attach"):
                 args = json.loads(req.body)
+                theirs = str(args.get("install") or "an older probing")
+                if theirs != self.install:  # another version or install: never served here
+                    return Response.error(409, _other_install(theirs, self.install), "AttachError")
                 return Response.json(self.attach(int(args["pid"]), str(args["guest"])))
             if (req.method, req.path) == ("GET", "/health"):
                 return Response.json(self.describe())
@@ -68,8 +73,12 @@ class Service:
 
     def describe(self) -> dict[str, Any]:
         with self._lock:
+            arrow = sys.modules.get("pyarrow")
             return {
                 "engine_pid": os.getpid(),
+                "install": self.install,
+                # what Arrow's memory pool holds (a store retired gives it back)
+                "arrow_bytes": arrow.total_allocated_bytes() if arrow is not None else 0,
                 "processes": {
                     pid: {"alive": e.died_at is None, "socket": e.ctx.socket_path}
                     for pid, e in self.entries.items()
@@ -95,6 +104,8 @@ class Service:
         _say(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
         ctx = ProbeContext(installers=(install_tables,), cluster=cluster_node, target=target)
+        state = place.trace_path(pid, self.directory)
+        ctx.on_trace = lambda traced: _keep(state, traced)
         try:
             ctx.serve()
         except BaseException:
@@ -103,7 +114,13 @@ class Service:
         with self._lock:
             self.entries[pid] = Entry(ctx, target, pidfd)
         os.write(self._wake_w, b"x")
-        return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False}
+        resumed = _traced(state)
+        if resumed is not None:  # an engine before this one traced it: go on tracing
+            threading.Thread(
+                target=_resume, args=(ctx, resumed), name="probing-resume", daemon=True
+            ).start()
+        return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False,
+                "resumed": resumed is not None}  # fmt: skip
 
     def adopt(self) -> None:
         """Attach every live guest of this directory whose process runs with
@@ -112,15 +129,45 @@ class Service:
             if not name.endswith(".guest") or not name[:-6].isdigit():
                 continue
             pid = int(name[:-6])
-            env = proc_environ(pid)
             with self._lock:
                 known = pid in self.entries
-            if known or not env or place.engine_key(env) != self.key:
+            if known or not self._ours(pid, os.path.join(self.directory, name)):
                 continue
             try:
                 self.attach(pid, os.path.join(self.directory, name))
             except (ProbingError, OSError) as err:  # gone meanwhile, or not ours
                 _say(f"guest of pid {pid} not adopted: {err}")
+
+    def clean(self) -> None:
+        """Remove what an engine of this user that was killed left behind: the
+        sockets (``<pid>.sock``, ``<pid>.guest``) and the chunk directories
+        of processes that no longer exist, and only those."""
+        from probing.node.store.store import chunk_base, remove_stale_roots
+
+        gone = 0
+        for name in os.listdir(self.directory):
+            pid, dot, kind = name.partition(".")
+            dead = pid.isdigit() and not _exists(int(pid))
+            if dot and kind in ("sock", "guest", "trace") and dead:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
+                    gone += 1
+        for base in {chunk_base(0), tempfile.gettempdir()}:
+            remove_stale_roots(os.path.join(base, f"probing-{os.getuid()}"))
+        if gone:
+            _say(f"removed {gone} sockets of processes that no longer exist")
+
+    def _ours(self, pid: int, guest: str) -> bool:
+        """Whether the guest of ``pid`` is of this engine: the same install of
+        probing (it says so), and a process run with this engine's settings."""
+        env = proc_environ(pid)
+        if not env or place.engine_key(env) != self.key:
+            return False
+        try:
+            said = wire.request(guest, "GET", "/engine", None, timeout=2.0)
+        except wire.WireError:  # an older guest (no /engine), or gone meanwhile
+            return False
+        return bool(said.get("install") == self.install and said.get("key") == self.key)
 
     # -- deaths and retirement ------------------------------------------------------
 
@@ -196,10 +243,10 @@ class Service:
         if entry is None:
             return None
         _stop_tracing(entry)
-        entry.ctx.stop()
+        entry.ctx.close()
         with contextlib.suppress(OSError):
             os.close(entry.pidfd)
-        entry.ctx.store.close()
+        _give_back()
         return entry
 
     def stop(self) -> None:
@@ -214,6 +261,7 @@ class Service:
 
         self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
         self.server.start()
+        self.clean()
         self.adopt()
         threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
         try:
@@ -222,6 +270,77 @@ class Service:
             self.server.stop()
             for pid in list(self.entries):
                 self._retire(pid)
+
+
+def _keep(path: str, traced: dict[str, Any] | None) -> None:
+    """What a process traces, kept beside its socket (``<pid>.trace``) for the
+    engine after this one; removed when it stops tracing."""
+    try:
+        if traced is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        keep = {k: v for k, v in traced.items() if k != "output"}  # a file is written once
+        tmp = f"{path}.{os.getpid()}"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(keep, f)
+        os.replace(tmp, path)
+    except OSError as err:  # tracing goes on; only a restart would not resume it
+        _say(f"trace state not kept at {path}: {err}")
+
+
+def _traced(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) and got.get("families") else None
+
+
+def _resume(ctx: ProbeContext, traced: dict[str, Any]) -> None:
+    """Trace ``ctx``'s process as the engine before this one did, and watch
+    its job again (its cluster node joins on its own)."""
+    options = {k: v for k, v in traced.items() if k in ("stacks", "launch_stacks")}
+    try:
+        ctx.start_trace([str(f) for f in traced["families"]], **options)
+        if ctx.cluster is not None:
+            ctx.cluster.ensure_watch()
+        _say(f"pid {ctx.pid}: tracing resumed ({', '.join(traced['families'])})")
+    except Exception as err:  # noqa: BLE001 - one process's resume never ends the engine
+        _say(f"pid {ctx.pid}: tracing not resumed: {err}")
+
+
+def _give_back() -> None:
+    """Return the memory a retired process's probe freed to the system: an
+    engine runs for weeks, and glibc keeps what was freed in its arenas (its
+    RSS would only grow with the jobs it served)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True
+
+
+def _other_install(theirs: str, ours: str) -> str:
+    return (
+        f"this engine serves probing {ours}, not {theirs}: a guest of another "
+        "version or install gets an engine of its own (restart the process, or "
+        "inject it with the probing it was started with)"
+    )
 
 
 def _stop_tracing(entry: Entry) -> None:
@@ -283,8 +402,17 @@ def main(argv: list[str] | None = None) -> None:
         os.setsid()
         _log_to(place.engine_path(directory, key, "log"))
         _unpin()
+    stopped = place.engine_path(directory, key, "stopped")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(stopped)  # guests start this engine again when it dies from now on
     service = Service(directory, key)
-    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+
+    def stop(*_: Any) -> None:  # stopped on purpose: its guests do not start another
+        with contextlib.suppress(OSError):
+            open(stopped, "w").close()  # noqa: SIM115 - a marker, empty
+        service.stop()
+
+    signal.signal(signal.SIGTERM, stop)
     service.run()
 
 

@@ -177,6 +177,7 @@ class ProbeSchema(SchemaProvider):
         self._ctx = ctx
         self._producers: dict[str, Producer] = {}
         self._views: set[str] = set()
+        self._view_columns: dict[str, pa.Schema] = {}  # each view's, once planned
         self._resolver: Resolver | None = None
         self._lock = threading.Lock()
         self._deferred: list[Callable[[], None]] = []
@@ -211,6 +212,12 @@ class ProbeSchema(SchemaProvider):
         with self._lock:
             self._views.add(name)
 
+    def planned_view(self, name: str, columns: pa.Schema) -> None:
+        """The columns the view ``name`` was planned with (for
+        information_schema, which may ask on DataFusion's own threads)."""
+        with self._lock:
+            self._view_columns[name] = columns
+
     def set_resolver(self, resolver: Resolver) -> None:
         self._resolver = resolver
 
@@ -236,7 +243,17 @@ class ProbeSchema(SchemaProvider):
         if producer is not None:
             return as_table(produce(self.name, name, producer), self._ctx())
         if name in self._views:
-            return current_snapshots().get((self.name, name))
+            prepared = current_snapshots().get((self.name, name))
+            if prepared is None:
+                # information_schema (SHOW COLUMNS) reads tables on DataFusion's
+                # threads, where the query's snapshots are not: the view's
+                # columns, which are all it reads (scans are bound at planning)
+                with self._lock:
+                    columns = self._view_columns.get(name)
+                ctx = self._ctx()
+                if columns is not None and ctx is not None:
+                    return Table(empty_frame(ctx, columns))
+            return prepared
         if self._store is not None and (tbl := self._store.get(self.name, name)) is not None:
             prepared = current_snapshots().get((self.name, name))
             return prepared if prepared is not None else Table(snapshot_dataset(tbl.snapshot()))
@@ -251,6 +268,20 @@ class ProbeSchema(SchemaProvider):
     def table_exist(self, name: str) -> bool:
         return name in self.table_names
 
+    def kind(self, name: str) -> str | None:
+        """How the table ``name`` answers, as ``table()`` finds it: ``live``
+        (made when queried), ``view`` (SQL over other tables), ``stored``
+        (rows kept in the store); None where it has no such table."""
+        self._load()
+        with self._lock:
+            if name in self._producers:
+                return "live"
+            if name in self._views:
+                return "view"
+        if self._store is not None and self._store.get(self.name, name) is not None:
+            return "stored"
+        return None
+
 
 class ProbeCatalog(CatalogProvider):
     """The ``probing`` catalog: schemas registered by name, plus every store schema."""
@@ -261,6 +292,16 @@ class ProbeCatalog(CatalogProvider):
         self._views: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self.ctx: SessionContext | None = None  # set by the Engine that owns it
+
+    def close(self) -> None:
+        """Let go of every schema, view and the session: the session holds
+        this catalog in Rust, where Python's collector cannot see the cycle
+        (catalog -> tables -> the probe -> its engine -> the session), so a
+        retired probe would never be freed."""
+        with self._lock:
+            self._schemas.clear()
+            self._views.clear()
+        self.ctx = None
 
     def add_view(self, schema: str, name: str, sql: str) -> None:
         self.schema_for(schema).add_view(name)
@@ -298,7 +339,9 @@ class ProbeCatalog(CatalogProvider):
         stack.append(mine)
         try:
             for key, view_sql in named_views:  # planned over the snapshots just taken
-                mine[key] = Table(ctx.sql(view_sql))
+                df = ctx.sql(view_sql)
+                self.schema_for(key[0]).planned_view(key[1], df.schema())
+                mine[key] = Table(df)
             yield mine
         finally:
             stack.pop()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pyarrow as pa
 from datafusion import RuntimeEnvBuilder, SessionConfig, SessionContext, SQLOptions
 
-from probing.errors import ProbingError, QueryError
+from probing.errors import LIST_TABLES, ProbingError, QueryError
 from probing.node.sql import run
 from probing.node.sql.limits import LimitExceeded, Limits, check_sql
 from probing.node.sql.providers import (
@@ -21,6 +22,8 @@ from probing.node.sql.providers import (
 from probing.node.store import Store
 
 CATALOG = "probing"
+
+_MISSING_TABLE = re.compile(r"table '([^']+)' not found")
 
 READ_ONLY = SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
 
@@ -58,6 +61,10 @@ class Engine:
         self.ctx.sql("SET datafusion.runtime.list_files_cache_limit = 0")
         self.ctx.sql("SET datafusion.runtime.metadata_cache_limit = '16M'")
 
+    def close(self) -> None:
+        """Drop every table (the probe is retired): what they hold is freed."""
+        self.catalog.close()
+
     def schema(self, name: str) -> ProbeSchema:
         return self.catalog.schema_for(name)
 
@@ -77,6 +84,36 @@ class Engine:
     def register_resolver(self, schema: str, resolver: Resolver) -> None:
         """Resolve unknown names in ``schema`` on demand (dynamic tables)."""
         self.schema(schema).set_resolver(resolver)
+
+    def kinds(self) -> list[dict[str, str]]:
+        """Every table of the catalog (not the resolved ``python.`expr```):
+        its ``schema``, ``table`` and ``kind`` (``ProbeSchema.kind``:
+        live, view, stored), sorted; no table's rows are made."""
+        out = []
+        for name in sorted(self.catalog.schema_names()):
+            schema = self.schema(name)
+            for table in schema.table_names:
+                kind = schema.kind(table)
+                if kind is not None:
+                    out.append({"schema": name, "table": table, "kind": kind})
+        return out
+
+    def no_table(self, name: str, query: str) -> QueryError:
+        """The error of a query naming ``name`` (DataFusion's
+        ``probing.schema.table``), no table of the catalog: the name as the
+        query gave it, and the nearest ones there are."""
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == CATALOG:
+            parts = parts[1:]
+        said = ".".join(parts)
+        if len(parts) == 2 and parts[0] == "probing":  # the default schema
+            named = rf"\bprobing\s*\.\s*\"?{re.escape(parts[1])}"
+            if not re.search(named, query, re.IGNORECASE):
+                said = parts[1]  # the query gave no schema
+        known = [f"{k['schema']}.{k['table']}" for k in self.kinds()]
+        near = nearest(said, known)
+        guess = f"; did you mean {' or '.join(near)}?" if near else ""
+        return QueryError(f"no table {said}{guess}", hint=LIST_TABLES)
 
     def sql(
         self,
@@ -129,6 +166,8 @@ class Engine:
                 if not run.datafusion_error(err) and not isinstance(err, ON_PURPOSE):
                     raise
                 msg = _clean(str(err))
+                if (missing := _MISSING_TABLE.search(msg)) is not None:
+                    raise self.no_table(missing.group(1), query) from err
                 if "Resources exhausted" in msg:
                     raise memory_exceeded(msg, self.limits) from err
                 # retention removed a chunk between snapshot and scan: once more
@@ -154,6 +193,29 @@ def memory_exceeded(msg: str, limits: Limits) -> LimitExceeded:
         setting="PROBING_QUERY_MEMORY_MB",
         limit=limits.memory >> 20,
     )
+
+
+def nearest(name: str, known: list[str], n: int = 3) -> list[str]:
+    """The names of ``known`` (``schema.table``) nearest ``name``, the
+    nearest first: by the whole name, or by the table's alone (a name
+    given no schema, or the wrong one)."""
+    from difflib import SequenceMatcher
+
+    def ratio(a: str, b: str) -> float:
+        return SequenceMatcher(None, a, b).ratio()
+
+    name = name.lower()
+    schema, _, table = name.rpartition(".")
+    scores = {}
+    for k in known:
+        k_schema, _, k_table = k.partition(".")
+        other = 0.05 if schema and schema != k_schema else 0.0  # the schema named counts a little
+        scores[k] = max(ratio(name, k), ratio(table, k_table) - other)
+    ranked = sorted(
+        (k for k in known if scores[k] >= 0.6), key=lambda k: (-scores[k], -ratio(name, k), k)
+    )
+    best = scores[ranked[0]] if ranked else 0.0
+    return [k for k in ranked if scores[k] >= best - 0.15][:n]
 
 
 def _clean(msg: str) -> str:

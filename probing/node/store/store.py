@@ -141,10 +141,13 @@ class Store:
             return self._root
 
     def close(self) -> None:
-        """Remove this process's chunk files (at exit; safe to call twice)."""
+        """Remove this process's chunk files (at exit; safe to call twice).
+        Closed before the exit (an engine retiring a process's store), it
+        lets go of its exit hook, which would keep the store alive."""
         with self._lock:
             root, self._root = self._root, None
         if root is not None and self._root_pid == os.getpid():
+            atexit.unregister(self.close)
             shutil.rmtree(root, ignore_errors=True)
 
     def table(self, schema: str, name: str, arrow_schema: pa.Schema | None = None) -> EventTable:

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import psutil
 import pyarrow as pa
 
-from probing.config import VERSION
 from probing.errors import ProbingError
 from probing.guest.inside import task_stat
+from probing.guest.place import VERSION
 
 T = TypeVar("T")
 

@@ -1,0 +1,184 @@
+"""Engine soak: N short 4-rank jobs through one node engine; prints JSON.
+
+Each job's ranks start with ``PROBING=1`` (a ``torch`` DDP job launched the
+srun/mpirun way, ``tests/jobs/ddp_job.py``, or with ``--kind plain`` four
+plain Python processes joined by ``PROBING_PEERS``, the same four ports
+for every job: the same settings, so the same engine), are traced over the
+cluster, asked a cluster query, and stopped. After each job, and once every
+exited process was retired (``PROBING_KEEP_DEAD_S``), the engine's RSS,
+threads, descriptors, listening TCP ports and the files it keeps (sockets,
+state and chunk directories) are read. Printed: those figures once the
+first job was retired (the baseline), after the last job, once every job
+was retired, and the growth per job between the baseline and the end.
+
+    python benchmarks/engine_soak.py [--jobs 300] [--kind torch|plain] [--keep-dead-s 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from probing.cli.client import ProbeClient, cluster_query  # noqa: E402
+from probing.cli.demo import free_port  # noqa: E402
+from probing.errors import ProbingError  # noqa: E402
+
+WORLD = 4
+PLAIN = "import time\nwhile True:\n    time.sleep(0.05)\n"
+JOB = REPO / "tests" / "jobs" / "ddp_job.py"
+
+
+def start_job(kind: str, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    """The ranks of one job, each with its probe starting (PROBING=1)."""
+    procs = []
+    port = free_port()
+    for r in range(WORLD):
+        env_r = dict(env, PROBING="1", RANK=str(r), WORLD_SIZE=str(WORLD))
+        if kind == "plain":
+            env_r["PROBING_PORT"] = env["PROBING_PEERS"].split(",")[r].split(":")[1]
+            cmd = [sys.executable, "-c", PLAIN]
+        else:
+            env_r.update(LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            cmd = [sys.executable, str(JOB), "--steps", "0"]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )  # fmt: skip
+    return procs
+
+
+def ready(pid: int, timeout: float = 120.0) -> None:
+    """Until ``pid``'s probe is in its job (bound and published)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            cluster = ProbeClient.for_pid(pid).health().get("cluster") or {}
+            if cluster.get("addr") and cluster.get("published"):
+                return
+        except ProbingError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"pid {pid}'s probe never joined its job")
+
+
+def engine_pid(directory: Path) -> int | None:
+    for lock in directory.glob("engine-*.lock"):
+        try:
+            pid = int(lock.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if psutil.pid_exists(pid):
+            return pid
+    return None
+
+
+def figures(pid: int, directory: Path, chunks: Path) -> dict[str, float]:
+    """What the engine holds now."""
+    p = psutil.Process(pid)
+    listening = [c for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    from probing.guest import wire
+
+    try:
+        [sock] = directory.glob("engine-*.sock")
+        arrow_mb = wire.request(str(sock), "GET", "/health", None, 10)["arrow_bytes"] / 2**20
+    except (ValueError, OSError, KeyError):
+        arrow_mb = -1.0
+    return {
+        "rss_mb": round(p.memory_info().rss / 2**20, 1),
+        "arrow_mb": round(arrow_mb, 1),
+        "threads": p.num_threads(),
+        "fds": p.num_fds(),
+        "tcp_listening": len(listening),
+        "files": len(os.listdir(directory)),
+        "chunk_dirs": len(os.listdir(chunks)) if chunks.exists() else 0,
+    }
+
+
+def one_job(kind: str, env: dict[str, str]) -> None:
+    procs = start_job(kind, env)
+    try:
+        for p in procs:
+            ready(p.pid)
+        rows = ProbeClient.for_pid(procs[0].pid).cluster_trace("start", families=["gloo"])
+        if not all(r["ok"] for r in rows):
+            raise RuntimeError(f"not every rank traced: {rows}")
+        got = cluster_query("SELECT rank FROM process.info", pid=procs[1].pid, timeout=30)
+        if got.table.num_rows != WORLD:
+            raise RuntimeError(f"{got.table.num_rows} of {WORLD} ranks answered")
+    finally:
+        for p in procs:
+            with_group = os.getpgid(p.pid) if p.poll() is None else None
+            if with_group is not None:
+                os.killpg(with_group, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=300)
+    ap.add_argument("--kind", choices=("torch", "plain"), default="torch")
+    ap.add_argument("--keep-dead-s", type=float, default=3.0)
+    ap.add_argument("--every", type=int, default=10, help="a row of figures every N jobs")
+    args = ap.parse_args()
+    runtime = Path(tempfile.mkdtemp(prefix="probing-soak-"))
+    directory = runtime / f"probing-{os.getuid()}"
+    chunks = Path("/dev/shm") / f"probing-{os.getuid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBING")}
+    env.update(PROBING_RUNTIME_DIR=str(runtime), PROBING_KEEP_DEAD_S=str(args.keep_dead_s),
+               PROBING_ENGINE_IDLE_S="3600", PROBING_TOKEN="soak")  # fmt: skip
+    if args.kind == "plain":  # one peer list for every job: ranks started again on their ports
+        env["PROBING_PEERS"] = ",".join(f"127.0.0.1:{free_port()}" for _ in range(WORLD))
+    os.environ.update({k: v for k, v in env.items() if k.startswith("PROBING")})
+    rows, t0, engine = [], time.monotonic(), None
+    retire_s = args.keep_dead_s + 3.0  # every exited process retired (the engine ticks each 1 s)
+    first: dict[str, float] = {}
+    for n in range(1, args.jobs + 1):
+        one_job(args.kind, env)
+        engine = engine or engine_pid(directory)
+        if engine is None:
+            raise RuntimeError("no engine ran the jobs")
+        if n == 1:  # the baseline: the first job's processes retired
+            time.sleep(retire_s)
+            first = figures(engine, directory, chunks)
+            rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1), **first})
+        elif n % args.every == 0 or n == args.jobs:
+            rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1),
+                         **figures(engine, directory, chunks)})  # fmt: skip
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    time.sleep(retire_s)
+    assert engine is not None
+    retired = figures(engine, directory, chunks)
+    per_job = {
+        k: round((retired[k] - first[k]) / max(1, args.jobs - 1), 3)
+        for k in ("rss_mb", "threads", "fds", "tcp_listening", "files")
+    }
+    os.kill(engine, signal.SIGTERM)
+    print(json.dumps({
+        "benchmark": "engine_soak", "kind": args.kind, "jobs": args.jobs,
+        "seconds": round(time.monotonic() - t0, 1), "after_first_job_retired": first,
+        "after_last_job": {k: v for k, v in rows[-1].items() if k not in ("jobs", "s")},
+        "after_all_retired": retired, "growth_per_job": per_job, "rows": rows,
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
