@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from probing.cli.client import ProbeClient, cluster_query  # noqa: E402
 from probing.cli.demo import free_port  # noqa: E402
 from probing.errors import ProbingError  # noqa: E402
+from probing.node.probe.connections import Workers  # noqa: E402
 
 WORLD = 4
 PLAIN = "import time\nwhile True:\n    time.sleep(0.05)\n"
@@ -86,6 +87,34 @@ def engine_pid(directory: Path) -> int | None:
     return None
 
 
+def retired(directory: Path, timeout: float = 120.0) -> None:
+    """Until the engine serves no process (every exited one retired), and
+    the threads that stopped their tracing have ended."""
+    from probing.guest import wire
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        [sock] = directory.glob("engine-*.sock")
+        if not wire.request(str(sock), "GET", "/health", None, 10)["processes"]:
+            break
+        time.sleep(0.2)
+    else:
+        raise RuntimeError(f"processes still served after {timeout:g} s")
+    # the threads of what was retired end within a few seconds, and request
+    # threads linger 5 s after their last request (Workers.LINGER_S): until
+    # the count has stood still for longer
+    engine = engine_pid(directory)
+    assert engine is not None
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = psutil.Process(engine).num_threads()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= Workers.LINGER_S + 1.0:
+            return
+        time.sleep(0.25)
+
+
 def figures(pid: int, directory: Path, chunks: Path) -> dict[str, float]:
     """What the engine holds now."""
     p = psutil.Process(pid)
@@ -130,6 +159,26 @@ def one_job(kind: str, env: dict[str, str]) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        seen_dead(env, [p.pid for p in procs])
+
+
+def seen_dead(env: dict[str, str], pids: list[int], timeout: float = 30.0) -> None:
+    """Until the engine has seen ``pids`` exit: the next job's ranks take
+    their peer ports (``PROBING_PEERS``) from the dead ones, as a job
+    started again does."""
+    from probing.guest import wire
+
+    directory = Path(env["PROBING_RUNTIME_DIR"]) / f"probing-{os.getuid()}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            [sock] = directory.glob("engine-*.sock")
+            procs = wire.request(str(sock), "GET", "/health", None, 10)["processes"]
+        except (ValueError, OSError, KeyError):
+            return  # no engine (yet): nothing holds them
+        if all(not procs.get(str(p), {}).get("alive") for p in pids):
+            return
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -149,7 +198,6 @@ def main() -> None:
         env["PROBING_PEERS"] = ",".join(f"127.0.0.1:{free_port()}" for _ in range(WORLD))
     os.environ.update({k: v for k, v in env.items() if k.startswith("PROBING")})
     rows, t0, engine = [], time.monotonic(), None
-    retire_s = args.keep_dead_s + 3.0  # every exited process retired (the engine ticks each 1 s)
     first: dict[str, float] = {}
     for n in range(1, args.jobs + 1):
         one_job(args.kind, env)
@@ -157,18 +205,20 @@ def main() -> None:
         if engine is None:
             raise RuntimeError("no engine ran the jobs")
         if n == 1:  # the baseline: the first job's processes retired
-            time.sleep(retire_s)
+            retired(directory)
             first = figures(engine, directory, chunks)
             rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1), **first})
         elif n % args.every == 0 or n == args.jobs:
             rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1),
                          **figures(engine, directory, chunks)})  # fmt: skip
+        else:
+            continue
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    time.sleep(retire_s)
+    retired(directory)
     assert engine is not None
-    retired = figures(engine, directory, chunks)
+    at_end = figures(engine, directory, chunks)
     per_job = {
-        k: round((retired[k] - first[k]) / max(1, args.jobs - 1), 3)
+        k: round((at_end[k] - first[k]) / max(1, args.jobs - 1), 3)
         for k in ("rss_mb", "threads", "fds", "tcp_listening", "files")
     }
     os.kill(engine, signal.SIGTERM)
@@ -176,7 +226,7 @@ def main() -> None:
         "benchmark": "engine_soak", "kind": args.kind, "jobs": args.jobs,
         "seconds": round(time.monotonic() - t0, 1), "after_first_job_retired": first,
         "after_last_job": {k: v for k, v in rows[-1].items() if k not in ("jobs", "s")},
-        "after_all_retired": retired, "growth_per_job": per_job, "rows": rows,
+        "after_all_retired": at_end, "growth_per_job": per_job, "rows": rows,
     }, indent=1))  # fmt: skip
 
 

@@ -122,3 +122,30 @@ def test_a_new_engine_removes_what_a_killed_one_left(spawn, runtime_dir) -> None
         assert ProbeClient.for_pid(live.pid).health()["pid"] == live.pid
     except ProbingError as err:  # the assertion says what went wrong
         raise AssertionError(err) from err
+
+
+def test_an_engine_that_served_20_jobs_holds_what_it_held_after_the_first() -> None:
+    """20 short 4-rank jobs (probed, traced, asked a cluster query, stopped)
+    through one engine (``benchmarks/engine_soak.py``): once they are
+    retired, its threads, descriptors, ports and files are what they were
+    once the first job was, and its memory came back."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    require_bpf()
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_soak.py"), "--jobs", "20",
+         "--kind", "plain", "--keep-dead-s", "1", "--every", "5"],
+        capture_output=True, text=True, timeout=600 * SLOWDOWN,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    first, last = got["after_first_job_retired"], got["after_all_retired"]
+    assert last["threads"] == first["threads"], got["rows"]
+    assert abs(last["fds"] - first["fds"]) <= 2, got["rows"]
+    assert last["tcp_listening"] == first["tcp_listening"] == 0, got["rows"]
+    assert last["files"] == first["files"], got["rows"]
+    assert last["rss_mb"] - first["rss_mb"] < 50, got["rows"]

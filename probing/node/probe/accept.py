@@ -122,7 +122,10 @@ class Acceptor:
         tcp = next((lst for lst in self.listeners if lst.tcp), None)
         if tcp is None:
             return None
-        bound = tcp.sock.getsockname()
+        try:
+            bound = tcp.sock.getsockname()
+        except OSError:  # closed meanwhile (close_tcp), not yet out of the list
+            return None
         return bound[0], bound[1]
 
     # -- accepting ---------------------------------------------------------------
