@@ -167,6 +167,28 @@ class Config:
         "",
         "the bearer token `probing mcp --http` requires (needed off the loopback)",
     )
+    # probing agent (its options override these; `--config FILE` reads them from a file)
+    agent_port: int = _setting(
+        "PROBING_AGENT_PORT", 9978, "`probing agent`'s GET /health and /metrics port", least=0
+    )
+    agent_host: str = _setting(
+        "PROBING_AGENT_HOST", "127.0.0.1", "the address `probing agent` serves on"
+    )
+    agent_every_s: float = _setting(
+        "PROBING_AGENT_EVERY_S", 2.0, "seconds between the agent's looks at the node's processes"
+    )
+    agent_attach: bool = _setting(
+        "PROBING_AGENT_ATTACH", True, "`0`: the agent serves and watches, attaches to nothing"
+    )
+    agent_match: str = _setting(
+        "PROBING_AGENT_MATCH", "", "also attach to processes whose command line matches (regex)"
+    )
+    agent_cgroup: str = _setting(
+        "PROBING_AGENT_CGROUP", "", "also attach to processes whose cgroup path holds this"
+    )
+    agent_families: str = _setting(
+        "PROBING_AGENT_FAMILIES", "gloo,nccl", "what the agent traces in what it attaches to"
+    )
 
     @property
     def cluster_off(self) -> bool:

@@ -135,6 +135,87 @@ def ps() -> None:
     typer.echo(ps_text())
 
 
+@command(
+    epilog="Examples:\n\n  probing agent\n\n  probing agent --no-attach --port 9978\n\n"
+    "  probing agent --match 'train\\.py' --families gloo,nccl,cuda\n\n"
+    "  probing agent --config /etc/probing/agent.env"
+)
+def agent(
+    attach: Annotated[
+        bool | None,
+        typer.Option("--attach/--no-attach", help="attach to matching processes (default on)"),
+    ] = None,
+    match: Annotated[
+        str | None, typer.Option("--match", help="also a command line matching this regex")
+    ] = None,
+    cgroup: Annotated[
+        str | None, typer.Option("--cgroup", help="also a process whose cgroup holds this")
+    ] = None,
+    families: Annotated[
+        str | None, typer.Option("--families", help="what to trace (default gloo,nccl)")
+    ] = None,
+    every: Annotated[
+        float | None, typer.Option("--every", help="seconds between looks at the node")
+    ] = None,
+    host: Annotated[str | None, typer.Option("--host", help="serve on (127.0.0.1)")] = None,
+    port: Annotated[
+        int | None, typer.Option("--port", help="GET /health and /metrics (9978; 0: any)")
+    ] = None,
+    config_file: Annotated[
+        str | None,
+        typer.Option("--config", help="a file of NAME=value lines, as systemd reads them"),
+    ] = None,
+    require: Annotated[
+        list[str] | None,
+        typer.Option("--env", help="only processes whose environment has NAME=VALUE (repeatable)"),
+    ] = None,
+) -> None:
+    """The node's agent, in the foreground (a service's main process): it
+    attaches to every training process of the node that a launcher started
+    (torchrun, srun, mpirun; not one with PROBING=0), traces its collectives
+    and watches its job, and serves GET /health and /metrics. Logs go to
+    stderr; SIGTERM stops it (the probes go on)."""
+    import os
+
+    from probing import config
+    from probing.node import agent as node_agent
+
+    env = dict(os.environ)
+    if config_file is not None:
+        env.update(_env_file(config_file))
+    s = config.from_env(env, strict=True)
+    policy = node_agent.Policy(
+        pattern=s.agent_match if match is None else match,
+        cgroup=s.agent_cgroup if cgroup is None else cgroup,
+        families=tuple(f.strip() for f in (families or s.agent_families).split(",") if f.strip()),
+        attach=s.agent_attach if attach is None else attach,
+        require=tuple(tuple(r.split("=", 1)) for r in require or [] if "=" in r),  # type: ignore[misc]
+    )
+    node_agent.main(
+        policy,
+        every_s=s.agent_every_s if every is None else every,
+        host=host or s.agent_host,
+        port=s.agent_port if port is None else port,
+    )
+
+
+def _env_file(path: str) -> dict[str, str]:
+    """``NAME=value`` lines (``#`` comments, optional quotes), as systemd reads them."""
+    out = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        raise typer.BadParameter(f"cannot read {path}: {err.strerror}") from err
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        name, _, value = line.partition("=")
+        out[name.strip()] = value.strip().strip("'\"")
+    return out
+
+
 class EngineAction(str, Enum):
     list = "list"
     stop = "stop"
