@@ -3,21 +3,26 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint clean vm-test
+.PHONY: setup jobenvs demo test bench lint clean vm-test
 
 setup:
 	@bash .ci/setup.sh
 
+# the jobs' own environments the suite runs in (other numpy, pyarrow and Pythons,
+# the frameworks): the tests' and benchmarks' set-up, not the demo's
+jobenvs: setup
+	@bash .ci/jobenvs.sh
+
 demo: setup
 	@$(PY) -m probing demo
 
-test: setup
+test: jobenvs
 	$(VENV)/bin/ruff check probing tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
-bench: setup
+bench: jobenvs
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@for b in benchmarks/*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done
 

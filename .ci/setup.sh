@@ -112,8 +112,7 @@ if ! "$VENV/bin/python" -c 'import bcc' 2>/dev/null; then
     say "WARNING: python3-bpfcc is not installed; BPF features are off"
   fi
 fi
-# --- job environments without probing (other numpy/pyarrow, other Pythons) -----------
-bash .ci/jobenvs.sh
+# (the job environments the test suite runs jobs in are `make test`'s: .ci/jobenvs.sh)
 
 # --- the library `probing inject` loads into a target (built once per boot.c) ----------
 "$VENV/bin/python" -m probing.inject.build >/dev/null || say "WARNING: could not build the injection library"

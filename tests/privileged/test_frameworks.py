@@ -22,6 +22,7 @@ import pytest
 from probing.cli.demo import trace_all
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
 from tests.jobs.framework import ENV, JOBS, WORLD, Job, Slowed, start, torchrun
+from tests.test_cluster import wait_ready
 
 pytestmark = pytest.mark.privileged
 
@@ -88,6 +89,8 @@ def test_a_framework_job_forms_a_cluster_and_its_slow_rank_is_named(
     try:
         ranks = job.wait_ready()
         assert not trace_all(list(ranks.values()), ["gloo"])
+        for pid in ranks.values():  # each probe learns its rank from the job's group, then joins
+            wait_ready(pid, 60 * SLOWDOWN)
         r = cli("query", "--pid", str(ranks[3]), "--cluster", "--format", "json", ALL_RANKS)
         assert r.returncode == 0, r.stderr
         assert [row["rank"] for row in json.loads(r.stdout)] == list(range(WORLD))

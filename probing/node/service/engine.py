@@ -165,8 +165,11 @@ class Service:
             return False
         try:
             said = wire.request(guest, "GET", "/engine", None, timeout=2.0)
-        except wire.WireError:  # an older guest (no /engine), or gone meanwhile
-            return False
+        except wire.WireError as err:
+            # no answer: a host that holds the GIL (its guest cannot answer now)
+            # is adopted on its environment's word; one that answered
+            # something else (an older guest) is not
+            return not err.status
         return bool(said.get("install") == self.install and said.get("key") == self.key)
 
     # -- deaths and retirement ------------------------------------------------------
