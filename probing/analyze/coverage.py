@@ -45,13 +45,13 @@ class Coverage:
         """ "ranks 1, 3 not tracing (stopped since 12:00:01)", or ""."""
         if not self.untraced:
             return ""
-        by_what: dict[tuple[str, int | None], list[int]] = defaultdict(list)
-        for u in self.untraced:
-            by_what[(u.state, u.since_ns)].append(u.rank)
+        by_what: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for u in self.untraced:  # ranks stopped in the same second are said together
+            by_what[(u.state, hms(u.since_ns) if u.since_ns else "")].append(u.rank)
         parts = []
         for (state, since), ranks in by_what.items():
             who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
-            when = f" since {hms(since)}" if since else ""
+            when = f" since {since}" if since else ""
             what = {"never": "never traced in the window", "died": f"died{when}"}.get(
                 state, f"stopped tracing{when}"
             )

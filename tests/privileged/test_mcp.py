@@ -18,11 +18,13 @@ from mcp import Client
 
 from probing.cli.client import ProbeClient
 from probing.cli.demo import DemoJob
+from tests import test_mcp
 from tests.conftest import SLOWDOWN, require_bpf
 from tests.test_cluster import TOKEN, wait_ready
 from tests.test_mcp import ok, over_stdio
 
 pytestmark = pytest.mark.privileged
+http_server_fixture = test_mcp.http_server  # the fixture http_server, here too
 
 WORLD = 4
 
@@ -30,13 +32,13 @@ WORLD = 4
 @pytest.fixture
 def slow_job(runtime_dir: Path) -> Iterator[tuple[DemoJob, int]]:
     """A 4-rank DDP job started with its probes, one rank's data loader
-    40 ms slower (drawn at random, printed); every probe in the cluster."""
+    60 ms slower (drawn at random, printed); every probe in the cluster."""
     require_bpf()
     rank = random.randrange(WORLD)
     print(f"straggler: rank {rank}")
     job = DemoJob(
         WORLD,
-        job_args=("--slow-rank", str(rank), "--slow-ms", f"{40 * SLOWDOWN:g}"),
+        job_args=("--slow-rank", str(rank), "--slow-ms", f"{60 * SLOWDOWN:g}"),
         env={"PROBING": "1", "PROBING_TOKEN": TOKEN},
     )
     try:
@@ -112,3 +114,79 @@ def test_an_agent_names_the_straggler_of_a_real_job(tmp_path: Path, slow_job) ->
     assert set(got["stopped"].values()) == {"stopped"}, got["stopped"]
     audit = (out / "audit.jsonl").read_text()
     assert '"tool": "trace_start"' in audit and '"tool": "trace_stop"' in audit
+
+
+def _read_only_session(c: Client, pids: list[int], got: dict[str, Any]) -> Any:
+    """What an agent without --allow-control does on the job: list the tools,
+    diagnose (recording 4 s), a cluster query, a refused trace_start, and the
+    clean errors of bad SQL, a dead pid and a result over the cap, each
+    followed by a call that works."""
+
+    async def go() -> None:
+        got["tools"] = {t.name for t in (await c.list_tools()).tools}
+        got["diagnose"] = await c.call_tool(
+            "diagnose", {"pid": pids[-1], "record": f"{4 * SLOWDOWN:g}s", "timeout": 5 * SLOWDOWN}
+        )
+        sql = "SELECT rank, count(*) AS n FROM process.threads GROUP BY rank"
+        got["query"] = await c.call_tool("query", {"pid": pids[0], "sql": sql, "cluster": True})
+        got["start"] = await c.call_tool("trace_start", {"pid": pids[0], "cluster": True})
+        got["bad_sql"] = await c.call_tool("query", {"pid": pids[0], "sql": "SELEC 1"})
+        got["dead_pid"] = await c.call_tool("query", {"pid": 999999999, "sql": "SELECT 1"})
+        got["capped"] = await c.call_tool(
+            "query", {"pid": pids[0], "sql": "SELECT * FROM process.threads", "max_rows": 1}
+        )
+        got["after"] = await c.call_tool(
+            "query", {"pid": pids[1], "sql": "SELECT pid FROM process.info"}
+        )
+
+    return go
+
+
+def _check_read_only(got: dict[str, Any], pids: list[int], rank: int) -> None:
+    from tests.test_mcp import TOOLS, failed
+
+    assert got["tools"] == TOOLS
+    verdict = ok(got["diagnose"])
+    assert [s["rank"] for s in verdict["diagnosis"]["stragglers"]] == [rank], verdict["verdict"]
+    assert sorted(r["rank"] for r in ok(got["query"])["rows"]) == list(range(WORLD))
+    assert "--allow-control" in failed(got["start"])
+    assert "SELEC" in failed(got["bad_sql"]) or "syntax" in failed(got["bad_sql"]).lower()
+    assert "probing ps" in failed(got["dead_pid"]) or "no process" in failed(got["dead_pid"])
+    capped = ok(got["capped"])
+    assert len(capped["rows"]) == 1 and capped["truncated_by"] == "max_rows", capped
+    assert ok(got["after"])["rows"] == [{"pid": pids[1]}]
+
+
+def test_a_read_only_agent_over_stdio_and_http(tmp_path, slow_job, http_server_fixture) -> None:  # type: ignore[no-untyped-def]
+    """Issue 41's session twice: over stdio, and over streamable HTTP with its
+    token (refused without it)."""
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    from tests.test_mcp import _post
+
+    job, rank = slow_job
+    pids = job.pids
+    got: dict[str, Any] = {}
+
+    async def go(c: Client) -> None:
+        await _read_only_session(c, pids, got)()
+
+    over_stdio(tmp_path, go)
+    _check_read_only(got, pids, rank)
+
+    _, url = http_server_fixture("--host", "0.0.0.0", token=TOKEN)
+    local = url.replace("0.0.0.0", "127.0.0.1")
+    assert _post(local, {})[0] == 401  # no token: refused at the door
+    over_http: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with httpx2.AsyncClient(
+            headers={"Authorization": f"Bearer {TOKEN}"}, timeout=180 * SLOWDOWN
+        ) as http:
+            transport = streamable_http_client(local, http_client=http)
+            async with Client(transport, read_timeout_seconds=180) as c:
+                await _read_only_session(c, pids, over_http)()
+
+    anyio.run(main)
+    _check_read_only(over_http, pids, rank)
