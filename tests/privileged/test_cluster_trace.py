@@ -309,3 +309,23 @@ def test_a_trace_stopped_while_the_job_trains_is_no_hang(spawn) -> None:  # type
         assert d["hangs"] == [], (how, d["verdict"])
         assert "stopped tracing since" in d["verdict"], (how, d["verdict"])
         assert sorted(u["rank"] for u in d["untraced"]) == list(range(WORLD)), d["untraced"]
+
+
+def test_one_command_traces_a_job_started_without_probing(spawn) -> None:  # type: ignore[no-untyped-def]
+    """Issue 43: ``trace --pid P --cluster --background`` on a job nobody
+    probed injects every rank of it on this machine, which join, and traces
+    all four from one of them."""
+    require_bpf()
+    port = free_port()
+    env = {"WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PROBING_TOKEN": TOKEN}  # fmt: skip
+    ranks = [
+        spawn(JOB, probing=False, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+        for r in range(WORLD)
+    ]
+    r = cli("trace", "--pid", str(ranks[2].pid), "--cluster", "--background", "--no-nccl",
+            "--no-cuda", timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"{WORLD} of {WORLD} ranks tracing\n"), r.stdout + r.stderr
+    for t in ranks:
+        assert ProbeClient.for_pid(t.pid).trace_status()["state"] == "tracing"

@@ -87,6 +87,8 @@ def trace_many(
             return client(pid).cluster_trace(action, timeout=timeout)
         return probe_client(pid, inject).cluster_trace(action, timeout=timeout, **asdict(options))
 
+    if not job and not stop and inject:  # the whole job, however it was started
+        pid = probe_job(pid, timeout)
     rows = act("stop" if stop else "start")
     typer.echo(control_rows(rows, "stopped" if stop else "tracing", who))
     if stop or background:
@@ -102,6 +104,35 @@ def trace_many(
         pass
     typer.echo(control_rows(act("stop"), "stopped", who))
     return 0
+
+
+def probe_job(pid: int, timeout: float) -> int:
+    """Every rank of ``pid``'s job on this machine with a probe (injected where
+    it has none: a job started without probing), each in its job (joined
+    through the job's store, within ``timeout``); the pid to ask: ``pid``,
+    or a launcher's first rank (torchrun's agent is no rank)."""
+    import time
+
+    from probing.errors import ProbingError
+    from probing.procs import job_pids
+
+    ranks = job_pids(pid)
+    for p in ranks:
+        try:
+            probe_client(p, True)
+        except ProbingError:  # said for that rank by the trace below
+            continue
+    deadline = time.monotonic() + timeout
+    for p in ranks:
+        while time.monotonic() < deadline:
+            try:
+                cluster = client(p).health().get("cluster")
+            except ProbingError:
+                break
+            if not cluster or cluster.get("published"):
+                break  # in its job, or not a rank (one that cannot join is said below)
+            time.sleep(0.1)
+    return pid if pid in ranks else ranks[0]
 
 
 def job_trace(pid: int, action: str, inject: bool, options: TraceOptions) -> list[dict[str, Any]]:
