@@ -191,9 +191,12 @@ def tell(msg: str, pid: int | None = None) -> None:
 
     line = f"probing: {msg}\n"
     if pid is not None and pid != os.getpid():
-        try:
-            with open(f"/proc/{pid}/fd/2", "a") as err:
-                err.write(line)
+        try:  # one write, appended: the line is whole however the job writes around it
+            fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                os.write(fd, line.encode(errors="replace"))
+            finally:
+                os.close(fd)
             return
         except OSError:  # gone, a socket, or not ours: the engine's log has it
             pass

@@ -32,6 +32,13 @@ def user_dir(uid: int | None = None) -> str:
     return place.user_dir(uid, runtime_root())
 
 
+def findings_log(uid: int | None = None) -> str:
+    """``findings.jsonl``: every finding of this user's probes on this node,
+    new and cleared, one JSON object a line (for Loki or Elastic, and a
+    copy the job's own log cannot write over)."""
+    return os.path.join(user_dir(uid), "findings.jsonl")
+
+
 def socket_path(pid: int, uid: int | None = None) -> str:
     return os.path.join(user_dir(uid), f"{pid}.sock")
 

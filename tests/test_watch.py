@@ -33,6 +33,7 @@ class Node:
         self.asked: list[str] = []
         self.lower: dict[int, dict[str, Any]] = {}  # what the ranks below answer (alive?)
         self.asked_ranks: list[int] = []
+        self.groups: list[dict[str, Any]] = []  # comm.groups rows
         # trace.intervals: every rank tracing since long ago, unless a test says
         self.intervals = [{"start_ns": 0, "stop_ns": None, "state": "tracing", "rank": r}
                           for r in range(4)]  # fmt: skip
@@ -46,6 +47,10 @@ class Node:
         self.asked.append(sql)
         if "FROM process.info" in sql:  # who died: nobody, or ``self.dead``
             return pa.Table.from_pylist(self.dead), Got(), None
+        if "FROM comm.groups" in sql:  # torch's groups, or none: communicators by their own names
+            if self.groups:
+                return pa.Table.from_pylist(self.groups), Got(), None
+            return pa.table({"rank": pa.array([], pa.int64())}), Got(), None
         if "FROM trace.intervals" in sql:
             return pa.Table.from_pylist(self.intervals), Got(), None
         if "FROM python.samples" in sql:
@@ -209,3 +214,31 @@ def analyze_links(table: pa.Table) -> list[Any]:
     from probing.analyze import analyze
 
     return analyze(table, now_ns=_now(table)).slow_links
+
+
+def test_findings_go_to_a_log_of_their_own_and_name_torchs_groups(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A new finding and its clearing are one JSON line each in
+    findings.jsonl (the job's own log may write over its copy there); the
+    group is torch's name for it, as diagnose says it."""
+    import json
+
+    monkeypatch.setenv("PROBING_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / f"probing-{__import__('os').getuid()}").mkdir(mode=0o700)
+    slow, healthy = job(straggler=2, lag_ms=60, seed=1), job(seed=1)
+    comms = {(r["rank"], r["comm"]) for r in slow.to_pylist()}
+    node = Node()
+    node.groups = [{"node": f"host{r // 2}", "rank": r, "backend": "gloo", "comm": c, "pg": "0",
+                    "ranks": [0, 1, 2, 3]} for r, c in comms]  # fmt: skip
+    node.answers = [(slow, _answered()), (healthy, _answered())]
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+    [new] = w.once(now_ns=_now(slow))
+    assert "gloo/pg0" in new["text"], new["text"]
+    assert w.once(now_ns=_now(healthy)) == []
+    from probing import paths
+
+    lines = [json.loads(line) for line in open(paths.findings_log())]
+    assert [(x["kind"], x["rank"], x["cleared_ns"] is None) for x in lines] == [
+        ("straggler", 2, True),
+        ("straggler", 2, False),
+    ], lines
+    assert lines[0]["text"] == new["text"] and lines[1]["cleared_ns"] == _now(healthy)

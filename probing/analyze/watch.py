@@ -136,7 +136,14 @@ class Watch:
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """One detection: ask, analyze, record; the findings new in it."""
-        from probing.analyze.diagnose import analyze, death_text, judge, optional, queries
+        from probing.analyze.diagnose import (
+            analyze,
+            death_text,
+            judge,
+            optional,
+            queries,
+            with_groups,
+        )  # fmt: skip
 
         now = now_ns or time.time_ns()
         sql = queries(remote=True)
@@ -149,6 +156,9 @@ class Watch:
         table, got, _ = self.node.coordinate(
             sql["collectives"].format(since_ns=since), timeout=timeout
         )
+        groups = optional(ask, sql["groups"])  # torch's names, as diagnose says them
+        if groups is not None:
+            table = with_groups(table, groups)
         runq_sql = sql["runq"].format(since_ns=since)
         dead = ask(sql["dead"]).to_pylist()
         # judged only over the span in which every rank that answered traced
@@ -227,6 +237,7 @@ class Watch:
             tell(f"finding: {row['text']}", self.node.pid)
         for key in cleared:
             tell(f"finding cleared: {key[0]} {', '.join(str(k) for k in key[1:])}", self.node.pid)
+        log_findings([*new, *(f for f in self.findings if f["cleared_ns"] == now)], self.node.pid)
         return new
 
     def table(self) -> pa.Table:
@@ -256,6 +267,32 @@ def _row(
 
 
 KINDS = ("straggler", "slow_link", "hang", "rank_gone")
+
+
+def log_findings(rows: list[dict[str, Any]], pid: int | None) -> None:
+    """Each new or cleared finding as one line of ``findings.jsonl``
+    (``probing.paths.findings_log``), one ``write`` each, appended. Never raises."""
+    import os
+    import socket
+
+    from probing import paths
+
+    if not rows:
+        return
+    host = socket.gethostname()
+    try:
+        fd = os.open(paths.findings_log(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)  # fmt: skip
+    except OSError:  # no runtime directory (a probe stopped meanwhile): the table has them
+        return
+    try:
+        for row in rows:
+            line = json.dumps({**row, "pid": pid, "host": host}, default=str) + "\n"
+            os.write(fd, line.encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _label(value: str) -> str:
