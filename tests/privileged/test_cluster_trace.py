@@ -329,3 +329,9 @@ def test_one_command_traces_a_job_started_without_probing(spawn) -> None:  # typ
     assert r.stdout.startswith(f"{WORLD} of {WORLD} ranks tracing\n"), r.stdout + r.stderr
     for t in ranks:
         assert ProbeClient.for_pid(t.pid).trace_status()["state"] == "tracing"
+    # stopping one rank says the others still trace, and how to stop them all
+    r = cli("trace", "--pid", str(ranks[1].pid), "--stop", timeout=120)
+    assert r.returncode == 0, r.stderr
+    others = ", ".join(str(t.pid) for t in ranks if t is not ranks[1])
+    assert f"{WORLD - 1} more rank(s) of its job still trace (pids {others})" in r.stdout, r.stdout
+    assert f"probing trace --pid {ranks[1].pid} --cluster --stop" in r.stdout

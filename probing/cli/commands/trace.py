@@ -38,6 +38,13 @@ def trace_one(
             typer.echo(f"pid {pid} is not tracing: already stopped")
             return
         typer.echo(TraceMonitor.summary(status))
+        still = still_tracing(pid)
+        if still:
+            typer.echo(
+                f"{len(still)} more rank(s) of its job still trace (pids "
+                f"{', '.join(map(str, still))}); stop every rank with: "
+                f"probing trace --pid {pid} --cluster --stop"
+            )
         return
     probe = probe_client(pid, inject)
     out = os.path.abspath(output) if output else None
@@ -104,6 +111,23 @@ def trace_many(
         pass
     typer.echo(control_rows(act("stop"), "stopped", who))
     return 0
+
+
+def still_tracing(pid: int) -> list[int]:
+    """The other ranks of ``pid``'s job on this machine that trace now."""
+    from probing.errors import ProbingError
+    from probing.procs import job_pids
+
+    out = []
+    for p in job_pids(pid):
+        if p == pid:
+            continue
+        try:
+            if client(p).trace_status().get("state") == "tracing":
+                out.append(p)
+        except ProbingError:  # no probe: not tracing
+            continue
+    return out
 
 
 def probe_job(pid: int, timeout: float) -> int:
