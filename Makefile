@@ -12,6 +12,7 @@ setup:
 # the frameworks): the tests' and benchmarks' set-up, not the demo's
 jobenvs: setup
 	@bash .ci/jobenvs.sh
+	@bash .ci/testtools.sh
 
 demo: setup
 	@$(PY) -m probing demo
