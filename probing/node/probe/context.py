@@ -279,7 +279,8 @@ class ProbeContext:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
 
     def stop(self) -> None:
         """Close the socket; the data stays (``serve()`` opens it again)."""
