@@ -5,6 +5,7 @@ others trace anyway."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,33 +33,37 @@ while True:
     dist.all_reduce(t)
 """
 
-# a job whose ranks outlive a peer that dies: Gloo raises in the survivors'
-# next collective (a real job's ranks abort then, which is what a test that
-# kills a rank and expects the others to live must not leave to chance);
-# these wait, as ranks do while an elastic agent restarts the job
+# a job whose ranks outlive a peer that dies: a Gloo rank aborts when a peer's
+# connection resets under a collective (what a real job does), so these leave
+# their loop together, at one all-reduce of a flag, once PAUSE_FILE exists,
+# and idle there: a peer killed then ends no collective of theirs
 SURVIVING_JOB = """
-import time
+import os, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(256)
 while True:
     time.sleep(0.02)
-    try:
-        dist.all_reduce(t)
-    except RuntimeError:  # a peer died
-        while True:
-            time.sleep(1)
+    dist.all_reduce(t)
+    flag = torch.tensor([float(os.path.exists(os.environ["PAUSE_FILE"]))])
+    dist.all_reduce(flag)
+    if flag.item() > 0:
+        break
+print("paused", flush=True)
+while True:
+    time.sleep(1)
 """
 
 PER_RANK = "SELECT rank, count(*) AS n FROM comm.collectives GROUP BY rank ORDER BY rank"
 
 
-def _job(spawn, code: str = JOB) -> list[int]:  # type: ignore[no-untyped-def]
+def _job(spawn, code: str = JOB, **extra: str) -> list[int]:  # type: ignore[no-untyped-def]
     port = free_port()
     ranks = [
         spawn(
             code,
             env={
+                **extra,
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),
                 "WORLD_SIZE": str(WORLD),
@@ -104,10 +109,29 @@ def test_one_command_traces_and_stops_every_rank(spawn) -> None:  # type: ignore
         assert ProbeClient.for_pid(pid).trace_status()["state"] != "tracing"
 
 
-def test_a_rank_that_cannot_is_named_and_the_others_trace(spawn) -> None:  # type: ignore[no-untyped-def]
+def _idle(pid: int) -> bool:
+    """Whether the rank's main thread idles after its loop (SURVIVING_JOB)."""
+    frames = ProbeClient.for_pid(pid).query_rows(
+        "SELECT func, line FROM process.stacks WHERE thread = 'MainThread'"
+    )[1]
+    idle = SURVIVING_JOB.splitlines().index("    time.sleep(1)") + 1
+    return any(f[0] == "<module>" and f[1] == idle for f in frames)
+
+
+def test_a_rank_that_cannot_is_named_and_the_others_trace(spawn, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import psutil
+
     require_bpf()
-    pids = _job(spawn, SURVIVING_JOB)
+    pause = tmp_path / "pause"
+    pids = _job(spawn, SURVIVING_JOB, PAUSE_FILE=str(pause))
+    pause.touch()
+    deadline = time.monotonic() + 60 * SLOWDOWN
+    while not all(_idle(pid) for pid in pids):  # every rank out of its collectives
+        assert time.monotonic() < deadline, "the ranks never paused"
+        time.sleep(0.1)
     os.kill(pids[3], signal.SIGKILL)  # gone: its probe is kept, but nothing is left to trace
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pids[3]).wait(10)
     r = cli("trace", "--pid", str(pids[1]), "--cluster", "--background", "--no-nccl",
             "--no-cuda", timeout=180)  # fmt: skip
     assert r.returncode == 2, r.stdout + r.stderr
