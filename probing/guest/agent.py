@@ -88,18 +88,10 @@ class Guest:
         process's memory where Yama allows only ancestors to, and watch it, so
         that a new one starts when it dies (once per engine). Only this
         guest's engine (the pid its lock names) is let in."""
-        if pid != self.ptracer and pid > 0 and pid == self._engine_pid():
+        if pid != self.ptracer and pid > 0 and pid == place.engine_pid(self.directory, self.key):
             self.ptracer = pid
             _allow_ptrace(pid)
             self._watch(pid)
-
-    def _engine_pid(self) -> int:
-        """The pid of the engine of this guest's key, as its lock file says."""
-        try:
-            with open(place.engine_path(self.directory, self.key, "lock")) as f:
-                return int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            return 0
 
     def _watch(self, engine_pid: int) -> None:
         """A thread that waits (in ``poll``, not holding the GIL) for the engine

@@ -89,6 +89,15 @@ def engine_path(directory: str | None = None, key: str = "", suffix: str = "sock
     return os.path.join(directory or user_dir(), f"engine-{key}.{suffix}")
 
 
+def engine_pid(directory: str, key: str) -> int:
+    """The pid the engine of ``key`` wrote in its lock file (0: none)."""
+    try:
+        with open(engine_path(directory, key, "lock")) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def is_engine(pid: int) -> bool:
     """Whether ``pid`` runs probing's engine (``python -m probing.node.service``)."""
     try:

@@ -247,20 +247,18 @@ def _probe_metrics(pid: int) -> str:
     """One probe's ``GET /metrics`` over its unix socket (not JSON)."""
     import socket
 
+    from probing.node.probe import http
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
     try:
         sock.connect(_socket(pid))
-        sock.sendall(b"GET /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
+        answer = http.exchange(sock, http.request_bytes("/metrics", b"", None, "GET"))
     finally:
         sock.close()
-    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
-    if b" 200 " not in head.split(b"\r\n", 1)[0] + b" ":
-        raise wire.WireError(0, f"pid {pid}: /metrics answered {head[:40]!r}")
-    return body.decode()
+    if answer.status != 200:
+        raise wire.WireError(answer.status, f"pid {pid}: /metrics answered {answer.status}")
+    return answer.body.decode()
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(.*)$")

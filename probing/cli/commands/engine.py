@@ -42,12 +42,11 @@ def engines(directory: str | None = None) -> list[EngineInfo]:
         if not (name.startswith("engine-") and name.endswith(".lock")):
             continue
         key = name[len("engine-") : -len(".lock")]
+        pid = place.engine_pid(directory, key)
         try:
-            with open(os.path.join(directory, name)) as f:
-                pid = int(f.read().split()[0])
             proc = psutil.Process(pid)
             rss, threads = proc.memory_info().rss / 2**20, proc.num_threads()
-        except (OSError, ValueError, IndexError, psutil.Error):
+        except (psutil.Error, ValueError):
             continue  # no engine holds it now
         if not place.is_engine(pid):
             continue

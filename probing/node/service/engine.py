@@ -142,12 +142,12 @@ class Service:
         """Remove what an engine of this user that was killed left behind: the
         sockets (``<pid>.sock``, ``<pid>.guest``) and the chunk directories
         of processes that no longer exist, and only those."""
-        from probing.node.store.store import chunk_base, remove_stale_roots
+        from probing.node.store.store import chunk_base, pid_alive, remove_stale_roots
 
         gone = 0
         for name in os.listdir(self.directory):
             pid, dot, kind = name.partition(".")
-            dead = pid.isdigit() and not _exists(int(pid))
+            dead = pid.isdigit() and not pid_alive(int(pid))
             if dot and kind in ("sock", "guest", "trace") and dead:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.directory, name))
@@ -326,16 +326,6 @@ def _give_back() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator decides
         pass
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: it exists
-        return True
-    return True
 
 
 def _other_install(theirs: str, ours: str) -> str:

@@ -26,7 +26,8 @@ SEAL_QUEUE = 4  # chunks waiting for the sealer thread; past that, the writer se
 _ROOT_NAME = re.compile(r"^chunks-(\d+)-")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -60,7 +61,7 @@ def remove_stale_roots(user_dir: str) -> None:
         return
     for name in names:
         m = _ROOT_NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
 
 
