@@ -13,7 +13,16 @@ Side by side, in one run:
   flat / tree   the asker talks to every peer / to each node's first rank,
            which gathers its node
 
+Per node (``--per-node``), as the node's engine serves its ranks: each
+simulated node is one engine port (``probing.node.cluster.port``) serving
+its 8 ranks, each with its own engine and store (``NODE_ROWS`` rows: 4,096
+stores of 100k rows would not fit here). A query fans out node to node
+(``auto``): each node answers for its 8 ranks in one reply, its ranks'
+shares run in-process. Side by side with the per-rank fan-out of before
+(every rank its own port) at the same number of ranks.
+
     python benchmarks/cluster_bench.py [--sizes 4,64,256] [--runs 5]
+    python benchmarks/cluster_bench.py --per-node --sizes 1024,4096 --runs 5
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ import sys
 import time
 
 ROWS = 100_000
+NODE_ROWS = 1_000  # per rank, --per-node
 RANKS_PER_NODE = 8
+FAKE_PID = 1 << 22  # + rank: the simulated ranks' pids (the port routes by pid)
 TOKEN = "bench-token"
 PUSHED = "SELECT rank, count(*) AS n, avg(dur_ns) AS avg_dur FROM bench.events GROUP BY rank"
 ROWS_SHIPPED = "SELECT rank, count(*) AS n, avg(dur_ns) AS avg_dur FROM bench.events GROUP BY 1"
@@ -50,26 +61,32 @@ class PeerHost:
         return {"rank": self.cluster.rank, "queries": self.queries}
 
 
-def worker(ranks: list[int], world: int) -> None:
-    """Host ``ranks``: print their addresses, read everyone's, serve until EOF."""
+def worker(ranks: list[int], world: int, per_node: bool = False) -> None:
+    """Host ``ranks``: print their addresses, read everyone's, serve until EOF.
+    ``per_node``: each node's ranks behind one port, as an engine serves them."""
+    import types
+
     import numpy as np
 
     from probing.node.cluster.discovery import PeerInfo
     from probing.node.cluster.identity import Identity
     from probing.node.cluster.node import ClusterNode
+    from probing.node.cluster.port import NodePort
     from probing.node.probe.api import make_app
     from probing.node.probe.server import UnixHTTPServer
     from probing.node.sql import Engine
     from probing.node.store import Store
 
     servers, nodes = [], []
+    ports: dict[int, NodePort] = {}  # per_node: node -> its engine's port
+    rows = NODE_ROWS if per_node else ROWS
     for rank in ranks:
         store = Store(chunk_rows=1 << 16)
         rng = np.random.default_rng(rank)
         store.table("bench", "events").append_batch(
             {
-                "ts": np.arange(ROWS, dtype=np.int64) * 1000,
-                "dur_ns": rng.integers(1000, 100_000, ROWS, dtype=np.int64),
+                "ts": np.arange(rows, dtype=np.int64) * 1000,
+                "dur_ns": rng.integers(1000, 100_000, rows, dtype=np.int64),
             }
         )
         store.table("bench", "one").append_batch({"x": np.zeros(1, dtype=np.int64)})
@@ -85,18 +102,30 @@ def worker(ranks: list[int], world: int) -> None:
             peers=(),
             port=0,  # any free port on 127.0.0.1: the parent collects them
         )
-        node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode())
-        server = UnixHTTPServer(None, make_app(PeerHost(eng, node)))
-        server.start()
-        node.setup(server)
-        servers.append(server)
+        node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode(), pid=FAKE_PID + rank)
+        app = make_app(PeerHost(eng, node))
+        if per_node:  # the node's one port: its server answers every rank of the node
+            port = ports.get(ident.group_rank or 0)
+            if port is None:
+                port = ports[ident.group_rank or 0] = NodePort(first=0)
+                port.server = UnixHTTPServer(None, port.route)
+                port.server.start()
+                servers.append(port.server)
+            node.port = port
+            node.setup(types.SimpleNamespace(app=app))
+        else:
+            server = UnixHTTPServer(None, app)
+            server.start()
+            node.setup(server)
+            servers.append(server)
         nodes.append(node)
     print(" ".join(f"{n.rank}={n.addr}" for n in nodes), flush=True)
     everyone = json.loads(sys.stdin.readline())  # rank -> addr, for whoever asks
     for node in nodes:
         for rank, addr in everyone.items():
             if int(rank) != node.rank:
-                node.registry.upsert(PeerInfo(int(rank), f"n{int(rank) // RANKS_PER_NODE}", addr))
+                where = f"n{int(rank) // RANKS_PER_NODE}"
+                node.registry.upsert(PeerInfo(int(rank), where, addr, FAKE_PID + int(rank)))
     sys.stdin.read()  # until the parent closes our stdin
     for s in servers:
         s.stop()
@@ -149,15 +178,27 @@ def timed(sql: str, addr: str, fanout: str, runs: int, pids: list[int]) -> dict:
     }
 
 
-def measure(n: int, runs: int, workers: int) -> dict:
-    w = min(workers, n)  # contiguous ranks: a process hosts whole simulated nodes
-    groups = [list(range(i * n // w, (i + 1) * n // w)) for i in range(w)]
+def measure(n: int, runs: int, workers: int, per_node: bool = False) -> dict:
+    w = min(workers, n // RANKS_PER_NODE or 1)  # a process hosts whole simulated nodes
+    nodes = -(-n // RANKS_PER_NODE)
+    groups = [
+        list(range(i * nodes // w * RANKS_PER_NODE, min(n, (i + 1) * nodes // w * RANKS_PER_NODE)))
+        for i in range(w)
+    ]
+    mode = ["--per-node"] if per_node else []
     procs = []
     try:
         for ranks in groups:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, __file__, "--worker", ",".join(map(str, ranks)), str(n)],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        ",".join(map(str, ranks)),
+                        str(n),
+                        *mode,
+                    ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
@@ -176,6 +217,8 @@ def measure(n: int, runs: int, workers: int) -> dict:
             p.stdin.flush()
         asker = addrs[0]
         pids = [p.pid for p in procs]
+        if per_node:
+            return per_node_figures(n, asker, runs, pids, len(procs))
         timed(PUSHED, asker, "flat", 2, pids)  # warm-up: engines load
         out: dict = {"peers": n, "rows_per_peer": ROWS, "processes": len(procs)}
         out["fanout_flat"] = timed(FANOUT_ONLY, asker, "flat", runs, pids)
@@ -195,6 +238,22 @@ def measure(n: int, runs: int, workers: int) -> dict:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def per_node_figures(n: int, asker: str, runs: int, pids: list[int], procs: int) -> dict:
+    """Node-to-node (``auto``: one request per other node) and, for
+    comparison in the same processes, one request per rank (``flat``)."""
+    nodes = -(-n // RANKS_PER_NODE)
+    timed(FANOUT_ONLY, asker, "auto", 2, pids)  # warm-up: engines load
+    out: dict = {"ranks": n, "nodes": nodes, "rows_per_rank": NODE_ROWS, "processes": procs}
+    for name, sql in (("fanout", FANOUT_ONLY), ("pushed", PUSHED)):
+        got = timed(sql, asker, "auto", runs, pids)
+        got["cpu_ms_per_node"] = round(got["cpu_ms_per_query"] / nodes, 3)
+        out[f"{name}_per_node"] = got
+    got = timed(FANOUT_ONLY, asker, "flat", max(1, runs // 2), pids)
+    got["cpu_ms_per_node"] = round(got["cpu_ms_per_query"] / nodes, 3)
+    out["fanout_per_rank_same_port"] = got
+    return out
 
 
 IDLE = "import time; time.sleep(60)"
@@ -290,16 +349,22 @@ def idle_cost(seconds: float = 5.0) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker([int(r) for r in sys.argv[2].split(",")], int(sys.argv[3]))
+        worker([int(r) for r in sys.argv[2].split(",")], int(sys.argv[3]), "--per-node" in sys.argv)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4,64,256")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--workers", type=int, default=8, help="processes hosting the peers")
+    ap.add_argument("--per-node", action="store_true", help="an engine port per node, vs per rank")
     args = ap.parse_args()
     sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
     out: dict = {"benchmark": "cluster_query", "cpus": os.cpu_count()}
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
+    if args.per_node:
+        out["per_node"] = [measure(n, args.runs, args.workers, per_node=True) for n in sizes]
+        out["per_rank"] = [measure(n, args.runs, args.workers) for n in sizes if n <= 1024]
+        print(json.dumps(out))
+        return
     out["idle_probe"] = idle_cost()
     out["real_probes_cli"] = real_probes(args.runs)
     out["results"] = [measure(n, args.runs, args.workers) for n in sizes]

@@ -147,7 +147,10 @@ class Config:
         "PROBING_RANK", None, "this process's rank (default: `RANK`)", strict=True
     )
     port: int | None = _setting(
-        "PROBING_PORT", None, "the peer TCP port (default 7070 + local rank)", strict=True
+        "PROBING_PORT",
+        None,
+        "the engine's peer TCP port (default 9977, else the next free)",
+        strict=True,
     )
     node: str = _setting("PROBING_NODE", "", "this node's name (default: the host name)")
     host: str = _setting("PROBING_HOST", "", "the address peers reach this probe at")
@@ -188,6 +191,11 @@ class Config:
     )
     agent_families: str = _setting(
         "PROBING_AGENT_FAMILIES", "gloo,nccl", "what the agent traces in what it attaches to"
+    )
+    agent_webhook: str = _setting(
+        "PROBING_AGENT_WEBHOOK",
+        "",
+        "a URL the agent POSTs each new or cleared finding to, as JSON (retried; off when empty)",
     )
 
     @property

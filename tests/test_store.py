@@ -284,3 +284,44 @@ def test_chunk_dir_never_follows_a_symlink(tmp_path, monkeypatch) -> None:
     with pytest.raises(UnsafePath, match="symbolic link"):
         Store().chunk_root()
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["killed", "kept"])
+def test_a_new_engine_takes_over_what_the_last_one_sealed_for_a_live_process(
+    how: str, tmp_path, monkeypatch
+) -> None:
+    """An engine's store for a process (``owner``), left by an engine that was
+    killed or that stopped with ``keep``, is taken over by the next engine's
+    store for the same process; a later process given the same pid gets nothing."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PROBING_CHUNK_DIR", str(tmp_path))
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        code = (
+            "import os, sys, numpy as np\n"
+            "from probing.node.store import Store\n"
+            f"s = Store(chunk_rows=10, owner={owner.pid})\n"
+            "s.table('t', 'x').append_batch({'a': np.arange(105)})\n"
+            "print(s.chunk_root(), flush=True)\n"
+            "s.keep() if sys.argv[1] == 'kept' else os.kill(os.getpid(), 9)\n"
+        )
+        env = {**os.environ, "PROBING_CHUNK_DIR": str(tmp_path)}
+        old = subprocess.run([sys.executable, "-c", code, how], env=env, capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+        assert os.path.isdir(old), old
+        Store(owner=os.getpid()).chunk_root()  # another store cleans up: this one stays
+        assert os.path.isdir(old)
+        mine = Store(chunk_rows=10, owner=owner.pid)
+        n = 105  # sealed at once, in one chunk
+        assert mine.adopt() == n
+        assert not os.path.exists(old)
+        got = Engine(mine).sql("SELECT count(*) AS n, sum(a) AS s FROM t.x").to_pylist()
+        assert got == [{"n": n, "s": sum(range(n))}]
+        mine.table("t", "x").append_batch({"a": np.arange(3)})  # and it goes on
+        assert Engine(mine).sql("SELECT count(*) AS n FROM t.x").to_pylist() == [{"n": n + 3}]
+        mine.close()
+    finally:
+        owner.kill()
+        owner.wait()

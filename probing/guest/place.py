@@ -41,7 +41,7 @@ def trace_path(pid: int, directory: str | None = None) -> str:
 
 # settings that differ between the ranks of one job: they reach the engine
 # through each process's own environment (probing.target), not the engine's
-PER_PROCESS = ("PROBING", "PROBING_RANK", "PROBING_PORT", "PROBING_FORK")
+PER_PROCESS = ("PROBING", "PROBING_RANK", "PROBING_FORK")
 
 
 def engine_settings(environ: dict[str, str]) -> dict[str, str]:

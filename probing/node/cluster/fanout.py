@@ -4,11 +4,13 @@ Two kinds of asking, both over one ``Exchange`` (every socket served by the
 asking thread):
 
 * ``gather``: a share of a cluster query from every member, with my own
-  share computed meanwhile. Flat, every member asked directly; or a tree,
-  one gatherer per other node asking its node's ranks for me. A gatherer
-  that fails is named missing and its node's others are asked directly
-  (once, while the deadline allows); a gatherer that is late makes its
-  members late with it.
+  share computed meanwhile. The ranks my engine serves too answer
+  in-process, with no request (``port.NodePort.sibling``). Flat, every
+  other member asked directly; or a tree, one gatherer per other engine
+  (ranks that share an address: ``auto``) or per other node (``tree``),
+  answering for its ranks in one reply. A gatherer that fails is named
+  missing and its others are asked directly (once, while the deadline
+  allows); a gatherer that is late makes its members late with it.
 * ``control``: the same POST (start or stop a trace) to every peer, one
   row per rank of the job, never discovered ones included.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,6 +54,7 @@ class Peer(Protocol):
     addr: str | None
     token: bytes | None
     registry: Registry
+    port: Any  # the engine's port (``probing.node.cluster.port``), or None
 
     def refresh(self, budget: float = 2.0) -> None: ...
 
@@ -98,13 +102,30 @@ def node_key(p: PeerInfo) -> str:
     return p.addr.rpartition(":")[0]
 
 
+def gatherer_key(members: list[PeerInfo], fanout: str) -> Callable[[PeerInfo], str] | None:
+    """How ``fanout`` groups ``members`` behind one gatherer each: by node
+    (``tree``, and ``auto`` from ``TREE_MIN_PEERS`` on several nodes), by
+    address (``auto`` where ranks share one: an engine's port, which answers
+    for all its ranks); None: each asked directly."""
+    if fanout == "tree":
+        return node_key
+    if fanout != "auto":
+        return None
+    addrs = [p.addr for p in members]
+    if len(set(addrs)) < len(addrs):
+        return _addr
+    if len(members) >= TREE_MIN_PEERS and len({node_key(p) for p in members}) > 1:
+        return node_key
+    return None
+
+
+def _addr(p: PeerInfo) -> str:
+    return p.addr
+
+
 def is_tree(members: list[PeerInfo], fanout: str) -> bool:
-    """Whether ``fanout`` asks ``members`` through one gatherer per node."""
-    return fanout == "tree" or (
-        fanout == "auto"
-        and len(members) >= TREE_MIN_PEERS
-        and len({node_key(p) for p in members}) > 1
-    )
+    """Whether ``fanout`` asks ``members`` through gatherers (``gatherer_key``)."""
+    return gatherer_key(members, fanout) is not None
 
 
 def http_reason(status: int, data: bytes) -> str:
@@ -189,7 +210,7 @@ def _ask(
     except ProbingError:
         ask.failure = PeerFailure("bad address")
         return ask
-    ask.index = exchange.add(host, port, request_bytes(path, body, token))
+    ask.index = exchange.add(host, port, request_bytes(path, body, token, pid=peer.pid or 0))
     return ask
 
 
@@ -206,11 +227,13 @@ def gather(
     deadline = time.monotonic() + timeout
     exchange = Exchange(deadline)
     asked: list[_Ask] = []
+    siblings, members = _siblings(node, members)
     for peer, sub in _route(node, members, fanout):
         # a peer of my own node sends me its rows: I aggregate my node
         w = work.for_member() if node_key(peer) == node.ident.node else work
         asked.append(_send(node, exchange, peer, w, sub, deadline))
-    result, replies = _run(node, work, exchange, with_self, concurrently=bool(asked))
+    local = [node] if with_self else []
+    result, replies = _run(work, exchange, local + siblings, with_self, concurrently=bool(asked))
     retry = _collect(asked, replies, result)
     if retry and deadline - time.monotonic() > 0.05:
         left = deadline - time.monotonic()
@@ -224,19 +247,38 @@ def gather(
     return result
 
 
+def _siblings(node: Peer, members: list[PeerInfo]) -> tuple[list[Peer], list[PeerInfo]]:
+    """The members my engine serves too (their cluster nodes: they answer
+    in-process), and the others."""
+    port = getattr(node, "port", None)
+    if port is None or not node.addr:
+        return [], members
+    near: list[Peer] = []
+    far: list[PeerInfo] = []
+    for p in members:
+        sib = port.sibling(p.pid) if p.addr == node.addr and p.pid else None
+        if sib is not None and sib.rank == p.rank:
+            near.append(sib)
+        else:
+            far.append(p)
+    return near, far
+
+
 def _route(
     node: Peer, members: list[PeerInfo], fanout: str
 ) -> list[tuple[PeerInfo, list[PeerInfo]]]:
-    """Whom to ask directly, each with whom it asks for me (tree: its node)."""
-    if not is_tree(members, fanout):
+    """Whom to ask directly, each with whom it asks for me (``gatherer_key``)."""
+    key_of = gatherer_key(members, fanout)
+    if key_of is None:
         return [(p, []) for p in members]
-    by_node: dict[str, list[PeerInfo]] = {}
+    groups: dict[str, list[PeerInfo]] = {}
     for p in members:
-        by_node.setdefault(node_key(p), []).append(p)
+        groups.setdefault(key_of(p), []).append(p)
+    mine = node.addr if key_of is _addr else node.ident.node
     out: list[tuple[PeerInfo, list[PeerInfo]]] = []
-    for key, group in by_node.items():
+    for key, group in groups.items():
         group.sort(key=lambda p: p.rank)
-        if key == node.ident.node:  # my own node: I am its gatherer
+        if key == mine:  # my own node: I am its gatherer
             out.extend((p, []) for p in group)
         else:
             out.append((group[0], group[1:]))
@@ -266,19 +308,28 @@ def _send(
 
 
 def _run(
-    node: Peer, work: planner.Work, exchange: Exchange, with_self: bool, *, concurrently: bool
+    work: planner.Work,
+    exchange: Exchange,
+    local: list[Peer],
+    mine_first: bool,
+    *,
+    concurrently: bool,
 ) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
-    """Serve the exchange; my own share too (``with_self``), on a thread of its
-    own while the answers come in when there are any (``concurrently``)."""
+    """Serve the exchange; the ``local`` shares too (mine, my engine's other
+    ranks'), on a thread of their own while the answers come in when there
+    are any (``concurrently``)."""
     mine: list[Any] = []
     runner = None
-    if with_self and concurrently:
+    if local and concurrently:
         runner = threading.Thread(
-            target=_run_self, args=(node, work, mine), name="probing-cluster", daemon=True
+            target=_run_local,
+            args=(local, work, mine, mine_first),
+            name="probing-cluster",
+            daemon=True,
         )
         runner.start()
-    elif with_self:
-        _run_self(node, work, mine)
+    elif local:
+        _run_local(local, work, mine, mine_first)
     replies = exchange.run()
     if runner is not None:
         runner.join()
@@ -290,17 +341,25 @@ def _run(
     return result, replies
 
 
-def _run_self(node: Peer, work: planner.Work, out: list[Any]) -> None:
-    """My own share into ``out`` (a Gathered, or the exception it raised)."""
-    try:
+def _run_local(local: list[Peer], work: planner.Work, out: list[Any], mine_first: bool) -> None:
+    """The shares of ``local`` into ``out``, a Gathered each; when the first
+    is mine (``mine_first``) and fails, only the exception it raised. A
+    sibling that fails is named missing."""
+    for i, node in enumerate(local):
         t0 = time.perf_counter()
-        mine = Gathered()
-        mine.add_tables(node.run_local(work.for_member()))
-        ms = (time.perf_counter() - t0) * 1e3
-        mine.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
-        out.append(mine)
-    except BaseException as err:  # noqa: BLE001 - raised again by the asking thread
-        out[:] = [err]
+        got = Gathered()
+        try:
+            got.add_tables(node.run_local(work.for_member()))
+        except BaseException as err:  # noqa: BLE001 - mine: raised again by the asking thread
+            if i == 0 and mine_first:
+                out[:] = [err]
+                return
+            reason = f"failed: {type(err).__name__}: {err}"
+            got.missing.append(MissingPeer(node.rank, node.ident.node, node.addr or "", reason))
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+            got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
+        out.append(got)
 
 
 def _collect(

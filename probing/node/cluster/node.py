@@ -3,8 +3,10 @@
 ``ClusterNode`` owns this peer's membership: its identity (learned from the
 job's default process group when the environment does not name the rank),
 its token, its TCP port and its publication, and the peers it discovered.
+In a node's engine the TCP port is the engine's, shared by every process
+it serves (``probing.node.cluster.port``); elsewhere the probe binds one.
 ``ClusterNode.start`` returns at once; a short-lived background thread
-reads the token, binds the TCP port and publishes the address, then ends.
+reads the token, takes the TCP port and publishes the address, then ends.
 Nothing runs between queries: no heartbeat, no polling. The peers' state
 in ``probing.peers`` is what discovery published and what the last
 cluster query measured.
@@ -84,6 +86,9 @@ class ClusterNode:
         self.error: str | None = None
         self.published = False
         self._server: Any = None
+        # the engine's one peer port (``probing.node.cluster.port``), shared by
+        # every process it serves; None: this probe listens on a port of its own
+        self.port: Any = None
         self._join_lock = threading.Lock()
         self.share = Share(self)  # my share of a query, and what it caches
         self.watch: Any = None  # the always-on detector (probing.analyze.watch), once made
@@ -172,8 +177,11 @@ class ClusterNode:
             return
         if self.addr is None:
             host = config.load().host or job_address(ident.master)
-            bound = self._server.listen_tcp(host, ident.port, self.token)
-            self.addr = f"{bound[0]}:{bound[1]}"
+            if self.port is not None:
+                self.addr = self.port.serve(self, self._server.app, host)
+            else:
+                bound = self._server.listen_tcp(host, ident.port, self.token)
+                self.addr = f"{bound[0]}:{bound[1]}"
             me = PeerInfo(
                 self.rank, ident.node, self.addr, self.pid, "torchrun", time.time_ns(), "self"
             )
@@ -288,3 +296,5 @@ class ClusterNode:
             self.watch.stop()
         if self.directory is not None:
             self.directory.close()
+        if self.port is not None:  # nothing of this process is reached any more
+            self.port.forget(self.pid)

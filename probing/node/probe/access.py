@@ -14,8 +14,12 @@ import os
 import socket
 import struct
 from _operator import _compare_digest
+from collections.abc import Callable, Mapping
 
 from probing.node.probe.request import Head, HttpError
+
+# the TCP port's token, or what gives it for a request's headers (None: refused)
+Token = bytes | Callable[[Mapping[str, str]], bytes | None]
 
 
 def peer_cred(conn: socket.socket) -> tuple[int, int] | None:
@@ -33,21 +37,29 @@ def peer_uid(conn: socket.socket) -> int | None:
     return None if cred is None else cred[1]
 
 
-def authorized(headers: dict[str, str], token: bytes) -> bool:
-    """``Authorization: Bearer <token>``, compared in constant time."""
+def bearer(headers: Mapping[str, str]) -> bytes:
+    """The token of ``Authorization: Bearer <token>``; empty when none."""
     scheme, _, given = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":
-        return False
+        return b""
+    return given.strip().encode("latin-1", "replace")
+
+
+def authorized(headers: Mapping[str, str], token: bytes) -> bool:
+    """``Authorization: Bearer <token>``, compared in constant time."""
+    given = bearer(headers)
     # hmac's own constant-time compare without hmac, which loads OpenSSL
     # (4 MB of every idle probe's RSS) for a check only TCP requests make
-    return _compare_digest(given.strip().encode("latin-1", "replace"), token)
+    return bool(given) and _compare_digest(given, token)
 
 
 class Access:
-    """The checks of one server: the unix caller's uid, the TCP ``token``."""
+    """The checks of one server: the unix caller's uid, the TCP ``token``:
+    one for the port, or (an engine's port, shared by several jobs) the one
+    ``token`` gives for a request's headers (``probing.node.cluster.port``)."""
 
     def __init__(self) -> None:
-        self.token: bytes | None = None  # set when the TCP port opens
+        self.token: Token | None = None  # set when the TCP port opens
 
     def unix_caller(self, conn: socket.socket) -> int:
         """The uid of the caller of a unix connection; ``HttpError(403)``
@@ -59,7 +71,8 @@ class Access:
 
     def check_tcp(self, head: Head) -> None:
         """``HttpError(401)`` unless the head of a TCP request has the token."""
-        if not self.token:
+        token = self.token(head.headers) if callable(self.token) else self.token
+        if not token:
             raise HttpError(401, "this probe has no token: TCP is closed", "Unauthorized")
-        if not authorized(head.headers, self.token):
+        if not authorized(head.headers, token):
             raise HttpError(401, "missing or wrong token", "Unauthorized")

@@ -103,7 +103,12 @@ class ProbeContext:
                 if self._store is None:
                     from probing.node.store import Store
 
-                    self._store = Store()
+                    if self.target.local:
+                        self._store = Store()
+                    else:  # an engine's: named after its process, and what an
+                        # engine before this one sealed for it taken over
+                        self._store = Store(owner=self.pid)
+                        self._store.adopt()
         return self._store
 
     @property
@@ -271,6 +276,15 @@ class ProbeContext:
             threading.Thread(
                 target=self._start_nvml, args=(interval,), name="probing-nvml-start", daemon=True
             ).start()
+
+    def keep(self) -> None:
+        """Seal the data and leave it, and what is traced, for the next engine
+        of this process, which takes them over; then ``close``."""
+        self.on_trace = None  # the engine's <pid>.trace stays as it is
+        self.stop_trace()
+        if self._store is not None:
+            self._store.keep()
+        self.close()
 
     def close(self) -> None:
         """Stop, and let go of the tables and their data (an engine retiring

@@ -76,12 +76,17 @@ def response_bytes(resp: Response) -> bytes:
 INSTALL = place.install()
 
 
-def request_bytes(path: str, body: bytes, token: bytes | str | None, method: str = "POST") -> bytes:
-    """One request: ``method path``, the bearer ``token`` if any, a JSON ``body``."""
+def request_bytes(
+    path: str, body: bytes, token: bytes | str | None, method: str = "POST", pid: int = 0
+) -> bytes:
+    """One request: ``method path``, the bearer ``token`` if any, a JSON
+    ``body``; for process ``pid`` when given (an engine's port serves several)."""
     if isinstance(token, str):
         token = token.encode()
     head = method.encode() + b" " + path.encode() + b" HTTP/1.0\r\n"
     head += b"Probing-Install: " + INSTALL.encode() + b"\r\n"  # who asks (the probe checks)
+    if pid:
+        head += b"Probing-Pid: " + str(pid).encode() + b"\r\n"
     if body:
         head += b"Content-Type: application/json\r\n"
     if token:

@@ -46,7 +46,7 @@ import time
 from probing import config
 from probing.errors import log_unexpected
 from probing.node.probe.accept import Acceptor
-from probing.node.probe.access import Access
+from probing.node.probe.access import Access, Token
 from probing.node.probe.connections import Connections, Listener
 from probing.node.probe.http import App
 from probing.node.probe.imports import SWITCH
@@ -123,8 +123,11 @@ class UnixHTTPServer:
         return sock
 
     # -- the TCP port ----------------------------------------------------------
-    def listen_tcp(self, host: str, port: int, token: bytes) -> tuple[str, int]:
+    def listen_tcp(self, host: str, port: int, token: Token) -> tuple[str, int]:
         """Also serve on TCP ``host:port`` (0: any free port); returns the bound address.
+
+        ``token`` is the one every TCP request must carry, or what gives it
+        for a request's headers (an engine's port, ``probing.node.cluster.port``).
 
         Call after ``start()``; the loop picks the new socket up at once.
         """

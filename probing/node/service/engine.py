@@ -18,6 +18,7 @@ from typing import Any
 from probing import config
 from probing.errors import ProbingError, log_unexpected
 from probing.guest import place, wire
+from probing.node.cluster.port import NodePort
 from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
 from probing.target import Guest, proc_environ
@@ -50,10 +51,13 @@ class Service:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.server: Any = None
+        self.port = NodePort(port=env.port or 0)  # the peers' one way in, bound on first use
 
     # -- the engine's own socket -------------------------------------------------------
 
     def app(self, req: Request) -> Response:
+        if req.remote is not None:  # a peer, its token checked: to the process it names
+            return self.port.route(req)
         if req.peer_uid not in (0, os.getuid()):
             return Response.error(403, "not this engine's user", "AccessDenied")
         try:
@@ -77,6 +81,7 @@ class Service:
             return {
                 "engine_pid": os.getpid(),
                 "install": self.install,
+                "peer_port": self.port.addresses(),  # one per host address it serves on
                 # what Arrow's memory pool holds (a store retired gives it back)
                 "arrow_bytes": arrow.total_allocated_bytes() if arrow is not None else 0,
                 "processes": {
@@ -91,7 +96,7 @@ class Service:
             return self._attach(pid, guest)
 
     def _attach(self, pid: int, guest: str) -> dict[str, Any]:
-        from probing.node.assemble import cluster_node, install_tables
+        from probing.node.assemble import install_tables
 
         with self._lock:
             old = self.entries.get(pid)
@@ -103,7 +108,7 @@ class Service:
         pidfd = os.pidfd_open(pid)
         _say(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
-        ctx = ProbeContext(installers=(install_tables,), cluster=cluster_node, target=target)
+        ctx = ProbeContext(installers=(install_tables,), cluster=self._cluster, target=target)
         state = place.trace_path(pid, self.directory)
         ctx.on_trace = lambda traced: _keep(state, traced)
         try:
@@ -121,6 +126,15 @@ class Service:
             ).start()
         return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False,
                 "resumed": resumed is not None}  # fmt: skip
+
+    def _cluster(self, ctx: ProbeContext) -> Any:
+        """``ctx``'s cluster node, reached by its peers through this engine's port."""
+        from probing.node.assemble import cluster_node
+
+        node = cluster_node(ctx)
+        if node is not None:
+            node.port = self.port
+        return node
 
     def adopt(self) -> None:
         """Attach every live guest of this directory whose process runs with
@@ -201,8 +215,8 @@ class Service:
         entry.died_at = time.monotonic()
         entry.target.died_ns = time.time_ns()
         _say(f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s")
-        # its peer port stays open: a cluster query gets what it did last, marked dead
-        # (process.info.died_ns), until a process takes its place (``_attach``)
+        # its peers still reach it through the engine's port: a cluster query gets
+        # what it did last, marked dead (process.info.died_ns), until it is retired
         _stop_tracing(entry)
 
     def _free_ports(self) -> None:
@@ -263,6 +277,7 @@ class Service:
         from probing.node.probe.server import UnixHTTPServer
 
         self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
+        self.port.server = self.server
         self.server.start()
         self.clean()
         self.adopt()
@@ -271,8 +286,21 @@ class Service:
             self.watch()
         finally:
             self.server.stop()
-            for pid in list(self.entries):
-                self._retire(pid)
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Every probe closed. A live process's sealed data and what it
+        traced are left for its next engine, which takes them over (``adopt``,
+        ``_resume``); a dead one's go with it."""
+        with self._lock:
+            live = {pid for pid, e in self.entries.items() if e.died_at is None}
+        for pid in list(self.entries):
+            if pid in live:
+                try:
+                    self.entries[pid].ctx.keep()
+                except Exception as err:  # noqa: BLE001 - the others are kept still
+                    log_unexpected(f"data of pid {pid} not kept", err)
+            self._retire(pid)
 
 
 def _keep(path: str, traced: dict[str, Any] | None) -> None:

@@ -46,6 +46,15 @@ class Codec:
         with pa.memory_map(path) as source:
             return ipc.open_file(source).read_all()
 
+    def describe(self, path: str) -> tuple[pa.Schema, int, int]:
+        """A chunk file's schema, rows and bytes in memory, from its footer."""
+        if self.container == "parquet":
+            meta = pq.read_metadata(path)
+            raw = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+            return pq.read_schema(path), meta.num_rows, raw
+        table = self.decode(path)
+        return table.schema, table.num_rows, table.nbytes
+
     def encode(self, table: pa.Table) -> pa.Buffer:
         sink = pa.BufferOutputStream()
         if self.container == "parquet":

@@ -23,18 +23,33 @@ DEFAULT_CHUNK_ROWS = 1 << 16
 SEAL_QUEUE = 4  # chunks waiting for the sealer thread; past that, the writer seals
 
 
-_ROOT_NAME = re.compile(r"^chunks-(\d+)-")
+# chunks-<engine pid>-[p<process pid>s<its start, clock ticks>-]<random>: a store
+# of the engine for one process names that process, whose next engine adopts it
+_ROOT_NAME = re.compile(r"^chunks-(\d+)-(?:p(\d+)s(\d+)-)?")
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's too)."""
+    """Whether process ``pid`` runs (another user's too); a zombie (killed,
+    not reaped yet) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    fields = _stat(pid)
+    return fields is None or fields[0] not in (b"Z", b"X")  # no /proc to ask: it exists
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after its name (state first); None
+    when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
 
 
 def chunk_base(need_bytes: int) -> str:
@@ -53,16 +68,32 @@ def chunk_base(need_bytes: int) -> str:
     return tempfile.gettempdir()
 
 
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, exactly as the
+    kernel says): with the pid, what tells it from a later process given
+    the same pid."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None  # field 22, starttime
+    except (ValueError, IndexError):
+        return None
+
+
 def remove_stale_roots(user_dir: str) -> None:
-    """Remove chunk directories left by processes that died without cleaning up."""
+    """Remove chunk directories left by processes that died without cleaning
+    up; an engine's store for a process that still runs is kept for the
+    process's next engine (``Store.adopt``)."""
     try:
         names = os.listdir(user_dir)
     except OSError:
         return
     for name in names:
         m = _ROOT_NAME.match(name)
-        if m and not pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
+        if not m or pid_alive(int(m.group(1))):
+            continue
+        if m.group(2) and started(int(m.group(2))) == int(m.group(3)):
+            continue  # its process runs on: its next engine takes it over
+        shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
 
 
 class Store:
@@ -84,6 +115,7 @@ class Store:
         chunk_rows: int | None = None,
         codec: str | None = None,
         seal_after_s: float = 2.0,
+        owner: int | None = None,
     ) -> None:
         env = config.load()
         self.max_bytes = int(max_bytes or env.store_bytes)
@@ -93,6 +125,9 @@ class Store:
         self.seal_after_s = seal_after_s
         self._root: str | None = None
         self._root_pid = 0
+        # the process whose data this is, when not this one's (an engine's)
+        self.owner = owner
+        self._owner_start = started(owner) if owner else None
         self._tables: dict[tuple[str, str], EventTable] = {}
         self._lock = threading.RLock()
         self._seal_queue: queue.SimpleQueue[tuple[EventTable, int, list[pa.RecordBatch]]] = (
@@ -136,10 +171,56 @@ class Store:
                 user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
                 ensure_private_dir(user_dir)  # never through another user's symlink
                 remove_stale_roots(user_dir)
-                self._root = tempfile.mkdtemp(prefix=f"chunks-{os.getpid()}-", dir=user_dir)
+                self._root = tempfile.mkdtemp(prefix=self._prefix(), dir=user_dir)
                 self._root_pid = os.getpid()
                 atexit.register(self.close)
             return self._root
+
+    def _prefix(self) -> str:
+        if self.owner and self._owner_start is not None:
+            return f"chunks-{os.getpid()}-p{self.owner}s{self._owner_start}-"
+        return f"chunks-{os.getpid()}-"
+
+    def keep(self) -> None:
+        """Seal what is pending and leave the chunk files to the owner's next
+        engine (``adopt``): an engine that stops, its process running on."""
+        for t in self.tables():
+            t.flush()
+        with self._lock:
+            root, self._root = self._root, None
+        if root is not None and self._root_pid == os.getpid():
+            atexit.unregister(self.close)
+
+    def adopt(self) -> int:
+        """Take over the chunks an engine before this one sealed for the
+        owner (killed, or stopped with ``keep``): each table gets them back,
+        oldest first, before any row of its own. Returns the rows taken."""
+        if not self.owner or self._owner_start is None:
+            return 0
+        user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
+        try:
+            names = sorted(os.listdir(user_dir))
+        except OSError:
+            return 0
+        rows = 0
+        for name in names:
+            m = _ROOT_NAME.match(name)
+            if not m or m.group(2) != str(self.owner) or m.group(3) != str(self._owner_start):
+                continue
+            if pid_alive(int(m.group(1))):
+                continue  # an engine that still runs keeps its own
+            old = os.path.join(user_dir, name)
+            rows += self._take_root(old)
+            shutil.rmtree(old, ignore_errors=True)
+        return rows
+
+    def _take_root(self, old: str) -> int:
+        rows = 0
+        for schema in sorted(os.listdir(old)):
+            for name in sorted(os.listdir(os.path.join(old, schema))):
+                found = os.path.join(old, schema, name)
+                rows += self.table(schema, name).take_chunks(found, self.codec)
+        return rows
 
     def close(self) -> None:
         """Remove this process's chunk files (at exit; safe to call twice).

@@ -281,6 +281,42 @@ class EventTable:
             pass
         return chunk
 
+    def take_chunks(self, found: str, codec: Codec) -> int:
+        """The sealed chunks under ``found`` (another store's directory of
+        this table), moved into mine, oldest first; returns their rows. A
+        file that cannot be read is left where it is."""
+        olds = []
+        for part in os.listdir(found):
+            col, _, number = part.partition("=")
+            if col == CHUNK_COL and number.isdigit():
+                olds.append(int(number))
+        rows = 0
+        for old in sorted(olds):
+            path = os.path.join(found, f"{CHUNK_COL}={old}", f"{old}{codec.extension}")
+            try:
+                schema, n, raw = codec.describe(path)
+            except (OSError, pa.ArrowException):
+                continue
+            with self._lock:
+                if self._schema is None:
+                    self._schema = schema
+                elif schema != self._schema:
+                    continue  # written for other columns: not this table's any more
+            chunk_id = next(_chunk_ids)
+            new = os.path.join(
+                self.chunk_dir, f"{CHUNK_COL}={chunk_id}", f"{chunk_id}{codec.extension}"
+            )
+            try:
+                os.makedirs(os.path.dirname(new), exist_ok=True)
+                os.rename(path, new)
+                size = os.stat(new).st_size
+            except OSError:
+                continue
+            with self._lock:
+                self._chunks.append(Chunk(chunk_id, new, n, raw, size, time.monotonic()))
+            rows += n
+        return rows
+
     def relink_chunks(self, old_root: str, new_root: str) -> None:
         """After fork: hard-link this table's chunks into the child's own directory."""
         with self._lock:
