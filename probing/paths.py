@@ -80,14 +80,40 @@ def check_socket(path: str, uid: int) -> bool:
     return True
 
 
+class OtherUser(Exception):
+    """``pid`` is another user's process: only that user (or root) may probe it."""
+
+    def __init__(self, pid: int, uid: int) -> None:
+        super().__init__(f"process {pid} belongs to {user_name(uid)}, not to {user_name()}")
+        self.pid, self.uid = pid, uid
+
+
+def user_name(uid: int | None = None) -> str:
+    """``uid``'s name (this process's user by default), or ``uid N``."""
+    import pwd
+
+    uid = os.getuid() if uid is None else uid
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def mine(pid: int) -> bool:
+    """Whether this user may probe ``pid``: its own process, or any as root."""
+    return os.getuid() == 0 or pid_owner(pid) in (None, os.getuid())
+
+
 def find_socket(pid: int) -> str | None:
     """The socket of ``pid``'s probe, in the directory of the uid that owns
     ``pid`` (ours when ``pid`` has exited: its engine may keep what it left),
     or None. UnsafePath when what is there could have been put there by
-    someone else."""
+    someone else; OtherUser when ``pid`` is another user's and we are not root."""
     uid = pid_owner(pid)
     if uid is None:  # exited: the engine may still answer for it, in our own directory
         uid = os.getuid()
+    if uid != os.getuid() and os.getuid() != 0:
+        raise OtherUser(pid, uid)
     directory = user_dir(uid)
     check_dir(directory, uid)
     path = os.path.join(directory, f"{pid}.sock")

@@ -105,13 +105,14 @@ def socket_alive(path: str, timeout: float = 0.3) -> bool:
 
 
 def python_processes() -> list[ProcInfo]:
+    """This user's Python processes (every user's, as root), with their probes."""
     sockets = paths.all_sockets()
     me = os.getpid()
     out = []
     for proc in psutil.process_iter(["pid", "username", "cmdline"]):
         pid = proc.info["pid"]
-        if pid == me or not (pid in sockets or is_python(proc)):
-            continue
+        if pid == me or not paths.mine(pid) or not (pid in sockets or is_python(proc)):
+            continue  # another user's processes are theirs to list (root sees all)
         path = sockets.get(pid)
         probe = "-" if path is None else ("yes" if socket_alive(path) else "stale")
         cmd = " ".join(proc.info.get("cmdline") or []) or f"[{proc.name()}]"

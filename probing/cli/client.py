@@ -215,6 +215,12 @@ class ProbeClient:
             raise no_such_pid(pid, "{pid} is not a valid pid")
         try:
             path = paths.find_socket(pid)
+        except paths.OtherUser as err:
+            raise AccessDenied(
+                str(err),
+                pid=pid,
+                hint="only its user or root can query, trace or list it: run probing as that user",
+            ) from err
         except paths.UnsafePath as err:
             raise AccessDenied(
                 f"refusing the probe socket of pid {pid}: {err}",
