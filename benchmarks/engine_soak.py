@@ -47,8 +47,7 @@ def start_job(kind: str, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
     port = free_port()
     for r in range(WORLD):
         env_r = dict(env, PROBING="1", RANK=str(r), WORLD_SIZE=str(WORLD))
-        if kind == "plain":
-            env_r["PROBING_PORT"] = env["PROBING_PEERS"].split(",")[r].split(":")[1]
+        if kind == "plain":  # its rank's listed address (PROBING_PEERS, RANK) is its port
             cmd = [sys.executable, "-c", PLAIN]
         else:
             env_r.update(LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
