@@ -1,0 +1,161 @@
+"""The node's engine killed (``kill -9``) under a traced 4-rank DDP job; prints JSON.
+
+The job (``tests/jobs/ddp_job.py``, srun/mpirun-style environment,
+``PROBING=1``) is traced over the cluster; then, ``--kills`` times, its
+engine is killed and nothing else is typed. Measured each time: how long
+until a query of rank 0 is answered (by the new engine, which the guests
+started), until every rank traces again, and until the traced rows grow;
+and rank 0's step time (from its own log) in the ``--window`` seconds
+before the kill, during the restart (until tracing resumed) and after,
+side by side with the same windows of the job before any kill.
+
+    python benchmarks/restart_bench.py [--kills 3] [--window 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from probing.cli.client import ProbeClient  # noqa: E402
+from probing.cli.demo import free_port  # noqa: E402
+from probing.errors import ProbingError  # noqa: E402
+
+WORLD = 4
+JOB = REPO / "tests" / "jobs" / "ddp_job.py"
+COUNT = "SELECT count(*) AS n FROM gloo.calls"
+
+
+def start(env: dict[str, str]) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    procs = []
+    for r in range(WORLD):
+        env_r = dict(env, PROBING="1", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, "-u", str(JOB), "--work-ms", "20"], env=env_r, text=True,
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        ))  # fmt: skip
+    return procs
+
+
+def read_steps(proc: subprocess.Popen[str], steps: list[float]) -> None:
+    """Rank 0's step ends (monotonic s), from ``rank 0 step i loss x t <wall>``."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if " step " in line:
+            steps.append(time.monotonic())
+
+
+def step_ms(steps: list[float], t0: float, t1: float) -> dict[str, float]:
+    """Median and p95 of the steps that ended in [t0, t1)."""
+    ends = [t for t in steps if t0 <= t < t1]
+    d = sorted((b - a) * 1e3 for a, b in zip(ends, ends[1:], strict=False))
+    if not d:
+        return {"steps": 0}
+    return {"steps": len(d), "median_ms": round(statistics.median(d), 1),
+            "p95_ms": round(d[min(len(d) - 1, int(len(d) * 0.95))], 1),
+            "max_ms": round(d[-1], 1)}  # fmt: skip
+
+
+def until(what, timeout: float = 30.0) -> float | None:  # type: ignore[no-untyped-def]
+    """Seconds until ``what()`` is true (None: not within ``timeout``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if what():
+                return time.monotonic() - t0
+        except ProbingError:
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def engine_pid(runtime: Path) -> int:
+    [lock] = (runtime / f"probing-{os.getuid()}").glob("engine-*.lock")
+    return int(lock.read_text().split()[0])
+
+
+def count(pid: int) -> int:
+    return int(ProbeClient.for_pid(pid).query(COUNT).column(0)[0].as_py())
+
+
+def all_tracing(pids: list[int]) -> bool:
+    return all(ProbeClient.for_pid(p).trace_status()["state"] == "tracing" for p in pids)
+
+
+def one_kill(runtime: Path, pids: list[int], steps: list[float], window: float) -> dict:
+    """Kill the engine; how long until it answers, traces and records again."""
+    before = count(pids[0])
+    old = engine_pid(runtime)
+    t_kill = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    answered = until(lambda: engine_pid(runtime) != old and count(pids[0]) >= 0)
+    tracing = until(lambda: all_tracing(pids))
+    t_back = time.monotonic()
+    grown = until(lambda: count(pids[0]) > before)
+    time.sleep(window)  # the window after
+    t_end = time.monotonic()
+    return {
+        "query_answered_s": None if answered is None else round(answered, 2),
+        "tracing_again_s": None if tracing is None else round(t_back - t_kill, 2),
+        "rows_growing_s": None if grown is None else round(t_back - t_kill + grown, 2),
+        "rows_kept": count(pids[0]) >= before,
+        "step_before": step_ms(steps, t_kill - window, t_kill),
+        "step_during_restart": step_ms(steps, t_kill, t_back),
+        "step_after": step_ms(steps, t_back, t_end),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--window", type=float, default=8.0)
+    args = ap.parse_args()
+    runtime = Path(tempfile.mkdtemp(prefix="probing-restart-"))
+    env = dict(os.environ, PROBING_RUNTIME_DIR=str(runtime), PROBING_TOKEN="restart-bench")
+    os.environ.update(PROBING_RUNTIME_DIR=str(runtime))
+    procs = start(env)
+    steps: list[float] = []
+    threading.Thread(target=read_steps, args=(procs[0], steps), daemon=True).start()
+    pids = [p.pid for p in procs]
+    try:
+        assert until(lambda: ProbeClient.for_pid(pids[0]).health(), 60) is not None
+        subprocess.run([sys.executable, "-m", "probing", "trace", "--pid", str(pids[0]),
+                        "--cluster", "--background", "--no-nccl", "--no-cuda"],
+                       env=env, check=True, capture_output=True)  # fmt: skip
+        assert until(lambda: len(steps) > 3, 120) is not None, "the job does not step"
+        time.sleep(args.window)  # the job traced, undisturbed: the reference window
+        t_ref = time.monotonic()
+        kills = [one_kill(runtime, pids, steps, args.window) for _ in range(args.kills)]
+        print(json.dumps({
+            "benchmark": "engine_restart", "ranks": WORLD, "cpus": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 1),
+            "step_reference": step_ms(steps, t_ref - args.window, t_ref),
+            "kills": kills,
+        }, indent=1))  # fmt: skip
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        try:
+            os.kill(engine_pid(runtime), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+
+
+if __name__ == "__main__":
+    main()
