@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+from probing.node.cluster import coordinator
 from probing.node.cluster.discovery import PeerInfo
 from probing.node.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
 from probing.node.cluster.identity import Identity
@@ -49,7 +50,7 @@ def test_gather_members_come_from_discovery_not_from_the_request() -> None:
         *({"rank": 1, "addr": addr(trap)} for _ in range(100)),  # repeats: asked once
     ]
     payload = {"work": {"mode": "scan", "scans": {}}, "members": members, "timeout": 3.0}
-    head, _ = unpack(node.answer_gather(payload, time.time_ns()))
+    head, _ = unpack(coordinator.answer_gather(node, payload, time.time_ns()))
     trap.setblocking(False)
     try:
         trap.accept()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 import pytest
 
@@ -428,7 +430,8 @@ def test_a_control_fan_out_names_each_rank_it_could_not_ask() -> None:
         def others(self) -> list[PeerInfo]:
             return [PeerInfo(1, "n1", "no port here")]
 
-        def run_local(self, work: plan.Work) -> dict[str, pa.Table]:
+        @property
+        def share(self) -> Any:
             raise AssertionError("a control action runs nothing here")
 
     rows = fanout.control(Node(), "/trace/stop", b"{}", 1.0)

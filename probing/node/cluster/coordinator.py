@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from probing.errors import PeerUnreachable, QueryError
+from probing.node.cluster import fanout as asking  # "fanout" names a kind of fan-out here
 from probing.node.cluster.discovery import PeerInfo, Registry, StoreDirectory
 from probing.node.cluster.fanout import FANOUTS, Gathered, concat, is_tree
 from probing.node.cluster.identity import Identity
@@ -34,7 +35,7 @@ MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds th
 MAX_GATHER_S = 300.0  # the longest a gather request may ask me to wait for its members
 
 
-class Asker(Protocol):
+class Asker(asking.Peer, Protocol):
     """What a query needs of the cluster node (``probing.node.cluster.node.ClusterNode``)."""
 
     ident: Identity
@@ -46,10 +47,6 @@ class Asker(Protocol):
     def refresh(self, budget: float = 2.0) -> None: ...
 
     def others(self) -> list[PeerInfo]: ...
-
-    def gather(
-        self, work: planner.Work, members: list[PeerInfo], timeout: float, fanout: str = "flat"
-    ) -> Gathered: ...
 
 
 def coordinate(
@@ -68,7 +65,8 @@ def coordinate(
     the_plan = planner.plan(sql, schemas, known)
     if the_plan.mode is planner.Mode.AGG_NODE and not is_tree(node.others(), fanout):
         the_plan = planner.plan_scan(sql, schemas, known)  # flat: the asker aggregates
-    got = node.gather(the_plan.work(), node.others(), max(0.0, deadline - time.monotonic()), fanout)
+    left = max(0.0, deadline - time.monotonic())
+    got = asking.gather(node, the_plan.work(), node.others(), left, fanout)
     _undiscovered(node, got)
     if strict and got.missing:
         names = ", ".join(f"rank {m.rank} ({m.addr}: {m.reason})" for m in got.missing)
@@ -163,7 +161,7 @@ def answer_gather(node: Asker, payload: dict[str, Any], t_recv_ns: int) -> bytes
     work = planner.Work.from_json(payload["work"])
     members, unknown = known_members(node, payload.get("members") or [])
     timeout = min(max(float(payload.get("timeout", 5.0)), 0.0), MAX_GATHER_S)
-    got = node.gather(work, members, timeout, "flat")
+    got = asking.gather(node, work, members, timeout, "flat")
     got.missing.extend(unknown)
     tables = got.merged()
     if work.mode is planner.Mode.AGG_NODE:

@@ -13,29 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Protocol
 
+from probing.node.cluster import coordinator
+from probing.node.cluster.coordinator import Asker
 from probing.node.cluster.wire import CLUSTER_CONTENT_TYPE, pack
 from probing.node.probe.http import Request, Response
 
-if TYPE_CHECKING:
-    import pyarrow as pa
 
-    from probing.node.cluster import plan as planner
-    from probing.node.cluster.fanout import Gathered
-
-
-class Answering(Protocol):
-    """What the endpoints need of the cluster node (``probing.node.cluster.node.ClusterNode``)."""
-
-    def coordinate(
-        self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
-    ) -> tuple[pa.Table, Gathered, planner.Plan]: ...
-
-    def answer_gather(self, payload: dict[str, Any], t_recv_ns: int) -> bytes: ...
-
-
-def cluster_query(node: Answering, req: Request) -> Response:
+def cluster_query(node: Asker, req: Request) -> Response:
     """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}."""
     from probing.node.probe.api import json_rows, result_limit
 
@@ -49,7 +34,9 @@ def cluster_query(node: Answering, req: Request) -> Response:
         fmt = payload.get("format", "arrow")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         return Response.error(400, f'bad /cluster/query request (want {{"sql": ...}}): {err}')
-    result, got, plan = node.coordinate(sql, timeout=timeout, strict=strict, fanout=fanout)
+    result, got, plan = coordinator.coordinate(
+        node, sql, timeout=timeout, strict=strict, fanout=fanout
+    )
     meta = {
         "missing": [vars(m) for m in got.missing],
         "peers": [vars(t) for t in got.peers],
@@ -62,7 +49,7 @@ def cluster_query(node: Answering, req: Request) -> Response:
     return Response(200, CLUSTER_CONTENT_TYPE, pack(meta, {"result": result}, t_recv))
 
 
-def cluster_gather(node: Answering, req: Request) -> Response:
+def cluster_gather(node: Asker, req: Request) -> Response:
     """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
     t_recv = time.time_ns()
     from probing.node.cluster import plan as planner
@@ -72,4 +59,4 @@ def cluster_gather(node: Answering, req: Request) -> Response:
         planner.Work.from_json(payload["work"])
     except (ValueError, KeyError, TypeError) as err:
         return Response.error(400, f"bad /cluster/gather request: {err}")
-    return Response(200, CLUSTER_CONTENT_TYPE, node.answer_gather(payload, t_recv))
+    return Response(200, CLUSTER_CONTENT_TYPE, coordinator.answer_gather(node, payload, t_recv))

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
+    from probing.node.cluster.share import Share
 
 FANOUTS = ("auto", "flat", "tree")
 TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
@@ -60,7 +61,8 @@ class Peer(Protocol):
 
     def others(self) -> list[PeerInfo]: ...
 
-    def run_local(self, work: planner.Work) -> dict[str, pa.Table]: ...
+    @property
+    def share(self) -> Share: ...
 
 
 @dataclass
@@ -349,7 +351,7 @@ def _run_local(local: list[Peer], work: planner.Work, out: list[Any], mine_first
         t0 = time.perf_counter()
         got = Gathered()
         try:
-            got.add_tables(node.run_local(work.for_member()))
+            got.add_tables(node.share.run(work.for_member()))
         except BaseException as err:  # noqa: BLE001 - mine: raised again by the asking thread
             if i == 0 and mine_first:
                 out[:] = [err]

@@ -11,8 +11,9 @@ Nothing runs between queries: no heartbeat, no polling. The peers' state
 in ``probing.peers`` is what discovery published and what the last
 cluster query measured.
 
-The rest has one owner each, which the node composes and the probe's
-callers reach through it (``coordinate``, ``gather``, ``fan_out``, ...):
+The rest has one owner each, which take the node and call each other; the
+probe and the detector, which do not import the cluster, reach them through
+the node (``serve_query``, ``serve_gather``, ``fan_out``, ``coordinate``):
 
 * ``share``: this peer's share of a query, its tables tagged (SQL text: ``plan``);
 * ``fanout``: asking peers at once, retries, deadlines (``PeerFailure``);
@@ -59,8 +60,8 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
 
 
 class ClusterNode:
-    """One peer: its identity, its peers, its token; a facade over its share,
-    its fan-out, its coordinator and its endpoints."""
+    """One peer: its identity, its peers, its token, its share; the door of
+    the probe and the detector to the fan-out, coordinator and endpoints."""
 
     def __init__(
         self,
@@ -235,32 +236,12 @@ class ClusterNode:
     def others(self) -> list[PeerInfo]:
         return [p for p in self.registry.peers() if p.rank != self.rank]
 
-    # -- asking and answering: the parts, composed ------------------------------------
-    def run_local(self, work: planner.Work) -> dict[str, pa.Table]:
-        """This peer's rows for ``work`` (``share``)."""
-        return self.share.run(work)
-
-    def gather(
-        self,
-        work: planner.Work,
-        members: list[PeerInfo],
-        timeout: float,
-        fanout: str = "flat",
-        *,
-        with_self: bool = True,
-    ) -> Gathered:
-        """My share and ``members``' (``fanout.gather``)."""
-        return asking.gather(self, work, members, timeout, fanout, with_self=with_self)
-
+    # -- what the probe and the detector ask of the cluster --------------------------
     def coordinate(
         self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
     ) -> tuple[pa.Table, Gathered, planner.Plan]:
         """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
         return coordinator.coordinate(self, sql, timeout=timeout, strict=strict, fanout=fanout)
-
-    def answer_gather(self, payload: dict[str, Any], t_recv_ns: int) -> bytes:
-        """My share, plus my members' when I gather for someone (``coordinator``)."""
-        return coordinator.answer_gather(self, payload, t_recv_ns)
 
     def fan_out(
         self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
