@@ -156,6 +156,13 @@ class Config:
     host: str = _setting("PROBING_HOST", "", "the address peers reach this probe at")
     token: str = _setting("PROBING_TOKEN", "", "the shared secret of the peer TCP port")
     token_file: str = _setting("PROBING_TOKEN_FILE", "", "a file whose first line is the token")
+    tls_cert: str = _setting(
+        "PROBING_TLS_CERT", "", "a PEM certificate: the peer port speaks TLS only, both ways"
+    )
+    tls_key: str = _setting("PROBING_TLS_KEY", "", "its private key (when not in the cert file)")
+    tls_ca: str = _setting(
+        "PROBING_TLS_CA", "", "the CA a peer's certificate must be signed by (default: the cert's)"
+    )
     max_reply_mb: float = _setting(
         "PROBING_MAX_REPLY_MB", 256.0, "bytes one peer's answer may take, MiB"
     )

@@ -175,9 +175,13 @@ class TcpTransport:
         self.timeout = answer_timeout(timeout)
 
     def request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:
+        from probing.node.probe import tls
+
         request = http.request_bytes(url, body or b"", self.token, method)
+        secure = tls.client_context()  # PROBING_TLS_CERT: the peer port speaks TLS only
         try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as raw:
+                sock = raw if secure is None else secure.wrap_socket(raw)
                 answer = http.exchange(sock, request)
             return answer.status, answer.content_type, answer.body
         except TimeoutError as err:

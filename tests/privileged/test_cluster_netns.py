@@ -155,3 +155,27 @@ def test_one_command_traces_every_host(hosts, spawn) -> None:  # type: ignore[no
     assert r.returncode == 2 and r.stdout.startswith(f"{N - 1} of {N} ranks tracing\n"), r.stdout
     [row] = [line for line in r.stdout.splitlines()[1:] if line.split()[:1] == ["3"]]
     assert hosts[3] in row and ("timeout" in row or "No route" in row), r.stdout
+
+
+def test_peers_over_tls_and_a_host_without_the_certificate(hosts, spawn, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With the fleet's certificate (``PROBING_TLS_*``), the peer port speaks
+    TLS across the hosts; a host without it is refused both ways."""
+    from tests.test_tls import make_certs
+
+    fleet = make_certs(tmp_path)
+    env = {"PROBING_PEERS": ",".join(hosts), "PROBING_TOKEN": TOKEN}
+    targets = []
+    for i in range(N):
+        argv = ["ip", "netns", "exec", ns(i), sys.executable, "-c", textwrap.dedent(IDLE_LOOP)]
+        secure = fleet if i != N - 1 else {}  # the last host has no certificate
+        t = spawn("", argv=argv, env={**env, **secure, "RANK": str(i), "PROBING_NODE": f"host{i}"})
+        targets.append(t)
+    for t in targets:
+        wait_ready(t.pid)
+    sql = "SELECT node, rank, count(*) AS n FROM process.threads GROUP BY node, rank ORDER BY rank"
+    res = cluster_query(sql, pid=targets[0].pid, timeout=5.0)
+    assert res.table.column("node").to_pylist() == [f"host{i}" for i in range(N - 1)]
+    assert [m.rank for m in res.missing] == [N - 1], res.missing
+    res = cluster_query(sql, pid=targets[-1].pid, timeout=5.0)  # it asks: nobody answers it
+    assert res.table.column("rank").to_pylist() == [N - 1]
+    assert sorted(m.rank for m in res.missing) == list(range(N - 1)), res.missing

@@ -50,6 +50,7 @@ class _Call:
     out: memoryview | None  # what is left to send; None once sent
     t0: int
     connected: bool = False
+    shaking: bool = False  # TLS: connected, its handshake not done yet
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
 
@@ -95,6 +96,9 @@ class Exchange:
         self._total = 0
         self.results: list[Reply | PeerFailure | None] = []
         self._sel: selectors.BaseSelector | None = None  # made by the first add
+        from probing.node.probe import tls
+
+        self._tls = tls.client_context()  # None: plain HTTP (no PROBING_TLS_CERT)
         self._resolved: dict[str, tuple[socket.AddressFamily, tuple[Any, ...]]] = {}
 
     def add(self, host: str, port: int, request: bytes) -> int:
@@ -149,6 +153,27 @@ class Exchange:
             sel.close()
         return self.results
 
+    def _secure(self, sel: selectors.BaseSelector, call: _Call) -> None:
+        """Connected: the socket becomes TLS, its handshake next (``PROBING_TLS_CERT``)."""
+        from probing.node.probe import tls
+
+        sel.unregister(call.sock)
+        call.sock = tls.wrap(self._tls, call.sock, server=False)
+        call.shaking = True
+        sel.register(call.sock, selectors.EVENT_WRITE, call)
+
+    @staticmethod
+    def _waits(sel: selectors.BaseSelector, call: _Call, err: OSError) -> bool:
+        """A TLS socket that only waits to read or to write: watched for that."""
+        from probing.node.probe import tls
+
+        want = tls.wants_io(err)
+        if not want:
+            return False
+        event = selectors.EVENT_READ if want == 1 else selectors.EVENT_WRITE
+        sel.modify(call.sock, event, call)
+        return True
+
     def _finish(
         self, sel: selectors.BaseSelector, call: _Call, result: Reply | PeerFailure
     ) -> None:
@@ -169,15 +194,25 @@ class Exchange:
                     if err:
                         raise OSError(err, os.strerror(err))
                     call.connected = True
+                    if self._tls is not None:
+                        self._secure(sel, call)
+                if call.shaking:
+                    call.sock.do_handshake()  # type: ignore[attr-defined]
+                    call.shaking = False
+                    sel.modify(call.sock, selectors.EVENT_WRITE, call)
                 sent = call.sock.send(call.out)
                 call.out = call.out[sent:] if sent < len(call.out) else None
                 if call.out is None:
                     sel.modify(call.sock, selectors.EVENT_READ, call)
                 return
             chunk = call.sock.recv(1 << 20)
+            while self._tls is not None and chunk and call.sock.pending():  # type: ignore[attr-defined]
+                chunk += call.sock.recv(1 << 20)  # decrypted already: no event will say so
         except (BlockingIOError, InterruptedError):
             return
         except OSError as err:
+            if self._tls is not None and self._waits(sel, call, err):
+                return
             self._finish(sel, call, failure(err))
             return
         if chunk:

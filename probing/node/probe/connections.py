@@ -25,7 +25,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from probing.errors import log_unexpected
 from probing.node.probe.access import Access
@@ -53,12 +53,20 @@ def refuse(sock: socket.socket, status: int, msg: str, kind: str = "ProbingError
     """Answer a short error without blocking (what does not fit is lost), then close."""
     try:
         sock.send(response_bytes(Response.error(status, msg, kind)), socket.MSG_DONTWAIT)
-    except OSError:
+    except (OSError, ValueError):  # a TLS socket takes no flags: it is just closed
         pass
     try:
         sock.close()
     except OSError:
         pass
+
+
+def _tls_waits(err: OSError) -> bool:
+    """Whether a TLS socket only waits for more to arrive (it is read again
+    at its next event; a handshake's rare wait to write, at the deadline)."""
+    from probing.node.probe import tls
+
+    return bool(tls.wants_io(err))
 
 
 def hung_up(sock: socket.socket, tcp: bool) -> bool:
@@ -140,11 +148,12 @@ class Workers:
 class Listener:
     """A listening socket (the unix one, or the TCP port) and its connections' count."""
 
-    __slots__ = ("sock", "tcp", "open", "capped", "retry_at")
+    __slots__ = ("sock", "tcp", "tls", "open", "capped", "retry_at")
 
-    def __init__(self, sock: socket.socket, tcp: bool) -> None:
+    def __init__(self, sock: socket.socket, tcp: bool, tls: Any = None) -> None:
         self.sock = sock
         self.tcp = tcp
+        self.tls = tls  # an ssl.SSLContext: its connections speak TLS only (probe.tls)
         self.open = 0  # its connections not yet closed (reading, queued or answered)
         self.capped = False  # at the cap: not accepting (callers wait in the kernel's backlog)
         self.retry_at = 0.0  # when its oldest silent connection may make room
@@ -153,7 +162,8 @@ class Listener:
 class Conn:
     """One connection, from its accept until its answer is written."""
 
-    __slots__ = ("sock", "listener", "remote", "peer_uid", "buf", "head", "opened", "deadline")
+    __slots__ = ("sock", "listener", "remote", "peer_uid", "buf", "head", "opened", "deadline",
+                 "shaking")  # fmt: skip
 
     def __init__(
         self, sock: socket.socket, listener: Listener, remote: str | None, peer_uid: int | None
@@ -166,6 +176,7 @@ class Conn:
         self.head: Head | None = None
         self.opened = time.monotonic()
         self.deadline = 0.0
+        self.shaking = listener.tls is not None  # its TLS handshake is not done yet
 
 
 class Connections:
@@ -203,6 +214,10 @@ class Connections:
             if lst.tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._tcp.add(sock)
+            if lst.tls is not None:
+                from probing.node.probe import tls
+
+                sock = tls.wrap(lst.tls, sock, server=True)
             c = Conn(sock, lst, remote, peer_uid)
             c.deadline = c.opened + self.header_timeout
             self._loop.selector().register(sock, selectors.EVENT_READ, c)  # type: ignore[union-attr]
@@ -249,10 +264,19 @@ class Connections:
     def read(self, c: Conn) -> None:
         """What arrived on ``c``; a whole request goes to the workers."""
         try:
+            if c.shaking:
+                c.sock.do_handshake()  # type: ignore[attr-defined]
+                c.shaking = False
             data = c.sock.recv(65536)
+            while c.listener.tls is not None and data and c.sock.pending():  # type: ignore[attr-defined]
+                data += c.sock.recv(65536)  # decrypted already: no event will say so
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
+        except OSError as err:
+            if c.listener.tls is not None and _tls_waits(err):
+                return
+            if c.shaking:  # no certificate, or not ours: nothing of it was read
+                self.stats["tls_refused"] = self.stats.get("tls_refused", 0) + 1
             self.close(c)
             return
         if not data:

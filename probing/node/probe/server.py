@@ -131,6 +131,9 @@ class UnixHTTPServer:
 
         Call after ``start()``; the loop picks the new socket up at once.
         """
+        from probing.node.probe import tls
+
+        secure = tls.server_context()  # None: plain HTTP (no PROBING_TLS_CERT)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -142,7 +145,7 @@ class UnixHTTPServer:
             raise
         sock.setblocking(False)
         self._access.token = token
-        self._acceptor.add(Listener(sock, tcp=True))
+        self._acceptor.add(Listener(sock, tcp=True, tls=secure))
         self.wake()
         bound = sock.getsockname()
         return bound[0], bound[1]
