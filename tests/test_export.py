@@ -22,10 +22,11 @@ from probing.cli.export import Source, export
 from probing.cli.export.perfetto import read_trace
 from probing.node.bpf import families
 from probing.node.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
+from probing.node.bpf.sampler import SCHEMA as SAMPLES_SCHEMA
 from probing.node.sql import Engine
 from probing.node.store import Store
 from probing.node.tables.nvml import GPU_SCHEMA
-from probing.node.tables.trace import COLLECTIVES_SQL
+from probing.node.tables.trace import COLLECTIVES_SQL, INTERVALS_SCHEMA
 from tests.conftest import cli
 
 WORLD = 4
@@ -34,6 +35,9 @@ STEPS = 30
 STEP_NS = 100_000_000
 KERNELS = 3  # launches per step per rank
 SAMPLES = 20  # NVML samples per rank
+READ_NS = 500_000_000  # the sampler's reads: every 0.5 s over the steps
+READS = STEPS * STEP_NS // READ_NS
+LOAD_MS = {SLOW: 300}  # the training thread's time in load_batch per read (others: 60)
 METRICS = 6  # counters per NVML sample (every metric set)
 GROUPS_SCHEMA = pa.schema(
     [("backend", pa.string()), ("comm", pa.uint64()), ("pg", pa.string()),
@@ -49,7 +53,9 @@ def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
 
 def rank_tables(rank: int, base: int) -> dict[str, pa.Table]:
     """One rank's rows: Gloo all-reduces (rank SLOW 30 ms late), NCCL calls,
-    CUDA launches and a sync, NVML samples, one Python stack."""
+    CUDA launches and a sync, NVML samples, one Python stack; the sampler's
+    reads of the training thread (rank SLOW longer in ``load_batch``) and of a
+    Gloo thread, and a trace since before the steps."""
     pid, tid = 1000 + rank, 2000 + rank
     comm = 0xA000 + rank  # a Gloo context is a local pointer: differs per process
     gloo, nccl, cuda = [], [], []
@@ -141,6 +147,25 @@ def rank_tables(rank: int, base: int) -> dict[str, pa.Table]:
              user=False),
         dict(stack_id=77, depth=1, file="/job/train.py", func="main", line=42, user=True),
     ]  # fmt: skip
+    for sid, inner in ((101, ("load_batch", "/job/train.py", 7)),
+                       (102, ("backward", "/lib/torch/autograd.py", 10))):  # fmt: skip
+        frames = [inner, ("main", "/job/train.py", 42), ("<module>", "/job/train.py", 50)]
+        stacks += [dict(stack_id=sid, depth=d, file=file, func=func, line=line,
+                        user=file.startswith("/job")) for d, (func, file, line) in
+                   enumerate(frames)]  # fmt: skip
+    samples = []
+    for k in range(1, READS + 1):  # each read: 0.5 s of the training thread, all told
+        load = LOAD_MS.get(rank, 60) * 1_000_000
+        read = dict(ts=base + k * READ_NS, count=1)
+        samples += [
+            dict(read, tid=0, thread=None, stack_id=0, kind="tick", dur_ns=READ_NS),
+            dict(read, tid=tid, thread="MainThread", stack_id=101, kind="off", dur_ns=load),
+            dict(read, tid=tid, thread="MainThread", stack_id=101, kind="cpu", dur_ns=10_000_000),
+            dict(read, tid=tid, thread="MainThread", stack_id=102, kind="off",
+                 dur_ns=READ_NS - load - 10_000_000),
+            dict(read, tid=tid + 7, thread="pt_gloo_runloop", stack_id=0, kind="off",
+                 dur_ns=READ_NS),
+        ]  # fmt: skip
     fam = families.FAMILIES
     empty = {f"{n}.inflight": fam[n].schema.empty_table() for n in ("nccl", "gloo", "cuda")}
     return {
@@ -150,6 +175,11 @@ def rank_tables(rank: int, base: int) -> dict[str, pa.Table]:
         **empty,
         "nvml.gpu": _table(nvml, GPU_SCHEMA),
         "python.stacks": _table(stacks, STACKS_SCHEMA),
+        "python.samples": _table(samples, SAMPLES_SCHEMA),
+        "trace.intervals": _table(
+            [dict(start_ns=base - 1_000_000_000, stop_ns=None, state="tracing", families="gloo")],
+            INTERVALS_SCHEMA,
+        ),
         "comm.groups": _table(
             [
                 dict(
@@ -203,7 +233,8 @@ def job() -> ScriptedJob:
 
 
 def parse(path: Path) -> dict[str, Any]:
-    """Per rank (from its process track's name): slices, flows, counters, args."""
+    """Per rank (from its process track's name): slices, flows, counters, args;
+    the slices of a rank's named tracks apart, in ``tracks[(rank, track name)]``."""
     trace = read_trace(path.read_bytes())
     rank_of_track: dict[int, int] = {}
     proc_rank: dict[int, int] = {}  # pid as written -> rank
@@ -211,7 +242,9 @@ def parse(path: Path) -> dict[str, Any]:
     interned: dict[str, dict[int, str]] = defaultdict(dict)
     out: dict[str, Any] = {"process_names": [], "slices": Counter(), "flows": defaultdict(list),
                            "counters": Counter(), "args": [], "open": Counter(), "notes": [],
-                           "slice_ts": defaultdict(list)}  # fmt: skip
+                           "slice_ts": defaultdict(list), "tracks": defaultdict(list)}  # fmt: skip
+    named: dict[int, str] = {}  # a rank's own tracks (not a thread's): uuid -> name
+    begun: dict[int, dict[str, Any]] = {}  # a named track's last slice begun
     for p in trace.packet:
         for kind in ("event_names", "debug_annotation_names", "event_categories"):
             for e in getattr(p.interned_data, kind):
@@ -229,6 +262,8 @@ def parse(path: Path) -> dict[str, Any]:
                 rank_of_track[d.uuid] = proc_rank[d.thread.pid]
             elif d.parent_uuid:
                 rank_of_track[d.uuid] = rank_of_track[d.parent_uuid]
+                if not d.HasField("counter"):
+                    named[d.uuid] = d.name
             else:
                 names[d.uuid] = d.name
         if not p.HasField("track_event"):
@@ -238,6 +273,17 @@ def parse(path: Path) -> dict[str, Any]:
             out["notes"].append(names[e.track_uuid])
             continue
         rank = rank_of_track[e.track_uuid]
+        if e.track_uuid in named:  # a begin, then its end right after
+            if e.type == e.TYPE_SLICE_BEGIN:
+                begun[e.track_uuid] = {
+                    "name": interned["event_names"][e.name_iid], "ts": p.timestamp,
+                    "args": {interned["debug_annotation_names"][a.name_iid]:
+                             interned["strings"][a.string_value_iid] if a.string_value_iid
+                             else a.double_value for a in e.debug_annotations}}  # fmt: skip
+                out["tracks"][(rank, named[e.track_uuid])].append(begun[e.track_uuid])
+            else:
+                begun[e.track_uuid]["dur"] = p.timestamp - begun[e.track_uuid]["ts"]
+            continue
         if e.type == e.TYPE_SLICE_BEGIN:
             out["slices"][rank] += 1
             out["slice_ts"][rank].append(p.timestamp)
@@ -331,8 +377,8 @@ def test_parquet_export_writes_one_tagged_file_per_table(job, tmp_path: Path) ->
     meta = json.loads(pq.read_metadata(out / "gloo.calls.parquet").metadata[b"probing.export"])
     assert sum(meta["dropped"].values()) == sum(report.cap.dropped.values()) > 0
     stacks = pq.read_table(out / "python.stacks.parquet")
-    assert stacks.num_rows == 2 * WORLD and sorted(set(stacks.column("rank").to_pylist())) == [
-        0, 1, 2, 3]  # fmt: skip
+    assert stacks.num_rows == (2 + 2 * 3) * WORLD  # 3 frames of 2 stacks more: those sampled
+    assert sorted(set(stacks.column("rank").to_pylist())) == [0, 1, 2, 3]
 
 
 def test_export_refuses_bad_input_with_the_next_step(tmp_path: Path) -> None:

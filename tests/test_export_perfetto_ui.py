@@ -2,7 +2,8 @@
 served by ``probing ui``'s server, loaded in headless Chromium, checked through
 the UI's own trace processor (``window.app.trace.engine``): one process per
 rank, and per rank the slices, flows and counters the file holds (counted by
-parsing it with Perfetto's protos). A screenshot is kept in tests/artifacts/."""
+parsing it with Perfetto's protos) and its training thread's Python functions
+on a track of their own. A screenshot is kept in tests/artifacts/."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ PER_PROCESS_SQL = """
 SELECT p.name AS name, count(s.id) AS n FROM slice s
 JOIN thread_track tt ON s.track_id = tt.id JOIN thread USING (utid) JOIN process p USING (upid)
 GROUP BY p.name ORDER BY p.name
+"""
+PYTHON_SQL = """
+SELECT p.name AS name, t.name AS track, count(*) AS n, sum(s.dur) AS ns FROM slice s
+JOIN process_track t ON s.track_id = t.id JOIN process p USING (upid)
+WHERE s.name = 'load_batch' GROUP BY p.name, t.name ORDER BY p.name
 """
 COUNTERS_SQL = """
 SELECT p.name AS name, count(*) AS n FROM counter c
@@ -71,6 +77,14 @@ def test_the_packaged_perfetto_ui_opens_an_export(job, tmp_path: Path) -> None: 
             # every collective's slices chained across the 4 ranks: 3 arrows each
             [[flows]] = ui_rows(page, "SELECT count(*) FROM flow")
             assert flows == len(got["flows"]) * (WORLD - 1) == (STEPS + 5) * (WORLD - 1)
+            # each rank's training thread's Python functions on a track of its own:
+            # the slow rank's the longest in load_batch
+            python = {p: (t, n, ns) for p, t, n, ns in ui_rows(page, PYTHON_SQL)}
+            assert sorted(python) == [f"rank {r} @ {node}" for r in range(WORLD)]
+            assert all(t.startswith("Python: MainThread (") for t, _, _ in python.values())
+            assert {p: n for p, (_, n, _) in python.items()} == {  # as parsed in test_export_flame
+                f"rank {r} @ {node}": 3 if r == SLOW else 4 for r in range(WORLD)}  # fmt: skip
+            assert max(python, key=lambda p: python[p][2]) == f"rank {SLOW} @ {node}"
             counters = dict(ui_rows(page, COUNTERS_SQL))
             assert counters == {f"rank {r} @ {node}": SAMPLES * METRICS for r in range(WORLD)}
             # and the page drew them: a track group per rank in the timeline

@@ -30,9 +30,11 @@ def diagnose_job(
     ``sql`` over its ``analyze.*`` tables. A probe is injected first into
     each pid that lacks one (``inject``). ``record_s``: trace every rank of
     ``pids[0]``'s job that long first, and stop the ranks it started after,
-    whatever happens."""
+    whatever happens. A launcher's pid (torchrun's agent) stands for its
+    ranks (``job_ranks``)."""
     from probing.cli.client import Job
 
+    pids = job_ranks(pids, cluster=cluster, inject=inject, timeout=timeout)
     started = start_recording(pids[0], inject) if record_s is not None else []
     if record_s is not None:
         window_s = min(window_s, record_s)
@@ -50,6 +52,28 @@ def diagnose_job(
         if record_s is not None and started:  # the ranks it started, not a trace of someone's
             with contextlib.suppress(ProbingError):
                 client(pids[0]).cluster_trace("stop", ranks=started)
+
+
+JOIN_WAIT_S = 30.0  # at most, for probes injected with --cluster to join their job
+
+
+def job_ranks(pids: list[int], *, cluster: bool, inject: bool, timeout: float) -> list[int]:
+    """The pids to diagnose: one pid alone with ``cluster`` is asked through a
+    rank of its job (``trace --cluster``'s way: with ``inject``, every rank of
+    the job on this machine gets a probe and joins first); a launcher's pid
+    alone without it, its ranks on this machine. Other lists as given."""
+    from probing.procs import job_pids
+
+    if len(pids) != 1:
+        return pids
+    if cluster and inject:
+        from probing.cli.commands.trace import probe_job
+
+        return [probe_job(pids[0], max(timeout, JOIN_WAIT_S))]
+    ranks = job_pids(pids[0])
+    if pids[0] in ranks:
+        return pids
+    return ranks[:1] if cluster else ranks
 
 
 def answer(job: Job, *, window_s: float, hang_s: float, sql: str | None, fmt: str) -> None:

@@ -13,7 +13,9 @@ in memory. The layout:
   which the UI draws as "did not end"), with ``debug_annotations`` as args;
 * flows: slices given the same flow id are chained by Perfetto in time
   order (n slices, n - 1 arrows): one id per collective (comm, seq);
-* counter tracks (NVML) under each rank.
+* counter tracks (NVML) under each rank;
+* named slice tracks under a rank (``track``): its training thread's Python
+  functions, the spans it was not tracing (``flame``).
 
 Event names, categories, arg names and string arg values (stacks repeat
 for every call) are interned: each is written once on the sequence, in the
@@ -220,6 +222,23 @@ class TraceWriter:
             d.counter.unit_name = unit
         self._counters[key] = uuid
         return uuid
+
+    def track(self, rank: int, name: str) -> int:
+        """A slice track of its own under ``rank``'s process (its process track
+        must exist): the training thread's Python functions, its untraced spans."""
+        uuid = self._uuid()
+        d = self._packet().track_descriptor
+        d.uuid = uuid
+        d.parent_uuid = self._procs[rank][0]
+        d.name = name
+        return uuid
+
+    def add_track_slices(self, track: int, chunk: SliceChunk) -> None:
+        """A chunk of slices (its ``thread`` and ``threads`` unused) on ``track``,
+        in the chunk's order where its rows have the same fields (not counted
+        with the threads' calls in ``slices``)."""
+        for part in chunk.layouts():
+            self._add_slices(part, np.full(len(part.ts), track, dtype=np.int64))
 
     def note_track(self, name: str) -> int:
         """A top-level track (not under a rank), e.g. what the export left out."""

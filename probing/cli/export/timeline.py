@@ -7,7 +7,9 @@ the args carry the call's columns, the collective's cross-rank name
 (``comm``) and aligned ``seq`` (``probing.analyze.collectives.matched``, as
 ``diagnose`` matches them), and the Python ``callsite`` and ``stack``
 (``python.callsites`` / ``python.stacks``). One flow id per collective
-chains it across ranks. NVML samples become counter tracks per rank.
+chains it across ranks. NVML samples become counter tracks per rank. Beside
+them, per rank, the training thread's Python functions from the sampler and
+the spans the rank was not tracing (``flame``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from probing.analyze import columns
+from probing.cli.export import flame
 from probing.cli.export.perfetto import SliceChunk, Thread, TraceWriter, flow_ids
 from probing.cli.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Prefetched, Window
 
@@ -53,6 +56,8 @@ class ExportReport:
     slices: dict[int, int] = field(default_factory=dict)  # rank -> slices
     flows: dict[int, int] = field(default_factory=dict)  # rank -> slices in a flow
     counters: dict[int, int] = field(default_factory=dict)  # rank -> counter values
+    python: dict[int, int] = field(default_factory=dict)  # rank -> Python function slices
+    untraced: dict[int, int] = field(default_factory=dict)  # rank -> spans not tracing
     tables: dict[str, int] = field(default_factory=dict)  # parquet: table -> rows
     missing: list[str] = field(default_factory=list)
 
@@ -114,22 +119,26 @@ class CollectiveIndex:
 
 
 class Stacks:
-    """Each rank's Python stacks: ``stack_id`` -> (callsite, stack text)."""
+    """Each rank's Python stacks: ``stack_id`` -> (callsite, stack text), and
+    its frames as (function, file), outermost first (``frames``)."""
 
     def __init__(self, win: Window) -> None:
         from probing.errors import ProbingError
 
-        frames: dict[tuple[int, int], list[tuple[int, str]]] = {}
+        frames: dict[tuple[int, int], list[tuple[int, str, tuple[str, str]]]] = {}
         self.callsites: dict[tuple[int, int], str] = {}
         try:
             for r in win.whole(STACKS_SQL).to_pylist():
                 line = f"{r['func']} ({r['file']}:{r['line']})"
-                frames.setdefault((r["rank"], r["stack_id"]), []).append((r["depth"], line))
+                frames.setdefault((r["rank"], r["stack_id"]), []).append(
+                    (r["depth"], line, (str(r["func"]), str(r["file"])))
+                )
             for r in win.whole(CALLSITES_SQL).to_pylist():
                 self.callsites[(r["rank"], r["stack_id"])] = r["callsite"]
         except ProbingError:  # a probe without python.stacks (traced without stacks)
             pass
-        self.text = {k: "\n".join(line for _, line in sorted(v)) for k, v in frames.items()}
+        self.text = {k: "\n".join(f[1] for f in sorted(v)) for k, v in frames.items()}
+        self.frames = {k: [f[2] for f in sorted(v, reverse=True)] for k, v in frames.items()}
 
 
 def _column(part: pa.Table, name: str) -> pa.Array:
@@ -352,6 +361,8 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
             chunk = slices(table, part, colls, stacks, offsets)
             if chunk is not None:
                 w.add_slices(chunk)
+        python = flame.write_python(w, win, stacks.frames)
+        untraced = flame.write_untraced(w, win, [r.rank for r in ranks])
         if win.cap.cut:
             note = w.note_track(f"probing export: {sum(win.cap.dropped.values())} events dropped")
             at = win.cap.oldest_kept_ns or win.bounds[0]
@@ -370,5 +381,7 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
         slices=dict(w.slices),
         flows=dict(w.flow_slices),
         counters=dict(w.counter_values),
+        python=python,
+        untraced=untraced,
         missing=list(src.missing),
     )
