@@ -279,3 +279,29 @@ def test_a_garbled_line_table_gives_the_first_line_not_an_error() -> None:
             table = bytes(rng.randrange(256) for _ in range(n % 40))
             assert isinstance(line_of(fmt, table, 10, 1000), int)
     assert line_of("locations", b"c\xb9=a\xc0\x99K!++\xcb\x97", 10, 1000) == 10
+
+
+def test_a_c_string_is_read_up_to_its_nul_or_an_unmapped_page() -> None:
+    """``cstring``: one reader of C strings in another process's memory (the
+    CUDA kernel names, the injector's dlerror), page by page."""
+    import ctypes
+    import mmap
+
+    from probing.pyframes.memory import PAGE, cstring
+
+    buf = mmap.mmap(-1, 2 * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    buf[PAGE - 10 : PAGE - 6] = b"ab\0c"
+    buf[PAGE - 5 : PAGE] = b"tail!"  # no NUL before the page that cannot be read
+    assert libc.mprotect(base + PAGE, PAGE, 0) == 0  # PROT_NONE
+    try:
+        mem = ProcessMemory()
+        assert cstring(mem, base + PAGE - 10) == b"ab"
+        assert cstring(mem, base + PAGE - 5) == b"tail!"
+        assert cstring(mem, base + PAGE - 10, limit=1) == b"a"
+        with pytest.raises(OSError):
+            cstring(mem, base + PAGE)
+    finally:
+        libc.mprotect(base + PAGE, PAGE, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -221,11 +221,11 @@ def _read_version(pid: int, syms: elf.Symbols, obj: elf.LoadedObject) -> tuple[i
     addr = syms.address("Py_Version", obj.base)
     if addr is None:
         return None
+    from probing.pyframes.memory import ProcessMemory
+
     try:
-        with open(f"/proc/{pid}/mem", "rb") as f:
-            f.seek(addr)
-            hexversion = int.from_bytes(f.read(4), "little")
-    except OSError:
+        hexversion = int.from_bytes(ProcessMemory(pid).read(addr, 4), "little")
+    except (OSError, ProbingError):
         return None
     return (hexversion >> 24) & 0xFF, (hexversion >> 16) & 0xFF
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from probing.errors import AttachError, NoSuchProcess
 from probing.inject.arch import Arch
+from probing.pyframes.memory import IOVec, cstring
 
 PTRACE_CONT = 7
 PTRACE_SINGLESTEP = 9
@@ -37,10 +38,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _ptrace = _libc.ptrace
 _ptrace.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _ptrace.restype = ctypes.c_long
-
-
-class _IOVec(ctypes.Structure):
-    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
 
 
 class TargetGone(NoSuchProcess):
@@ -79,8 +76,7 @@ class Memory:
         return os.pread(self.fd, size, addr)
 
     def read_cstring(self, addr: int, limit: int = 4096) -> str:
-        data = self.read(addr, limit)
-        return data.split(b"\0", 1)[0].decode("utf-8", "replace")
+        return cstring(self, addr, limit).decode("utf-8", "replace")
 
     def write(self, addr: int, data: bytes) -> None:
         done = os.pwrite(self.fd, data, addr)
@@ -140,7 +136,7 @@ class Tracee:
 
     # --- registers -----------------------------------------------------------------
     def _regset(self, request: int, nt: int, buf: ctypes.Array[ctypes.c_char]) -> int:
-        iov = _IOVec(ctypes.cast(buf, ctypes.c_void_p), len(buf))
+        iov = IOVec(ctypes.cast(buf, ctypes.c_void_p), len(buf))
         ptrace(request, self.tid, nt, ctypes.c_void_p(ctypes.addressof(iov)))
         return iov.len  # the kernel's size for this set
 

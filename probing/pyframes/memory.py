@@ -24,7 +24,9 @@ class Memory(Protocol):
     def read(self, addr: int, size: int) -> bytes: ...
 
 
-class _IOVec(ctypes.Structure):
+class IOVec(ctypes.Structure):
+    """``struct iovec`` (``process_vm_readv``, ``PTRACE_GETREGSET``)."""
+
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
@@ -32,9 +34,9 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _readv = _libc.process_vm_readv
 _readv.argtypes = [
     ctypes.c_int,
-    ctypes.POINTER(_IOVec),
+    ctypes.POINTER(IOVec),
     ctypes.c_ulong,
-    ctypes.POINTER(_IOVec),
+    ctypes.POINTER(IOVec),
     ctypes.c_ulong,
     ctypes.c_ulong,
 ]
@@ -51,8 +53,8 @@ class ProcessMemory:
         if addr <= 0 or size <= 0 or addr + size >= 1 << 64:
             raise OSError(errno.EFAULT, f"bad address {addr:#x}")
         buf = ctypes.create_string_buffer(size)
-        local = _IOVec(ctypes.cast(buf, ctypes.c_void_p), size)
-        remote = _IOVec(addr, size)
+        local = IOVec(ctypes.cast(buf, ctypes.c_void_p), size)
+        remote = IOVec(addr, size)
         got = _readv(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got != size:
             err = ctypes.get_errno() if got < 0 else errno.EFAULT
@@ -67,6 +69,28 @@ class ProcessMemory:
                 )
             raise OSError(err, f"cannot read {size} bytes at {addr:#x} in pid {self.pid}")
         return buf.raw
+
+
+PAGE = 4096
+
+
+def cstring(mem: Memory, addr: int, limit: int = 512) -> bytes:
+    """The NUL-terminated bytes at ``addr`` (at most ``limit``), read a page
+    at a time: a string that ends just before an unmapped page is read
+    whole. ``OSError`` when its first byte cannot be read."""
+    out = b""
+    while len(out) < limit:
+        at = addr + len(out)
+        chunk = mem.read(at, min(limit - len(out), PAGE - at % PAGE))
+        end = chunk.find(b"\0")
+        if end >= 0:
+            return out + chunk[:end]
+        out += chunk
+        try:
+            mem.read(addr + len(out), 1)
+        except OSError:  # the next page is not mapped: what we have is all of it
+            return out
+    return out
 
 
 def u64(mem: Memory, addr: int) -> int:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from probing.errors import ProbingError
 from probing.node.bpf import families as fam
 from probing.node.bpf.symbols import Mapping, RuntimeNames, Symbolizer
 
@@ -175,16 +176,14 @@ class KernelSlots:
 
 def read_cstring(addr: int, pid: int | str = "self", limit: int = 512) -> str | None:
     """A NUL-terminated string in process ``pid``'s memory, or None where it
-    cannot be read (through /proc/PID/mem: a bad address is an error, not a
+    cannot be read (``process_vm_readv``: a bad address is an error, not a
     crash)."""
+    from probing.pyframes.memory import ProcessMemory, cstring
+
     if not addr:
         return None
     try:
-        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-        try:
-            raw = os.pread(fd, limit, addr)
-        finally:
-            os.close(fd)
-    except (OSError, OverflowError):
+        raw = cstring(ProcessMemory(None if pid == "self" else int(pid)), addr, limit)
+    except (OSError, OverflowError, ProbingError):
         return None
-    return raw.split(b"\0", 1)[0].decode("utf-8", "replace") or None
+    return raw.decode("utf-8", "replace") or None
