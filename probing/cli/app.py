@@ -196,6 +196,7 @@ def agent(
         every_s=s.agent_every_s if every is None else every,
         host=host or s.agent_host,
         port=s.agent_port if port is None else port,
+        webhook=s.agent_webhook,
     )
 
 

@@ -16,10 +16,18 @@ a pattern, or which runs in a cgroup whose path holds a given text; never
 a launcher itself (torchrun's agent, ``deepspeed``, ``accelerate``).
 
 It serves ``GET /health`` (what it attached, what failed and why) and
-``GET /metrics`` (OpenMetrics: its own counters, and every probe's metrics
-on the node with ``pid`` and ``job`` labels) on ``127.0.0.1:<port>``,
-read-only. It logs to stderr, one line an event. SIGTERM stops it; the
-engines and their probes go on.
+``GET /metrics`` on ``127.0.0.1:<port>``, read-only: one scrape target per
+node. ``/metrics`` is OpenMetrics (every counter with its ``_created``):
+the agent's own counters; every live probe of the node's metrics (asked
+over its unix socket at each scrape), each sample labelled with its
+process's ``pid``, ``job``, ``rank`` and ``node`` where it names none of
+its own (``probing_rank_lateness_seconds`` names the rank it measures);
+and ``probing_finding_active``, one series for each finding active now
+(``kind``, the ``rank`` it blames, ``node``, ``comm``, ``job``), read from
+the findings logs the jobs' detectors write (``probing.node.findings``).
+Each new or cleared finding also goes to the webhook, when one is set
+(``probing.node.webhook``). It logs to stderr, one line an event. SIGTERM
+stops it; the engines and their probes go on.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,7 +47,11 @@ from typing import Any
 
 import psutil
 
+from probing import paths
 from probing.guest import place, wire
+from probing.node.findings import Feed
+from probing.node.openmetrics import Exposition
+from probing.node.webhook import Webhook
 
 DEFAULT_PORT = 9978  # outside the ephemeral range, away from torchrun's 29500
 LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -46,6 +59,7 @@ LAUNCHERS = re.compile(
     r"(^|/)(torchrun|deepspeed|accelerate|srun|mpirun|mpiexec)$|torch\.distributed\.(run|launch)"
     r"|deepspeed\.launcher"
 )
+GONE_KEEP_S = 600.0  # how long a gone process's job names the findings about it
 RETRIES = 3  # attempts at a process before it is left alone (each said in /health)
 
 
@@ -97,14 +111,24 @@ class Attached:
 class Agent:
     """The watcher: scan, attach, serve its health and the node's metrics."""
 
-    def __init__(self, policy: Policy, every_s: float = 2.0) -> None:
+    def __init__(
+        self, policy: Policy, every_s: float = 2.0, webhook: Webhook | None = None
+    ) -> None:
         self.policy = policy
         self.every_s = every_s
+        self.webhook = webhook
         self.seen: dict[int, Attached] = {}
         self.scans = 0
         self.failures = 0
+        self.created = time.time()  # its counters' _created
+        self.feed = Feed()
+        self._probes: dict[int, ProbeLabels] = {}  # what a probe says of itself, for its labels
+        self._jobs: dict[int, str] = {}  # pid -> job, for the processes it did not attach
+        # pid -> (job, when it went): a gone process's findings (rank gone) still name its job
+        self._gone: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._feed_lock = threading.Lock()
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -113,6 +137,10 @@ class Agent:
                 self.scan()
             except Exception as err:  # noqa: BLE001 - a service's loop: said, and on
                 _say(f"scan failed: {type(err).__name__}: {err}")
+            try:
+                self.follow()
+            except Exception as err:  # noqa: BLE001 - as above
+                _say(f"reading the findings failed: {type(err).__name__}: {err}")
             self._stop.wait(self.every_s)
 
     def stop(self) -> None:
@@ -142,10 +170,43 @@ class Agent:
             with self._lock:
                 self.seen[pid] = got
             new.append(got)
-        with self._lock:  # processes gone: forgotten
+        with self._lock:  # processes gone: forgotten, their job kept for the findings they raise
+            now = time.monotonic()
             for pid in [p for p in self.seen if not psutil.pid_exists(p)]:
-                del self.seen[pid]
+                self._gone[pid] = (self.seen.pop(pid).job, now)
+            for pid in [p for p, (_, t) in self._gone.items() if now - t > GONE_KEEP_S]:
+                del self._gone[pid]
+            for known_pids in (self._probes, self._jobs):
+                for pid in [p for p in known_pids if not psutil.pid_exists(p)]:
+                    del known_pids[pid]
         return new
+
+    def follow(self) -> list[dict[str, Any]]:
+        """The findings the node's detectors logged since the last look, each
+        with its job; queued for the webhook, never waited for."""
+        with self._feed_lock:
+            rows = self.feed.poll()
+        for row in rows:
+            row["job"] = self._job_of(row.get("pid"))
+            _say(f"finding {row['state']}: {row.get('kind')} rank {row.get('rank')} "
+                 f"(pid {row.get('pid')}, job {row['job']})")  # fmt: skip
+            if self.webhook is not None:
+                self.webhook.put(row)
+        return rows
+
+    def _job_of(self, pid: Any) -> str:
+        if not isinstance(pid, int):
+            return "?"
+        with self._lock:
+            known = self.seen.get(pid)
+            job = known.job if known is not None else self._jobs.get(pid)
+            if job is None and pid in self._gone:
+                job = self._gone[pid][0]
+        if job is None:
+            job = _job(_environ(pid))
+            with self._lock:
+                self._jobs[pid] = job
+        return job
 
     def _attach(self, pid: int, why: str, job: str, age: float) -> Attached:
         from probing.errors import ProbingError
@@ -177,35 +238,83 @@ class Agent:
             "scans": self.scans,
             "failures": self.failures,
             "processes": seen,
+            "findings_active": len(self._active()),
+            "webhook": self.webhook.health() if self.webhook is not None else None,
         }
 
+    def _active(self) -> list[dict[str, Any]]:
+        with self._feed_lock:
+            return self.feed.active()
+
     def metrics(self) -> str:
-        """OpenMetrics: the agent's counters, then every attached probe's
-        metrics, each sample labelled with its process and job."""
+        """OpenMetrics: the agent's counters, the findings active on the node,
+        then every live probe's metrics, each sample labelled with its
+        process (``pid``), ``job``, ``rank`` and ``node`` where it names none."""
         with self._lock:
-            seen = list(self.seen.values())
-        families: dict[str, list[str]] = {}
-        heads: dict[str, list[str]] = {}
-        for a in seen:
-            if a.state != "tracing":
-                continue
+            tracing = sum(1 for a in self.seen.values() if a.state == "tracing")
+        out = Exposition()
+        out.gauge(
+            "probing_agent_attached", "processes this agent attached to and traces", [({}, tracing)]
+        )
+        out.counter(
+            "probing_agent_attach_failures", "attaches that failed (GET /health says why)",
+            [({}, self.failures)], self.created,
+        )  # fmt: skip
+        if self.webhook is not None:
+            n = self.webhook.counts()
+            out.gauge("probing_agent_webhook_queued", "findings waiting for the webhook",
+                      [({}, n.queued)])  # fmt: skip
+            for name, value, what in (
+                ("sent", n.sent, "findings the webhook delivered"),
+                ("dropped", n.dropped, "findings dropped from the webhook's full queue"),
+                ("rejected", n.rejected, "findings the webhook refused for good (a 4xx)"),
+                ("retries", n.retries, "webhook POSTs that failed and were tried again"),
+            ):
+                out.counter(f"probing_agent_webhook_{name}", what, [({}, value)],
+                            self.webhook.created)  # fmt: skip
+        active: dict[tuple[tuple[str, str], ...], int] = {}
+        for row in self._active():
+            labels = {"job": self._job_of(row.get("pid")), "kind": str(row.get("kind") or "")}
+            for name in ("rank", "node", "comm"):
+                if row.get(name) is not None:
+                    labels[name] = str(row[name])
+            key = tuple(sorted(labels.items()))
+            active[key] = active.get(key, 0) + 1
+        out.gauge(
+            "probing_finding_active",
+            "findings active now, by kind and the rank they blame (analyze.findings)",
+            [(dict(key), count) for key, count in sorted(active.items())],
+        )
+        for pid, sock in sorted(paths.all_sockets().items()):
+            if pid == os.getpid() or not psutil.pid_exists(pid):
+                continue  # a dead process's probe: its figures stopped when it died
             try:
-                text = _probe_metrics(a.pid)
-            except (OSError, wire.WireError):
-                continue
-            _merge(text, {"pid": str(a.pid), "job": a.job}, heads, families)
-        tracing = sum(1 for a in seen if a.state == "tracing")
-        out = [
-            "# TYPE probing_agent_attached gauge",
-            "# HELP probing_agent_attached processes this agent attached to and traces",
-            f"probing_agent_attached {tracing}",
-            "# TYPE probing_agent_attach_failures counter",
-            "# HELP probing_agent_attach_failures attaches that failed (GET /health says why)",
-            f"probing_agent_attach_failures_total {self.failures}",
-        ]
-        for name, lines in families.items():
-            out += heads.get(name, []) + lines
-        return "\n".join([*out, "# EOF"]) + "\n"
+                text = _get(sock, "/metrics")
+                probe = self._probe(pid, sock)
+            except (OSError, ValueError, wire.WireError):
+                continue  # gone meanwhile, or no detector (not a rank of a job)
+            out.merge(text, probe.labels(pid), probe.created)
+        return out.text()
+
+    def _probe(self, pid: int, sock: str) -> ProbeLabels:
+        """What ``pid``'s probe says of itself, asked until it knows its rank in a job."""
+        with self._lock:
+            known = self._probes.get(pid)
+        if known is not None and known.final:
+            return known
+        about = json.loads(_get(sock, "/health"))
+        cluster = about.get("cluster") or {}
+        rank = cluster.get("rank")
+        probe = ProbeLabels(
+            job=self._job_of(pid),
+            rank=rank if isinstance(rank, int) else None,
+            node=str(cluster.get("node") or socket.gethostname()),
+            created=float(about.get("started_ns") or 0) / 1e9 or self.created,
+            final=int(cluster.get("world_size") or 1) > 1,  # a rank of a job: it stays
+        )
+        with self._lock:
+            self._probes[pid] = probe
+        return probe
 
 
 def _retry(known: Attached) -> bool:
@@ -243,46 +352,37 @@ def _socket(pid: int) -> str:
     return found
 
 
-def _probe_metrics(pid: int) -> str:
-    """One probe's ``GET /metrics`` over its unix socket (not JSON)."""
-    import socket
+@dataclasses.dataclass(frozen=True)
+class ProbeLabels:
+    """A probe's labels, from its own ``GET /health``."""
 
+    job: str
+    rank: int | None  # None: not known yet (a rank learns it from its process group)
+    node: str
+    created: float  # the probe's start (unix s): its counters' _created
+    final: bool  # its rank is known: not asked again
+
+    def labels(self, pid: int) -> dict[str, str]:
+        out = {"pid": str(pid), "job": self.job, "node": self.node}
+        if self.rank is not None:
+            out["rank"] = str(self.rank)
+        return out
+
+
+def _get(sock_path: str, path: str) -> str:
+    """One probe's ``GET path`` over its unix socket, the body as text."""
     from probing.node.probe import http
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
     try:
-        sock.connect(_socket(pid))
-        answer = http.exchange(sock, http.request_bytes("/metrics", b"", None, "GET"))
+        sock.connect(sock_path)
+        answer = http.exchange(sock, http.request_bytes(path, b"", None, "GET"))
     finally:
         sock.close()
     if answer.status != 200:
-        raise wire.WireError(answer.status, f"pid {pid}: /metrics answered {answer.status}")
+        raise wire.WireError(answer.status, f"{sock_path}: {path} answered {answer.status}")
     return answer.body.decode()
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(.*)$")
-
-
-def _merge(
-    text: str, labels: dict[str, str], heads: dict[str, list[str]], out: dict[str, list[str]]
-) -> None:
-    """Add ``text``'s samples to ``out`` (by family), each with ``labels``."""
-    family = ""
-    extra = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith("# TYPE ") or line.startswith("# HELP "):
-            family = line.split()[2]
-            heads.setdefault(family, [])
-            if line not in heads[family]:
-                heads[family].append(line)
-            out.setdefault(family, [])
-            continue
-        m = _SAMPLE.match(line)
-        if m is None or line.startswith("#"):
-            continue
-        inner = f"{m.group(3)},{extra}" if m.group(3) else extra
-        out.setdefault(family or m.group(1), []).append(f"{m.group(1)}{{{inner}}} {m.group(4)}")
 
 
 def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
@@ -313,20 +413,38 @@ def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
     return server
 
 
-def main(policy: Policy, *, every_s: float, host: str, port: int) -> None:
-    """Run the agent until SIGTERM or SIGINT."""
-    agent = Agent(policy, every_s)
+def main(
+    policy: Policy, *, every_s: float, host: str, port: int, webhook: str | None = None
+) -> None:
+    """Run the agent until SIGTERM or SIGINT. ``webhook``: the URL findings
+    are POSTed to (None: ``PROBING_AGENT_WEBHOOK``; "": none)."""
+    from probing import config
+
+    url = config.load().agent_webhook if webhook is None else webhook
+    try:
+        hook = Webhook(url.strip()) if url.strip() else None
+    except ValueError as err:
+        raise config.ConfigError(f"PROBING_AGENT_WEBHOOK: {err}") from err
+    agent = Agent(policy, every_s, webhook=hook)
     server = serve(agent, host, port)
     what = f"{'on' if policy.attach else 'off'} ({', '.join(policy.families)})"
     _say(
         f"serving GET /health and /metrics on {host}:{server.server_address[1]}; attaching: {what}"
     )
+    if hook is not None:
+        _say(f"findings go to the webhook {hook.health()['url']} too")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     try:
         agent.run()
     finally:
         server.shutdown()
+        if hook is not None:
+            agent.follow()  # what was logged since the last look goes too
+            hook.close()
+            left = hook.counts().queued
+            if left:
+                _say(f"{left} finding(s) not delivered to the webhook: {hook.last_error}")
         _say("stopped")
 
 

@@ -1,20 +1,29 @@
 """``probing agent``: a 4-rank job started with no PROBING and no inject is
 attached, traced and watched by the node's agent by itself; its slowed
-rank becomes a finding and shows in the agent's /metrics; a process with
-PROBING=0, or with no launcher's variables, is never touched."""
+rank becomes a finding and shows in the agent's /metrics, where every
+rank's probe is labelled with its job, rank and node; a process with
+PROBING=0, or with no launcher's variables, is never touched.
+``watched_job`` is the job and agent tests/privileged/test_prometheus.py
+scrapes too."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing.cli.client import ProbeClient
 from probing.cli.demo import free_port
@@ -44,41 +53,88 @@ def _probed(pid: int) -> bool:
         return False
 
 
-def test_the_agent_attaches_to_a_job_nobody_probed(runtime_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    require_bpf()
+@dataclasses.dataclass
+class Watched:
+    """A running ``probing agent`` and the 4-rank job it watches."""
+
+    url: str  # the agent's GET /health and /metrics
+    ranks: list[subprocess.Popen[str]]
+    job: str  # the job's label in the agent's /metrics
+    base: dict[str, str]  # the environment the job's processes got
+    procs: list[subprocess.Popen[str]]  # stopped at the end (a test may add its own)
+
+
+@contextlib.contextmanager
+def watched_job(runtime_dir: Path, **agent_env: str) -> Iterator[Watched]:
+    """``probing agent`` (``agent_env`` added to its environment), then a
+    4-rank Gloo job with no PROBING, rank ``SLOW`` 60 ms slower a step; every
+    process stopped at the end. The agent attaches to this test's processes only."""
     mark = {"PROBING_AGENT_TEST": uuid.uuid4().hex}  # this test's processes only
     base = {k: v for k, v in os.environ.items() if k != "PROBING"}
     base.update(PROBING_RUNTIME_DIR=str(runtime_dir), PROBING_TOKEN=TOKEN, **mark)
     port = free_port()
-    procs = []
+    procs: list[subprocess.Popen[str]] = []
     try:
         agent = subprocess.Popen(
             [sys.executable, "-m", "probing", "agent", "--every", "0.5", "--port", "0",
              "--env", f"PROBING_AGENT_TEST={mark['PROBING_AGENT_TEST']}"],
-            env=base, stderr=subprocess.PIPE, text=True,
+            env={**base, **agent_env}, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         procs.append(agent)
         line = agent.stderr.readline() if agent.stderr else ""
         found = re.search(r"on 127\.0\.0\.1:(\d+)", line)
         assert found, line
-        url = f"http://127.0.0.1:{found.group(1)}"
         ranks = []
         for r in range(WORLD):
             env = dict(base, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-            ranks.append(subprocess.Popen([sys.executable, "-c", JOB], env=env))
+            ranks.append(subprocess.Popen([sys.executable, "-c", JOB], env=env, text=True))
+        procs += ranks
+        yield Watched(f"http://127.0.0.1:{found.group(1)}", ranks, f"master_port={port}", base,
+                      procs)  # fmt: skip
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def wait_traced(ranks: list[subprocess.Popen[str]]) -> float:
+    """Until every rank traces; the seconds it took."""
+    t0 = time.monotonic()
+    deadline = t0 + 60 * SLOWDOWN
+    while not all(_probed(p.pid) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_probed(p.pid) for p in ranks), [p.pid for p in ranks if not _probed(p.pid)]
+    return time.monotonic() - t0
+
+
+def active_findings(text: str) -> set[tuple[str, str]]:
+    """(kind, rank) of each ``probing_finding_active`` series of an exposition."""
+    return {
+        (s.labels["kind"], s.labels.get("rank", ""))
+        for f in text_string_to_metric_families(text)
+        if f.name == "probing_finding_active"
+        for s in f.samples
+        if s.value > 0
+    }
+
+
+def test_the_agent_attaches_to_a_job_nobody_probed(runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    require_bpf()
+    with watched_job(runtime_dir) as w:
+        url, ranks, base = w.url, w.ranks, w.base
         opted_out = subprocess.Popen(
             [sys.executable, "-c", IDLE_LOOP],
             env=dict(base, PROBING="0", RANK="0", MASTER_PORT="1"),
+            text=True,
         )
-        plain = subprocess.Popen([sys.executable, "-c", IDLE_LOOP], env=base)
-        procs += [*ranks, opted_out, plain]
-        t0 = time.monotonic()
-        deadline = t0 + 60 * SLOWDOWN
-        while not all(_probed(p.pid) for p in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(_probed(p.pid) for p in ranks), [p.pid for p in ranks if not _probed(p.pid)]
-        print(f"every rank traced {time.monotonic() - t0:.1f} s after the job started")
+        plain = subprocess.Popen([sys.executable, "-c", IDLE_LOOP], env=base, text=True)
+        w.procs += [opted_out, plain]
+        print(f"every rank traced {wait_traced(ranks):.1f} s after the job started")
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
             health = json.load(r)
         attached = {a["pid"]: a for a in health["processes"]}
@@ -91,27 +147,32 @@ def test_the_agent_attaches_to_a_job_nobody_probed(runtime_dir, tmp_path) -> Non
         while time.monotonic() < deadline:
             with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
                 text = r.read().decode()
-            if f'probing_findings{{kind="straggler",pid="{ranks[0].pid}"' in text and re.search(
-                rf'probing_findings{{kind="straggler",pid="{ranks[0].pid}",[^}}]*}} 1', text
-            ):
+            if ("straggler", str(SLOW)) in active_findings(text):
                 break
             time.sleep(1)
+        assert ("straggler", str(SLOW)) in active_findings(text), text
         assert "probing_agent_attached 4" in text, text
         assert re.search(rf'probing_rank_lateness_seconds{{rank="{SLOW}",[^}}]*pid=', text), text
+        # every rank's probe, labelled with its job, rank and node; counters with _created
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = families["probing_detections"].samples
+        detections = [s for s in samples if s.name.endswith("_total")]
+        assert sorted(s.labels["rank"] for s in detections) == [str(r) for r in range(WORLD)]
+        assert {s.labels["job"] for s in detections} == {w.job}
+        assert all(s.labels["node"] for s in detections)
+        created = [s for s in samples if s.name.endswith("_created")]
+        assert len(created) == WORLD and all(s.value > 1e9 for s in created), created
         got = ProbeClient.for_pid(ranks[0].pid).query_rows(
             "SELECT kind, rank, text FROM analyze.findings WHERE cleared_ns IS NULL"
         )
         kinds = [(row[0], row[1]) for row in got[1]]
         assert ("straggler", SLOW) in kinds, got
+        # its port is read-only
+        req = urllib.request.Request(f"{url}/metrics", data=b"x", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 501
         # never touched: PROBING=0, and a process no launcher started
         for p in (opted_out, plain):
             with pytest.raises(ProbingError):
                 ProbeClient.for_pid(p.pid).health()
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
