@@ -4,10 +4,12 @@
 # The `make vm-test` guest runs it from its PID 1 (vagrant/vm-init.sh); with
 # Vagrant: vagrant ssh -c 'sudo bash /probing/vagrant/run-tests.sh'.
 #
-#   PROBING_VM_TESTS=paths|smoke|full|ARG,ARG,...  bash vagrant/run-tests.sh   (default: paths)
+#   PROBING_VM_TESTS=paths|smoke|systemd|full|ARG,ARG,...  bash vagrant/run-tests.sh   (default: paths)
 #
 # smoke: Python 3.13's _Py_DebugOffsets, BCC, injection, out-of-process
 #        stacks, BPF frame walking on traced calls and a traced Gloo job (CI).
+# systemd: the smoke and the agent's unit run by systemd as PID 1 (CI's VM run;
+#        the guest booted with init=/lib/systemd/systemd: vagrant/vm-systemd.sh)
 # paths: the smoke and diagnose naming a straggler (each rank's probe and
 #        one probe's cluster query): every path a new kernel or Python breaks.
 # full:  tests/privileged/ and tests/test_pyframes.py, less the tests that
@@ -74,6 +76,7 @@ host_only=(
 )
 case "$tests" in
   smoke) args=("${smoke[@]}") ;;
+  systemd) args=("${smoke[@]}" tests/privileged/test_systemd.py) ;;  # booted with systemd
   paths) args=("${smoke[@]}" "${diagnose[@]}") ;;
   full)
     args=(tests/test_pyframes.py tests/privileged)

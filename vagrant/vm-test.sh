@@ -2,7 +2,7 @@
 # `make vm-test`: probing's privileged suite in a Debian trixie VM (kernel 6.12,
 # Python 3.13), booted with qemu on this machine. As root.
 #
-#   vagrant/vm-test.sh [paths|smoke|full|PYTEST-ARGS...]     (default: paths)
+#   vagrant/vm-test.sh [paths|smoke|full|systemd|PYTEST-ARGS...]     (default: paths)
 #   vagrant/vm-test.sh --image-path      (where the image for this recipe is cached)
 #
 # 1. The image: built once from Debian's packages with mmdebstrap, running
@@ -37,7 +37,7 @@ die() { printf 'vm-test: %s\n' "$*" >&2; exit "${2:-1}"; }
 tests=paths
 if [ $# -gt 0 ]; then
   case "$1" in
-    paths|smoke|full) tests=$1 ;;
+    paths|smoke|full|systemd) tests=$1 ;;
     -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --image-path) tests=image-path ;;
     *) tests=$(IFS=,; echo "$*") ;;
@@ -177,6 +177,21 @@ cleanup() { [ -z "$qpid" ] || kill "$qpid" 2>/dev/null || true; stop_tailer; rm 
 trap cleanup EXIT
 log="$run/console.log"
 
+# init_args: PID 1 of the guest. Ours (vagrant/vm-init.sh), or for the systemd
+# test systemd itself, which mounts the checkout (systemd.mount-extra=), runs
+# vagrant/vm-systemd.sh as the command line's service and then powers off
+init_args() {
+  if [ "$tests" = systemd ]; then
+    printf '%s ' init=/lib/systemd/systemd systemd.unit=kernel-command-line.service \
+      systemd.mount-extra=probing:/mnt/probing:9p:trans=virtio,version=9p2000.L,ro,msize=1048576 \
+      systemd.run=/mnt/probing/vagrant/vm-systemd.sh \
+      systemd.run_success_action=poweroff systemd.run_failure_action=poweroff \
+      systemd.show_status=0
+  else
+    printf 'init=/usr/local/sbin/probing-vm-init'
+  fi
+}
+
 # boot ACCEL SECONDS: start the guest in the background; $qpid, $log
 boot() {
   rm -f "$run/overlay.qcow2" "$log"
@@ -190,7 +205,7 @@ boot() {
     -nodefaults -nographic -no-reboot -display none \
     -serial "file:$log" -monitor none \
     -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
-    -append "root=/dev/vda rootfstype=ext4 rw console=ttyS0 panic=-1 init=/usr/local/sbin/probing-vm-init probing.tests=$tests probing.slowdown=$slowdown" \
+    -append "root=/dev/vda rootfstype=ext4 rw console=ttyS0 panic=-1 $(init_args) probing.tests=$tests probing.slowdown=$slowdown" \
     -drive "file=$run/overlay.qcow2,if=virtio,format=qcow2,cache=unsafe" \
     -virtfs "local,path=$repo,mount_tag=probing,security_model=none,readonly=on" \
     -device virtio-rng-pci \
