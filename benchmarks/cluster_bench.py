@@ -185,6 +185,11 @@ def measure(n: int, runs: int, workers: int, per_node: bool = False) -> dict:
         list(range(i * nodes // w * RANKS_PER_NODE, min(n, (i + 1) * nodes // w * RANKS_PER_NODE)))
         for i in range(w)
     ]
+    if per_node and w > 1 and nodes > w:  # the asker's node alone: its CPU is its own
+        groups = [list(range(RANKS_PER_NODE))] + [
+            [r for r in range(RANKS_PER_NODE, n) if (r // RANKS_PER_NODE - 1) % (w - 1) == i]
+            for i in range(w - 1)
+        ]
     mode = ["--per-node"] if per_node else []
     procs = []
     try:
@@ -242,13 +247,16 @@ def measure(n: int, runs: int, workers: int, per_node: bool = False) -> dict:
 
 def per_node_figures(n: int, asker: str, runs: int, pids: list[int], procs: int) -> dict:
     """Node-to-node (``auto``: one request per other node) and, for
-    comparison in the same processes, one request per rank (``flat``)."""
+    comparison in the same processes, one request per rank (``flat``). The
+    asker's process hosts its node alone: ``asker_process_cpu_ms`` is the
+    asking node's (its 8 shares, the requests, the merge)."""
     nodes = -(-n // RANKS_PER_NODE)
     timed(FANOUT_ONLY, asker, "auto", 2, pids)  # warm-up: engines load
     out: dict = {"ranks": n, "nodes": nodes, "rows_per_rank": NODE_ROWS, "processes": procs}
     for name, sql in (("fanout", FANOUT_ONLY), ("pushed", PUSHED)):
         got = timed(sql, asker, "auto", runs, pids)
         got["cpu_ms_per_node"] = round(got["cpu_ms_per_query"] / nodes, 3)
+        got["asker_cpu_ms_per_node"] = round(got["asker_process_cpu_ms"] / nodes, 3)
         out[f"{name}_per_node"] = got
     got = timed(FANOUT_ONLY, asker, "flat", max(1, runs // 2), pids)
     got["cpu_ms_per_node"] = round(got["cpu_ms_per_query"] / nodes, 3)
