@@ -251,16 +251,51 @@ def _comm_keys(
     return key, [text[i] for i in seen]
 
 
+@dataclasses.dataclass
+class _Calls:
+    """The calls ``matched`` matches, column by column over the rows it keeps:
+    ``row``, each one's index in the table; ``end``, ts + dur_ns (meaningful
+    where ``done``); ``rank``, the global rank, else the rank in its
+    communicator, else -1; ``op`` and ``backend`` numbered (their values in
+    ``ops`` and ``backends``); ``key``, its communicator's cross-process name
+    (an index into ``keys``, see ``_comm_keys``)."""
+
+    row: np.ndarray
+    ts: np.ndarray
+    end: np.ndarray
+    done: np.ndarray
+    seq: np.ndarray
+    has_seq: np.ndarray
+    nranks: np.ndarray
+    rank: np.ndarray
+    op: np.ndarray
+    ops: list[Any]
+    backend: np.ndarray
+    backends: list[Any]
+    key: np.ndarray
+    keys: list[str]
+
+
 def matched(table: pa.Table) -> Matched:
     """Every collective call matched across ranks by communicator and aligned
     sequence, column by column (see ``Matched``; ``match`` for the rules)."""
+    calls = _read_calls(table)
+    if calls is None:
+        return Matched.empty()
+    order, aligned = _align(calls)
+    return _group(table, calls, order, aligned)
+
+
+def _read_calls(table: pa.Table) -> _Calls | None:
+    """The rows of collective calls (an op, not a point-to-point one, and a ts),
+    their columns read and their communicators named; None: no such row."""
     op_all = columns.column(table, "op").cast(pa.string())
     # point-to-point transfers pair two ranks, not a group: analyze.pipeline's
     said = pc.invert(pc.is_in(op_all, value_set=pa.array(["", *P2P_OPS], pa.string())))
     said = pc.and_(pc.and_(op_all.is_valid(), columns.column(table, "ts").is_valid()), said)
     row = np.flatnonzero(said.to_numpy(zero_copy_only=False))
     if not len(row):
-        return Matched.empty()
+        return None
     every = len(row) == table.num_rows
 
     def ints(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -286,8 +321,18 @@ def matched(table: pa.Table) -> Matched:
         codes(columns.column(table, "node"))[0], codes(columns.column(table, "pid"))[0]
     )
     key, keys = _comm_keys(backend, backends, comm, comms, pg, pgs, proc, ts, nranks)
-    end = ts + dur
+    return _Calls(
+        row=row, ts=ts, end=ts + dur, done=done, seq=seq, has_seq=has_seq, nranks=nranks,
+        rank=rank, op=op, ops=ops, backend=backend, backends=backends, key=key, keys=keys,
+    )  # fmt: skip
 
+
+def _align(c: _Calls) -> tuple[np.ndarray, np.ndarray]:
+    """The calls (indices into ``c``) communicator by communicator, rank by rank
+    (both first seen first), each rank's in its order; and every call's seq
+    shifted by its rank's offset (``_offset``) against the lowest rank's."""
+    key, rank, seq, has_seq, done, ts, end = c.key, c.rank, c.seq, c.has_seq, c.done, c.ts, c.end
+    backend, backends = c.backend, c.backends
     # each communicator's calls rank by rank (both first seen first), each rank's in
     # its order: the order in which calls join collectives (the first one names it)
     kr = columns.pair(key, columns.codes(rank)[0])
@@ -325,12 +370,17 @@ def matched(table: pa.Table) -> Matched:
             if g != ref:
                 s, t = series(calls[bounds[g] : bounds[g + 1]], synchronous)
                 shift[g] = _offset(s, t, ref_s, ref_t)
-    aligned = seq + shift[at]
+    return calls, seq + shift[at]
 
-    # communicator by communicator, by aligned seq; in a collective, in joining order
-    calls = calls[has_seq[calls]]
+
+def _group(table: pa.Table, c: _Calls, calls: np.ndarray, aligned: np.ndarray) -> Matched:
+    """The calls, in ``_align``'s order, grouped into collectives: communicator by
+    communicator, by aligned seq; in a collective, in joining order. Its first
+    call names a collective; a call of another op, or a rank's second, is left out."""
+    key, rank, op, nranks, row = c.key, c.rank, c.op, c.nranks, c.row
+    calls = calls[c.has_seq[calls]]
     if not len(calls):
-        return Matched.empty(keys)
+        return Matched.empty(c.keys)
     calls = calls[np.lexsort((aligned[calls], key[calls]))]
     k, s = key[calls], aligned[calls]
     new = np.r_[True, (k[1:] != k[:-1]) | (s[1:] != s[:-1])]
@@ -347,9 +397,9 @@ def matched(table: pa.Table) -> Matched:
     size = np.maximum(np.maximum.reduceat(nranks[calls], first[:-1]), count)
     nbytes = columns.column(table, "bytes").take(pa.array(row[named])).to_pylist()
     return Matched(
-        keys=keys, row=row[calls], rank=rank[calls], ts=ts[calls], end=end[calls],
-        done=done[calls], coll=coll, key=key[named], seq=aligned[named],
-        op=[ops[i] for i in op[named].tolist()], nranks=size, bytes=nbytes, first=first,
+        keys=c.keys, row=row[calls], rank=rank[calls], ts=c.ts[calls], end=c.end[calls],
+        done=c.done[calls], coll=coll, key=key[named], seq=aligned[named],
+        op=[c.ops[i] for i in op[named].tolist()], nranks=size, bytes=nbytes, first=first,
     )  # fmt: skip
 
 
@@ -608,46 +658,11 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             excess = matrix[:, j]
             if float(np.median(excess)) < 0:
                 waits[comm].add(r)
-            k, score = change_point(excess)
-            began = (
-                k > 0
-                and score > 3.0
-                and float(np.median(excess[k:])) > float(np.median(excess[:k]))
-            )
-            seg_from = [0, k] if began and len(cs) - k >= MIN_COLLECTIVES else [0]
-            ev = None
-            for k0 in reversed(seg_from):  # the slow period alone first
-                e = evidence(cs[k0:], r)
-                if e.named(len(ranks)):
-                    ev = e
-                    break
-            if ev is None:
+            s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""))
+            if s is None:
                 continue
-            k0 = k0 if k0 and began else 0
-            # late by a lot at a few collectives: its mean excess, not its median
-            sparse = ev.excess_ms_median < 0.5 * float(np.mean(excess[k0:]))
-            typical = np.mean if sparse else np.median
-            if released_late(cs[k0:], r, float(typical(excess[k0:])), typical):
-                continue
-            lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
             groups[r].append(comm)
             named_in[comm].add(r)
-            s = Straggler(
-                rank=r,
-                node=nodes.get(r, ""),
-                lag_ms_mean=round(float(lags.mean()), 3),
-                lag_ms_p99=round(float(np.percentile(lags, 99)), 3),
-                excess_ms_median=round(ev.excess_ms_median, 3),
-                last_share=round(ev.last / ev.collectives, 4),
-                share_of_step=round(max(ev.share_of_step, min(1.0, ev.late_share)), 4),
-                since=iso(int(starts[k0])),
-                since_ns=int(starts[k0]),
-                since_start=k0 == 0,
-                comm=comm,
-                op=Counter(c.op for c in cs).most_common(1)[0][0],
-                collectives=ev.collectives,
-                p_value=max(ev.p_last, ev.p_excess),
-            )
             if r not in found or s.share_of_step > found[r].share_of_step:
                 found[r] = s
     # a rank that waits in a subgroup for a straggler there (arrives early) is late
@@ -660,6 +675,52 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
     for r, s in found.items():
         s.groups = sorted(groups[r])
     return sorted(found.values(), key=lambda s: -s.share_of_step)
+
+
+def _straggler_on(
+    comm: str, cs: list[Collective], r: int, excess: np.ndarray, starts: np.ndarray,
+    nranks: int, node: str,
+) -> Straggler | None:  # fmt: skip
+    """Rank ``r`` as a straggler on ``comm``, or None: over ``cs`` (its complete
+    collectives, starting at ``starts``, ns), where ``r`` arrived ``excess``
+    ms after the others' median (``excess_matrix``), of ``nranks`` ranks. Tested
+    (``Evidence.named``) first since the change point where its excess rose
+    (``change_point``), where there is one, then over the whole window; one
+    only released late by the collective before (``released_late``) is not."""
+    k, score = change_point(excess)
+    began = k > 0 and score > 3.0 and float(np.median(excess[k:])) > float(np.median(excess[:k]))
+    seg_from = [0, k] if began and len(cs) - k >= MIN_COLLECTIVES else [0]
+    ev = None
+    for k0 in reversed(seg_from):  # the slow period alone first
+        e = evidence(cs[k0:], r)
+        if e.named(nranks):
+            ev = e
+            break
+    if ev is None:
+        return None
+    k0 = k0 if k0 and began else 0
+    # late by a lot at a few collectives: its mean excess, not its median
+    sparse = ev.excess_ms_median < 0.5 * float(np.mean(excess[k0:]))
+    typical = np.mean if sparse else np.median
+    if released_late(cs[k0:], r, float(typical(excess[k0:])), typical):
+        return None
+    lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
+    return Straggler(
+        rank=r,
+        node=node,
+        lag_ms_mean=round(float(lags.mean()), 3),
+        lag_ms_p99=round(float(np.percentile(lags, 99)), 3),
+        excess_ms_median=round(ev.excess_ms_median, 3),
+        last_share=round(ev.last / ev.collectives, 4),
+        share_of_step=round(max(ev.share_of_step, min(1.0, ev.late_share)), 4),
+        since=iso(int(starts[k0])),
+        since_ns=int(starts[k0]),
+        since_start=k0 == 0,
+        comm=comm,
+        op=Counter(c.op for c in cs).most_common(1)[0][0],
+        collectives=ev.collectives,
+        p_value=max(ev.p_last, ev.p_excess),
+    )
 
 
 def released_late(

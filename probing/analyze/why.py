@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -394,13 +395,28 @@ class Delta(NamedTuple):
 
 
 def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list[Why]:
-    r, prof, span = s.rank, p.funcs, p.span
-    keys = set(prof[r]) | {k for q in others for k in prof[q]}
+    """The straggler's functions against the ``others``' (time per step of
+    ``step`` ms): CPU starvation where its wait for a CPU accounts for its
+    lateness, then the (at most ``TOP``) functions it spends the most extra time
+    in, each at least ``MIN_DELTA_MS`` and ``MIN_DELTA_SHARE`` of its lateness."""
+    deltas = _deltas(s.rank, p, others, step)
+    top = _extra_work(s.rank, p, others, step, deltas)
+    floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * lateness_ms(s, step))
+    starved = _starvation(s, p, others, step, deltas, top, floor)
+    return starved + _slow_functions(s, p, step, deltas, floor)
 
-    def ms(q: int, key: tuple[Any, Any], kinds: tuple[str, ...]) -> float:
-        got = prof[q].get(key, {})
-        return _per_step(sum(got.get(k, 0.0) for k in kinds), span[q], step)
 
+def _ms(p: Profile, step: float, q: int, key: tuple[Any, Any], kinds: tuple[str, ...]) -> float:
+    """Rank ``q``'s time per step in the function ``key`` (file, func), of ``kinds``."""
+    got = p.funcs[q].get(key, {})
+    return _per_step(sum(got.get(k, 0.0) for k in kinds), p.span[q], step)
+
+
+def _deltas(r: int, p: Profile, others: list[int], step: float) -> list[Delta]:
+    """Every function sampled on rank ``r`` or the others: its time per step
+    (every kind) on ``r`` against the others' median, the most extra first."""
+    ms = partial(_ms, p, step)
+    keys = set(p.funcs[r]) | {k for q in others for k in p.funcs[q]}
     every = ("cpu", "off", "runq")
     deltas = []
     for key in keys:
@@ -408,15 +424,37 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
         theirs = _median([ms(q, key, every) for q in others])
         deltas.append(Delta(mine - theirs, key, mine, theirs))
     deltas.sort(key=lambda d: -d.extra)
+    return deltas
+
+
+def _extra_work(
+    r: int, p: Profile, others: list[int], step: float, deltas: list[Delta]
+) -> tuple[Any, Any] | None:
+    """The function that differs most (the first of ``deltas``) where it is rank
+    ``r``'s extra work; else None."""
+    ms = partial(_ms, p, step)
     # the function that differs most, where it is extra work (over twice the others'
     # time on and off CPU), not the same code waiting longer for a CPU: that work
     # waits for a CPU as well, and it is the function's, not the machine's fault
-    top = None
+    top: tuple[Any, Any] | None = None
     if deltas:
         key = deltas[0].key
         work = ("cpu", "off")
         if _median([ms(q, key, work) for q in others]) < 0.5 * ms(r, key, work):
             top = key
+    return top
+
+
+def _starvation(
+    s: Straggler, p: Profile, others: list[int], step: float, deltas: list[Delta],
+    top: tuple[Any, Any] | None, floor: float,
+) -> list[Why]:  # fmt: skip
+    """CPU starvation of the straggler, where its wait for a CPU per step
+    (outside ``top``, its extra work) is at least ``floor`` longer than the
+    others' and accounts for its lateness (``STARVED_SHARE``, ``STARVED_NOISE``);
+    with how much slower its other functions run."""
+    r, prof, span = s.rank, p.funcs, p.span
+    ms = partial(_ms, p, step)
 
     def runq_of(q: int) -> float:
         """Its wait for a CPU per step, every thread's, outside ``top``."""
@@ -427,7 +465,6 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
     runq, runq_others = runq_of(r), _median(theirs_runq)
     spread = max(theirs_runq) - min(theirs_runq) if theirs_runq else 0.0
     out = []
-    floor = max(MIN_DELTA_MS, MIN_DELTA_SHARE * lateness_ms(s, step))
     # starved: the functions that differ least run slower too (not one function's
     # extra work waiting for a CPU on a busy machine): their on-CPU + run-queue
     # time against the others', weighted by the others' time, leaving out the top one
@@ -455,6 +492,19 @@ def _functions(s: Straggler, p: Profile, others: list[int], step: float) -> list
                 f"({runq_others:.1f} ms on the others){alike}",
             )
         )  # fmt: skip
+    return out
+
+
+def _slow_functions(
+    s: Straggler, p: Profile, step: float, deltas: list[Delta], floor: float
+) -> list[Why]:
+    """The (at most ``TOP``) functions of ``deltas`` in which the straggler
+    spends at least ``floor`` more time per step than the others, each with
+    where it is and the kind of time most of it is."""
+    r, prof = s.rank, p.funcs
+    ms = partial(_ms, p, step)
+    every = ("cpu", "off", "runq")
+    out = []
     for d in deltas[:TOP]:
         if d.extra < floor:
             break

@@ -123,6 +123,14 @@ def build(out_dir: Path, *, allow_control: bool) -> MCPServer:
 
 def add_tools(server: MCPServer, state: State) -> None:
     """The tools: what the CLI's commands answer, as data."""
+    add_process_tools(server)
+    add_job_tools(server, state)
+    add_control_tools(server, state)
+
+
+def add_process_tools(server: MCPServer) -> None:
+    """The read-only tools on this machine's processes: list them, read their
+    stacks, their tables and what each holds, and query them with SQL."""
 
     @server.tool(annotations=READ_ONLY)
     def list_processes() -> Annotated[CallToolResult, tools.ProcessList]:
@@ -186,6 +194,12 @@ def add_tools(server: MCPServer, state: State) -> None:
         """Run read-only SQL in a process's probe, or across its job with cluster. The
         answer says how many rows there were and whether they were cut (max_rows, max_bytes)."""
         return run(lambda: tools.query(sql, pid, cluster, max_rows, max_bytes, timeout))
+
+
+def add_job_tools(server: MCPServer, state: State) -> None:
+    """The tools on a whole job: its verdict (remembered in ``state`` for the
+    jobs resource), its detector's findings, its timeline written under
+    ``state.out_dir``."""
 
     @server.tool(annotations=WRITES)
     def diagnose(
@@ -251,6 +265,12 @@ def add_tools(server: MCPServer, state: State) -> None:
 
         return run(go)
 
+
+def add_control_tools(server: MCPServer, state: State) -> None:
+    """The tools that act on a target (start and stop its tracing, run Python in
+    it): each call goes through ``state.control``, which refuses it without
+    ``--allow-control`` and logs it."""
+
     @server.tool(annotations=CONTROL)
     def trace_start(
         pid: Pid,
@@ -307,6 +327,14 @@ def add_tools(server: MCPServer, state: State) -> None:
 
 def add_resources(server: MCPServer, state: State) -> None:
     """The SQL reference of every table, and the latest diagnosis of each job."""
+    add_sql_resources(server)
+    add_job_resources(server, state)
+
+
+def add_sql_resources(server: MCPServer) -> None:
+    """The SQL reference: a resource per table (its section of docs/sql.md as
+    the file is when read; none where the page is not installed), and the
+    whole page at probing://sql."""
     try:
         ref = reference.load()
     except ProbingError as err:
@@ -341,6 +369,11 @@ def add_resources(server: MCPServer, state: State) -> None:
             return reference.load().source.read_text(encoding="utf-8")
         except (ProbingError, OSError) as err:
             raise ResourceError(str(err)) from err
+
+
+def add_job_resources(server: MCPServer, state: State) -> None:
+    """The jobs this server diagnosed (probing://jobs) and the latest verdict
+    on each (probing://jobs/<pid>/diagnosis, diagnosed then if it never was)."""
 
     @server.resource(
         "probing://jobs",
