@@ -43,6 +43,7 @@ from probing.errors import (
     ProbingError,
     no_such_pid,
 )
+from probing.guest import place
 from probing.inject import build
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
@@ -142,6 +143,12 @@ def inspect(pid: int) -> Target:
         raise no_such_pid(pid, "{pid} is not a valid pid")
     if pid == os.getpid():
         raise AttachError("probing cannot inject into itself", pid=pid)
+    if place.is_engine(pid):  # it would serve itself, and never be idle
+        raise AttachError(
+            f"process {pid} is probing's own engine, not a job",
+            pid=pid,
+            hint="probing engine list shows the engines; probing ps the processes to probe",
+        )
     st = _status(pid)
     comm = st.get("Name", "?").strip()
     uid = int(st.get("Uid", "0").split()[0])

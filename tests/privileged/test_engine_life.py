@@ -245,3 +245,19 @@ def _alive(pid: int) -> bool:
     from probing.node.store.store import pid_alive
 
     return pid_alive(pid)
+
+
+def test_an_engine_is_never_probed_itself(spawn, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """An engine given to ``inject`` (or handed to itself) is refused: it
+    would serve itself and never go idle."""
+    from probing.guest import place, wire
+
+    target = spawn("import time\nwhile True: time.sleep(0.1)\n")
+    engine = ProbeClient.for_pid(target.pid).health()["engine_pid"]
+    r = cli("inject", "--pid", str(engine))
+    assert r.returncode != 0
+    assert f"process {engine} is probing's own engine" in r.stderr, r.stderr
+    [lock] = (runtime_dir / f"probing-{os.getuid()}").glob("engine-*.lock")
+    payload = {"pid": engine, "guest": "/nonexistent", "install": place.install()}
+    with pytest.raises(wire.WireError, match="is an engine of probing"):
+        wire.request(str(lock.with_suffix(".sock")), "POST", "/attach", payload, timeout=10)

@@ -98,6 +98,9 @@ class Service:
     def _attach(self, pid: int, guest: str) -> dict[str, Any]:
         from probing.node.assemble import install_tables
 
+        if pid == os.getpid() or place.is_engine(pid):  # never itself, nor another engine
+            raise ProbingError(f"pid {pid} is an engine of probing, not a job's process")
+
         with self._lock:
             old = self.entries.get(pid)
         if old is not None and old.died_at is None and old.target.socket == guest:
