@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from probing.errors import ERRORS, EvalError, NoSuchProcess, ProbingError, QueryError
+from probing.errors import ERRORS, EvalError, NoProbe, NoSuchProcess, ProbingError, QueryError
 from probing.guest import flight, inside, wire
 
 
@@ -110,6 +110,17 @@ class Local:
         return flight.flight()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (state T: SIGSTOP; not t, a tracer's stop,
+    which our own injection makes for a few milliseconds)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"T"
+    except (OSError, ValueError):
+        return False
+
+
 class Guest:
     """A process of the job, through the guest inside it (``socket``)."""
 
@@ -129,6 +140,14 @@ class Guest:
         if not self.alive():
             raise NoSuchProcess(
                 f"process {self.pid} has exited: only what it left is here", pid=self.pid
+            )
+        if _stopped(self.pid):  # its guest cannot answer: never wait for it (a query,
+            # the always-on watch, would hold the engine's workers and its shares' slots)
+            raise NoProbe(
+                f"process {self.pid} is stopped (SIGSTOP): its guest cannot "
+                "answer; what the engine keeps still can",
+                pid=self.pid,
+                hint=f"resume it with kill -CONT {self.pid}",
             )
         try:
             return wire.request(self.socket, method, url, payload, timeout=self.timeout)

@@ -76,6 +76,9 @@ def test_a_rank_killed_during_a_cluster_query(launch) -> None:  # type: ignore[n
 
 
 def test_a_stopped_rank_gives_a_partial_answer_in_time(launch) -> None:  # type: ignore[no-untyped-def]
+    """A rank stopped (SIGSTOP) holds up nothing: its guest is never waited
+    for; the node's engine answers for it with what it keeps (its /proc, its
+    tables), in time, and so do the others."""
     require_bpf()
     job = launch("env")
     job.wait_steps(1)
@@ -87,13 +90,14 @@ def test_a_stopped_rank_gives_a_partial_answer_in_time(launch) -> None:  # type:
         t0 = time.monotonic()
         r = cli("query", "--pid", str(ranks[0]), "--cluster", "--timeout", "3", GROUP_BY_RANK)
         took = time.monotonic() - t0
+        own = cli("query", "--pid", str(ranks[1]), "SELECT name FROM process.threads")
     finally:
         os.kill(ranks[1], signal.SIGCONT)
     assert r.returncode == 0, r.stderr
-    assert "rank 1" in r.stderr, r.stderr
     assert took < 15, took  # the timeout, plus the CLI's start; generous
     rows = [line.split() for line in r.stdout.splitlines()]
-    assert {row[0] for row in rows if row and row[0].isdigit()} == {"0", "2", "3"}, r.stdout
+    assert {row[0] for row in rows if row and row[0].isdigit()} == {"0", "1", "2", "3"}, r.stdout
+    assert own.returncode == 0, own.stderr  # its own query too, from what the engine keeps
 
 
 def test_a_full_store_retires_old_rows_and_keeps_answering(launch) -> None:  # type: ignore[no-untyped-def]

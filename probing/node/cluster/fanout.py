@@ -235,7 +235,7 @@ def gather(
         w = work.for_member() if node_key(peer) == node.ident.node else work
         asked.append(_send(node, exchange, peer, w, sub, deadline))
     local = [node] if with_self else []
-    result, replies = _run(work, exchange, local + siblings, with_self, concurrently=bool(asked))
+    result, replies = _run(work, exchange, local + siblings, with_self, deadline)
     retry = _collect(asked, replies, result)
     if retry and deadline - time.monotonic() > 0.05:
         left = deadline - time.monotonic()
@@ -314,54 +314,48 @@ def _run(
     exchange: Exchange,
     local: list[Peer],
     mine_first: bool,
-    *,
-    concurrently: bool,
+    deadline: float,
 ) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
-    """Serve the exchange; the ``local`` shares too (mine, my engine's other
-    ranks'), on a thread of their own while the answers come in when there
-    are any (``concurrently``)."""
-    mine: list[Any] = []
-    runner = None
-    if local and concurrently:
-        runner = threading.Thread(
-            target=_run_local,
-            args=(local, work, mine, mine_first),
-            name="probing-cluster",
-            daemon=True,
+    """Serve the exchange while the ``local`` shares run (mine first when
+    ``mine_first``, then my engine's other ranks'), each on a thread of its
+    own. Mine is waited for, and raises again here; a sibling not done by
+    ``deadline`` (its process stopped under a query that reads it) is named
+    missing like a late peer, and one that failed with its reason."""
+    slots: list[Any] = [None] * len(local)
+    threads = []
+    for i, node in enumerate(local):
+        t = threading.Thread(
+            target=_share, args=(node, work, slots, i), name="probing-cluster", daemon=True
         )
-        runner.start()
-    elif local:
-        _run_local(local, work, mine, mine_first)
+        t.start()
+        threads.append(t)
     replies = exchange.run()
-    if runner is not None:
-        runner.join()
-    if mine and isinstance(mine[0], BaseException):
-        raise mine[0]
     result = Gathered()
-    for item in mine:
-        result.extend(item)
+    for i, (node, t) in enumerate(zip(local, threads, strict=True)):
+        mine = i == 0 and mine_first
+        t.join(None if mine else max(0.0, deadline - time.monotonic()))
+        got = slots[i]
+        if mine and isinstance(got, BaseException):
+            raise got
+        if t.is_alive() or isinstance(got, BaseException):
+            why = "timeout" if t.is_alive() else f"failed: {type(got).__name__}: {got}"
+            result.missing.append(MissingPeer(node.rank, node.ident.node, node.addr or "", why))
+        else:
+            result.extend(got)
     return result, replies
 
 
-def _run_local(local: list[Peer], work: planner.Work, out: list[Any], mine_first: bool) -> None:
-    """The shares of ``local`` into ``out``, a Gathered each; when the first
-    is mine (``mine_first``) and fails, only the exception it raised. A
-    sibling that fails is named missing."""
-    for i, node in enumerate(local):
-        t0 = time.perf_counter()
+def _share(node: Peer, work: planner.Work, slots: list[Any], i: int) -> None:
+    """``node``'s share into ``slots[i]``: a Gathered, or the exception it raised."""
+    t0 = time.perf_counter()
+    try:
         got = Gathered()
-        try:
-            got.add_tables(node.share.run(work.for_member()))
-        except BaseException as err:  # noqa: BLE001 - mine: raised again by the asking thread
-            if i == 0 and mine_first:
-                out[:] = [err]
-                return
-            reason = f"failed: {type(err).__name__}: {err}"
-            got.missing.append(MissingPeer(node.rank, node.ident.node, node.addr or "", reason))
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
-            got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
-        out.append(got)
+        got.add_tables(node.share.run(work.for_member()))
+        ms = (time.perf_counter() - t0) * 1e3
+        got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
+        slots[i] = got
+    except BaseException as err:  # noqa: BLE001 - said again by the asking thread
+        slots[i] = err
 
 
 def _collect(
