@@ -184,10 +184,11 @@ def test_tcp_serves_no_code(listed_peers) -> None:
     assert not os.path.exists(marker)
 
 
-def test_a_stopped_peer_is_named_and_a_killed_one_answers_dead(listed_peers) -> None:
-    """A peer whose process is stopped does not answer in time: named missing,
-    the others answered. Killed, its probe (kept by the engine) answers again
-    with what the process left, marked dead."""
+def test_a_stopped_peer_is_answered_for_and_a_killed_one_answers_dead(listed_peers) -> None:
+    """A peer whose process is stopped (SIGSTOP) holds up nothing: the node's
+    engine answers for it in time, from what it keeps, without its guest.
+    Killed, its probe (kept by the engine) answers with what the process
+    left, marked dead."""
     targets, _ = listed_peers
     victim = targets[3]
     os.kill(victim.pid, signal.SIGSTOP)
@@ -195,14 +196,8 @@ def test_a_stopped_peer_is_named_and_a_killed_one_answers_dead(listed_peers) -> 
         t0 = time.monotonic()
         res = cluster_query(GROUP_BY_RANK, pid=targets[0].pid, timeout=2.0)
         assert time.monotonic() - t0 < 2.0 + 2.0
-        assert res.table.column("rank").to_pylist() == [0, 1, 2]
-        assert [(m.rank, m.reason) for m in res.missing] == [(3, "timeout")]
-        strict = cli("query", "-p", str(targets[0].pid), "--cluster", "--strict", "--timeout",
-                     "2", GROUP_BY_RANK)  # fmt: skip
-        assert strict.returncode == 1 and strict.stdout == ""
-        assert "did not answer" in strict.stderr and "rank 3" in strict.stderr
-        with pytest.raises(PeerUnreachable):
-            cluster_query(GROUP_BY_RANK, pid=targets[0].pid, strict=True, timeout=2.0)
+        assert res.table.column("rank").to_pylist() == [0, 1, 2, 3]
+        assert res.missing == []
     finally:
         os.kill(victim.pid, signal.SIGKILL)
     alive = "SELECT rank, alive, died_ns IS NOT NULL AS dead FROM process.info ORDER BY rank"
@@ -215,6 +210,25 @@ def test_a_stopped_peer_is_named_and_a_killed_one_answers_dead(listed_peers) -> 
     assert [(r["rank"], r["alive"], r["dead"]) for r in rows] == [
         (0, True, False), (1, True, False), (2, True, False), (3, False, True)
     ], rows  # fmt: skip
+
+
+def test_a_peer_that_does_not_answer_is_named_and_strict_refuses(spawn) -> None:
+    """A listed peer with nothing behind its address: named missing with the
+    reason, the others answered; ``--strict`` refuses the partial answer."""
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(4)]
+    env = {"PROBING_PEERS": ",".join(addrs), "PROBING_TOKEN": TOKEN}
+    targets = [spawn(IDLE_LOOP, env={**env, "RANK": str(i)}) for i in range(3)]  # not rank 3
+    for t in targets:
+        wait_ready(t.pid)
+    res = cluster_query(GROUP_BY_RANK, pid=targets[0].pid, timeout=2.0)
+    assert res.table.column("rank").to_pylist() == [0, 1, 2]
+    assert [(m.rank, m.reason) for m in res.missing] == [(3, "refused")]
+    strict = cli("query", "-p", str(targets[0].pid), "--cluster", "--strict", "--timeout",
+                 "2", GROUP_BY_RANK)  # fmt: skip
+    assert strict.returncode == 1 and strict.stdout == ""
+    assert "did not answer" in strict.stderr and "rank 3" in strict.stderr
+    with pytest.raises(PeerUnreachable):
+        cluster_query(GROUP_BY_RANK, pid=targets[0].pid, strict=True, timeout=2.0)
 
 
 def test_torch_tcpstore_discovery(spawn) -> None:
