@@ -16,7 +16,7 @@ import pytest
 
 from probing.cli.client import ProbeClient
 from probing.node.tables.nvml import parse_interval, visible_indices
-from tests.conftest import build_lib, cli
+from tests.conftest import SLOWDOWN, build_lib, cli
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -176,8 +176,12 @@ def test_the_gpu_a_rank_works_on_among_every_visible_one(
 )
 def test_unavailable_says_why(spawn, fake_nvml: Path, env: dict, reason: str) -> None:  # type: ignore[type-arg]
     t = _target(spawn, fake_nvml, PROBING_NVML_INTERVAL="50ms", **env)
-    time.sleep(0.5)
-    status = _rows(t.pid, "SELECT state, reason FROM nvml.status")[0]
+    deadline = time.monotonic() + 30 * SLOWDOWN  # NVML starts in the background
+    while True:
+        status = _rows(t.pid, "SELECT state, reason FROM nvml.status")[0]
+        if status["state"] != "stopped" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert status == {"state": "unavailable", "reason": reason}
     assert _rows(t.pid, "SELECT count(*) AS n FROM nvml.gpu") == [{"n": 0}]
     out = cli("nvml", "--pid", str(t.pid))
