@@ -85,8 +85,12 @@ def until(what, timeout: float = 30.0) -> float | None:  # type: ignore[no-untyp
 
 
 def engine_pid(runtime: Path) -> int:
+    """The engine's pid; 0 while a new one writes its lock file."""
     [lock] = (runtime / f"probing-{os.getuid()}").glob("engine-*.lock")
-    return int(lock.read_text().split()[0])
+    try:
+        return int(lock.read_text().split()[0])
+    except (ValueError, IndexError):
+        return 0
 
 
 def count(pid: int) -> int:
