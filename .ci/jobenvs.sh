@@ -37,4 +37,5 @@ make_env torch-np126 3.11 "numpy==1.26.4" "torch==${PROBING_TORCH_VERSION:-2.13.
 make_env frameworks 3.11 "numpy==1.26.4" "torch==${PROBING_TORCH_VERSION:-2.13.0}" \
   "transformers==5.24.0" "huggingface-hub==2.4.0" "tokenizers==0.23.3" "safetensors==0.8.0" \
   "accelerate==1.15.0" "pytorch-lightning==2.6.6" "lightning-utilities==0.15.3" "torchmetrics==1.9.0" \
-  "megatron-core==0.16.1"
+  "megatron-core==0.16.1" \
+  "deepspeed==0.19.8" "einops==0.8.2" "hjson==3.1.0" "msgpack==1.2.4" "ninja==1.13.2" "py-cpuinfo==9.0.0"

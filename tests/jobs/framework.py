@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -79,6 +80,22 @@ def torchrun(py: str, script: str) -> list[str]:
     return [run, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), script]
 
 
+def deepspeed(py: str, script: str) -> list[str]:
+    """The ``deepspeed`` launcher: its runner starts ``deepspeed.launcher.launch``,
+    which starts the ranks, all in the launcher's process group and session,
+    with ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` (29500 unless
+    told: a free one here, as jobs run side by side) and ``CUDA_VISIBLE_DEVICES``
+    even on CPU (but torch's default threads: no ``OMP_NUM_THREADS=1`` as
+    torchrun sets), and appends ``--local_rank=N`` to each rank's arguments."""
+    run = str(Path(py).parent / "deepspeed")
+    return [run, "--num_gpus", str(WORLD), "--master_port", str(free_port()), script]
+
+
+def zero(launch: Callable[[str, str], list[str]], stage: int) -> Callable[[str], list[str]]:
+    """The DeepSpeed job with ZeRO stage ``stage``, started by ``launch``."""
+    return lambda py: [*launch(py, str(JOBS / "deepspeed_job.py")), "--zero", str(stage)]
+
+
 LAUNCH = {
     "hf_trainer": lambda py: torchrun(py, str(JOBS / "hf_trainer.py")),
     # accelerate on a machine without GPUs: --multi_gpu is its torchrun (the
@@ -106,13 +123,19 @@ LAUNCH = {
     "mp_spawn": lambda py: [py, str(JOBS / "mp_spawn.py")],
     "pipeline": lambda py: torchrun(py, str(JOBS / "pipeline.py")),
     "megatron": lambda py: torchrun(py, str(JOBS / "megatron_job.py")),
+    # DeepSpeed ZeRO stage z under its own launcher (deepspeed_z<z>) and torchrun
+    **{f"deepspeed_z{z}": zero(deepspeed, z) for z in (1, 2, 3)},
+    **{f"deepspeed_torchrun_z{z}": zero(torchrun, z) for z in (1, 2, 3)},
+    "threaded": lambda py: torchrun(py, str(JOBS / "threaded_job.py")),
 }
 ENVS = {
     "lightning_ddp": {"STRATEGY": "ddp"},
     "lightning_ddp_spawn": {"STRATEGY": "ddp_spawn"},
     "fsdp2_tp": {"MESH": "2d"},  # FSDP on a "dp" dimension, tensor parallel on "tp"
 }
-SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60"}
+# ZeRO-3's step is the longest (a gather per layer, twice): slowed more, to stand out
+SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60", "deepspeed_z3": "100",
+           "deepspeed_torchrun_z3": "100"}  # fmt: skip
 
 
 def start(name: str, py: str, tmp: Path, probing: bool, slow: int, **more: str) -> Job:
@@ -146,7 +169,8 @@ HOGS = 8
 # what the user's own code is called in each job (where a rank is slowed)
 FUNCTION = {"hf_trainer": "collate_tokens", "fsdp2": "heavy_features",
             "lightning_ddp": "heavy_features", "pipeline": "stage_work",
-            "megatron": "attention_block"}  # fmt: skip
+            "megatron": "attention_block", "deepspeed_z2": "mix_features",
+            "threaded": "decode_batch"}  # fmt: skip
 # the causes a job has: every job, but these
 ONLY = {"loader_worker": "hf_trainer", "cpu_hog": "lightning_ddp", "gpu": "lightning_ddp"}
 CAUSES = ("off_cpu", "cpu", "loader_worker", "cpu_hog", "gpu", "healthy")

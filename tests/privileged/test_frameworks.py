@@ -21,7 +21,7 @@ import pytest
 
 from probing.cli.demo import trace_all
 from tests.conftest import SLOWDOWN, cli, require, require_bpf
-from tests.jobs.framework import ENV, JOBS, WORLD, Job, Slowed, start, torchrun
+from tests.jobs.framework import ENV, FUNCTION, JOBS, WORLD, Job, Slowed, start, torchrun
 from tests.test_cluster import wait_ready
 
 pytestmark = pytest.mark.privileged
@@ -138,6 +138,78 @@ def test_a_megatron_tp_pp_straggler_is_named_with_its_place(
         assert "attention_block (" in d["verdict"], d["verdict"]
         said = [w["text"] for w in d["why"] if "attention_block" in w["text"]]
         assert len(said) == 1 and "ms/step" in said[0], said
+        assert d["verdict"].count("attention_block (") == 1, d["verdict"]
+        # the same place as data: each rank's coordinates, each group's role
+        want = [{"rank": k, "coords": f"tp {k % 2}/2, pp {k // 2}/2, dp 0/1", "tp": k % 2,
+                 "pp": k // 2, "dp": 0, "cp": None} for k in range(WORLD)]  # fmt: skip
+        q = "SELECT rank, coords, tp, pp, dp, cp FROM process.info ORDER BY rank"
+        deadline = time.monotonic() + 30 * SLOWDOWN  # read again every 10 s (PLACE_TTL_S)
+        while True:
+            r = cli("query", "--pid", str(ranks[1]), "--cluster", "--format", "json", q)
+            assert r.returncode == 0, r.stderr
+            if json.loads(r.stdout) == want or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert json.loads(r.stdout) == want
+        q = "SELECT DISTINCT rank, pg, role FROM comm.groups"
+        r = cli("query", "--pid", str(ranks[2]), "--cluster", "--format", "json", q)
+        assert r.returncode == 0, r.stderr
+        roles = {(g["pg"].split("(")[-1].rstrip(")"), g["role"]) for g in json.loads(r.stdout)}
+        assert {("TENSOR_MODEL_PARALLEL_GROUP", "tp"), ("PIPELINE_MODEL_PARALLEL_GROUP", "pp"),
+                ("DATA_PARALLEL_GROUP", "dp")} <= roles, roles  # fmt: skip
+        assert {role for _, role in roles} <= {"tp", "pp", "dp", None}, roles
+    finally:
+        job.stop()
+
+
+# DeepSpeed under its own launcher (deepspeed_z<stage>) and under torchrun, each
+# with PROBING=1 and attached later, ZeRO-1, 2 and 3 among them. ZeRO-3, the
+# heaviest step, runs under torchrun (OMP_NUM_THREADS=1): under the deepspeed
+# launcher each rank spins torch's default threads, and with other loads on
+# the 2 cores (load 20-60) its steps took ~1 s and no straggler stood out
+@pytest.mark.parametrize(
+    ("name", "probing"),
+    [
+        ("deepspeed_z2", True),
+        ("deepspeed_z1", False),
+        ("deepspeed_torchrun_z3", True),
+        ("deepspeed_torchrun_z2", False),
+    ],
+)
+def test_a_deepspeed_straggler_is_named_with_its_function(
+    name: str, probing: bool, hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Every rank found (attached later: by ``trace --job`` from one rank's pid,
+    which finds the others by their launcher's variables), the slowed rank
+    named, and ``mix_features``, the user's function it slows, as its cause."""
+    require_bpf()
+    slow = random.Random(f"{name}{probing}{time.time_ns()}").randrange(WORLD)
+    print(f"straggler: rank {slow}")
+    job = start(name, hooked, tmp_path, probing, slow)
+    try:
+        ranks = job.wait_ready()
+        if probing:
+            assert not trace_all(list(ranks.values()), ["gloo"])
+        else:
+            r = cli("trace", "--pid", str(ranks[slow]), "--job", "--background", "--no-nccl",
+                    "--no-cuda", timeout=240)  # fmt: skip
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert r.stdout.startswith(f"{WORLD} of {WORLD} ranks tracing\n"), r.stdout
+        for pid in ranks.values():
+            wait_ready(pid, 60 * SLOWDOWN)
+        r = cli("query", "--pid", str(ranks[3]), "--cluster", "--format", "json", ALL_RANKS)
+        assert r.returncode == 0, r.stderr
+        assert [row["rank"] for row in json.loads(r.stdout)] == list(range(WORLD))
+        fn = FUNCTION["deepspeed_z2"]
+        deadline = time.monotonic() + 60 * SLOWDOWN
+        while True:
+            d = diagnosed(job, slow, pipeline=False, timeout=30)
+            if f"{fn} (" in d["verdict"] or time.monotonic() > deadline:
+                break
+        print(d["verdict"])
+        assert named(d, False) == slow, d["verdict"]
+        assert d["verdict"].startswith(f"rank {slow} on node "), d["verdict"]
+        assert f"{fn} (" in d["verdict"].split(" of its step time", 1)[-1], d["verdict"]
     finally:
         job.stop()
 

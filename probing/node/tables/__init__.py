@@ -47,7 +47,9 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     """Register every built-in table with ``engine``."""
     probe: Context = ctx if ctx is not None else Alone(engine)
     target = probe.target
-    engine.register_table("process", "info", lambda: process.info(target))
+    comm_groups = groups.provider(target.groups, engine.store)
+    where = process.Place(comm_groups)
+    engine.register_table("process", "info", lambda: process.info(target, where))
     engine.register_table("process", "threads", lambda: process.threads(target))
     engine.register_table("process", "cpu", lambda: process.cpu(target))
     engine.register_table("process", "stacks", stacks.provider(target.stacks))
@@ -59,7 +61,7 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     engine.register_resolver("python", python.resolver(target.expr, puller.pull, engine.store))
     trace.install(engine, lambda: probe.tracer, probe.trace_intervals)
     samples.install(engine)
-    engine.register_table("comm", "groups", groups.provider(target.groups, engine.store))
+    engine.register_table("comm", "groups", comm_groups)
     engine.register_table("comm", "flight", flight.provider(target.flight))
     engine.register_table("comm", "flight_status", flight.status_provider(target.flight))
     engine.register_table("probing", "peers", lambda: _peers(probe.cluster))

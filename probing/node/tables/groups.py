@@ -6,7 +6,10 @@ made with ``new_group``) cannot be told apart across ranks by size and order
 of use. torch names its groups the same in every rank of an SPMD job (every
 rank creates every group, in the same order), so a context is named across
 the job by its group: this table maps each traced context to the group's
-name and its global ranks.
+name and its global ranks, and the group's ``role`` in the job's parallel
+layout where its description says one (``probing.analyze.mesh.role_of``:
+Megatron-Core's ``TENSOR_MODEL_PARALLEL_GROUP`` is ``tp``, a DeviceMesh's
+``mesh_dp`` is ``dp``, ``mesh_dp_shard`` is ``dp_shard``; NULL for none).
 
 The map is read from the process's own memory, with nothing to guess: each
 group's ``ProcessGroupGloo`` (the C++ object behind the pybind11 object
@@ -31,6 +34,7 @@ SCHEMA = pa.schema(
         ("backend", pa.string()),
         ("comm", pa.uint64()),
         ("pg", pa.string()),
+        ("role", pa.string()),  # tp, pp, dp, cp, ep or a mesh dimension's name; NULL: none
         ("ranks", pa.list_(pa.int64())),
         ("group_rank", pa.int64()),
         ("nranks", pa.int64()),
@@ -47,6 +51,11 @@ def provider(
     def table() -> pa.Table:
         traced = traced_gloo_contexts(store)
         rows = groups_of(traced) if traced else []
+        if rows:  # analyze is imported on first use (tests/test_engine.py)
+            from probing.analyze.mesh import role_of
+
+            for row in rows:
+                row["role"] = role_of(row.get("pg") or "")
         return pa.Table.from_pylist(rows, schema=SCHEMA)
 
     return table
@@ -61,5 +70,8 @@ def traced_gloo_contexts(store: Any) -> list[int]:
     tbl = store.get("gloo", "calls")
     if tbl is None:
         return []
-    comm = snapshot_dataset(tbl.snapshot()).to_table(columns=["comm"]).column("comm")
+    snap = tbl.snapshot()
+    if snap.chunk_dir is None and not snap.pending.num_rows:  # nothing traced: no dataset
+        return []
+    comm = snapshot_dataset(snap).to_table(columns=["comm"]).column("comm")
     return [c for c in pc.unique(comm).to_pylist() if c]

@@ -3,6 +3,12 @@
 Read from outside (``/proc``, psutil) and from the process itself (its
 Python and its ``threading`` names, through its target). A process that
 has exited still has its last ``info``; its ``threads`` are none.
+
+``info``'s place in the job's parallel layout (``tp``, ``pp``, ``dp``, ``cp``,
+``ep``: its index along each; ``coords``: ``tp 1/2, pp 0/2, dp 0/1``, a
+DeviceMesh's own dimensions too) is its rank in each of its ``comm.groups``
+that has a role (``probing.analyze.mesh``): NULL until a group that says one
+is traced, and read again every ``PLACE_TTL_S``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from probing.guest.inside import task_stat
 from probing.guest.place import VERSION
 
 T = TypeVar("T")
+
+# the roles with a column of their own: probing.analyze.mesh.ORDER (analyze is
+# imported on first use, not with the tables: tests/test_engine.py)
+ROLES = ("tp", "pp", "dp", "cp", "ep")
 
 INFO_SCHEMA = pa.schema(
     [
@@ -42,6 +52,8 @@ INFO_SCHEMA = pa.schema(
         ("probe_started_ns", pa.int64()),
         ("alive", pa.bool_()),
         ("died_ns", pa.int64()),  # when the engine saw it exit (wall ns); NULL while alive
+        ("coords", pa.string()),  # "tp 1/2, pp 0/2, dp 0/1": index/size along each role
+        *((role, pa.int64()) for role in ROLES),  # its index along each
     ]
 )
 
@@ -54,9 +66,50 @@ def _about(target: Any) -> dict[str, Any]:
         return {}
 
 
-def info(target: Any) -> pa.Table:
+def place(groups: Callable[[], pa.Table]) -> dict[str, Any]:
+    """``info``'s ``coords`` and per-role columns, from the process's own
+    ``comm.groups`` (``groups()``); none where no group says a role."""
+    try:
+        rows = groups().select(["role", "group_rank", "nranks"]).to_pylist()
+    except ProbingError:
+        return {}
+    if not any(r["role"] for r in rows):
+        return {}
+    from probing.analyze.mesh import coords_text, own_coordinates
+
+    at = own_coordinates((r["role"], r["group_rank"], r["nranks"]) for r in rows)
+    if not at:
+        return {}
+    return {"coords": coords_text(at), **{r: at[r][0] for r in ROLES if r in at}}
+
+
+# a process's groups are made at its start and rarely after, and finding its
+# traced ones scans gloo.calls (~25 ms a million rows): its place is read again
+# after this long, not at every query (the watch asks process.info every 5 s)
+PLACE_TTL_S = 10.0
+
+
+class Place:
+    """``place(groups)``, read again once ``ttl_s`` old; a place once known is
+    kept when no group says one any more (the process ended, or destroyed its
+    groups)."""
+
+    def __init__(self, groups: Callable[[], pa.Table], ttl_s: float = PLACE_TTL_S) -> None:
+        self.groups, self.ttl_s = groups, ttl_s
+        self._last: tuple[float, dict[str, Any]] | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        now, last = time.monotonic(), self._last
+        if last is None or now - last[0] >= self.ttl_s:
+            last = self._last = (now, place(self.groups) or (last[1] if last else {}))
+        return last[1]
+
+
+def info(target: Any, where: Callable[[], dict[str, Any]] | None = None) -> pa.Table:
+    """One row: the process; ``where()`` (a ``Place``) gives its place."""
     about = _about(target)
     row: dict[str, Any] = {
+        **(where() if where is not None else {}),
         "pid": target.pid,
         "hostname": socket.gethostname(),
         "python": about.get("python"),
