@@ -72,8 +72,9 @@ class Config:
     )
     detect_s: float = _setting(
         "PROBING_DETECT_S",
-        5.0,
-        "seconds between the always-on detections of a traced job (analyze.findings; 0: off)",
+        1.0,
+        "seconds between the always-on detector's looks at the pace of a traced job's "
+        "collectives (analyze.findings; a full detection every 5 s at least; 0: off)",
         least=0,
     )
     nvml_interval: str = _setting(
@@ -231,7 +232,8 @@ def _parse(f: dataclasses.Field[Any], raw: str, strict: bool) -> Any:
         number = float(raw)
     except ValueError:
         return f.default
-    return number if number > 0 else f.default
+    # least 0 (PROBING_DETECT_S): 0 is a value of its own ("off"), not the default
+    return number if number > 0 or (number == 0 and f.metadata["least"] == 0) else f.default
 
 
 def from_env(environ: Mapping[str, str], *, strict: bool = False) -> Config:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from probing.analyze.watch import openmetrics
+from probing.analyze.findings import openmetrics
 from probing.node.agent import Agent, Policy
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition

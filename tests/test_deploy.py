@@ -69,7 +69,7 @@ def exported(runtime_dir: Path) -> dict[str, set[str]]:
     and a probe's, labelled as the agent labels them."""
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    from probing.analyze.watch import openmetrics
+    from probing.analyze.findings import openmetrics
     from probing.node.agent import Agent, Policy, ProbeLabels
     from probing.node.openmetrics import Exposition
     from probing.node.webhook import Webhook

@@ -1,19 +1,28 @@
 """The always-on detector (``probing.analyze.watch``) on canned cluster
 answers: a straggler becomes one finding, written once and cleared when it
 is gone; a rank that stops answering is gone after two detections; only
-the lowest rank that answers detects; ``/metrics`` parses as OpenMetrics."""
+the lowest rank that answers detects; ``/metrics`` parses as OpenMetrics.
+A full detection asks only for the collectives that ended since the last;
+between them a look at the detector's own pace asks every rank when it
+drops; a straggler that began a moment ago is written once it lasted, a
+burst of lateness never; ``PROBING_DETECT_S=0`` is off."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from probing.analyze.watch import Watch
+from probing.analyze import watch
+from probing.analyze.watch import Watch, Window
 from probing.node.cluster.wire import MissingPeer, PeerTiming
-from tests.test_analyze import job
+from tests.test_analyze import T0, job
 
 
 @dataclass
@@ -23,11 +32,14 @@ class Got:
 
 
 class Node:
-    """What the detector uses of a ClusterNode: the answers are scripted."""
+    """What the detector uses of a ClusterNode: the answers are scripted, or
+    come from ``live``, a job running, as its ranks' stores hold it at ``clock``."""
 
     def __init__(self, rank: int = 0) -> None:
         self.rank, self.pid, self.learning = rank, None, False
         self.answers: list[tuple[pa.Table, Got]] = []
+        self.live: pa.Table | None = None
+        self.clock = 0
         self.dead: list[dict[str, Any]] = [{"pid": 1, "alive": True, "died_ns": None, "rank": 0}]
         self.runq: list[dict[str, Any]] = []  # python.samples' runq and tick sums per rank
         self.asked: list[str] = []
@@ -55,12 +67,56 @@ class Node:
             return pa.Table.from_pylist(self.intervals), Got(), None
         if "FROM python.samples" in sql:
             return pa.Table.from_pylist(self.runq), Got(), None
-        table, got = self.answers.pop(0)
-        return table, got, None
+        if self.live is not None:  # the window too, as the peers' stores answer it
+            since = int(re.findall(r"WHERE ts >= (\d+) OR dur_ns IS NULL", sql)[0])
+            table, got = upto(self.live, self.clock), _answered()
+            table = table.filter(
+                pc.or_kleene(pc.greater_equal(table["ts"], since), pc.is_null(table["dur_ns"]))
+            )
+        else:
+            table, got = self.answers.pop(0)
+        return _ended_since(table, sql), got, None
+
+    def engine(self) -> Own:
+        return Own(self)
+
+
+class Own:
+    """The detector's own engine: its rank's tables of the live job."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def sql(self, sql: str, *, allow_code: bool) -> pa.Table:
+        assert sql.startswith("SELECT ts FROM comm.collectives WHERE ts >= ") and not allow_code
+        since = int(sql.rsplit(" ", 1)[1])
+        if self.node.live is None:
+            return pa.table({"ts": pa.array([], pa.int64())})
+        t = upto(self.node.live, self.node.clock)
+        return t.filter(
+            pc.and_(pc.equal(t["rank"], self.node.rank), pc.greater_equal(t["ts"], since))
+        )
+
+
+def _ended_since(table: pa.Table, sql: str) -> pa.Table:
+    """``table`` as an incremental fetch asks it: the calls that ended since
+    its cursor, and those in flight."""
+    cursor = re.search(r"c\.ts \+ c\.dur_ns >= (-?\d+)", sql)
+    if cursor is None:
+        return table
+    ts, dur = table.column("ts"), table.column("dur_ns")
+    ended = pc.greater_equal(pc.add(ts, dur), int(cursor.group(1)))
+    return table.filter(pc.or_kleene(pc.is_null(dur), ended))
 
 
 def _now(table: pa.Table) -> int:
     return max(table.column("ts").to_pylist()) + 10**9
+
+
+def later(table: pa.Table, s: float) -> pa.Table:
+    """``table`` ``s`` seconds later."""
+    i = table.schema.get_field_index("ts")
+    return table.set_column(i, "ts", pc.add(table.column("ts"), int(s * 1e9)))
 
 
 def _answered(n: int = 4) -> Got:
@@ -71,7 +127,7 @@ def test_a_straggler_is_one_finding_until_it_is_gone() -> None:
     node = Node()
     w = Watch(node, tracing=lambda: True, dropped=lambda: {"gloo": 3}, every_s=5)
     slow = job(straggler=2, lag_ms=60, seed=1)
-    healthy = job(seed=1)
+    healthy = later(job(seed=1), 40)  # the slow rows out of the window
     node.answers = [(slow, _answered()), (slow, _answered()), (healthy, _answered())]
     [new] = w.once(now_ns=_now(slow))
     assert new["kind"] == "straggler" and new["rank"] == 2 and new["node"] == "host1", new
@@ -176,12 +232,12 @@ def test_a_slow_link_is_a_finding_only_when_found_twice_running() -> None:
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
     slow = job(link_ms=40.0, seed=5)
     assert analyze_links(slow), "the canned job has a slow link"
-    node.answers = [(slow, _answered()), (job(seed=5), _answered()), (slow, _answered()),
-                    (slow, _answered())]  # fmt: skip
-    assert w.once(now_ns=_now(slow)) == []
-    w.once(now_ns=_now(slow))  # healthy between: the count starts again
-    assert w.once(now_ns=_now(slow)) == []
-    [new] = w.once(now_ns=_now(slow))
+    runs = [slow, later(job(seed=5), 40), later(slow, 80), later(slow, 80)]
+    node.answers = [(t, _answered()) for t in runs]
+    assert w.once(now_ns=_now(runs[0])) == []
+    w.once(now_ns=_now(runs[1]))  # healthy between: the count starts again
+    assert w.once(now_ns=_now(runs[2])) == []
+    [new] = w.once(now_ns=_now(runs[3]))
     assert new["kind"] == "slow_link" and new["text"].startswith("slow link: allreduce on ")
 
 
@@ -224,7 +280,7 @@ def test_findings_go_to_a_log_of_their_own_and_name_torchs_groups(tmp_path, monk
 
     monkeypatch.setenv("PROBING_RUNTIME_DIR", str(tmp_path))
     (tmp_path / f"probing-{__import__('os').getuid()}").mkdir(mode=0o700)
-    slow, healthy = job(straggler=2, lag_ms=60, seed=1), job(seed=1)
+    slow, healthy = job(straggler=2, lag_ms=60, seed=1), later(job(seed=1), 40)
     comms = {(r["rank"], r["comm"]) for r in slow.to_pylist()}
     node = Node()
     node.groups = [{"node": f"host{r // 2}", "rank": r, "backend": "gloo", "comm": c, "pg": "0",
@@ -242,3 +298,196 @@ def test_findings_go_to_a_log_of_their_own_and_name_torchs_groups(tmp_path, monk
         ("straggler", 2, False),
     ], lines
     assert lines[0]["text"] == new["text"] and lines[1]["cleared_ns"] == _now(healthy)
+
+
+def synchronous(
+    late_ms: Callable[[int], float], steps: int, rank: int = 2, seed: int = 0
+) -> pa.Table:
+    """A 4-rank synchronous all-reduce job (``job``'s columns), 80 ms a step:
+    ``rank`` arrives ``late_ms(step)`` late; the others wait for it."""
+    rng = np.random.default_rng(seed)
+    rows, t = [], float(T0)
+    for k in range(steps):
+        arrive = t + 5e6 + rng.normal(0, 1.0, size=4).clip(-3, 3) * 1e6
+        arrive[rank] += late_ms(k) * 1e6
+        end = arrive.max() + 0.4e6
+        for r in range(4):
+            rows.append({"backend": "gloo", "op": "allreduce", "comm": 0x1000 + r, "seq": k,
+                         "comm_rank": r, "nranks": 4, "bytes": 80_000, "ts": int(arrive[r]),
+                         "dur_ns": int(end - arrive[r]), "pid": 1000 + r,
+                         "node": f"host{r // 2}", "rank": r})  # fmt: skip
+        t = end + 80e6
+    return pa.Table.from_pylist(rows)
+
+
+def upto(table: pa.Table, clock: int) -> pa.Table:
+    """What the ranks' stores hold at ``clock``: the calls that ended by
+    then, and those begun and in flight (no ``dur_ns``)."""
+    ts, dur = table.column("ts"), table.column("dur_ns")
+    ended = table.filter(pc.less_equal(pc.add(ts, dur), clock))
+    flying = table.filter(pc.and_(pc.less_equal(ts, clock), pc.greater(pc.add(ts, dur), clock)))
+    flying = flying.set_column(
+        flying.schema.get_field_index("dur_ns"), "dur_ns", pa.nulls(flying.num_rows, pa.int64())
+    )
+    return pa.concat_tables([ended, flying])
+
+
+def ended(table: pa.Table, rank: int, k: int) -> int:
+    """When ``rank``'s ``k``-th collective ended (ns)."""
+    row = table.filter(pc.and_(pc.equal(table["rank"], rank), pc.equal(table["seq"], k)))
+    return int(row["ts"][0].as_py() + row["dur_ns"][0].as_py())
+
+
+def keys(table: pa.Table) -> list[tuple[int, int, bool]]:
+    return sorted(
+        zip(table["rank"].to_pylist(), table["seq"].to_pylist(),
+            [d is None for d in table["dur_ns"].to_pylist()], strict=True)
+    )  # fmt: skip
+
+
+def test_a_fetch_asks_only_for_what_ended_since_the_last_and_keeps_the_window() -> None:
+    """The second fetch asks for the calls that ended since the first (less
+    LAG_S) and those in flight; with those it keeps, it holds what the whole
+    window holds: each call once, a call in flight at the first fetch
+    finished at the second."""
+    live = synchronous(lambda k: 0.0, steps=420)  # ~36 s
+    a = ended(live, 0, 380) - 10**5  # every rank in #380, none returned yet
+    b = a + 10**9
+    node = Node()
+    node.answers = [(upto(live, a), _answered()), (upto(live, b), _answered())]
+    window = Window()
+    first, _ = window.fetch(node, a)
+    assert "c.ts + c.dur_ns" not in node.asked[0]  # the whole window first
+    assert pc.sum(pc.is_null(first["dur_ns"])).as_py() > 0, "a call in flight at the first"
+    second, _ = window.fetch(node, b)
+    assert f"c.ts + c.dur_ns >= {a - int(watch.LAG_S * 1e9)}" in node.asked[1]
+    shipped = _ended_since(upto(live, b), node.asked[1]).num_rows
+    assert shipped < upto(live, b).num_rows / 8, shipped
+    since = b - int(watch.WINDOW_S * 1e9)
+    whole = upto(live, b).filter(
+        pc.or_kleene(
+            pc.greater_equal(upto(live, b)["ts"], since), pc.is_null(upto(live, b)["dur_ns"])
+        )
+    )
+    assert keys(second) == keys(whole)
+
+
+def looks(w: Watch, node: Node, start: int, seconds: float) -> dict[int, list[dict[str, Any]]]:
+    """``w`` looking every ``w.every_s`` for ``seconds`` from ``start``, a full
+    detection whenever one is due (``tick``): what each wrote, by its clock."""
+    out = {}
+    for k in range(int(seconds / w.every_s) + 1):
+        node.clock = start + int(k * w.every_s * 1e9)
+        out[node.clock] = w.tick(node.clock)
+    return out
+
+
+def test_a_steady_pace_asks_the_ranks_only_at_full_detections() -> None:
+    """Looks between full detections ask no rank while the detector's own
+    collectives keep their pace; the groups, the deaths and who traced are
+    asked at the full detections (torch's groups once in GROUPS_S)."""
+    node = Node()
+    node.live = synchronous(lambda k: 0.0, steps=420)
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
+    written = looks(w, node, ended(node.live, 0, 300), watch.FULL_S + 0.5)
+    assert not any(written.values())
+    assert [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked] == [
+        "comm.collectives", "comm.groups", "process.info", "trace.intervals",
+        "comm.collectives", "process.info", "trace.intervals",
+    ]  # fmt: skip
+    assert w.book.detections == 2
+
+
+def test_a_slowdown_asks_every_rank_at_once_and_is_written_once_it_lasted() -> None:
+    """Rank 2 slows down: the detector's pace drops, so the ranks are asked
+    between full detections; the analysis that first names rank 2 does not
+    write it, the look once its lateness may have lasted CONFIRM_S does:
+    under 1.5 s after the slowdown began, the next full detection 3 s away."""
+    from probing.analyze import analyze
+
+    onset = 330
+    node = Node()
+    node.live = synchronous(lambda k: 60.0 if k >= onset else 0.0, steps=420)
+    began = int(node.live.filter(pc.equal(node.live["seq"], onset))["ts"][0].as_py())
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=1)
+    node.clock = began - int(2.1e9)
+    assert w.once(node.clock) == []  # a full detection 2.1 s before the onset
+    full = len(node.asked)
+    written = {}
+    for k in range(1, 8):  # looks every 0.25 s
+        node.clock = began + int(k * 0.25e9)
+        written[node.clock] = w.look(node.clock)
+    [(clock, [new])] = [(c, f) for c, f in written.items() if f]
+    assert new["kind"] == "straggler" and new["rank"] == 2
+    assert all("comm.collectives" in q for q in node.asked[full:]), "only the collectives asked"
+    names = [c for c in written if analyze(upto(node.live, c), now_ns=c).stragglers]
+    assert names[0] < clock, "named once: not yet written"
+    assert began + watch.CONFIRM_S * 1e9 <= clock < began + 1.5e9, (clock - began) / 1e9
+
+
+def test_a_full_detection_clears_nothing_a_look_wrote_from_newer_rows() -> None:
+    """The two threads: a full detection that asked before a look wrote a
+    straggler does not clear it (its rows are older); one that asked later
+    and no longer finds it does."""
+    onset = 330
+    node = Node()
+    node.live = synchronous(lambda k: 60.0 if onset <= k < onset + 30 else 0.0, steps=420)
+    began = int(node.live.filter(pc.equal(node.live["seq"], onset))["ts"][0].as_py())
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=1)
+    node.clock = began - int(2e9)
+    w.once(node.clock)
+    written = []
+    for k in range(1, 8):
+        node.clock = began + int(k * 0.25e9)
+        written += w.look(node.clock)
+    [new] = written
+    node.clock = began  # asked before the look wrote it
+    assert w.once(node.clock) == [] and w.table()["cleared_ns"].to_pylist() == [None]
+    node.clock = began + int(40e9)  # long after, healthy again: cleared
+    w.once(node.clock)
+    assert w.table()["cleared_ns"].to_pylist() == [node.clock]
+
+
+def test_detection_is_off_at_zero(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """PROBING_DETECT_S=0 turns the detector off (not the default)."""
+    monkeypatch.setenv("PROBING_DETECT_S", "0")
+    assert watch.detect_s() == 0.0
+    w = Watch(Node(), tracing=lambda: True, dropped=dict)
+    w.start()
+    assert not w._threads
+    monkeypatch.setenv("PROBING_DETECT_S", "0.5")
+    assert watch.detect_s() == 0.5
+
+
+def test_a_burst_of_lateness_is_never_written() -> None:
+    """Rank 2 late at five collectives (0.7 s), then on time again: the pace
+    drops, an analysis at the end of the burst names it, the next one no
+    longer does, and nothing is ever written."""
+    from probing.analyze import analyze
+
+    onset = 330
+    node = Node()
+    node.live = synchronous(lambda k: 60.0 if onset <= k < onset + 5 else 0.0, steps=420)
+    began = int(node.live.filter(pc.equal(node.live["seq"], onset))["ts"][0].as_py())
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
+    written = looks(w, node, began - int(2.1e9), 2 * watch.FULL_S)
+    assert not any(written.values()) and w.table().num_rows == 0
+    assert any(analyze(upto(node.live, c), now_ns=c).stragglers for c in written if c > began)
+
+
+def test_the_pace_drops_when_the_collectives_come_slower() -> None:
+    """Arrivals every 25 ms for 10 s: steady; then every 85 ms: slower once
+    about 0.2 s of them came; faster, or a single late one, is not slower."""
+    from probing.analyze.watch import slowed
+
+    steady = [int(k * 25e6) for k in range(400)]
+    assert not slowed(steady)
+    after = [steady[-1] + int(k * 85e6) for k in range(1, 6)]
+    assert not slowed(steady + after[:2]) and slowed(steady + after)
+    assert not slowed(steady + [steady[-1] + int(k * 10e6) for k in range(1, 20)])
+    assert not slowed(
+        steady
+        + [steady[-1] + int(200e6)]
+        + [steady[-1] + int(200e6 + k * 25e6) for k in range(1, 20)]
+    )
+    assert not slowed(steady[:15])  # too few to tell a pace

@@ -3,15 +3,37 @@
 The job's *detector* is its lowest rank whose process is alive and whose
 probe answers (rank 0, while it lives); a tracing rank above it asks the
 ranks below it whether they live every ``ELECT_S`` (30 s), from the
-lowest, and stops at the first that does. Every ``PROBING_DETECT_S`` (5 s) it asks
-every rank for its collectives of the last ``WINDOW_S`` (one cluster query,
-as ``diagnose --cluster`` does, without the stacks, samples and NVML), runs
-the same analysis and keeps what it finds as ``analyze.findings``: a
-straggler, a slow link, a hang, a rank gone (one that did not answer twice
-running). A finding is written once, when it is new; its ``cleared_ns`` is
-set when it is gone; each new or cleared finding is one ``probing:`` line
-on the job's stderr. ``metrics()`` is the OpenMetrics text of ``GET
-/metrics``: the step, each rank's lateness, the findings, the events dropped.
+lowest, and stops at the first that does. It runs two threads:
+
+* every ``FULL_S`` (5 s), a *full detection*: it asks every rank for its
+  collectives of the last ``WINDOW_S`` (one cluster query, as ``diagnose
+  --cluster`` asks, without the stacks, samples and NVML; after the first,
+  only the calls that ended since the last ask: ``Window``), the ranks that
+  died and who traced when (torch's groups every ``GROUPS_S``), runs the
+  same analysis and keeps what it finds as ``analyze.findings``: a
+  straggler, a slow link, a hang, a rank gone (one that did not answer two
+  full detections running);
+* every ``PROBING_DETECT_S`` (1 s), a *look* at the pace of its own
+  rank's collectives (a query of its own tables, a few ms: ``Pace``). A
+  rank that slows down slows every rank it meets in a collective, the
+  detector's too: when the last ``RECENT_S`` ran at under ``SLOWER`` of the
+  pace before, every rank is asked for its new collectives at once (again
+  every ``ASK_EVERY_S`` while the pace stays low, for ``ALERT_S`` at most),
+  their last ``TAIL_S`` screened for a straggler (``collectives.stragglers``,
+  a few ms) and, where the screen names one, the window analyzed as a full
+  detection does: a straggler it names is added (nothing else, and nothing
+  is cleared there). A slowdown the detector's own collectives do not feel
+  (a straggler in a group it is not in) waits for the next full detection.
+
+A new straggler is written once its lateness has lasted ``CONFIRM_S`` in
+the collectives analyzed (where it has not yet, the ranks are asked again
+when it may have): analyzing whenever the pace drops must not name the
+bursts of noise of a busy machine (a rank starved of CPU for a moment)
+that one detection every 5 s seldom met. A finding is written once, when it is
+new; its ``cleared_ns`` is set at the first full detection without it;
+each new or cleared finding is one ``probing:`` line on the job's stderr.
+``metrics()`` is the OpenMetrics text of ``GET /metrics``: the step, each
+rank's lateness, the findings, the events dropped.
 
 The node (``probing.node.cluster.node.ClusterNode``) is handed in: this layer
 does not import the cluster's.
@@ -25,46 +47,43 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from probing.errors import ProbingError, log_unexpected, tell
+from probing.analyze.findings import Book, row
+from probing.errors import ProbingError, log_unexpected
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 WINDOW_S = 30.0  # the collectives each detection looks at
 HANG_AFTER_S = 10.0  # a collective some rank never entered for this long is a hang
-GONE_AFTER = 2  # detections in a row: a peer missing to be gone, a link slow to be slow
+GONE_AFTER = 2  # full detections in a row: a peer missing to be gone, a link slow to be slow
 ELECT_S = 30.0  # how often a rank above the detector checks that the ranks below live
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
-KEEP = 1000  # findings kept (the oldest cleared ones go first)
-
-
-def findings_schema() -> pa.Schema:
-    """``analyze.findings`` (pyarrow loads with the first query, not before)."""
-    import pyarrow as pa
-
-    return pa.schema(
-        [
-            ("ts", pa.int64()),  # wall ns of the detection that found it
-            ("kind", pa.string()),  # straggler | slow_link | hang | rank_gone
-            ("rank", pa.int64()),  # the rank to blame (a hang: the first that never entered)
-            ("node", pa.string()),
-            ("comm", pa.string()),
-            ("text", pa.string()),
-            ("since", pa.string()),  # ISO time it began, as the analysis tells
-            ("since_ns", pa.int64()),
-            ("cleared_ns", pa.int64()),  # wall ns of the first detection without it; NULL: active
-        ]
-    )
+FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often
+ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
+GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes)
+# a call reaches its rank's store within this of its end (drained every 50 ms):
+# the calls that ended this long before the last ask are asked again
+LAG_S = 2.0
+RESYNC_S = 60.0  # the whole window asked again this often, and after a rank missed an ask
+PACE_S = 10.0  # the detector's own arrivals kept: the pace the last RECENT_S is held to
+RECENT_S = 0.5  # ... the last span looked at (4 of the usual intervals, if longer)
+SLOWER = 0.7  # a pace under this share of the usual: the ranks are asked at once
+MIN_PACE = 20  # arrivals before the last RECENT_S needed to tell a pace
+ASK_EVERY_S = 0.5  # between full detections the ranks are asked at most this often ...
+ALERT_S = 5.0  # ... and for at most this long after the pace dropped
+TAIL_S = 3.0  # the span an ask screens for a straggler
+DRAINED_S = 0.2  # a collective is in its rank's store this long after it began, as a rule
+CONFIRM_S = 1.0  # a new straggler's lateness lasted this long: written (noise is briefer)
 
 
 def detect_s() -> float:
-    """``PROBING_DETECT_S``: seconds between detections (5; 0 turns it off)."""
+    """``PROBING_DETECT_S``: seconds between looks (1; 0 turns detection off)."""
     from probing import config
 
     try:
         return float(config.load().detect_s)
     except ValueError:  # a bad value: the default (its probe said so at start-up)
-        return 5.0
+        return 1.0
 
 
 class Watch:
@@ -82,24 +101,39 @@ class Watch:
         self.tracing = tracing
         self.dropped = dropped
         self.every_s = detect_s() if every_s is None else every_s
-        self.findings: list[dict[str, Any]] = []
-        self.active: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self.step_s: float | None = None
-        self.lateness_s: dict[tuple[int, str], float] = {}
-        self.detections = 0
+        self.book = Book()  # the findings; its lock also guards which stragglers were named
         self.last_error: str | None = None
         self._misses: dict[int, int] = {}
-        self._slow: dict[str, int] = {}  # comm -> detections in a row that found it slow
+        self._slow: dict[str, int] = {}  # comm -> full detections in a row that found it slow
+        self._named: set[tuple[Any, ...]] = set()  # stragglers the last analysis named
+        self._confirm_ns: int | None = None  # when one named, not written, may have lasted
         self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
-        self._lock = threading.Lock()
+        self._window = Window()  # the full detections'
+        self._asked = Window()  # the asks' between them
+        self._pace = Pace()
+        self._aux: dict[str, Any] = {}  # groups, dead, intervals: asked at full detections
+        self._groups_ns = 0  # wall ns torch's groups were last asked
+        self._full_ns: int | None = None  # wall ns of the last full detection
+        self._asked_ns = 0  # ... of the last ask between them
+        self._alert_ns: int | None = None  # since when the pace is low
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        if self.every_s <= 0 or self._thread is not None:
+        """The looks and the full detections, each on a thread of its own (a
+        full detection of a busy node takes seconds: the looks go on)."""
+        if self.every_s <= 0 or self._threads:
             return
-        self._thread = threading.Thread(target=self._run, name="probing-watch", daemon=True)
-        self._thread.start()
+        full_s = max(FULL_S, self.every_s)
+        for name, every, step, caches, sooner in (
+            ("probing-watch", self.every_s, self.look, (self._asked, self._pace), self._due),
+            ("probing-detect", full_s, self.once, (self._window,), lambda: None),
+        ):
+            t = threading.Thread(
+                target=self._run, args=(every, step, caches, sooner), name=name, daemon=True
+            )
+            self._threads.append(t)
+            t.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -122,226 +156,339 @@ class Watch:
         self._elected = (now, mine)
         return mine
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
+    def _run(
+        self,
+        every_s: float,
+        step: Callable[[], Any],
+        caches: tuple[Any, ...],
+        sooner: Callable[[], float | None],
+    ) -> None:
+        wait = every_s
+        while not self._stop.wait(wait):
+            began = time.monotonic()
             try:
                 if not self.tracing() or self.node.learning or not self.detector():
+                    for cache in caches:  # what it keeps may have a gap when it comes back
+                        cache.forget()
                     continue
-                self.once()
+                step()
             except ProbingError as err:  # peers, queries: said in nvml-like status, tried again
                 self.last_error = str(err)
             except Exception as err:  # noqa: BLE001 - the top of a probe thread: logged, goes on
                 self.last_error = f"{type(err).__name__}: {err}"
                 log_unexpected("detection", err)
+            finally:
+                # at a steady rate; a step longer than the period leaves a quarter of it
+                wait = max(every_s - (time.monotonic() - began), every_s / 4)
+                due = sooner()  # or sooner, where something is due then
+                if due is not None:
+                    wait = max(min(wait, due), 0.01)
+
+    def tick(self, now_ns: int | None = None) -> list[dict[str, Any]]:
+        """A look and, when one is due, a full detection, one after the other
+        (what the two threads do): the findings new in them."""
+        now = now_ns or time.time_ns()
+        new = self.look(now)
+        if self._full_ns is None or now - self._full_ns >= (FULL_S - self.every_s / 2) * 1e9:
+            new += self.once(now)
+        return new
+
+    def look(self, now_ns: int | None = None) -> list[dict[str, Any]]:
+        """One look: the pace of this rank's collectives; an ask of every rank
+        where it dropped, or a straggler awaits its confirmation; the
+        findings new in it."""
+        now = now_ns or time.time_ns()
+        slowed = self._pace.look(self.node, now)
+        with self.book.lock:
+            waiting = self._named - self.book.active.keys()  # named, not yet confirmed
+            known = {k[1] for k in self.book.active if k[0] == "straggler"}
+            due = bool(waiting) and self._confirm_ns is not None and now >= self._confirm_ns
+            if due:  # asked now: the analysis says when next, if ever (not again and again)
+                self._confirm_ns = None
+        if not due and not self._alert(slowed and not known, now):
+            return []
+        return self._ask(now, due, known)
+
+    def _due(self) -> float | None:
+        """Seconds until a straggler named and not written may have lasted
+        ``CONFIRM_S`` (the look then asks), if one awaits."""
+        at = self._confirm_ns
+        return None if at is None else (at - time.time_ns()) / 1e9
+
+    def _alert(self, slowed: bool, now: int) -> bool:
+        """Whether the pace's drop (one no straggler written explains) asks
+        the ranks now: at most every ``ASK_EVERY_S``, for ``ALERT_S`` at most."""
+        if not slowed:
+            self._alert_ns = None
+            return False
+        if self._alert_ns is None:
+            self._alert_ns = now
+        return now - self._alert_ns <= ALERT_S * 1e9 and now - self._asked_ns >= ASK_EVERY_S * 1e9
+
+    def _ask(self, now: int, waiting: bool, known: set[int]) -> list[dict[str, Any]]:
+        """Every rank asked for its new collectives between full detections;
+        where their last ``TAIL_S`` names a straggler not written yet (or one
+        awaits its confirmation, ``waiting``), the window's whole analysis:
+        its confirmed stragglers are written (nothing is cleared here)."""
+        table, got = self._asked.fetch(self.node, now)
+        self._asked_ns = now
+        with self.book.lock:
+            self.book.detections += 1
+        if not self._aux:
+            self._ask_aux(now)
+        if not waiting and not _screen(table, now) - known:
+            return []
+        d, judged = self._analyze(table, got, now, runq=False)
+        with self.book.lock:
+            found = self._stragglers(d.stragglers, _latest_ts(judged))
+        return self.book.record(now, found, None, False, self.node.pid)
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
-        """One detection: ask, analyze, record; the findings new in it."""
-        from probing.analyze.diagnose import (
-            analyze,
-            death_text,
-            judge,
-            optional,
-            queries,
-            with_groups,
-        )  # fmt: skip
-
+        """One full detection: ask, analyze, record, clear; the findings new in it."""
         now = now_ns or time.time_ns()
+        table, got = self._window.fetch(self.node, now)
+        with self.book.lock:
+            self.book.detections += 1
+        self._ask_aux(now)
+        return self._detect(table, got, now)
+
+    def _ask_aux(self, now: int) -> None:
+        """The ranks that died and who traced when (torch's groups every
+        ``GROUPS_S``): asked at full detections, used by the analyses the
+        screen starts between them."""
+        from probing.analyze.diagnose import optional, queries
+
         sql = queries(remote=True)
-        timeout = min(5.0, max(1.0, self.every_s))
-        since = now - int(WINDOW_S * 1e9)
 
         def ask(q: str) -> pa.Table:
-            return self.node.coordinate(q, timeout=timeout)[0]
+            return self.node.coordinate(q, timeout=ASK_S)[0]
 
-        table, got, _ = self.node.coordinate(
-            sql["collectives"].format(since_ns=since), timeout=timeout
-        )
-        groups = optional(ask, sql["groups"])  # torch's names, as diagnose says them
+        aux = dict(self._aux)  # the other thread reads them meanwhile: replaced at once
+        if aux.get("groups") is None or now - self._groups_ns >= GROUPS_S * 1e9:
+            aux["groups"] = optional(ask, sql["groups"])  # torch's names, as diagnose says them
+            self._groups_ns = now
+        aux["dead"] = ask(sql["dead"]).to_pylist()
+        aux["intervals"] = optional(ask, sql["intervals"])
+        self._aux = aux
+
+    def _analyze(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[Any, pa.Table]:
+        """The whole analysis of the window ``table`` (and the rows it judged):
+        torch's names for the groups, only the span in which every rank that
+        answered traced; ``runq``: a suspected slow link is told from ranks
+        waiting for a CPU."""
+        from probing.analyze.diagnose import analyze, judge, optional, queries, with_groups
+
+        groups, dead = self._aux["groups"], self._aux["dead"]
         if groups is not None:
             table = with_groups(table, groups)
-        runq_sql = sql["runq"].format(since_ns=since)
-        dead = ask(sql["dead"]).to_pylist()
-        # judged only over the span in which every rank that answered traced
+        since = now - int(WINDOW_S * 1e9)
+        runq_sql = queries(remote=True)["runq"].format(since_ns=since)
+
+        def ask_runq() -> pa.Table | None:
+            return optional(lambda q: self.node.coordinate(q, timeout=ASK_S)[0], runq_sql)
+
         answered = sorted({t.rank for t in got.peers})
-        table, cov = judge(table, optional(ask, sql["intervals"]), answered, dead, since, now)
+        table, cov = judge(table, self._aux["intervals"], answered, dead, since, now)
         d = analyze(
             table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
-            dead=dead, runq=lambda: optional(ask, runq_sql), coverage=cov,
+            dead=dead, runq=ask_runq if runq else None, coverage=cov,
         )  # fmt: skip
-        found: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for s in d.stragglers:
-            found[("straggler", s.rank, s.comm)] = _row(
-                "straggler", s.rank, s.node, s.comm, s.since, s.since_ns,
-                f"rank {s.rank} on node {s.node} arrives {s.lag_ms_mean:.0f} ms late (mean) at "
-                f"{100 * s.last_share:.0f} % of {s.op}s on {s.comm}; the job loses "
-                f"~{100 * s.share_of_step:.0f} % of its step time",
-            )  # fmt: skip
+        return d, table
+
+    def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
+        """The whole analysis of the window ``table``, recorded: every kind of
+        finding, and what is gone cleared."""
+        from probing.analyze.diagnose import death_text
+
+        d, judged = self._analyze(table, got, now, runq=True)
+        with self.book.lock:
+            found = self._stragglers(d.stragglers, _latest_ts(judged))
+        self._full_ns = now
         seen = {link.comm for link in d.slow_links}
         self._slow = {c: self._slow.get(c, 0) + 1 for c in seen}  # detections in a row
         for link in d.slow_links:
             if self._slow[link.comm] < GONE_AFTER:  # once: a busy CPU slows every rank alike
                 continue
-            found[("slow_link", link.comm)] = _row(
+            found[("slow_link", link.comm)] = row(
                 "slow_link", None, ",".join(link.nodes), link.comm, link.since, link.since_ns,
                 f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms "
                 f"on every rank (model {link.baseline_ms:.1f} ms)",
             )  # fmt: skip
         for h in d.hangs:
             missing = ", ".join(str(r) for r in h.missing_ranks) or "?"
-            found[("hang", h.comm, h.seq)] = _row(
+            found[("hang", h.comm, h.seq)] = row(
                 "hang", h.missing_ranks[0] if h.missing_ranks else None, None, h.comm, None,
                 None, f"hang: {h.op} #{h.seq} on {h.comm} for {h.age_s:.0f} s; rank(s) "
                 f"{missing} never entered it",
             )  # fmt: skip
         for r, x in d.dead.items():  # killed: its probe answers with what it left
-            found[("rank_gone", r)] = _row(
+            found[("rank_gone", r)] = row(
                 "rank_gone", r, None, None, None, x.died_ns or None, death_text({r: x})
             )
         for m in got.missing:
             self._misses[m.rank] = self._misses.get(m.rank, 0) + 1
             if self._misses[m.rank] >= GONE_AFTER:
-                found[("rank_gone", m.rank)] = _row(
+                found[("rank_gone", m.rank)] = row(
                     "rank_gone", m.rank, m.node, None, None, None,
                     f"rank {m.rank} ({m.node or m.addr}) does not answer: {m.reason}",
                 )  # fmt: skip
-        for r in answered:
+        for r in {t.rank for t in got.peers}:
             self._misses.pop(r, None)
-        return self._record(now, found, d)
-
-    def _record(
-        self, now: int, found: dict[tuple[Any, ...], dict[str, Any]], d: Any
-    ) -> list[dict[str, Any]]:
-        new = []
-        with self._lock:
-            self.detections += 1
-            self.step_s = d.summary.step_ms / 1e3 if d.summary.step_ms else None
-            self.lateness_s = {
-                (int(r["rank"]), str(r.get("node") or "")): float(r["lag_ms_mean"]) / 1e3
-                for r in d.ranks
-                if r.get("lag_ms_mean") is not None
-            }
-            for key, row in found.items():
-                if key not in self.active:
-                    row["ts"] = now
-                    self.active[key] = row
-                    self.findings.append(row)
-                    new.append(row)
-            cleared = [k for k in self.active if k not in found]
-            for key in cleared:
-                self.active.pop(key)["cleared_ns"] = now
-            if len(self.findings) > KEEP:
-                done = [f for f in self.findings if f["cleared_ns"] is not None]
-                drop = {id(f) for f in done[: len(self.findings) - KEEP]}
-                self.findings = [f for f in self.findings if id(f) not in drop]
-        for row in new:
-            tell(f"finding: {row['text']}", self.node.pid)
-        for key in cleared:
-            tell(f"finding cleared: {key[0]} {', '.join(str(k) for k in key[1:])}", self.node.pid)
-        log_findings([*new, *(f for f in self.findings if f["cleared_ns"] == now)], self.node.pid)
-        return new
+        return self.book.record(now, found, d, True, self.node.pid)
 
     def table(self) -> pa.Table:
-        import pyarrow as pa
-
-        with self._lock:
-            rows = [dict(f) for f in self.findings]
-        return pa.Table.from_pylist(rows, schema=findings_schema())
+        """``analyze.findings``."""
+        return self.book.table()
 
     def metrics(self) -> str:
         """OpenMetrics text: what this probe's detections and tracer say."""
-        with self._lock:
-            step, late = self.step_s, dict(self.lateness_s)
-            active: dict[str, int] = {}
-            for key in self.active:
-                active[key[0]] = active.get(key[0], 0) + 1
-            detections = self.detections
-        return openmetrics(step, late, active, self.dropped(), detections)
+        return self.book.metrics(self.dropped())
+
+    def _stragglers(self, named: list[Any], latest: int) -> dict[tuple[Any, ...], dict[str, Any]]:
+        """The stragglers an analysis ``named`` to write: those written already,
+        and new ones whose lateness lasted ``CONFIRM_S`` up to ``latest`` (ns),
+        the last arrival analyzed. Holding the lock."""
+        found: dict[tuple[Any, ...], dict[str, Any]] = {}
+        keys = set()
+        due = []
+        for s in named:
+            key = ("straggler", s.rank, s.comm)
+            keys.add(key)
+            if key not in self.book.active and latest - s.since_ns < CONFIRM_S * 1e9:
+                # new and short: a burst of noise, maybe; asked again once it may have lasted
+                due.append(s.since_ns + int((CONFIRM_S + DRAINED_S) * 1e9))
+                continue
+            found[key] = row(
+                "straggler", s.rank, s.node, s.comm, s.since, s.since_ns,
+                f"rank {s.rank} on node {s.node} arrives {s.lag_ms_mean:.0f} ms late (mean) at "
+                f"{100 * s.last_share:.0f} % of {s.op}s on {s.comm}; the job loses "
+                f"~{100 * s.share_of_step:.0f} % of its step time",
+            )  # fmt: skip
+        self._named = keys
+        self._confirm_ns = min(due, default=None)
+        return found
 
 
-def _row(
-    kind: str, rank: int | None, node: str | None, comm: str | None, since: str | None,
-    since_ns: int | None, text: str,
-) -> dict[str, Any]:  # fmt: skip
-    return {"ts": 0, "kind": kind, "rank": rank, "node": node, "comm": comm, "text": text,
-            "since": since, "since_ns": since_ns, "cleared_ns": None}  # fmt: skip
+def _screen(table: pa.Table, now: int) -> set[int]:
+    """The ranks the collectives of the last ``TAIL_S`` of ``table`` name
+    stragglers (a few ms: the window's analysis follows where they name one)."""
+    import pyarrow.compute as pc
+
+    from probing.analyze import collectives as coll
+
+    if not table.num_rows:
+        return set()
+    tail = table.filter(pc.greater_equal(table.column("ts"), now - int(TAIL_S * 1e9)))
+    if not tail.num_rows:
+        return set()
+    return {s.rank for s in coll.stragglers(coll.match(tail), {})}
 
 
-KINDS = ("straggler", "slow_link", "hang", "rank_gone")
+class Pace:
+    """The arrivals of the detector's own rank at its collectives, kept
+    ``PACE_S``: whether the last ``RECENT_S`` ran slower than the time before
+    (each look asks its own tables for the arrivals since the last, less
+    ``LAG_S``)."""
+
+    def __init__(self) -> None:
+        self.ts: list[int] = []  # arrivals, in order
+        self.looked_ns = 0
+
+    def forget(self) -> None:
+        self.ts = []
+        self.looked_ns = 0
+
+    def look(self, node: Any, now: int) -> bool:
+        """This rank's arrivals asked again; whether their pace dropped."""
+        lo = now - int(PACE_S * 1e9)
+        if self.looked_ns:
+            lo = max(lo, self.looked_ns - int(LAG_S * 1e9))
+        sql = f"SELECT ts FROM comm.collectives WHERE ts >= {lo}"
+        try:
+            fresh = sorted(t for t in node.engine().sql(sql, allow_code=False)["ts"].to_pylist())
+        except ProbingError:  # no such table yet: nothing traced
+            fresh = []
+        keep = now - int(PACE_S * 1e9)
+        self.ts = [t for t in self.ts if keep <= t < lo] + fresh
+        self.looked_ns = now
+        return slowed(self.ts)
 
 
-def log_findings(rows: list[dict[str, Any]], pid: int | None) -> None:
-    """Each new or cleared finding as one line of ``findings.jsonl``
-    (``probing.paths.findings_log``), one ``write`` each, appended. Never raises."""
-    import os
-    import socket
+def slowed(ts: list[int]) -> bool:
+    """Whether arrivals ``ts`` (ns, in order) came at under ``SLOWER`` of
+    their earlier pace over their last ``RECENT_S`` (or 4 usual intervals),
+    with ``MIN_PACE`` arrivals before it to tell that pace."""
+    import numpy as np
 
-    from probing import paths
-
-    if not rows:
-        return
-    host = socket.gethostname()
-    try:
-        fd = os.open(paths.findings_log(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                     0o600)  # fmt: skip
-    except OSError:  # no runtime directory (a probe stopped meanwhile): the table has them
-        return
-    try:
-        for row in rows:
-            line = json.dumps({**row, "pid": pid, "host": host}, default=str) + "\n"
-            os.write(fd, line.encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    if len(ts) < MIN_PACE:
+        return False
+    t = np.asarray(ts, dtype=np.int64)
+    usual = float(np.median(np.diff(t)))
+    recent = max(RECENT_S * 1e9, 4 * usual)
+    split = t[-1] - recent
+    before = t[t <= split]
+    if len(before) < MIN_PACE or before[-1] <= before[0]:
+        return False
+    pace = (len(before) - 1) / (before[-1] - before[0])  # arrivals per ns, before
+    now_pace = int(np.count_nonzero(t > split)) / recent
+    return bool(now_pace < SLOWER * pace)
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class Window:
+    """The last ``WINDOW_S`` of the job's finished collectives, kept between
+    asks: each fetch asks only for the calls that ended since the last one
+    (less ``LAG_S``, for those drained since) and those in flight."""
+
+    def __init__(self) -> None:
+        self.rows: pa.Table | None = None  # finished calls, each ended before ``asked_ns``
+        self.asked_ns = 0  # the wall ns of the last fetch
+        self.whole_ns = 0  # ... and of the last that asked the whole window
+
+    def forget(self) -> None:
+        self.rows = None
+
+    def fetch(self, node: Any, now: int) -> tuple[pa.Table, Any]:
+        """The window's collectives at ``now`` (finished and in flight) and who
+        answered; the whole window where nothing is kept, every ``RESYNC_S``,
+        and after a rank missed a fetch."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from probing.analyze.diagnose import queries
+
+        since = now - int(WINDOW_S * 1e9)
+        sql = queries(remote=True)["collectives"].format(since_ns=since)
+        kept = self.rows
+        if now - self.whole_ns >= RESYNC_S * 1e9 or now < self.asked_ns:
+            kept = None
+        cursor = self.asked_ns - int(LAG_S * 1e9)
+        if kept is not None:
+            sql = (
+                f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
+            )
+        table, got, _ = node.coordinate(sql, timeout=ASK_S)
+        if kept is not None and kept.num_rows:
+            ts, dur = kept.column("ts"), kept.column("dur_ns")
+            old = kept.filter(
+                pc.and_(pc.greater_equal(ts, since), pc.less(pc.add(ts, dur), cursor))
+            )
+            if table.num_columns:
+                old = old.select([c for c in table.column_names if c in old.column_names])
+                table = pa.concat_tables([old, table], promote_options="permissive")
+            else:
+                table = old
+        self.asked_ns = now
+        if kept is None:
+            self.whole_ns = now
+        finished = table.filter(pc.is_valid(table.column("dur_ns"))) if table.num_rows else table
+        self.rows = None if got.missing else finished  # a rank's rows missed: all again next
+        return table, got
 
 
-def openmetrics(
-    step_s: float | None,
-    lateness_s: dict[tuple[int, str], float],
-    active: dict[str, int],
-    dropped: dict[str, int],
-    detections: int,
-) -> str:
-    """The text format of OpenMetrics 1.0 (``# EOF`` last)."""
-    out = [
-        "# TYPE probing_step_seconds gauge",
-        "# HELP probing_step_seconds median interval between the busiest group's collectives",
-    ]
-    if step_s is not None:
-        out.append(f"probing_step_seconds {step_s:.6f}")
-    out += [
-        "# TYPE probing_rank_lateness_seconds gauge",
-        "# HELP probing_rank_lateness_seconds mean arrival after the first rank at a collective",
-    ]
-    for (rank, node), value in sorted(lateness_s.items()):
-        out.append(
-            f'probing_rank_lateness_seconds{{rank="{rank}",node="{_label(node)}"}} {value:.6f}'
-        )
-    out += [
-        "# TYPE probing_findings gauge",
-        "# HELP probing_findings findings active now, by kind (analyze.findings)",
-    ]
-    out += [f'probing_findings{{kind="{k}"}} {active.get(k, 0)}' for k in KINDS]
-    out += [
-        "# TYPE probing_events_dropped counter",
-        "# HELP probing_events_dropped events a full ring buffer dropped, by family",
-    ]
-    out += [
-        f'probing_events_dropped_total{{family="{_label(f)}"}} {n}'
-        for f, n in sorted(dropped.items())
-    ]
-    out += [
-        "# TYPE probing_detections counter",
-        "# HELP probing_detections detections run by this probe",
-        f"probing_detections_total {detections}",
-        "# EOF",
-    ]
-    return "\n".join(out) + "\n"
+def _latest_ts(table: pa.Table) -> int:
+    """The latest arrival in ``table`` (0 where it has none)."""
+    import pyarrow.compute as pc
 
-
-def empty() -> pa.Table:
-    return findings_schema().empty_table()
+    if not table.num_rows:
+        return 0
+    return int(pc.max(table.column("ts")).as_py() or 0)

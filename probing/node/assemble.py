@@ -26,13 +26,13 @@ def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
 
 def _install_analyze(engine: Engine, ctx: ProbeContext | None) -> None:
     from probing import analyze
-    from probing.analyze import watch
+    from probing.analyze import findings as kept
 
     analyze.install(engine)
 
     def findings() -> Any:
         detector = getattr(ctx.cluster, "watch", None) if ctx is not None else None
-        return detector.table() if detector is not None else watch.empty()
+        return detector.table() if detector is not None else kept.empty()
 
     engine.register_table("analyze", "findings", findings)
 
