@@ -1,13 +1,16 @@
 """What BPF tracing and ptrace need from this machine, one check each, with
 the fix: plain functions of the kernel's files and this process's
 capabilities, so the tracer, the injector and ``probing doctor`` share them
-(from the bottom layer: they import nothing of probing)."""
+(from the bottom layer: they import nothing of probing but where ``proc``
+says the kernel's files are)."""
 
 from __future__ import annotations
 
 import os
 import platform
 from typing import NamedTuple
+
+from probing import proc
 
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
@@ -23,7 +26,7 @@ class Check(NamedTuple):
     required: bool = True
 
 
-def effective_caps(status_path: str = "/proc/self/status") -> int:
+def effective_caps(status_path: str = proc.path("self", "status")) -> int:
     with open(status_path) as f:
         for line in f:
             if line.startswith("CapEff:"):
@@ -131,7 +134,7 @@ def check_bpf_caps(caps: int | None = None, euid: int | None = None) -> Check:
 
 
 def check_ptrace(
-    caps: int | None = None, scope_path: str = "/proc/sys/kernel/yama/ptrace_scope"
+    caps: int | None = None, scope_path: str = proc.node_path("sys/kernel/yama/ptrace_scope")
 ) -> Check:
     caps = effective_caps() if caps is None else caps
     cap = has_cap(caps, CAP_SYS_PTRACE)

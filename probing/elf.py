@@ -1,11 +1,11 @@
-"""Where things are in a process: its mappings, and the symbols of its ELF files.
+"""Where things are in a process: the files it maps, and the symbols of its ELF files.
 
-The one ``/proc/<pid>/maps`` parser and the one ELF reader, for the injector
-(symbol addresses in a target), ``probing stack`` (libpython's runtime) and
-the tracer (uprobe offsets, the names of kernels' host stubs):
+The one ELF reader, for the injector (symbol addresses in a target),
+``probing stack`` (libpython's runtime) and the tracer (uprobe offsets, the
+names of kernels' host stubs):
 
-* ``read_maps(pid)`` / ``parse_maps(text)``: every mapping, as ``Mapping``;
-  ``loaded_objects(maps)``: each mapped file with its load address.
+* ``loaded_objects(maps)``: each file a process maps (``proc.maps(pid)``)
+  with its load address.
 * ``ElfFile(path)``: one ELF file read with pyelftools: its machine, its
   ``PT_LOAD`` segments, named symbols (``lookup``), functions by address
   (``functions``), the dynamic string table. ``Symbols`` is what the injector
@@ -25,54 +25,31 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+from probing import proc
+
 if TYPE_CHECKING:
     from elftools.elf.sections import Symbol
 
 
-# -- /proc/<pid>/maps --------------------------------------------------------------------
-
-
-class Mapping(NamedTuple):
-    start: int
-    end: int
-    perms: str  # "r-xp"
-    offset: int  # in the file
-    path: str  # "" for an anonymous mapping; "[stack]"; "/x (deleted)"
-
-
-def parse_maps(text: str) -> list[Mapping]:
-    out = []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 5:
-            continue
-        lo, hi = parts[0].split("-")
-        path = parts[5].strip() if len(parts) == 6 else ""
-        out.append(Mapping(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16), path))
-    return out
-
-
-def read_maps(pid: int | str = "self") -> list[Mapping]:
-    with open(f"/proc/{pid}/maps") as f:
-        return parse_maps(f.read())
+# -- the files a process maps --------------------------------------------------------------
 
 
 class LoadedObject(NamedTuple):
     path: str  # as the target sees it
     base: int  # address of its first mapping (file offset 0)
-    maps: tuple[Mapping, ...]
+    maps: tuple[proc.Mapping, ...]
 
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
 
-    def executable_maps(self) -> list[Mapping]:
+    def executable_maps(self) -> list[proc.Mapping]:
         return [m for m in self.maps if "x" in m.perms]
 
 
-def loaded_objects(maps: Iterable[Mapping]) -> dict[str, LoadedObject]:
+def loaded_objects(maps: Iterable[proc.Mapping]) -> dict[str, LoadedObject]:
     """Every file mapped with its offset-0 mapping, by path."""
-    by_path: dict[str, list[Mapping]] = {}
+    by_path: dict[str, list[proc.Mapping]] = {}
     for m in maps:
         if m.path.startswith("/"):
             by_path.setdefault(m.path, []).append(m)
@@ -88,7 +65,7 @@ def host_path(pid: int, path: str) -> str:
     """``path`` as seen from here: through the target's root when we can."""
     if path.endswith(" (deleted)"):
         path = path[: -len(" (deleted)")]
-    via_root = f"/proc/{pid}/root{path}"
+    via_root = proc.path(pid, f"root{path}")
     return via_root if os.path.exists(via_root) else path
 
 
@@ -267,7 +244,7 @@ def python_candidates(pid: int, objs: dict[str, LoadedObject]) -> list[LoadedObj
     """Objects that may hold the interpreter: libpython first, then the executable."""
     libs = [o for o in objs.values() if _LIBPYTHON.match(o.name)]
     try:
-        exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+        exe = proc.readlink(pid, "exe").removesuffix(" (deleted)")
     except OSError:
         exe = ""
     rest = [o for o in objs.values() if o.path == exe]

@@ -189,10 +189,12 @@ def tell(msg: str, pid: int | None = None) -> None:
     import os
     import sys
 
+    from probing import proc
+
     line = f"probing: {msg}\n"
     if pid is not None and pid != os.getpid():
         try:  # one write, appended: the line is whole however the job writes around it
-            fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            fd = os.open(proc.path(pid, "fd/2"), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             try:
                 os.write(fd, line.encode(errors="replace"))
             finally:

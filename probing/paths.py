@@ -17,9 +17,9 @@ import os
 import re
 import stat
 
-from probing import config
+from probing import config, proc
 from probing.guest import place
-from probing.guest.place import UnsafePath, ensure_private_dir  # noqa: F401 - used here and re-exported
+from probing.guest.place import UnsafePath
 
 _SOCK = re.compile(r"^(\d+)\.sock$")
 
@@ -46,7 +46,7 @@ def socket_path(pid: int, uid: int | None = None) -> str:
 def pid_owner(pid: int) -> int | None:
     """The uid that owns process ``pid``, or None when there is no such process."""
     try:
-        return os.stat(f"/proc/{pid}").st_uid
+        return os.stat(proc.path(pid)).st_uid
     except OSError:
         return None
 

@@ -11,13 +11,13 @@ from typing import NamedTuple
 
 import psutil
 
-from probing import elf, paths
+from probing import paths
 from probing.errors import NoProbe
-from probing.guest.inside import task_stat, task_syscall  # noqa: F401 - procs is their home here
+from probing.proc import environ, maps
 
 _PY_EXE = re.compile(r"^python(\d+(\.\d+)*)?$")
 
-# the syscalls a thread is seen blocked in (``task_syscall``), by number, on each
+# the syscalls a thread is seen blocked in (``proc.task_syscall``), by number, on each
 # machine
 _X86_64_SYSCALLS = {
     0: "read", 1: "write", 7: "poll", 16: "ioctl", 23: "select", 35: "nanosleep",
@@ -51,7 +51,7 @@ class ProcInfo(NamedTuple):
 
 def _maps_has_libpython(pid: int) -> bool:
     try:
-        return any("libpython" in m.path for m in elf.read_maps(pid))
+        return any("libpython" in m.path for m in maps(pid))
     except OSError:
         return False
 
@@ -135,9 +135,7 @@ STEP_KEYS = ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "SLURM_STEP_ID", "OMPI_MCA_or
 
 
 def _job_key(pid: int) -> dict[str, str]:
-    from probing.target import proc_environ
-
-    env = proc_environ(pid)
+    env = environ(pid)
     key = {k: env[k] for k in JOB_KEYS if k in env}
     return key if any(k in key for k in STEP_KEYS) else {}
 

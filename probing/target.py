@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from probing import proc
 from probing.errors import ERRORS, EvalError, NoProbe, NoSuchProcess, ProbingError, QueryError
 from probing.guest import flight, inside, wire
 
@@ -43,17 +44,6 @@ def _raised(err: wire.GuestError | wire.WireError, pid: int | None = None) -> Pr
     if kind is EvalError:
         return EvalError(str(err), pid=pid, detail=err.detail)
     return kind(str(err), pid=pid)
-
-
-def proc_environ(pid: int) -> dict[str, str]:
-    """The environment process ``pid`` started with; empty when unreadable."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 class Local:
@@ -114,10 +104,8 @@ def _stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (state T: SIGSTOP; not t, a tracer's stop,
     which our own injection makes for a few milliseconds)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"T"
-    except (OSError, ValueError):
+        return proc.stat(pid)[0] == "T"
+    except (OSError, ValueError, IndexError):
         return False
 
 
@@ -134,7 +122,7 @@ class Guest:
         self.died_ns: int | None = None  # set by the engine when the process exits
 
     def alive(self) -> bool:
-        return self.died_ns is None and os.path.exists(f"/proc/{self.pid}")
+        return self.died_ns is None and proc.exists(self.pid)
 
     def _ask(self, method: str, url: str, payload: Any = None) -> Any:
         if not self.alive():
@@ -188,7 +176,7 @@ class Guest:
         """The job's variables (``inside.ENV_PREFIXES``): as the process started
         (``/proc/P/environ``: no need for it to answer), overlaid with what it
         last told (``info``: what it set since)."""
-        env = {k: v for k, v in proc_environ(self.pid).items()
+        env = {k: v for k, v in proc.environ(self.pid).items()
                if k.startswith(inside.ENV_PREFIXES)}  # fmt: skip
         env.update(self.last_info.get("environ", {}))
         return env

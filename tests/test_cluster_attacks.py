@@ -9,10 +9,11 @@ import time
 
 from probing.node.cluster import coordinator
 from probing.node.cluster.discovery import PeerInfo
-from probing.node.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
+from probing.node.cluster.exchange import Exchange, PeerFailure, Reply
 from probing.node.cluster.identity import Identity
 from probing.node.cluster.node import ClusterNode
 from probing.node.cluster.wire import unpack
+from probing.node.probe.http import request_bytes
 
 
 def listener() -> socket.socket:

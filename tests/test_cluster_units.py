@@ -309,7 +309,8 @@ def test_exchange_answers_refusals_closes_and_timeouts_at_once() -> None:
     import threading
     import time
 
-    from probing.node.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
+    from probing.node.cluster.exchange import Exchange, PeerFailure, Reply
+    from probing.node.probe.http import request_bytes
 
     def listener() -> socket.socket:
         s = socket.socket()

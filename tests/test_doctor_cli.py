@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 
+from probing import checks
 from probing.cli import doctor
 from probing.cli.render import format_rows
 from tests.conftest import cli
@@ -13,8 +14,8 @@ NO_CAPS = 0
 def test_caps_are_read_from_proc_status(tmp_path) -> None:
     status = tmp_path / "status"
     status.write_text("Name:\tpython\nCapInh:\t0\nCapEff:\t000001ffffffffff\n")
-    caps = doctor.effective_caps(str(status))
-    assert doctor.has_cap(caps, doctor.CAP_BPF) and doctor.has_cap(caps, doctor.CAP_SYS_PTRACE)
+    caps = checks.effective_caps(str(status))
+    assert checks.has_cap(caps, checks.CAP_BPF) and checks.has_cap(caps, checks.CAP_SYS_PTRACE)
     assert doctor.check_bpf_caps(caps, euid=0).ok
     bad = doctor.check_bpf_caps(NO_CAPS, euid=1000)
     assert not bad.ok and "CAP_BPF" in bad.fix
@@ -25,15 +26,15 @@ def test_ptrace_scope_advice(tmp_path) -> None:
     scope.write_text("1\n")
     c = doctor.check_ptrace(NO_CAPS, str(scope))
     assert not c.ok and "ptrace_scope" in c.fix and "SYS_PTRACE" in c.fix
-    assert doctor.check_ptrace(1 << doctor.CAP_SYS_PTRACE, str(scope)).ok
+    assert doctor.check_ptrace(1 << checks.CAP_SYS_PTRACE, str(scope)).ok
     scope.write_text("3\n")
     assert not doctor.check_ptrace(ROOT_CAPS, str(scope)).ok
     assert doctor.check_ptrace(NO_CAPS, str(tmp_path / "absent")).ok
 
 
 def test_kernel_versions() -> None:
-    assert doctor.kernel_version("6.18.44-fc-v657") == (6, 18)
-    assert doctor.kernel_version("5.4.0-150-generic") == (5, 4)
+    assert checks.kernel_version("6.18.44-fc-v657") == (6, 18)
+    assert checks.kernel_version("5.4.0-150-generic") == (5, 4)
     assert not doctor.check_kernel("5.4.0").ok and doctor.check_kernel("5.15.0-1").ok
 
 

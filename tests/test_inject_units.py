@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from probing import elf
+from probing import elf, proc
 from probing.errors import AccessDenied
 from probing.inject import build, injector
 from probing.inject.arch import X86_64, AArch64
@@ -138,7 +138,7 @@ def test_maps_objects_and_libc() -> None:
         7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0  [stack]
         """
     )
-    maps = elf.parse_maps(text)
+    maps = proc.parse_maps(text)
     assert len(maps) == 6 and maps[-1].path == "[stack]"
     objs = elf.loaded_objects(maps)
     assert set(objs) == {

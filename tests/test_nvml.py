@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from probing.cli.client import ProbeClient
-from probing.node.tables.nvml import parse_interval, visible_indices
+from probing.config import parse_interval
+from probing.node.tables.nvml import visible_indices
 from tests.conftest import SLOWDOWN, build_lib, cli
 
 GIB, MIB = 1 << 30, 1 << 20

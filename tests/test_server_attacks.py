@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from probing import paths
 from probing.cli.client import ProbeClient
 from probing.cli.demo import free_port
 from probing.errors import AccessDenied
+from probing.guest import place
 from probing.node.probe import server as srv
 from probing.node.probe.connections import EVICT_AFTER_S
 from probing.node.probe.http import Request, Response
@@ -559,7 +559,7 @@ def test_our_dir_with_a_loose_mode_is_tightened(runtime_dir) -> None:
     d = runtime_dir / f"probing-{os.getuid()}"
     d.mkdir(mode=0o755)
     d.chmod(0o755)
-    paths.ensure_private_dir(str(d))
+    place.ensure_private_dir(str(d))
     assert d.stat().st_mode & 0o777 == 0o700
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from probing.cli.client import TcpTransport
 from probing.errors import PeerUnreachable
-from probing.node.cluster.exchange import Exchange, PeerFailure, Reply, request_bytes
-from probing.node.probe.http import Request, Response
+from probing.node.cluster.exchange import Exchange, PeerFailure, Reply
+from probing.node.probe.http import Request, Response, request_bytes
 from probing.node.probe.server import UnixHTTPServer
 from tests.conftest import require
 

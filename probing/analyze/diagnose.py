@@ -1,9 +1,16 @@
 """``probing diagnose``: gather every rank's collectives, stacks and counts,
-name the straggler, the slow link or the hang, and render the verdict."""
+name the straggler, the slow link or the hang, and render the verdict.
+
+In parts, one owner each: the queries every rank is asked (``queries``);
+the analysis, pure (``analyze``: rows in, a ``Diagnosis`` out); the verdict's
+text (``probing.analyze.verdict``, put together once in ``whole_verdict``);
+the asking and polling (``diagnose``, below "asking the probes"); and the
+``analyze.*`` tables (``sql_tables``, ``local_tables``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -20,6 +27,7 @@ from probing.analyze import hangs as hg
 from probing.analyze import pipeline as pp
 from probing.analyze import why as wy
 from probing.analyze.gather import missing_ranks
+from probing.analyze.verdict import covered_text, hms, verdict
 from probing.errors import ProbingError
 
 # what every rank is asked; ``{tags}`` is ", node, rank" in a cluster query,
@@ -158,9 +166,6 @@ def callsites(table: pa.Table) -> dict[int, str]:
     return {r: site for r, (_, site) in sorted(best.items())}
 
 
-POLL_S = 0.25
-
-
 @dataclasses.dataclass
 class Death:
     """A rank whose process died while its probe watched (``kill -9``, OOM)."""
@@ -196,7 +201,7 @@ def death_text(dead: dict[int, Death]) -> str:
     the first to die first (a killed Gloo rank takes the others with it)."""
     first = sorted(dead.items(), key=lambda rx: (rx[1].died_ns or 0, rx[0]))
     return "; ".join(
-        f"rank {r} (pid {x.pid}) died{f' at {_hms(x.died_ns)}' if x.died_ns else ''}"
+        f"rank {r} (pid {x.pid}) died{f' at {hms(x.died_ns)}' if x.died_ns else ''}"
         f"{f' {x.where}' if x.where else ''}"
         for r, x in first
     )
@@ -248,130 +253,21 @@ class Diagnosis:
         }
 
 
-MOST = 0.5  # a cause that explains this share of the lateness heads the verdict
-
-
-def unexplained_text(why: Sequence[wy.Why], rank: int) -> str:
-    """Where ``rank``'s samples show nothing of its own that makes it late, that."""
-    w = next((w for w in why if w.rank == rank and w.kind == wy.NOTHING), None)
-    return f"; {w.text.split(': ', 1)[-1]}" if w is not None else ""
-
-
-def cause_text(w: wy.Why | None) -> str:
-    """The verdict's cause: the one that explains most of the lateness, with
-    that share, or that none explains most of it."""
-    if w is None:
-        return ""
-    what = w.text.split(": ", 1)[-1]  # "rank 2: load_batch (...) ..." -> "load_batch (...) ..."
-    if w.kind in wy.HARDWARE and w.share is None:  # slower hardware; no wait says how much
-        return f": {what}"
-    if w.share is None:
-        return ""
-    pct = f"{100 * w.share:.0f} % of its lateness"
-    if w.share < MOST:
-        return f"; no single cause explains most of its lateness (the largest: {what}, {pct})"
-    if w.kind == "cpu_starvation":
-        return (
-            f": CPU starvation, it waits {w.extra_ms:.0f} ms/step longer for a CPU than the "
-            f"others, {pct} (what else runs on its node?)"
-        )
-    return f": {what}, {pct}"
-
-
-def _hms(ns: int) -> str:
-    return coll.iso(ns)[11:19] + " UTC"
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
-
-def verdict(
-    stragglers: list[coll.Straggler],
-    slow_links: list[coll.SlowLink],
-    hangs: list[hg.Hang],
-    summary: coll.Summary,
-    window_s: float,
-    why: Sequence[wy.Why] = (),
-    pipe: pp.Pipeline | None = None,
-) -> str:
-    """One sentence: the worst finding first, or the figures that say it is healthy."""
-    if hangs and hangs[0].op == "recv" and hangs[0].missing_ranks:  # a pipeline's
-        h = hangs[0]
-        return (
-            f"hang: {_ranks_text(h.waiting_ranks)} wait in send/recv for {h.age_s:g}+ s; "
-            f"{_ranks_text(h.missing_ranks)} never sent or received what they wait for "
-            f"({h.detail})"
-        )
-    if hangs:
-        h = hangs[0]
-        what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
-        where = f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
-        said = f" ({h.detail})" if h.detail else ""
-        if not h.missing_ranks:
-            return (
-                f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {where} "
-                f"for {h.age_s:g}+ s and none returns: the collective itself "
-                f"is stuck (network, or a peer's transport){said}"
-            )
-        return (
-            f"hang: {_ranks_text(h.waiting_ranks)} wait in {where} for "
-            f"{h.age_s:g}+ s; {_ranks_text(h.missing_ranks)} never entered it{said}"
-        )
-    if stragglers:
-        s = stragglers[0]
-        since = f"since {'at least ' if s.since_start else ''}{_hms(s.since_ns)}"
-        node = (f" ({s.place})" if s.place else "") + (f" on node {s.node}" if s.node else "")
-        groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
-        cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
-        return (
-            f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
-            f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
-            f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
-        )
-    if pipe is not None and pipe.slow is not None:
-        return pipe.text() + cause_text(wy.headline(why, pipe.slow)).replace("/step", "/s")
-    if slow_links:
-        link = slow_links[0]
-        return (
-            f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms on "
-            f"every rank (model {link.baseline_ms:.1f} ms) with no arrival skew "
-            f"({link.skew_ms_median:.1f} ms); ~{100 * link.share_of_step:.0f} % of the job's "
-            f"time since {_hms(link.since_ns)}"
-        )
-    if not summary.collectives and pipe is not None:
-        return pipe.text()
-    if not summary.collectives:
-        return (
-            f"no verdict: no complete collective traced in the last {window_s:g} s "
-            "(is every rank traced? probing diagnose --pid P --cluster --record 15s traces "
-            "every rank 15 s first; probing trace --pid P --cluster --background leaves them "
-            "tracing)"
-        )
-    if (summary.busiest or 0) < coll.MIN_COLLECTIVES:
-        return (
-            f"no verdict: only {summary.busiest} complete collectives of one group in the "
-            f"last {window_s:g} s ({coll.MIN_COLLECTIVES} needed to tell a straggler from "
-            "noise); diagnose over a longer --window"
-        )
-    chance = 100 / max(summary.ranks, 1)
-    spread = (
-        f"each rank last {100 * (summary.last_share_min or 0):.0f}-"
-        f"{100 * (summary.last_share_max or 0):.0f} % of the time (chance {chance:.0f} %)"
-    )
-    if summary.noisy:
-        return (
-            f"noisy, no single straggler: {summary.ranks} ranks, {summary.collectives} "
-            f"collectives in the last {window_s:g} s; arrival skew median "
-            f"{summary.skew_ms_median:.1f} ms (p99 {summary.skew_ms_p99:.1f} ms), "
-            f"{100 * (summary.skew_ms_median or 0) / (summary.step_ms or 1):.0f} % of a "
-            f"{summary.step_ms:.0f} ms step; {spread}"
-        )
-    return (
-        f"healthy: {summary.ranks} ranks, {summary.collectives} collectives in the last "
-        f"{window_s:g} s; arrival skew median {summary.skew_ms_median:.1f} ms "
-        f"(p99 {summary.skew_ms_p99:.1f} ms); {spread}"
-    )
+def whole_verdict(d: Diagnosis, coverage: cv.Coverage | None, traced: bool) -> str:
+    """``d``'s verdict, put together here only: its worst finding
+    (``verdict.verdict``), judged over the span every rank traced in
+    (``coverage``, where the probes tell it), the ranks that died said first,
+    and the ranks whose Flight Recorder is off (``d.flight``) said last where
+    the recorder would have told what nothing ``traced`` did."""
+    said = verdict(d.stragglers, d.slow_links, d.hangs, d.summary, d.window_s, d.why, d.pipeline)
+    if coverage is not None:
+        said = covered_text(said, coverage, bool(d.hangs), d.window_s)
+    if d.dead:
+        said = f"{death_text(d.dead)}; {said}"
+    by_trace = traced and all(h.evidence == "traced" for h in d.hangs)
+    if d.flight and not by_trace:
+        said = f"{said}; {d.flight}"
+    return said
 
 
 def analyze(
@@ -406,28 +302,18 @@ def analyze(
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table) if matched is None else matched
-    nodes = {}
-    if table.num_rows and "node" in table.column_names:
-        tags = zip(table.column("node").to_pylist(), table.column("rank").to_pylist(), strict=True)
-        nodes = {r: n for n, r in tags}
-    for s in states or []:
-        nodes.setdefault(s.rank, s.node)
+    nodes = _nodes(table, states or [])
     ranks = sorted(set(nodes) | set(frames))
-    hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
     rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
-    if not hangs:
-        hangs = pipeline_hangs(rows, now_ns, hang_after_s, ranks_of or {}, frames)
-    if not hangs and recorded is not None:
-        hangs = hg.recorded_hangs(recorded, now_ns, hang_after_s, frames)
-    if not hangs and states:
-        hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
+    hangs = _hangs(
+        matched, rows, ranks, now_ns=now_ns, hang_after_s=hang_after_s, frames=frames,
+        ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
+    )  # fmt: skip
     strag = [] if hangs else coll.stragglers(matched, nodes)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
         late.place = mesh.place_text(late.rank, ranks_of or {})
     # a straggler slows the collectives too (its share of the reduction runs late)
-    slow = [] if hangs or strag else coll.slow_links(matched, nodes)
-    if slow and runq is not None:  # or ranks starved of CPU: the sampler tells them apart
-        slow = coll.slow_links(matched, nodes, runq_rates(runq()))
+    slow = [] if hangs or strag else _slow_links(matched, nodes, runq)
     summary = coll.summarize(matched)
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
@@ -435,9 +321,11 @@ def analyze(
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
     why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
     why += explain_stage(pipe, samples, strag)
+    died = deaths(dead or [], matched)
+    found = hangs or strag or slow or (pipe is not None and pipe.slow is not None)
     d = Diagnosis(
-        healthy=not (hangs or strag or slow or (pipe is not None and pipe.slow is not None)),
-        verdict=verdict(strag, slow, hangs, summary, window_s, why, pipe),
+        healthy=not (found or died),
+        verdict="",  # below, once the rest is known
         stragglers=strag,
         slow_links=slow,
         hangs=hangs,
@@ -446,35 +334,66 @@ def analyze(
         stacks=stacks,
         window_s=window_s,
         why=why,
+        flight=fl.off_note(recorded.status) if recorded is not None else "",
         pipeline=pipe,
         transfers=pp.match_transfers(rows, ranks_of),
-        dead=deaths(dead or [], matched),
+        dead=died,
+        untraced=coverage.untraced if coverage is not None else [],
     )
-    if coverage is not None:
-        d.untraced = coverage.untraced
-        d.verdict = covered_text(d.verdict, coverage, bool(hangs), window_s)
-    if d.dead:
-        d.healthy = False
-        d.verdict = f"{death_text(d.dead)}; {d.verdict}"
-    return _flight_noted(d, recorded, traced=bool(matched) or bool(rows))
+    d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
+    return d
 
 
-def covered_text(said: str, cov: cv.Coverage, hang: bool, window_s: float) -> str:
-    """The verdict ``said`` over ``cov``'s span, with the ranks not tracing:
-    no verdict where no instant had every rank tracing (a hang seen in the
-    stacks and counts stands: it needs no trace)."""
-    note = cov.note()
-    if not note:
-        return said
-    if cov.span is None and not hang:
-        return (
-            f"no verdict: not every rank traced in the last {window_s:g} s ({note}); "
-            "trace every rank: probing trace --pid P --cluster --background"
-        )
-    if cov.span is None or cov.now:
-        return f"{said}; {note}"
-    start, end = cov.span
-    return f"{said} (judged over {cv.hms(start)}-{cv.hms(end)}, while every rank traced; {note})"
+def _nodes(table: pa.Table, states: list[hg.RankState]) -> dict[int, str]:
+    """Each rank's node, as its rows are tagged, else as its state says."""
+    nodes: dict[int, str] = {}
+    if table.num_rows and "node" in table.column_names:
+        tags = zip(table.column("node").to_pylist(), table.column("rank").to_pylist(), strict=True)
+        nodes = {r: n for n, r in tags}
+    for s in states:
+        nodes.setdefault(s.rank, s.node)
+    return nodes
+
+
+def _hangs(
+    matched: list[coll.Collective],
+    rows: list[dict[str, Any]],
+    ranks: list[int],
+    *,
+    now_ns: int,
+    hang_after_s: float,
+    frames: dict[int, list[dict[str, Any]]],
+    ranks_of: dict[str, list[int]],
+    recorded: fl.Gathered | None,
+    states: list[hg.RankState],
+    stalled_s: float,
+) -> list[hg.Hang]:
+    """The hangs, by the best evidence there is: the traced collectives, then
+    the traced sends and receives (``rows``: a pipeline's), then torch's Flight
+    Recorder (``recorded``), and last each rank's counts and stacks (``states``,
+    still for ``stalled_s``)."""
+    hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
+    if not hangs:
+        hangs = pipeline_hangs(rows, now_ns, hang_after_s, ranks_of, frames)
+    if not hangs and recorded is not None:
+        hangs = hg.recorded_hangs(recorded, now_ns, hang_after_s, frames)
+    if not hangs and states:
+        hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
+    return hangs
+
+
+def _slow_links(
+    matched: list[coll.Collective],
+    nodes: dict[int, str],
+    runq: Callable[[], pa.Table | None] | None,
+) -> list[coll.SlowLink]:
+    """The slow links of ``matched``: where one is suspected and ``runq`` asks
+    how long each rank waited for a CPU, its ranks may be starved instead (the
+    sampler tells them apart)."""
+    slow = coll.slow_links(matched, nodes)
+    if slow and runq is not None:
+        slow = coll.slow_links(matched, nodes, runq_rates(runq()))
+    return slow
 
 
 def judge(
@@ -495,18 +414,6 @@ def judge(
     rows = [r for r in intervals.to_pylist() if int(r["rank"]) not in died]
     cov = cv.coverage(rows, [r for r in ranks if r not in died], since_ns, now_ns)
     return cv.judged(table, cov), cov
-
-
-def _flight_noted(d: Diagnosis, recorded: fl.Gathered | None, traced: bool) -> Diagnosis:
-    """``d`` with the ranks whose Flight Recorder is off (``flight``), said in the
-    verdict too where the recorder would have told what nothing traced did."""
-    if recorded is None:
-        return d
-    d.flight = fl.off_note(recorded.status)
-    by_trace = traced and all(h.evidence == "traced" for h in d.hangs)
-    if d.flight and not by_trace:
-        d.verdict = f"{d.verdict}; {d.flight}"
-    return d
 
 
 def _p2p_only(table: pa.Table) -> pa.Table:
@@ -622,35 +529,7 @@ def _rank_rows(
     return rows
 
 
-# -- talking to the probes --------------------------------------------------------------
-
-
-def _frames_by_rank(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for row in table.to_pylist():
-        out.setdefault(row["rank"], []).append(row)
-    return out
-
-
-def _states(
-    ask: Callable[[str], pa.Table], frames: dict[int, list[dict[str, Any]]], sql: dict[str, str]
-) -> list[hg.RankState]:
-    try:
-        counts = ask(sql["counts"])
-    except ProbingError:  # python.`expr` is local-only: remote ranks give stacks only
-        counts = pa.table({"rank": pa.array([], pa.int64())})
-    per: dict[int, dict[str, int]] = {}
-    nodes: dict[int, str] = {}
-    if "count" in counts.column_names:
-        for row in counts.to_pylist():
-            per.setdefault(row["rank"], {})[row["group"]] = int(row["count"])
-            nodes[row["rank"]] = row["node"]
-    for r, rows in frames.items():
-        nodes.setdefault(r, str(rows[0].get("node") or "") if rows else "")
-    return [
-        hg.RankState(r, nodes.get(r, ""), per.get(r, {}), frames.get(r, []))
-        for r in sorted(set(per) | set(frames))
-    ]
+# -- asking the probes, and watching a stall ------------------------------------------
 
 
 class Job(Protocol):
@@ -696,19 +575,93 @@ def diagnose(
     sql = queries(remote=job.remote)
     since = now - int(window_s * 1e9)
     # what every diagnosis asks, asked at once (each waits on the probes, not the CPU)
-    tags = ", node, rank" if job.remote else ""
+    ask = asked_at_once(job.ask, _first_questions(sql, since, job.remote, eager))
+    got = _gather(ask, sql, job.remote, since, now, window_s, hang_after_s)
+    # the trace tells how long nothing moved only while every rank traces; else
+    # the counts are watched (below)
+    traced_now = got.coverage is None or got.coverage.now
+    stalled = round(_stalled_s(got.table, now, job.trace_starts_ns), 1) if traced_now else 0.0
+    runq = functools.partial(optional, ask, sql["runq"].format(since_ns=since))
+    matched = coll.match(got.table)  # once: each analyze below, and why a straggler is slow
+
+    def analyzed(stalled_s: float, at_ns: int) -> Diagnosis:
+        return analyze(
+            got.table, frames=got.frames, states=got.states, stalled_s=stalled_s, now_ns=at_ns,
+            window_s=window_s, hang_after_s=hang_after_s, recorded=got.recorded,
+            ranks_of=got.ranks_of, dead=got.dead, runq=runq, matched=matched,
+            coverage=got.coverage,
+        )  # fmt: skip
+
+    d = analyzed(stalled, now)
+    progressing = (
+        traced_now and got.table.num_rows > 0 and stalled < 1.0
+    )  # traced in the last second
+    if not d.hangs and not progressing and _counts_differ(got.states) and stalled < hang_after_s:
+        watched = _stood_still(ask, sql, got, stalled, hang_after_s, on_wait)
+        if watched is not None:  # still all along: where each rank waits now
+            got.frames = _frames_by_rank(ask(sql["stacks"]))
+            got.states = [
+                dataclasses.replace(s, frames=got.frames.get(s.rank, [])) for s in got.states
+            ]
+            d = analyzed(round(stalled + time.monotonic() - watched, 1), time.time_ns())
+    d.missing = missing_ranks(got.table)
+    if d.stragglers or (d.pipeline is not None and d.pipeline.slow is not None):
+        ask = _explain(d, ask, sql, since, matched, got.coverage)
+    if d.stragglers or d.hangs:
+        d.callsites = _callsites(ask, sql["callsites"].format(since_ns=since))
+    d.elapsed_s = round(time.perf_counter() - t0, 3)
+    return d, got.table
+
+
+POLL_S = 0.25  # how often the counts are asked while a stall is watched
+
+
+@dataclasses.dataclass
+class _Asked:
+    """What every diagnosis asks of every rank, gathered (``_gather``)."""
+
+    table: pa.Table  # the collectives, cut to the span every rank traced in (``judge``)
+    frames: dict[int, list[dict[str, Any]]]  # rank -> its threads' frames (STACKS_SQL)
+    states: list[hg.RankState]  # each rank's counts and frames
+    ranks_of: dict[str, list[int]]  # process group -> its global ranks (comm.groups)
+    dead: list[dict[str, Any]]  # DEAD_SQL's rows
+    recorded: fl.Gathered | None  # torch's Flight Recorder, traced or not
+    coverage: cv.Coverage | None  # the span every rank traced in (trace.intervals)
+
+
+def _first_questions(
+    sql: dict[str, str], since_ns: int, remote: bool, eager: bool
+) -> tuple[str, ...]:
+    """What every diagnosis asks, the collectives first; with ``eager``, what
+    explaining a straggler takes and the Flight Recorder's rows too."""
+    tags = ", node, rank" if remote else ""
     first: tuple[str, ...] = (
-        sql["collectives"].format(since_ns=since), sql["groups"], sql["stacks"],
+        sql["collectives"].format(since_ns=since_ns), sql["groups"], sql["stacks"],
         sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags), sql["intervals"])  # fmt: skip
     if eager:
         explain = ("samples", "cuda", "nvml", "cpu", "callsites")
         first += (
             fl.FLIGHT_SQL.format(tags=tags),
-            *(sql[n].format(since_ns=since) for n in explain),
+            *(sql[n].format(since_ns=since_ns) for n in explain),
         )
-    ask = asked_at_once(job.ask, first)
-    table = ask(first[0])
-    table = _with_history(table, ask, sql["collectives"], now, window_s, hang_after_s)
+    return first
+
+
+def _gather(
+    ask: Callable[[str], pa.Table],
+    sql: dict[str, str],
+    remote: bool,
+    since_ns: int,
+    now_ns: int,
+    window_s: float,
+    hang_after_s: float,
+) -> _Asked:
+    """Every rank's collectives (with the calls before a hang: ``_with_history``),
+    groups, stacks, counts, deaths and Flight Recorder; the collectives judged
+    over the span every rank that answered traced in. A part a probe lacks is
+    left out."""
+    table = ask(sql["collectives"].format(since_ns=since_ns))
+    table = _with_history(table, ask, sql["collectives"], now_ns, window_s, hang_after_s)
     ranks_of: dict[str, list[int]] = {}
     try:
         groups = ask(sql["groups"])
@@ -722,68 +675,98 @@ def diagnose(
         dead = ask(sql["dead"]).to_pylist()
     except ProbingError:  # a probe of an older probing: no died_ns
         dead = []
-    recorded = fl.gather(ask, job.remote)  # torch's Flight Recorder, traced or not
+    recorded = fl.gather(ask, remote)  # torch's Flight Recorder, traced or not
     answered = _ranks_of(table) | set(frames) | {s.rank for s in states}
-    table, cov = judge(table, optional(ask, sql["intervals"]), sorted(answered), dead, since, now)
-    # the trace tells how long nothing moved only while every rank traces; else
-    # the counts are watched (below)
-    traced_now = cov is None or cov.now
-    stalled = round(_stalled_s(table, now, job.trace_starts_ns), 1) if traced_now else 0.0
-    runq_sql = sql["runq"].format(since_ns=since)
-    matched = coll.match(table)  # once: each analyze below, and why a straggler is slow
+    intervals = optional(ask, sql["intervals"])
+    table, cov = judge(table, intervals, sorted(answered), dead, since_ns, now_ns)
+    return _Asked(table, frames, states, ranks_of, dead, recorded, cov)
 
-    def runq() -> pa.Table | None:
-        return optional(ask, runq_sql)
 
-    d = analyze(
-        table, frames=frames, states=states, stalled_s=stalled, now_ns=now,
-        window_s=window_s, hang_after_s=hang_after_s, recorded=recorded, ranks_of=ranks_of,
-        dead=dead, runq=runq, matched=matched, coverage=cov,
+def _stood_still(
+    ask: Callable[[str], pa.Table],
+    sql: dict[str, str],
+    got: _Asked,
+    stalled_s: float,
+    hang_after_s: float,
+    on_wait: Callable[[float], None] | None,
+) -> float | None:
+    """Every rank's counts asked every ``POLL_S`` until they have stood still
+    ``hang_after_s`` in all (``stalled_s`` of it gone already): when the watch
+    began (``time.monotonic()``), or None where they moved. ``on_wait`` is
+    told how long that will take."""
+    watched = time.monotonic()
+    if on_wait is not None:
+        on_wait(hang_after_s - stalled_s)
+    while stalled_s + time.monotonic() - watched < hang_after_s:
+        time.sleep(POLL_S)
+        again = _states(ask, got.frames, sql)
+        if [s.counts for s in again] != [s.counts for s in got.states]:
+            return None
+    return watched
+
+
+def _explain(
+    d: Diagnosis,
+    ask: Callable[[str], pa.Table],
+    sql: dict[str, str],
+    since_ns: int,
+    matched: list[coll.Collective],
+    coverage: cv.Coverage | None,
+) -> Callable[[str], pa.Table]:
+    """What makes ``d``'s stragglers (or its pipeline's slow stage) slow, asked
+    at once, into ``d.why`` and said in its verdict; returns ``ask`` with the
+    stragglers' callsites already on their way."""
+    extra_sql = {n: sql[n].format(since_ns=since_ns) for n in ("samples", "cuda", "nvml", "cpu")}
+    sites = [sql["callsites"].format(since_ns=since_ns)] if d.stragglers else []
+    ask = asked_at_once(ask, (*extra_sql.values(), *sites))
+    extra = {n: optional(ask, q) for n, q in extra_sql.items()}
+    d.why = explain_stragglers(
+        d.stragglers, matched, extra["samples"], extra["cuda"], extra["nvml"], extra["cpu"],
     )  # fmt: skip
-    progressing = traced_now and table.num_rows > 0 and stalled < 1.0  # traced in the last second
-    if not d.hangs and not progressing and _counts_differ(states) and stalled < hang_after_s:
-        watched = time.monotonic()
-        if on_wait is not None:
-            on_wait(hang_after_s - stalled)
-        while stalled + time.monotonic() - watched < hang_after_s:
-            time.sleep(POLL_S)
-            again = _states(ask, frames, sql)
-            if [s.counts for s in again] != [s.counts for s in states]:
-                break
-        else:
-            frames = _frames_by_rank(ask(sql["stacks"]))
-            states = [dataclasses.replace(s, frames=frames.get(s.rank, [])) for s in states]
-            d = analyze(
-                table, frames=frames, states=states, now_ns=time.time_ns(),
-                stalled_s=round(stalled + time.monotonic() - watched, 1),
-                window_s=window_s, hang_after_s=hang_after_s, recorded=recorded,
-                ranks_of=ranks_of, dead=dead, runq=runq, matched=matched, coverage=cov,
-            )  # fmt: skip
-    d.missing = missing_ranks(table)
-    slow_stage = d.pipeline is not None and d.pipeline.slow is not None
-    if d.stragglers or slow_stage:
-        extra_sql = {n: sql[n].format(since_ns=since) for n in ("samples", "cuda", "nvml", "cpu")}
-        sites = [sql["callsites"].format(since_ns=since)] if d.stragglers else []
-        ask = asked_at_once(ask, (*extra_sql.values(), *sites))
-        extra = {n: optional(ask, q) for n, q in extra_sql.items()}
-        d.why = explain_stragglers(
-            d.stragglers, matched, extra["samples"], extra["cuda"], extra["nvml"], extra["cpu"],
-        )  # fmt: skip
-        d.why += explain_stage(d.pipeline, extra["samples"], d.stragglers)
-        d.verdict = verdict(
-            d.stragglers, d.slow_links, d.hangs, d.summary, window_s, d.why, d.pipeline
-        )
-        if cov is not None:
-            d.verdict = covered_text(d.verdict, cov, bool(d.hangs), window_s)
-        if d.dead:
-            d.verdict = f"{death_text(d.dead)}; {d.verdict}"
-    if d.stragglers or d.hangs:
-        try:
-            d.callsites = callsites(ask(sql["callsites"].format(since_ns=since)))
-        except ProbingError:  # a trace without Python stacks
-            d.callsites = {}
-    d.elapsed_s = round(time.perf_counter() - t0, 3)
-    return d, table
+    d.why += explain_stage(d.pipeline, extra["samples"], d.stragglers)
+    # found in the trace, with no hang: nothing the Flight Recorder would add
+    d.verdict = whole_verdict(d, coverage, traced=True)
+    return ask
+
+
+def _callsites(ask: Callable[[str], pa.Table], sql: str) -> dict[int, str]:
+    """Each rank's most frequent collective callsite (``callsites``); none from
+    a trace without Python stacks."""
+    try:
+        return callsites(ask(sql))
+    except ProbingError:
+        return {}
+
+
+def _frames_by_rank(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
+    """STACKS_SQL's rows, by rank."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        out.setdefault(row["rank"], []).append(row)
+    return out
+
+
+def _states(
+    ask: Callable[[str], pa.Table], frames: dict[int, list[dict[str, Any]]], sql: dict[str, str]
+) -> list[hg.RankState]:
+    """Each rank's count of collectives per process group (torch's, where the
+    probe can ask it: COUNTS_SQL) with its ``frames``."""
+    try:
+        counts = ask(sql["counts"])
+    except ProbingError:  # python.`expr` is local-only: remote ranks give stacks only
+        counts = pa.table({"rank": pa.array([], pa.int64())})
+    per: dict[int, dict[str, int]] = {}
+    nodes: dict[int, str] = {}
+    if "count" in counts.column_names:
+        for row in counts.to_pylist():
+            per.setdefault(row["rank"], {})[row["group"]] = int(row["count"])
+            nodes[row["rank"]] = row["node"]
+    for r, rows in frames.items():
+        nodes.setdefault(r, str(rows[0].get("node") or "") if rows else "")
+    return [
+        hg.RankState(r, nodes.get(r, ""), per.get(r, {}), frames.get(r, []))
+        for r in sorted(set(per) | set(frames))
+    ]
 
 
 # questions in flight at once: a probe answers PROBING_WORKERS (8) requests at a

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from probing import config, paths
+from probing import config, paths, proc
 from probing.errors import (
     AccessDenied,
     NoProbe,
@@ -131,7 +131,7 @@ class UnixTransport:
     def _guest_lives(self) -> bool:
         """Whether the process lives and its guest answers: a probe socket
         that refuses is then an engine that died, not a process."""
-        if self.pid is None or not os.path.exists(f"/proc/{self.pid}"):
+        if self.pid is None or not proc.exists(self.pid):
             return False
         guest = os.path.join(os.path.dirname(self.path), f"{self.pid}.guest")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -233,7 +233,7 @@ class ProbeClient:
                 "then start the probe again",
             ) from err
         if path is None:
-            if not os.path.exists(f"/proc/{pid}"):
+            if not proc.exists(pid):
                 raise no_such_pid(pid)
             from probing.procs import no_probe
 

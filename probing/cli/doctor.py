@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from probing.checks import (  # noqa: F401  (doctor's checks, shared with the tracer)
-    CAP_BPF,
-    CAP_PERFMON,
-    CAP_SYS_ADMIN,
-    CAP_SYS_PTRACE,
+from probing.checks import (  # doctor's checks, shared with the tracer and the injector
     Check,
     check_bcc,
     check_bpf_caps,
@@ -15,10 +11,6 @@ from probing.checks import (  # noqa: F401  (doctor's checks, shared with the tr
     check_kernel,
     check_ptrace,
     check_tracefs,
-    effective_caps,
-    has_cap,
-    kernel_version,
-    tracefs_dir,
 )
 
 

@@ -214,10 +214,11 @@ class TraceMonitor:
     def wait_exit(self, timeout: float = 10.0) -> None:
         import time
 
+        from probing import proc
+
         def alive() -> bool:
             try:
-                with open(f"/proc/{self.pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+                return proc.stat(self.pid)[0] != "Z"
             except OSError:
                 return False
 

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from probing import elf, paths, pyframes
+from probing import elf, paths, proc, pyframes
 from probing.errors import (
     AccessDenied,
     AttachError,
@@ -47,7 +47,6 @@ from probing.guest import place
 from probing.inject import build
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
-from probing.procs import task_stat, task_syscall
 
 PAGE = 4096
 RTLD_NOW = 2
@@ -93,9 +92,8 @@ class InjectResult:
 
 def _status(pid: int) -> dict[str, str]:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
-    except FileNotFoundError:
+        return proc.status(pid)
+    except ProcessLookupError:
         raise no_such_pid(pid) from None
 
 
@@ -113,8 +111,7 @@ def permission_error(pid: int, uid: int, what: str) -> AccessDenied:
     me = os.geteuid()
     cap = has_cap(effective_caps(), CAP_SYS_PTRACE)
     try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read())
+        scope = int(proc.node("sys/kernel/yama/ptrace_scope"))
     except (OSError, ValueError):
         scope = 0
     if me == 0 and not cap:
@@ -157,9 +154,7 @@ def inspect(pid: int) -> Target:
     if state.startswith(("Z", "X")):
         raise NoSuchProcess(f"process {pid} ({comm}) has exited (zombie)", pid=pid)
     if tracer:
-        tcomm = (
-            _status(tracer).get("Name", "?").strip() if os.path.exists(f"/proc/{tracer}") else "?"
-        )
+        tcomm = _status(tracer).get("Name", "?").strip() if proc.exists(tracer) else "?"
         raise AttachError(
             f"process {pid} ({comm}) is being traced by pid {tracer} ({tcomm})",
             pid=pid,
@@ -170,11 +165,11 @@ def inspect(pid: int) -> Target:
             f"process {pid} ({comm}) is stopped", pid=pid, hint=f"resume it with kill -CONT {pid}"
         )
     try:
-        maps = elf.read_maps(pid)
-        os.readlink(f"/proc/{pid}/exe")  # needs the same access as ptrace
+        maps = proc.maps(pid)
+        proc.readlink(pid, "exe")  # needs the same access as ptrace
     except PermissionError:
         raise permission_error(pid, uid, "trace") from None
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         raise NoSuchProcess(f"process {pid} has exited", pid=pid) from None
     arch = native()
     objs = elf.loaded_objects(maps)
@@ -218,7 +213,7 @@ def inspect(pid: int) -> Target:
 
 def _exe(pid: int) -> str:
     try:
-        return os.readlink(f"/proc/{pid}/exe")
+        return proc.readlink(pid, "exe")
     except OSError:
         return "its executable"
 
@@ -275,14 +270,14 @@ def held_signals() -> Iterator[None]:
 
 def _threads(pid: int) -> list[int]:
     try:
-        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-    except FileNotFoundError:
+        tids = proc.tasks(pid)
+    except ProcessLookupError:
         raise TargetGone(f"process {pid} is gone", pid=pid) from None
     return sorted(tids, key=lambda t: t != pid)  # the main thread first
 
 
 def _at_safe_point(target: Target, tracee: Tracee, unsafe: list[tuple[int, int]]) -> bool:
-    nr = task_syscall(tracee.tid, target.pid)
+    nr = proc.task_syscall(tracee.tid, target.pid)
     if nr >= 0:
         return nr not in target.arch.memory_syscalls
     pc = target.arch.pc(tracee.get_regs())
@@ -464,7 +459,7 @@ def _give_back(tracee: Tracee, state: RegState, mapping: tuple[int, int], insn: 
 
 def _symbol_in(pid: int, lib: str, name: str) -> int:
     real = os.path.realpath(lib)
-    for obj in elf.loaded_objects(elf.read_maps(pid)).values():
+    for obj in elf.loaded_objects(proc.maps(pid)).values():
         if os.path.realpath(elf.host_path(pid, obj.path)) == real or obj.path == real:
             addr = elf.Symbols(real, (name,)).address(name, obj.base)
             if addr:
@@ -511,7 +506,7 @@ def _wait_report(target: Target, status: str, timeout: float) -> dict[str, Any]:
                 return json.load(f)
         except (FileNotFoundError, ValueError):
             pass
-        if not os.path.exists(f"/proc/{target.pid}"):
+        if not proc.exists(target.pid):
             raise NoSuchProcess(f"process {target.pid} exited during injection", pid=target.pid)
         time.sleep(0.001)
     raise AttachError(
@@ -526,7 +521,7 @@ def _alive(pid: int, wait: bool = False) -> bool:
     """Whether ``pid`` still runs; ``wait``: give a dying process a second to show it."""
     deadline = time.monotonic() + (1.0 if wait else 0.0)
     while True:
-        stat = task_stat(pid, pid)  # the main thread's state is the process's
+        stat = proc.task_stat(pid, pid)  # the main thread's state is the process's
         if stat is None or stat[0] in ("Z", "X"):
             return False
         if time.monotonic() >= deadline:

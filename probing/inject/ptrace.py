@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from probing import proc
 from probing.errors import AttachError, NoSuchProcess
 from probing.inject.arch import Arch
 from probing.pyframes.memory import IOVec, cstring
@@ -70,7 +71,7 @@ class Memory:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        self.fd = os.open(proc.path(pid, "mem"), os.O_RDWR | os.O_CLOEXEC)
 
     def read(self, addr: int, size: int) -> bytes:
         return os.pread(self.fd, size, addr)

@@ -47,7 +47,7 @@ from typing import Any
 
 import psutil
 
-from probing import paths
+from probing import paths, proc
 from probing.guest import place, wire
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition
@@ -150,20 +150,20 @@ class Agent:
         """One look at the node: attach to what matches and is new; what was attached."""
         self.scans += 1
         new = []
-        for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
-            pid = proc.info["pid"]
+        for found in psutil.process_iter(["pid", "cmdline", "create_time"]):
+            pid = found.info["pid"]
             with self._lock:
                 known = self.seen.get(pid)
             if pid == os.getpid() or (known is not None and not _retry(known)):
                 continue
-            argv = proc.info.get("cmdline") or []
+            argv = found.info.get("cmdline") or []
             if not argv or "python" not in os.path.basename(argv[0]):
                 continue
-            environ = _environ(pid)
+            environ = proc.environ(pid)
             why = self.policy.why(environ, argv, _cgroup(pid)) if environ else ""
             if not why or not self.policy.attach:
                 continue
-            age = max(0.0, time.time() - (proc.info.get("create_time") or time.time()))
+            age = max(0.0, time.time() - (found.info.get("create_time") or time.time()))
             got = self._attach(pid, why, _job(environ), age)
             if known is not None:
                 got.tries = known.tries + 1
@@ -203,7 +203,7 @@ class Agent:
             if job is None and pid in self._gone:
                 job = self._gone[pid][0]
         if job is None:
-            job = _job(_environ(pid))
+            job = _job(proc.environ(pid))
             with self._lock:
                 self._jobs[pid] = job
         return job
@@ -321,16 +321,9 @@ def _retry(known: Attached) -> bool:
     return known.state.startswith("failed") and known.tries < RETRIES
 
 
-def _environ(pid: int) -> dict[str, str]:
-    from probing.target import proc_environ
-
-    return proc_environ(pid) or {}
-
-
 def _cgroup(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            return f.read()
+        return proc.read(pid, "cgroup")
     except OSError:
         return ""
 

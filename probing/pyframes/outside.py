@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from probing import proc
 from probing.errors import no_such_pid
-from probing.procs import syscall_name, task_stat, task_syscall
+from probing.procs import syscall_name
 from probing.pyframes import remote
 
 
 def _comm(pid: int, tid: int) -> str:
     try:
-        with open(f"/proc/{pid}/task/{tid}/comm") as f:
-            return f.read().strip()
+        return proc.read(pid, f"task/{tid}/comm").strip()
     except OSError:
         return f"thread {tid}"
 
 
 def _state(pid: int, tid: int) -> tuple[str, str | None]:
-    stat = task_stat(tid, pid)
+    stat = proc.task_stat(tid, pid)
     if stat is None:
         return "exited", None
     if stat[0] == "R":
         return "active", None
-    nr = task_syscall(tid, pid)
+    nr = proc.task_syscall(tid, pid)
     if nr < 0:
         return "idle", None
     return ("waiting" if syscall_name(nr) == "futex" else "idle"), syscall_name(nr)
@@ -32,16 +31,16 @@ def _state(pid: int, tid: int) -> tuple[str, str | None]:
 
 def stacks_from_outside(pid: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(process info, frame rows) as ``probing stack`` prints them."""
-    if not os.path.exists(f"/proc/{pid}"):
+    if not proc.exists(pid):
         raise no_such_pid(pid)
     interp, threads = remote.dump(pid)
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        raw = proc.read_bytes(pid, "cmdline")
+        cmdline = raw.replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         cmdline = "?"
     try:
-        exe = os.readlink(f"/proc/{pid}/exe")
+        exe = proc.readlink(pid, "exe")
     except OSError:
         exe = interp.executable
     info = {"pid": pid, "cmdline": cmdline, "python": interp.python, "python_executable": exe}

@@ -15,7 +15,7 @@ import dataclasses
 import struct
 import sys
 
-from probing import elf
+from probing import elf, proc
 from probing.errors import AccessDenied, NoSuchProcess, ProbingError
 from probing.pyframes import Offsets, offsets_for, walker
 from probing.pyframes.memory import Memory, ProcessMemory
@@ -78,8 +78,8 @@ class Interpreter:
 def locate(pid: int) -> Interpreter:
     """The interpreter of ``pid``: version, ``_PyRuntime`` address, offsets."""
     try:
-        maps = elf.read_maps(pid)
-    except FileNotFoundError:
+        maps = proc.maps(pid)
+    except ProcessLookupError:
         raise NoSuchProcess(f"process {pid} has exited", pid=pid) from None
     except PermissionError:
         raise AccessDenied(

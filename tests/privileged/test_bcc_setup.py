@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from probing import checks
 from probing.cli import doctor
 from tests.conftest import require_bpf
 
@@ -48,5 +49,5 @@ def test_a_uprobe_counts_exact_calls() -> None:
         assert bpf["calls"][ctypes.c_int(0)].value == 37
     finally:
         bpf.cleanup()
-    with open(os.path.join(doctor.tracefs_dir() or "/sys/kernel/tracing", "uprobe_events")) as f:
+    with open(os.path.join(checks.tracefs_dir() or "/sys/kernel/tracing", "uprobe_events")) as f:
         assert f"_{os.getpid()}" not in f.read()  # nothing left attached

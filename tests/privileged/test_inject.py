@@ -25,6 +25,7 @@ import pytest
 from probing import paths
 from probing.cli import doctor
 from probing.cli.client import ProbeClient
+from probing.guest import place
 from probing.inject import inject
 from tests.conftest import SLOWDOWN, cli, require
 
@@ -420,7 +421,7 @@ def test_a_stale_socket_of_a_reused_pid_is_replaced(tmp_path: Path) -> None:
     host = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
     try:
         path = paths.socket_path(host.pid)
-        paths.ensure_private_dir(os.path.dirname(path))
+        place.ensure_private_dir(os.path.dirname(path))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         with socket.socket(socket.AF_UNIX) as stale:  # bound, then closed: nobody listens

@@ -393,7 +393,7 @@ def test_a_target_killed_mid_trace_leaves_no_uprobes(spawn, tmp_path: Path) -> N
     os.kill(t.pid, signal.SIGKILL)
     t.proc.wait(timeout=10)
     no_uprobes_left(t.pid)
-    with open(os.path.join(doctor.tracefs_dir() or "/sys/kernel/tracing", "uprobe_events")) as f:
+    with open(os.path.join(checks.tracefs_dir() or "/sys/kernel/tracing", "uprobe_events")) as f:
         assert f"_{t.pid}" not in f.read()
 
 

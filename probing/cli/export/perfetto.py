@@ -18,10 +18,10 @@ in memory. The layout:
   functions, the spans it was not tracing (``flame``).
 
 Event names, categories, arg names and string arg values (stacks repeat
-for every call) are interned: each is written once on the sequence, in the
-first packet of the chunk that first uses it, and referred to by id after
-(the intern table holds one copy of each distinct string). A clock snapshot
-declares the timestamps wall-clock (REALTIME) time.
+for every call) are interned (``interning``): each is written once on the
+sequence, in the first packet of the chunk that first uses it, and referred
+to by id after (the intern table holds one copy of each distinct string).
+A clock snapshot declares the timestamps wall-clock (REALTIME) time.
 
 Real pids and tids are kept unless two ranks (on different nodes) share
 one; those get synthetic ids above ``SYNTHETIC_BASE``.
@@ -35,10 +35,10 @@ from typing import IO, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
 from probing.cli.export import protowire as wire
+from probing.cli.export.interning import Interner, annotation
 from probing.cli.export.protowire import FIXED64, LEN, VARINT, Bytes, Message
 
 SEQUENCE_ID = 7919
@@ -47,10 +47,8 @@ MAX_LAYOUTS = 8  # a chunk's rows written in up to this many parts (``SliceChunk
 TE = pb.TrackEvent
 # field numbers (perfetto's protos/perfetto/trace/trace_packet.proto, track_event/*.proto)
 PACKET, TIMESTAMP, SEQ_ID, TRACK_EVENT, INTERNED, SEQ_FLAGS = 1, 8, 10, 11, 12, 13
-CATEGORY_IIDS, ANNOTATIONS, TYPE, NAME_IID, TRACK_UUID, DOUBLE_VALUE, FLOW_IDS = (
-    3, 4, 9, 10, 11, 44, 47)  # fmt: skip
-ARG_NAME_IID, ARG_BOOL, ARG_UINT, ARG_INT, ARG_DOUBLE, ARG_STRING, ARG_STRING_IID = (
-    1, 2, 3, 4, 5, 6, 17)  # fmt: skip
+CATEGORY_IIDS, TYPE, NAME_IID, TRACK_UUID, DOUBLE_VALUE, FLOW_IDS = (
+    3, 9, 10, 11, 44, 47)  # fmt: skip
 
 
 def flow_ids(comms: list[str], comm: np.ndarray, seq: np.ndarray) -> np.ndarray:
@@ -91,8 +89,7 @@ class TraceWriter:
         self._tid_owner: dict[int, int] = {}  # tid as written -> rank
         self._counters: dict[tuple[int, str], int] = {}
         self._synthetic = SYNTHETIC_BASE
-        self._interned: dict[str, dict[str, int]] = {}
-        self._declare = pb.InternedData()  # interned since the last chunk: in its first packet
+        self._strings = Interner()  # declared in the first packet of the chunk that uses each
         self.thread_names: dict[tuple[int, int], str] = {}  # (rank, tid) -> name
         self.slices: dict[int, int] = {}  # rank -> slices written
         self.flow_slices: dict[int, int] = {}  # rank -> slices carrying a flow id
@@ -120,37 +117,6 @@ class TraceWriter:
         if ts is not None:
             p.timestamp = ts
         return p
-
-    def intern(self, kind: str, texts: list[str]) -> list[int]:
-        """The interned ids of ``texts`` (``kind``: an ``InternedData`` field: names,
-        categories, arg names, arg strings), declared in the next chunk's first
-        packet the first time each is seen."""
-        table = self._interned.setdefault(kind, {})
-        out = []
-        for text in texts:
-            iid = table.get(text)
-            if iid is None:
-                iid = table[text] = len(table) + 1
-                entry = getattr(self._declare, kind).add()
-                entry.iid = iid
-                if kind == "debug_annotation_string_values":
-                    entry.str = text.encode()
-                else:
-                    entry.name = text
-            out.append(iid)
-        return out
-
-    def intern_array(self, kind: str, values: pa.Array) -> np.ndarray:
-        """Interned ids of a string column, 0 where null (dictionary-encoded: each
-        distinct string looked up once)."""
-        enc = pc.dictionary_encode(values)
-        if isinstance(enc, pa.ChunkedArray):
-            enc = enc.combine_chunks()
-        words = enc.dictionary.to_pylist()  # (a dictionary array's may hold a null)
-        said = [w for w in words if w is not None]
-        ids = iter(self.intern(kind, said))
-        iids = np.array([*(0 if w is None else next(ids) for w in words), 0], dtype=np.int64)
-        return iids[enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)]  # -1: the last
 
     def clock(self, ts: int) -> None:
         """Declare the timestamps REALTIME (wall clock), so the UI can show UTC."""
@@ -276,11 +242,15 @@ class TraceWriter:
         )  # fmt: skip
         event = [
             const(wire.tag(CATEGORY_IIDS, VARINT), n),
-            wire.varints(self.intern_array("event_categories", chunk.category)),
-            *[part for name, values in chunk.args for part in self._annotation(name, values)],
+            wire.varints(self._strings.intern_array("event_categories", chunk.category)),
+            *[
+                part
+                for name, values in chunk.args
+                for part in annotation(self._strings, name, values)
+            ],
             const(_field(TYPE, VARINT, TE.TYPE_SLICE_BEGIN), n),
             const(wire.tag(NAME_IID, VARINT), n),
-            wire.varints(self.intern_array("event_names", chunk.name)),
+            wire.varints(self._strings.intern_array("event_names", chunk.name)),
             *self._track(track),
             *flow,
         ]
@@ -317,8 +287,7 @@ class TraceWriter:
         if self._first:  # the sequence starts here: its first packet clears the state
             self._packet()
         self.flush()
-        declared = self._declare.SerializeToString()
-        self._declare = pb.InternedData()
+        declared = self._strings.take_declared()
         start = 0
         if declared:  # the first packet, with the interned data before its flags
             first = _rows(packet, slice(0, 1))
@@ -330,50 +299,6 @@ class TraceWriter:
         if start < n:
             rest = wire.nested(PACKET, _rows(packet, slice(start, n)), n - start)
             self._file.write(wire.join([*rest, *_rows(after, slice(start, n))]).data)
-
-    def _annotation(self, name: str, values: pa.Array) -> Message:
-        """One arg of every slice (a debug annotation), left out where null."""
-        n = len(values)
-        [iid] = self.intern("debug_annotation_names", [name])
-        inner = [wire.const(_field(ARG_NAME_IID, VARINT, iid), n), *self._arg_value(values)]
-        present = values.is_valid().to_numpy(zero_copy_only=False)
-        return wire.only(wire.nested(ANNOTATIONS, inner, n), present)
-
-    def _arg_value(self, values: pa.Array) -> Message:
-        """An arg's value: strings interned, ints (uint64 past int64: ``uint_value``),
-        floats, bools; lists joined with ``x`` (a CUDA grid: ``4x1x1``); anything
-        else as its text."""
-        n = len(values)
-        if pa.types.is_dictionary(values.type):
-            if pa.types.is_string(values.type.value_type):  # each distinct string once
-                iids = self.intern_array("debug_annotation_string_values", values)
-                return [wire.const(wire.tag(ARG_STRING_IID, VARINT), n), wire.varints(iids)]
-            values = values.cast(values.type.value_type)
-        t = values.type
-        if pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t):
-            values, t = _joined(values), pa.string()
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
-            iids = self.intern_array("debug_annotation_string_values", values)
-            return [wire.const(wire.tag(ARG_STRING_IID, VARINT), n), wire.varints(iids)]
-        if pa.types.is_boolean(t) or pa.types.is_integer(t):
-            v = values.fill_null(pa.scalar(0, t) if pa.types.is_integer(t) else False)
-            v = v.to_numpy(zero_copy_only=False)
-            field = np.full(n, ARG_BOOL if pa.types.is_boolean(t) else ARG_INT, np.uint8)
-            if t == pa.uint64():
-                field[v >= np.uint64(1 << 63)] = ARG_UINT
-            return [wire.bytes_each((field << 3)[:, None]), wire.varints(v.astype(np.uint64))]
-        if pa.types.is_floating(t):
-            v = values.fill_null(0).to_numpy(zero_copy_only=False)
-            return [
-                wire.const(wire.tag(ARG_DOUBLE, FIXED64), n),
-                wire.fixed64(v.astype(np.float64)),
-            ]
-        text = [str(v).encode() for v in values.to_pylist()]
-        return [
-            wire.const(wire.tag(ARG_STRING, LEN), n),
-            wire.varints(np.array([len(b) for b in text], dtype=np.int64)),
-            wire.blobs(text),
-        ]
 
     def instant(self, track: int, ts: int, name: str, args: dict[str, Any]) -> None:
         p = self._packet(ts)
@@ -402,15 +327,6 @@ def _count(counts: dict[int, int], ranks: list[int], each: np.ndarray) -> None:
     """``counts[ranks[i]] += each[i]``."""
     for r, k in zip(ranks, each.tolist(), strict=True):
         counts[r] = counts.get(r, 0) + k
-
-
-def _joined(values: pa.Array) -> pa.Array:
-    """A list column as text, ``"x".join(str(item))`` per row (a CUDA grid: ``4x1x1``)."""
-    items = values.type.value_type
-    if pa.types.is_integer(items) and not pc.list_flatten(values).null_count:
-        return pc.binary_join(values.cast(pa.list_(pa.string())), "x")
-    rows = values.to_pylist()
-    return pa.array([None if v is None else "x".join(str(x) for x in v) for v in rows], pa.string())
 
 
 class Thread(NamedTuple):

@@ -220,8 +220,8 @@ def list_processes() -> tuple[ProcessList, str]:
     import psutil
 
     from probing.cli.render import format_rows
+    from probing.proc import environ
     from probing.procs import python_processes
-    from probing.target import proc_environ
 
     procs = python_processes()
     probed = [p.pid for p in procs if p.probe == "yes"]
@@ -229,7 +229,7 @@ def list_processes() -> tuple[ProcessList, str]:
         identity = dict(zip(probed, pool.map(_probe_identity, probed), strict=True))
     out: list[Process] = []
     for proc in procs:
-        env = proc_environ(proc.pid)
+        env = environ(proc.pid)
         ident = identity.get(proc.pid, {})
         known = ident.get("rank")
         rank = known if isinstance(known, int) and known >= 0 else None

@@ -119,7 +119,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return host in (f"127.0.0.1:{self.ui.port}", f"localhost:{self.ui.port}")
 
     def _window(self, query: dict[str, list[str]]) -> float:
-        from probing.node.tables.nvml import parse_interval
+        from probing.config import parse_interval
 
         raw = query.get("window", ["60"])[0]
         return parse_interval(raw if raw[-1:].isalpha() else raw + "s")

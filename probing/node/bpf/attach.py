@@ -21,11 +21,11 @@ from probing.node.bpf import families as fam
 from probing.node.bpf.loader import Uprobe
 from probing.node.bpf.symbols import (
     ELF_ERRORS,
-    Mapping,
     exported,
     exported_matching,
     file_offsets,
 )
+from probing.proc import Mapping
 from probing.schema import schema_of, table_of
 
 if TYPE_CHECKING:

@@ -32,7 +32,8 @@ import pyarrow as pa
 
 from probing.errors import ProbingError
 from probing.node.bpf import families as fam
-from probing.node.bpf.symbols import Mapping, RuntimeNames, Symbolizer
+from probing.node.bpf.symbols import RuntimeNames, Symbolizer
+from probing.proc import Mapping
 
 if TYPE_CHECKING:
     from probing.node.bpf.drain import Live

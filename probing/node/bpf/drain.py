@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from probing import proc
 from probing.errors import BPFUnavailable, ProbingError
 from probing.node.bpf import families as fam
 from probing.node.bpf import kernel, loader
@@ -253,7 +253,7 @@ class Drainer:
             return f.schema.empty_table()
         ev = np.frombuffer(b"".join(raw), dtype=f.dtype)
         ev = ev[(ev["flags"] & fam.HAS_RET) == 0]  # returned calls stay until overwritten
-        ev = ev[[os.path.exists(f"/proc/{pid}/task/{t}") for t in ev["tid"]]]
+        ev = ev[[proc.exists(pid, f"task/{t}") for t in ev["tid"]]]
         batch = fam.to_batch(f, ev, self.decoded, -1)
         ids = pa.nulls(len(ev), pa.int64())
         return pa.Table.from_batches([batch]).set_column(0, "event_id", ids)

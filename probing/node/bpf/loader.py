@@ -315,7 +315,7 @@ def obtain(source: str, family_h: str | None, cflags: list[str]) -> tuple[Compil
     directory = cache_dir()
     path = os.path.join(directory, f"{source.removesuffix('.bpf.c')}-{key}.json")
     try:
-        from probing.paths import ensure_private_dir
+        from probing.guest.place import ensure_private_dir
 
         ensure_private_dir(directory)
     except (OSError, ProbingError):

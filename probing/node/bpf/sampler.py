@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from probing import proc
 from probing.errors import BPFUnavailable
 
 SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
@@ -250,8 +251,7 @@ class Sampler:
         an OpenMP worker's inherited ``python``), read once; None once it is gone."""
         if tid not in self._comms:
             try:
-                with open(f"/proc/{self.pid}/task/{tid}/comm") as f:
-                    self._comms[tid] = f.read().strip() or None
+                self._comms[tid] = proc.read(self.pid, f"task/{tid}/comm").strip() or None
             except OSError:
                 self._comms[tid] = None
         return self._comms[tid]

@@ -24,8 +24,7 @@ import os
 import re
 from collections.abc import Callable, Iterable
 
-from probing import elf
-from probing.elf import Mapping
+from probing import elf, proc
 
 # what reading a library's symbols raises: unreadable, or not a well-formed ELF
 ELF_ERRORS = elf.read_errors()
@@ -90,12 +89,10 @@ def exported_matching(
     return {key: (m, addrs[m]) for key, m in keys.items() if m in addrs}
 
 
-def mapped_files(pid: int | str = "self") -> list[Mapping]:
+def mapped_files(pid: int | str = "self") -> list[proc.Mapping]:
     """The mappings of files that still exist (named by path), from /proc/P/maps."""
     return [
-        m
-        for m in elf.read_maps(pid)
-        if m.path.startswith("/") and not m.path.endswith(" (deleted)")
+        m for m in proc.maps(pid) if m.path.startswith("/") and not m.path.endswith(" (deleted)")
     ]
 
 
@@ -144,11 +141,11 @@ class Symbolizer:
 
     def __init__(self, pid: int | str = "self") -> None:
         self.pid = pid
-        self._maps: list[Mapping] = []
+        self._maps: list[proc.Mapping] = []
         self._files: dict[str, _FileSymbols | None] = {}
         self._cache: dict[int, str | None] = {}
 
-    def _mapping(self, addr: int) -> Mapping | None:
+    def _mapping(self, addr: int) -> proc.Mapping | None:
         for m in self._maps:
             if m.start <= addr < m.end:
                 return m

@@ -25,7 +25,7 @@ from typing import Any
 
 from probing import config
 from probing.errors import PeerUnreachable
-from probing.node.probe.http import parse_answer, request_bytes  # noqa: F401 - the peers' requests
+from probing.node.probe.http import parse_answer
 
 
 def reply_limit() -> int:

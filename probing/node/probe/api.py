@@ -221,15 +221,13 @@ def evaluate(probe: Probe, req: Request) -> Response:
 
 def nvml(probe: Probe, req: Request) -> Response:
     """POST /nvml {"interval": "100ms"} starts (or re-times) sampling; {"stop": true} stops."""
-    from probing.node.tables import nvml as gpu
-
     try:
         payload = json.loads(req.body or b"{}")
         sampler = probe.nvml
         if payload.get("stop"):
             sampler.stop()
         else:
-            sampler.start(gpu.parse_interval(payload.get("interval", "100ms")))
+            sampler.start(config.parse_interval(payload.get("interval", "100ms")))
     except (ValueError, AttributeError) as err:
         return Response.error(400, f"bad /nvml request: {err}")
     return Response.json(sampler.status_table().to_pylist()[0])

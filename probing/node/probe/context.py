@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from probing import config, paths
 from probing.errors import ProbingError, log_unexpected, tell
+from probing.node.probe.history import TraceHistory
 from probing.node.probe.imports import quick_gil_handoff, settle
 from probing.target import Local, Target
 
@@ -31,16 +32,6 @@ if TYPE_CHECKING:
     from probing.node.sql import Engine
     from probing.node.store import Store
     from probing.node.tables.nvml import Sampler
-
-# the traces a probe remembers (trace.intervals): a day of one a minute
-KEEP_INTERVALS = 1440
-
-
-def _interval(tracer: Tracer) -> tuple[int, int, str]:
-    """(start_ns, stop_ns or 0 while it traces, its families) of ``tracer``."""
-    stopped = tracer.stopped_ns if tracer.stopped_ns >= tracer.started_ns else 0
-    return tracer.started_ns, stopped, ",".join(f.name for f in tracer.families)
-
 
 # registers tables on a new engine: (engine, context)
 Installer = Callable[["Engine", "ProbeContext"], None]
@@ -80,8 +71,7 @@ class ProbeContext:
         self.socket_path = socket_path or paths.socket_path(self.pid)
         self.queries = 0
         self.tracer: Tracer | None = None  # the last tracer started here
-        # the traces before it: (start_ns, stop_ns, families), oldest first (trace.intervals)
-        self.traced: list[tuple[int, int, str]] = []
+        self.history = TraceHistory()  # the traces before it (trace.intervals)
         # told what is traced after each start (families, options) and stop (None):
         # the engine keeps it, for the next engine to go on where this one was
         self.on_trace: Callable[[dict[str, Any] | None], None] | None = None
@@ -187,9 +177,7 @@ class ProbeContext:
             _ = self.engine  # the tables exist before the first event arrives
             tracer = Tracer(families, store=self.store, target=self.target, **options)
             tracer.start()
-            if current is not None and current.started_ns:
-                self.traced.append(_interval(current))
-                del self.traced[:-KEEP_INTERVALS]
+            self.history.replaced(current)
             self.tracer = tracer
             if self.on_trace is not None:
                 self.on_trace({"families": list(families), **options})
@@ -210,22 +198,7 @@ class ProbeContext:
         """When this process was traced (``trace.intervals``): each trace's
         start and stop, the current one open (``stop_ns`` NULL) while it
         traces, closed at the process's death if it died tracing."""
-        rows = [
-            {"start_ns": a, "stop_ns": b, "state": "stopped", "families": f}
-            for a, b, f in self.traced
-        ]
-        tracer = self.tracer
-        if tracer is not None and tracer.started_ns:
-            start, stop, fams = _interval(tracer)
-            rows.append({"start_ns": start, "stop_ns": stop or None, "state": "stopped",
-                         "families": fams})  # fmt: skip
-            if not stop:
-                rows[-1]["state"] = "tracing"
-        died = getattr(self.target, "died_ns", None)
-        for row in rows:
-            if died and (row["stop_ns"] is None or row["stop_ns"] > died):
-                row["stop_ns"], row["state"] = died, "died"
-        return rows
+        return self.history.rows(self.tracer, getattr(self.target, "died_ns", None))
 
     # -- serving ----------------------------------------------------------------------
 

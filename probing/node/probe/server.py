@@ -105,7 +105,7 @@ class UnixHTTPServer:
 
     @staticmethod
     def _bind_unix(path: str) -> socket.socket:
-        from probing.paths import ensure_private_dir
+        from probing.guest.place import ensure_private_dir
 
         ensure_private_dir(os.path.dirname(path))
         try:

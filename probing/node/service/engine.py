@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from probing import config
+from probing import config, proc
 from probing.errors import ProbingError, log_unexpected
 from probing.guest import place, wire
 from probing.node.cluster.port import NodePort
 from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
-from probing.target import Guest, proc_environ
+from probing.target import Guest
 
 TICK_S = 1.0
 
@@ -177,7 +177,7 @@ class Service:
     def _ours(self, pid: int, guest: str) -> bool:
         """Whether the guest of ``pid`` is of this engine: the same install of
         probing (it says so), and a process run with this engine's settings."""
-        env = proc_environ(pid)
+        env = proc.environ(pid)
         if not env or place.engine_key(env) != self.key:
             return False
         try:

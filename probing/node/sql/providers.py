@@ -22,7 +22,8 @@ from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 
 from probing.errors import ProbingError, ProviderError, log_unexpected
 from probing.node.store import Store
-from probing.node.store.table import CHUNK_COL, Snapshot
+from probing.node.store.chunks import CHUNK_COL
+from probing.node.store.table import Snapshot
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds

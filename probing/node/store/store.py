@@ -13,10 +13,10 @@ import time
 
 import pyarrow as pa
 
-from probing import config
+from probing import config, proc
+from probing.guest.place import ensure_private_dir
 from probing.node.store.codec import DEFAULT_CODEC, get_codec
 from probing.node.store.table import EventTable, TableStats
-from probing.paths import ensure_private_dir
 
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_CHUNK_ROWS = 1 << 16
@@ -38,16 +38,14 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         pass
     fields = _stat(pid)
-    return fields is None or fields[0] not in (b"Z", b"X")  # no /proc to ask: it exists
+    return fields is None or fields[0] not in ("Z", "X")  # no /proc to ask: it exists
 
 
-def _stat(pid: int) -> list[bytes] | None:
+def _stat(pid: int) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after its name (state first); None
     when it cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 :].split()
+        return proc.stat(pid)
     except (OSError, ValueError):
         return None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import sys
 import threading
@@ -14,6 +13,8 @@ from typing import Any, NamedTuple, Protocol
 import pyarrow as pa
 
 from probing.errors import log_unexpected
+from probing.node.store import chunks
+from probing.node.store.chunks import Chunk
 from probing.node.store.codec import Codec
 
 
@@ -31,22 +32,6 @@ class Host(Protocol):
     def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
         """Queue a chunk to be sealed off the caller's thread; False: seal it now."""
         ...
-
-
-_chunk_ids = itertools.count()
-
-
-@dataclasses.dataclass
-class Chunk:
-    id: int
-    path: str
-    rows: int
-    raw_bytes: int
-    stored_bytes: int
-    sealed_at: float  # time.monotonic()
-
-
-CHUNK_COL = "__probing_chunk"  # hive-style partition column: one directory per chunk
 
 
 class Snapshot(NamedTuple):
@@ -82,6 +67,18 @@ class TableStats:
     retired_bytes: int
     dropped_events: int
     read_errors: int  # a writer's flush before a read failed (its rows may lag)
+
+
+def as_table(batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> pa.Table:
+    """What a writer appends (``EventTable.append_batch``) as one Arrow table:
+    a RecordBatch, a Table, or a mapping of column name to an array-like."""
+    if isinstance(batch, Mapping):
+        return pa.table(dict(batch))
+    if isinstance(batch, pa.RecordBatch):
+        return pa.Table.from_batches([batch])
+    if not isinstance(batch, pa.Table):
+        raise TypeError(f"append_batch takes a RecordBatch, Table or mapping, not {type(batch)}")
+    return batch
 
 
 class EventTable:
@@ -193,16 +190,11 @@ class EventTable:
     def _conform(
         self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]
     ) -> list[pa.RecordBatch]:
-        if isinstance(batch, Mapping):
-            batch = pa.table(dict(batch))
+        """``batch`` as batches of this table's schema (the first rows fix it);
+        rows that do not fit are counted as dropped, and raise."""
         if isinstance(batch, pa.RecordBatch) and batch.schema is self._schema:
             return [batch]  # built for this table (a decoder's): nothing to check
-        if isinstance(batch, pa.RecordBatch):
-            batch = pa.Table.from_batches([batch])
-        if not isinstance(batch, pa.Table):
-            raise TypeError(
-                f"append_batch takes a RecordBatch, Table or mapping, not {type(batch)}"
-            )
+        batch = as_table(batch)
         with self._lock:
             if self._schema is None:
                 self._schema = batch.schema
@@ -219,7 +211,7 @@ class EventTable:
         return batches
 
     def _take_pending_locked(self) -> tuple[int, list[pa.RecordBatch]]:
-        chunk_id = next(_chunk_ids)
+        chunk_id = chunks.next_id()
         batches = self._pending
         self._pending = []
         self._pending_rows = 0
@@ -235,16 +227,8 @@ class EventTable:
         and counts those rows and never raises into the writer."""
         # the encoder takes the batches as they are (no combine: one copy less)
         table = pa.Table.from_batches(batches, schema=self._schema)
-        codec = self._store.codec
-        part = os.path.join(self.chunk_dir, f"{CHUNK_COL}={chunk_id}")
-        path = os.path.join(part, f"{chunk_id}{codec.extension}")
         try:
-            os.makedirs(part, exist_ok=True)
-            buf = codec.encode(table)
-            tmp = path + ".tmp"  # queries list *.parquet / *.arrow only
-            with open(tmp, "wb") as f:
-                f.write(buf)
-            os.rename(tmp, path)
+            chunk = chunks.write(self.chunk_dir, chunk_id, table, self._store.codec)
         except Exception as err:  # noqa: BLE001 - never into the writer (an external table's is the host)
             if not isinstance(err, (OSError, pa.ArrowException)):  # not disk full, not the encoder
                 log_unexpected(f"{self.qualified_name}: sealing", err)
@@ -255,7 +239,6 @@ class EventTable:
                 self.last_error = f"sealing failed, {table.num_rows} rows dropped: {err}"
             print(f"probing: {self.qualified_name}: {self.last_error}", file=sys.stderr)
             return
-        chunk = Chunk(chunk_id, path, table.num_rows, table.nbytes, buf.size, time.monotonic())
         with self._lock:
             self._chunks.append(chunk)
             del self._sealing[chunk_id]
@@ -274,66 +257,46 @@ class EventTable:
             chunk = self._chunks.pop(0)
             self.retired_rows += chunk.rows
             self.retired_bytes += chunk.raw_bytes
-        try:
-            os.unlink(chunk.path)  # a query that already opened it still reads it
-            os.rmdir(os.path.dirname(chunk.path))
-        except OSError:
-            pass
+        chunks.remove(chunk)
         return chunk
 
     def take_chunks(self, found: str, codec: Codec) -> int:
         """The sealed chunks under ``found`` (another store's directory of
         this table), moved into mine, oldest first; returns their rows. A
         file that cannot be read is left where it is."""
-        olds = []
-        for part in os.listdir(found):
-            col, _, number = part.partition("=")
-            if col == CHUNK_COL and number.isdigit():
-                olds.append(int(number))
         rows = 0
-        for old in sorted(olds):
-            path = os.path.join(found, f"{CHUNK_COL}={old}", f"{old}{codec.extension}")
+        for path in chunks.found(found, codec):
             try:
                 schema, n, raw = codec.describe(path)
             except (OSError, pa.ArrowException):
                 continue
-            with self._lock:
-                if self._schema is None:
-                    self._schema = schema
-                elif schema != self._schema:
-                    continue  # written for other columns: not this table's any more
-            chunk_id = next(_chunk_ids)
-            new = os.path.join(
-                self.chunk_dir, f"{CHUNK_COL}={chunk_id}", f"{chunk_id}{codec.extension}"
-            )
-            try:
-                os.makedirs(os.path.dirname(new), exist_ok=True)
-                os.rename(path, new)
-                size = os.stat(new).st_size
-            except OSError:
+            if not self._fits(schema):
+                continue  # written for other columns: not this table's any more
+            chunk = chunks.move(path, self.chunk_dir, codec, n, raw)
+            if chunk is None:
                 continue
             with self._lock:
-                self._chunks.append(Chunk(chunk_id, new, n, raw, size, time.monotonic()))
+                self._chunks.append(chunk)
             rows += n
         return rows
+
+    def _fits(self, schema: pa.Schema) -> bool:
+        """Whether rows of ``schema`` are this table's (the first fix its columns)."""
+        with self._lock:
+            if self._schema is None:
+                self._schema = schema
+            return bool(schema == self._schema)
 
     def relink_chunks(self, old_root: str, new_root: str) -> None:
         """After fork: hard-link this table's chunks into the child's own directory."""
         with self._lock:
             kept = []
             for c in self._chunks:
-                new = new_root + c.path[len(old_root) :]
-                os.makedirs(os.path.dirname(new), exist_ok=True)
-                try:
-                    os.link(c.path, new)
-                except FileExistsError:
-                    pass
-                except FileNotFoundError:  # the parent retired it meanwhile
+                if chunks.link(c, old_root, new_root):
+                    kept.append(c)
+                else:  # the parent retired it meanwhile
                     self.retired_rows += c.rows
                     self.retired_bytes += c.raw_bytes
-                    continue
-                c.path = new
-                kept.append(c)
             self._chunks = kept
 
     def stored_bytes(self) -> int:

@@ -23,7 +23,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from probing.config import parse_interval  # noqa: F401 - POST /nvml's interval
 from probing.errors import ProbingError, log_unexpected
 from probing.node.store import Store
 

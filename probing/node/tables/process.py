@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import psutil
 import pyarrow as pa
 
+from probing import proc
 from probing.errors import ProbingError
-from probing.guest.inside import task_stat
 from probing.guest.place import VERSION
 
 T = TypeVar("T")
@@ -152,8 +152,7 @@ def _safe(fn: Callable[[], T]) -> T | None:
 
 def _task_field(pid: int, tid: int, name: str) -> str | None:
     try:
-        with open(f"/proc/{pid}/task/{tid}/{name}") as f:
-            return f.read().strip()
+        return proc.read(pid, f"task/{tid}/{name}").strip()
     except OSError:
         return None
 
@@ -190,7 +189,7 @@ def threads(target: Any) -> pa.Table:
                 "tid": t.id,
                 "name": pt["name"] if pt is not None else comm,
                 "comm": comm,
-                "state": (task_stat(t.id, target.pid) or (None,))[0],
+                "state": (proc.task_stat(t.id, target.pid) or (None,))[0],
                 "is_python": pt is not None,
                 "python_ident": pt["ident"] if pt is not None else None,
                 "daemon": pt["daemon"] if pt is not None else None,
@@ -219,8 +218,7 @@ def cpu(target: Any, wait_s: float = STEAL_S) -> pa.Table:
     (time a hypervisor gave to other guests) and busy shares now, from /proc
     and /sys where the kernel exposes them (NULL where it does not)."""
     try:
-        with open(f"/proc/{target.pid}/stat") as f:
-            on = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39: processor
+        on = int(proc.stat(target.pid)[36])  # field 39: processor
     except (OSError, IndexError, ValueError):
         return CPU_SCHEMA.empty_table()
     first = _cpu_times()
@@ -240,8 +238,7 @@ def cpu(target: Any, wait_s: float = STEAL_S) -> pa.Table:
 
 def _cpu_times() -> list[int]:
     try:
-        with open("/proc/stat") as f:
-            return [int(v) for v in f.readline().split()[1:]]
+        return [int(v) for v in proc.node("stat").split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
         return []
 
@@ -260,8 +257,7 @@ def _cpu_mhz(cpu_id: int) -> float | None:
     if got is not None:
         return got
     try:
-        with open("/proc/cpuinfo") as f:
-            blocks = f.read().split("\n\n")
+        blocks = proc.node("cpuinfo").split("\n\n")
     except OSError:
         return None
     for block in blocks:

@@ -1,0 +1,179 @@
+"""The verdict's sentence: the worst finding of a diagnosis first (a hang, a
+straggler, a slow pipeline stage, a slow link), or the figures that say the
+job is healthy, noisy or not judged. Pure text from findings: ``diagnose``
+puts the whole verdict together from these parts in one place
+(``diagnose.whole_verdict``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from probing.analyze import collectives as coll
+from probing.analyze import coverage as cv
+from probing.analyze import hangs as hg
+from probing.analyze import pipeline as pp
+from probing.analyze import why as wy
+
+MOST = 0.5  # a cause that explains this share of the lateness heads the verdict
+
+
+def verdict(
+    stragglers: list[coll.Straggler],
+    slow_links: list[coll.SlowLink],
+    hangs: list[hg.Hang],
+    summary: coll.Summary,
+    window_s: float,
+    why: Sequence[wy.Why] = (),
+    pipe: pp.Pipeline | None = None,
+) -> str:
+    """One sentence: the worst finding first, or the figures that say it is healthy."""
+    if hangs:
+        return hang_text(hangs[0])
+    if stragglers:
+        return straggler_text(stragglers[0], why)
+    if pipe is not None and pipe.slow is not None:
+        return pipe.text() + cause_text(wy.headline(why, pipe.slow)).replace("/step", "/s")
+    if slow_links:
+        return slow_link_text(slow_links[0])
+    return summary_text(summary, window_s, pipe)
+
+
+def hang_text(h: hg.Hang) -> str:
+    """A hang: who waits where, and who never came (a pipeline's: who never
+    sent or received what the others wait for)."""
+    if h.op == "recv" and h.missing_ranks:  # a pipeline's
+        return (
+            f"hang: {ranks_text(h.waiting_ranks)} wait in send/recv for {h.age_s:g}+ s; "
+            f"{ranks_text(h.missing_ranks)} never sent or received what they wait for "
+            f"({h.detail})"
+        )
+    what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
+    where = f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
+    said = f" ({h.detail})" if h.detail else ""
+    if not h.missing_ranks:
+        return (
+            f"hang: every rank ({', '.join(map(str, h.waiting_ranks))}) waits in {where} "
+            f"for {h.age_s:g}+ s and none returns: the collective itself "
+            f"is stuck (network, or a peer's transport){said}"
+        )
+    return (
+        f"hang: {ranks_text(h.waiting_ranks)} wait in {where} for "
+        f"{h.age_s:g}+ s; {ranks_text(h.missing_ranks)} never entered it{said}"
+    )
+
+
+def straggler_text(s: coll.Straggler, why: Sequence[wy.Why]) -> str:
+    """The straggler: how late, how often, since when, what it costs the
+    job, and the cause that explains most of it (``why``)."""
+    since = f"since {'at least ' if s.since_start else ''}{hms(s.since_ns)}"
+    node = (f" ({s.place})" if s.place else "") + (f" on node {s.node}" if s.node else "")
+    groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
+    cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
+    return (
+        f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
+        f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
+        f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
+    )
+
+
+def slow_link_text(link: coll.SlowLink) -> str:
+    """A slow link: every rank slow in one collective, with no arrival skew."""
+    return (
+        f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms on "
+        f"every rank (model {link.baseline_ms:.1f} ms) with no arrival skew "
+        f"({link.skew_ms_median:.1f} ms); ~{100 * link.share_of_step:.0f} % of the job's "
+        f"time since {hms(link.since_ns)}"
+    )
+
+
+def summary_text(summary: coll.Summary, window_s: float, pipe: pp.Pipeline | None) -> str:
+    """Nothing found: no verdict (too little traced, and what to do), noisy, or
+    healthy, with the figures that say so."""
+    if not summary.collectives and pipe is not None:
+        return pipe.text()
+    if not summary.collectives:
+        return (
+            f"no verdict: no complete collective traced in the last {window_s:g} s "
+            "(is every rank traced? probing diagnose --pid P --cluster --record 15s traces "
+            "every rank 15 s first; probing trace --pid P --cluster --background leaves them "
+            "tracing)"
+        )
+    if (summary.busiest or 0) < coll.MIN_COLLECTIVES:
+        return (
+            f"no verdict: only {summary.busiest} complete collectives of one group in the "
+            f"last {window_s:g} s ({coll.MIN_COLLECTIVES} needed to tell a straggler from "
+            "noise); diagnose over a longer --window"
+        )
+    chance = 100 / max(summary.ranks, 1)
+    spread = (
+        f"each rank last {100 * (summary.last_share_min or 0):.0f}-"
+        f"{100 * (summary.last_share_max or 0):.0f} % of the time (chance {chance:.0f} %)"
+    )
+    if summary.noisy:
+        return (
+            f"noisy, no single straggler: {summary.ranks} ranks, {summary.collectives} "
+            f"collectives in the last {window_s:g} s; arrival skew median "
+            f"{summary.skew_ms_median:.1f} ms (p99 {summary.skew_ms_p99:.1f} ms), "
+            f"{100 * (summary.skew_ms_median or 0) / (summary.step_ms or 1):.0f} % of a "
+            f"{summary.step_ms:.0f} ms step; {spread}"
+        )
+    return (
+        f"healthy: {summary.ranks} ranks, {summary.collectives} collectives in the last "
+        f"{window_s:g} s; arrival skew median {summary.skew_ms_median:.1f} ms "
+        f"(p99 {summary.skew_ms_p99:.1f} ms); {spread}"
+    )
+
+
+def unexplained_text(why: Sequence[wy.Why], rank: int) -> str:
+    """Where ``rank``'s samples show nothing of its own that makes it late, that."""
+    w = next((w for w in why if w.rank == rank and w.kind == wy.NOTHING), None)
+    return f"; {w.text.split(': ', 1)[-1]}" if w is not None else ""
+
+
+def cause_text(w: wy.Why | None) -> str:
+    """The verdict's cause: the one that explains most of the lateness, with
+    that share, or that none explains most of it."""
+    if w is None:
+        return ""
+    what = w.text.split(": ", 1)[-1]  # "rank 2: load_batch (...) ..." -> "load_batch (...) ..."
+    if w.kind in wy.HARDWARE and w.share is None:  # slower hardware; no wait says how much
+        return f": {what}"
+    if w.share is None:
+        return ""
+    pct = f"{100 * w.share:.0f} % of its lateness"
+    if w.share < MOST:
+        return f"; no single cause explains most of its lateness (the largest: {what}, {pct})"
+    if w.kind == "cpu_starvation":
+        return (
+            f": CPU starvation, it waits {w.extra_ms:.0f} ms/step longer for a CPU than the "
+            f"others, {pct} (what else runs on its node?)"
+        )
+    return f": {what}, {pct}"
+
+
+def covered_text(said: str, cov: cv.Coverage, hang: bool, window_s: float) -> str:
+    """The verdict ``said`` over ``cov``'s span, with the ranks not tracing:
+    no verdict where no instant had every rank tracing (a hang seen in the
+    stacks and counts stands: it needs no trace)."""
+    note = cov.note()
+    if not note:
+        return said
+    if cov.span is None and not hang:
+        return (
+            f"no verdict: not every rank traced in the last {window_s:g} s ({note}); "
+            "trace every rank: probing trace --pid P --cluster --background"
+        )
+    if cov.span is None or cov.now:
+        return f"{said}; {note}"
+    start, end = cov.span
+    return f"{said} (judged over {cv.hms(start)}-{cv.hms(end)}, while every rank traced; {note})"
+
+
+def hms(ns: int) -> str:
+    """``14:05:01 UTC``: the time of day of ``ns`` (ns since the epoch)."""
+    return coll.iso(ns)[11:19] + " UTC"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 1, 3``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)

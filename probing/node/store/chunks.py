@@ -1,0 +1,109 @@
+"""A table's sealed chunks on disk: one file each, in a directory of its own.
+
+Each chunk lies at ``<table's chunk dir>/__probing_chunk=<id>/<id><ext>``
+(hive-style: DataFusion reads the id as the partition column ``CHUNK_COL``,
+so a query can keep to the chunks of its snapshot). The files are written,
+removed, taken over from another store and linked into a forked child's
+directory here; which chunks a table holds, and its lock, stay with the
+table (``table.EventTable``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+
+import pyarrow as pa
+
+from probing.node.store.codec import Codec
+
+CHUNK_COL = "__probing_chunk"  # hive-style partition column: one directory per chunk
+
+_chunk_ids = itertools.count()
+
+
+def next_id() -> int:
+    """A chunk id unique in this process (ids grow: a newer chunk, a larger id)."""
+    return next(_chunk_ids)
+
+
+@dataclasses.dataclass
+class Chunk:
+    id: int
+    path: str
+    rows: int
+    raw_bytes: int
+    stored_bytes: int
+    sealed_at: float  # time.monotonic()
+
+
+def path_of(chunk_dir: str, chunk_id: int, codec: Codec) -> str:
+    """Where chunk ``chunk_id`` of the table whose chunks are in ``chunk_dir`` lies."""
+    return os.path.join(chunk_dir, f"{CHUNK_COL}={chunk_id}", f"{chunk_id}{codec.extension}")
+
+
+def write(chunk_dir: str, chunk_id: int, table: pa.Table, codec: Codec) -> Chunk:
+    """``table`` encoded with ``codec`` into chunk ``chunk_id``'s file, which
+    appears whole (written aside, then renamed); raises what the disk or the
+    encoder raises."""
+    path = path_of(chunk_dir, chunk_id, codec)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    buf = codec.encode(table)
+    tmp = path + ".tmp"  # queries list *.parquet / *.arrow only
+    with open(tmp, "wb") as f:
+        f.write(buf)
+    os.rename(tmp, path)
+    return Chunk(chunk_id, path, table.num_rows, table.nbytes, buf.size, time.monotonic())
+
+
+def remove(chunk: Chunk) -> None:
+    """``chunk``'s file and directory gone (a query that already opened it
+    still reads it); one gone already is no error."""
+    try:
+        os.unlink(chunk.path)
+        os.rmdir(os.path.dirname(chunk.path))
+    except OSError:
+        pass
+
+
+def found(directory: str, codec: Codec) -> list[str]:
+    """The chunk files under ``directory`` (another store's directory of a
+    table), oldest first."""
+    ids = []
+    for part in os.listdir(directory):
+        col, _, number = part.partition("=")
+        if col == CHUNK_COL and number.isdigit():
+            ids.append(int(number))
+    return [path_of(directory, old, codec) for old in sorted(ids)]
+
+
+def move(path: str, chunk_dir: str, codec: Codec, rows: int, raw_bytes: int) -> Chunk | None:
+    """The chunk file at ``path`` (of ``rows`` rows, ``raw_bytes`` decoded)
+    moved into ``chunk_dir`` under a new id; None where it cannot be."""
+    chunk_id = next_id()
+    new = path_of(chunk_dir, chunk_id, codec)
+    try:
+        os.makedirs(os.path.dirname(new), exist_ok=True)
+        os.rename(path, new)
+        size = os.stat(new).st_size
+    except OSError:
+        return None
+    return Chunk(chunk_id, new, rows, raw_bytes, size, time.monotonic())
+
+
+def link(chunk: Chunk, old_root: str, new_root: str) -> bool:
+    """After fork: ``chunk`` hard-linked from under ``old_root`` (the parent's
+    directory) to the same place under ``new_root`` (the child's), and its
+    path moved there; False where the parent retired it meanwhile."""
+    new = new_root + chunk.path[len(old_root) :]
+    os.makedirs(os.path.dirname(new), exist_ok=True)
+    try:
+        os.link(chunk.path, new)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # the parent retired it meanwhile
+        return False
+    chunk.path = new
+    return True
