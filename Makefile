@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# the suite runs in a random order (pytest-randomly), this one in CI; another
+# number tries another order (`make test PYTEST_SEED=7`)
+PYTEST_SEED ?= 20261205
 
 .PHONY: setup jobenvs demo test bench lint clean vm-test
 
@@ -21,7 +24,7 @@ test: jobenvs
 	$(VENV)/bin/ruff check probing tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=30 -p randomly --randomly-seed=$(PYTEST_SEED) $(PYTEST_ARGS)
 
 bench: jobenvs
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]" 2>&1 | { grep -v "^WARNING: Location" || true; }
