@@ -48,7 +48,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from probing.analyze.findings import Book, row
-from probing.errors import ProbingError, log_unexpected
+from probing.errors import ProbingError
+from probing.worker import Worker, error_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -117,7 +118,7 @@ class Watch:
         self._asked_ns = 0  # ... of the last ask between them
         self._alert_ns: int | None = None  # since when the pace is low
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[Worker] = []  # the looks' and the full detections'
 
     def start(self) -> None:
         """The looks and the full detections, each on a thread of its own (a
@@ -129,11 +130,9 @@ class Watch:
             ("probing-watch", self.every_s, self.look, (self._asked, self._pace), self._due),
             ("probing-detect", full_s, self.once, (self._window,), lambda: None),
         ):
-            t = threading.Thread(
-                target=self._run, args=(every, step, caches, sooner), name=name, daemon=True
-            )
-            self._threads.append(t)
-            t.start()
+            worker = self._run(name, every, step, caches, sooner)
+            self._threads.append(worker)
+            worker.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -158,31 +157,42 @@ class Watch:
 
     def _run(
         self,
+        name: str,
         every_s: float,
         step: Callable[[], Any],
         caches: tuple[Any, ...],
         sooner: Callable[[], float | None],
-    ) -> None:
-        wait = every_s
-        while not self._stop.wait(wait):
+    ) -> Worker:
+        """The thread ``name``: ``step`` every ``every_s`` while this probe
+        traces and detects (else what ``caches`` keep is forgotten: it may
+        have a gap when it comes back), or sooner where ``sooner`` says
+        something is due then; both threads stop with ``stop()``."""
+        began = time.monotonic()
+
+        def detect() -> None:
+            nonlocal began
             began = time.monotonic()
-            try:
-                if not self.tracing() or self.node.learning or not self.detector():
-                    for cache in caches:  # what it keeps may have a gap when it comes back
-                        cache.forget()
-                    continue
-                step()
-            except ProbingError as err:  # peers, queries: said in nvml-like status, tried again
-                self.last_error = str(err)
-            except Exception as err:  # noqa: BLE001 - the top of a probe thread: logged, goes on
-                self.last_error = f"{type(err).__name__}: {err}"
-                log_unexpected("detection", err)
-            finally:
-                # at a steady rate; a step longer than the period leaves a quarter of it
-                wait = max(every_s - (time.monotonic() - began), every_s / 4)
-                due = sooner()  # or sooner, where something is due then
-                if due is not None:
-                    wait = max(min(wait, due), 0.01)
+            if not self.tracing() or self.node.learning or not self.detector():
+                for cache in caches:
+                    cache.forget()
+                return
+            step()
+
+        def due() -> float:
+            # at a steady rate; a step longer than the period leaves a quarter of it
+            wait = max(every_s - (time.monotonic() - began), every_s / 4)
+            at = sooner()  # or sooner, where something is due then
+            return wait if at is None else max(min(wait, at), 0.01)
+
+        return Worker(
+            name, detect, every_s, sooner=due, what="detection", on_error=self._failed,
+            event=self._stop,
+        )  # fmt: skip
+
+    def _failed(self, err: Exception) -> None:
+        """A look or a detection raised (peers, queries: tried again at the
+        next; a bug is logged too): said in ``last_error``."""
+        self.last_error = error_text(err)
 
     def tick(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """A look and, when one is due, a full detection, one after the other

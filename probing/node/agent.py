@@ -52,6 +52,7 @@ from probing.guest import place, wire
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition
 from probing.node.webhook import Webhook
+from probing.worker import Worker
 
 DEFAULT_PORT = 9978  # outside the ephemeral range, away from torchrun's 29500
 LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -126,25 +127,31 @@ class Agent:
         self._jobs: dict[int, str] = {}  # pid -> job, for the processes it did not attach
         # pid -> (job, when it went): a gone process's findings (rank gone) still name its job
         self._gone: dict[int, tuple[str, float]] = {}
-        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._feed_lock = threading.Lock()
+        # the loop, on the caller's thread (run): a look at once, then every every_s
+        self._loop = Worker("probing-agent", self._look, every_s, at_once=True)
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.scan()
-            except Exception as err:  # noqa: BLE001 - a service's loop: said, and on
-                _say(f"scan failed: {type(err).__name__}: {err}")
-            try:
-                self.follow()
-            except Exception as err:  # noqa: BLE001 - as above
-                _say(f"reading the findings failed: {type(err).__name__}: {err}")
-            self._stop.wait(self.every_s)
+        """Look at the node every ``every_s`` until stopped (SIGTERM)."""
+        self._loop.every_s = self.every_s
+        self._loop.run()
+
+    def _look(self) -> None:
+        """A scan, and the findings logged since the last: each said where it
+        fails, and the other done all the same."""
+        try:
+            self.scan()
+        except Exception as err:  # noqa: BLE001 - a service's loop: said, and on
+            _say(f"scan failed: {type(err).__name__}: {err}")
+        try:
+            self.follow()
+        except Exception as err:  # noqa: BLE001 - as above
+            _say(f"reading the findings failed: {type(err).__name__}: {err}")
 
     def stop(self) -> None:
-        self._stop.set()
+        self._loop.stop()
 
     def scan(self) -> list[Attached]:
         """One look at the node: attach to what matches and is new; what was attached."""

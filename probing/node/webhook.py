@@ -23,6 +23,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from probing.worker import Worker
+
 QUEUE = 1000  # findings waiting at most (a hang on 1000 ranks: 1000 findings at once)
 BACKOFF_S = 0.5  # the first wait after a failed POST; doubled each time after
 MAX_BACKOFF_S = 30.0  # the longest wait between two tries
@@ -66,10 +68,10 @@ class Webhook:
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._sending = 0  # 1 while a POST is in flight (taken off the queue)
         self._cond = threading.Condition()
-        self._stop = threading.Event()
         self._flush_until = 0.0  # after close: the last moment to try
-        self._thread = threading.Thread(target=self._run, name="probing-webhook", daemon=True)
-        self._thread.start()
+        # the sender: _run until closed, woken from its wait for a finding by close
+        self._sender = Worker("probing-webhook", self._run, what="webhook", wake=self._notify)
+        self._sender.start()
 
     # -- the caller's side: never blocks ------------------------------------------------
     def put(self, item: dict[str, Any]) -> None:
@@ -97,18 +99,20 @@ class Webhook:
         """Stop; what waits is tried (without backoff) for at most ``flush_s``."""
         with self._cond:
             self._flush_until = time.monotonic() + flush_s
-            self._stop.set()
+        self._sender.stop(flush_s + self.timeout_s)
+
+    def _notify(self) -> None:
+        with self._cond:
             self._cond.notify()
-        self._thread.join(flush_s + self.timeout_s)
 
     # -- the sender ---------------------------------------------------------------------
     def _run(self) -> None:
         wait = 0.0
         while True:
             with self._cond:
-                while not self._queue and not self._stop.is_set():
+                while not self._queue and not self._sender.stopping:
                     self._cond.wait()
-                if self._stop.is_set() and (
+                if self._sender.stopping and (
                     not self._queue or time.monotonic() >= self._flush_until
                 ):
                     return
@@ -128,11 +132,11 @@ class Webhook:
                     self._queue.appendleft(item)
             if outcome != "retry":
                 wait = 0.0
-            elif self._stop.is_set():
+            elif self._sender.stopping:
                 return  # closing, and the server still fails: what waits stays unsent
             else:
                 wait = min(self.max_backoff_s, wait * 2 or self.backoff_s)
-                self._stop.wait(wait)  # a close cuts the backoff short: one last try
+                self._sender.wait(wait)  # a close cuts the backoff short: one last try
 
     def _post(self, item: dict[str, Any]) -> str:
         """One POST: "sent", "rejected" (for good) or "retry"."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import queue
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import pyarrow as pa
 
 from probing.cli.export.source import Source
 from probing.errors import ProbingError
+from probing.worker import Worker
 
 # the event tables an export reads, and what each row becomes in a timeline
 SLICE_TABLES = ("nccl.calls", "gloo.calls", "cuda.calls")
@@ -159,12 +159,11 @@ class Prefetched(Generic[T]):
     def __init__(self, items: Iterator[T], ahead: int = 2) -> None:
         self._items = items
         self._box: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
-        self._stop = threading.Event()
-        self._reader = threading.Thread(target=self._read, name="probing-export-read", daemon=True)
+        self._reader = Worker("probing-export-read", self._read)  # once: the whole reading
         self._reader.start()
 
     def _put(self, kind: str, value: Any) -> bool:
-        while not self._stop.is_set():
+        while not self._reader.stopping:
             try:
                 self._box.put((kind, value), timeout=0.1)
                 return True
@@ -191,8 +190,7 @@ class Prefetched(Generic[T]):
             yield value
 
     def close(self) -> None:
-        self._stop.set()
-        self._reader.join()
+        self._reader.stop(timeout=None)
 
     def __enter__(self) -> Prefetched[T]:
         return self

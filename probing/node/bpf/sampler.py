@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from probing import proc
 from probing.errors import BPFUnavailable
+from probing.worker import Worker, error_text
 
 SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
 DEFAULT_INTERVAL_S = 0.5
@@ -89,14 +90,14 @@ class Sampler:
         self.reads = 0
         self.dropped = 0
         self.last_error: str | None = None
-        self.read_errors = 0
         self._prev: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._last_read = 0
         self._ours: set[int] = set()  # the probe's own threads, left out
         self._comms: dict[int, str | None] = {}  # threads without Python: the kernel's name
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker(
+            "probing-sampler", self.read, interval_s, on_error=self._read_failed
+        )  # a read every interval_s
 
     def start(self) -> None:
         """Load (from the node's cache: BCC runs once per node) and attach."""
@@ -159,14 +160,11 @@ class Sampler:
         self.py.sync([prog])
         self._last_read = time.monotonic_ns()
         self.table.add_before_read(self.read)
-        self._thread = threading.Thread(target=self._run, name="probing-sampler", daemon=True)
-        self._thread.start()
+        self._worker.start()
 
     def stop(self) -> None:
         """Read what is left and unload. Safe twice."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        self._worker.stop(timeout=10)
         self.table.remove_before_read(self.read)
         try:
             self.read()
@@ -176,16 +174,16 @@ class Sampler:
             if bpf is not None:
                 bpf.close()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.read()
-            except Exception as err:  # noqa: BLE001
-                # this thread runs inside the traced job: a failed read (a bug
-                # too) must not end sampling or reach the host; counted, shown
-                # in status, and the next read tries again
-                self.read_errors += 1
-                self.last_error = f"{type(err).__name__}: {err}"
+    @property
+    def read_errors(self) -> int:
+        """The thread's reads that failed (``last_error`` says why)."""
+        return self._worker.errors
+
+    def _read_failed(self, err: Exception) -> None:
+        # this thread runs inside the traced job: a failed read (a bug too)
+        # must not end sampling or reach the host; counted, shown in status
+        # (not logged), and the next read tries again
+        self.last_error = error_text(err)
 
     def read(self) -> int:
         """Append what the kernel counted since the last read; returns the rows."""

@@ -45,6 +45,7 @@ from probing.node.bpf.output import OutputWriter
 from probing.node.bpf.pystacks import PyStacks
 from probing.node.bpf.state import TracerState
 from probing.node.bpf.symbols import mapped_files
+from probing.worker import Worker, error_text
 
 if TYPE_CHECKING:
     from probing.node.bpf.sampler import Sampler
@@ -129,14 +130,18 @@ class Tracer:
         self.started_ns = 0
         self.stopped_ns = 0
         self.last_error: str | None = None
-        self.tick_errors = 0  # the drain thread's ticks that failed (last_error says why)
         self._uprobes = Uprobes(self.pid)
         self._kernel_names = KernelNames(self.pid, lambda: self._drainer.loaded)
         self._writer = OutputWriter(output) if output else None
         decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
         self._drainer = Drainer(store, decoded, self._writer, self._note_error)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # the drain thread: every interval_s, sooner for a ring filling fast (_tick)
+        self._worker = Worker(
+            "probing-trace", self._tick, interval_s, sooner=lambda: self._next_s,
+            on_error=self._tick_failed,
+        )  # fmt: skip
+        self._next_s: float | None = None  # the wait a fast-filling ring asks for
+        self._last_drain = self._last_scan = 0.0  # monotonic s
         self._lock = threading.Lock()
         # the helper process that holds this tracer's links and perf events
         self.holder = loader.Holder(self.pid)
@@ -149,6 +154,11 @@ class Tracer:
     def probes(self) -> list[Probe]:
         """Every uprobe tried, attached or with why not."""
         return self._uprobes.probes
+
+    @property
+    def tick_errors(self) -> int:
+        """The drain thread's ticks that failed (``last_error`` says why)."""
+        return self._worker.errors
 
     def _note_error(self, msg: str) -> None:
         self.last_error = msg
@@ -195,8 +205,8 @@ class Tracer:
             self.store.table(f.table, "calls").add_before_read(self.drain)
         if self._py is not None:  # ... and the stacks of those events and of calls in flight
             self._py.table.add_before_read(self._drainer.resolve_stacks)
-        self._thread = threading.Thread(target=self._run, name="probing-trace", daemon=True)
-        self._thread.start()
+        self._last_drain = self._last_scan = time.monotonic()
+        self._worker.start()
         # Python stacks sampled on and off CPU meanwhile. Started here, not in a
         # thread of its own: its BCC compile beside the host's threads crashed
         # a host calling into libnccl at that moment (seen in test_trace)
@@ -258,9 +268,7 @@ class Tracer:
             if self.state is not TracerState.TRACING:
                 return
             self.state = TracerState.STOPPING
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        self._worker.stop(timeout=10)
         for f in self.families:
             self.store.table(f.table, "calls").remove_before_read(self.drain)
         if self._py is not None:
@@ -299,31 +307,26 @@ class Tracer:
         self.holder.close()  # it lets go of what it holds, and exits
         self._uprobes.detached()
 
-    def _run(self) -> None:
-        last_scan = time.monotonic()
-        wait = self.interval_s
-        last = time.monotonic()
-        while not self._stop.wait(wait):
-            try:
-                self._sync_threads()
-                # a ring filling fast is drained sooner: by the fill rate since
-                # the last drain, before it is REFILL_TO full again
-                filled, now = self._drainer.backlog(), time.monotonic()
-                wait = self.interval_s
-                if filled > 0:
-                    wait = min(self.interval_s, (now - last) * REFILL_TO / filled)
-                    wait = max(BUSY_INTERVAL_S, wait)
-                last = now
-                if time.monotonic() - last_scan >= RESCAN_EVERY_S:
-                    last_scan = time.monotonic()
-                    self.attach_new_libraries()
-            except Exception as err:  # noqa: BLE001
-                # this thread runs inside the traced job: whatever goes wrong
-                # in a tick (a bug too) must not end tracing or reach the
-                # host, so it is counted and shown in status, and the next
-                # tick tries again
-                self.tick_errors += 1
-                self.last_error = f"{type(err).__name__}: {err}"
+    def _tick(self) -> None:
+        """One turn of the drain thread: threads synced, the rings' backlog
+        drained, and every ``RESCAN_EVERY_S`` the libraries mapped since."""
+        self._sync_threads()
+        # a ring filling fast is drained sooner: by the fill rate since the
+        # last drain, before it is REFILL_TO full again
+        filled, now = self._drainer.backlog(), time.monotonic()
+        self._next_s = None
+        if filled > 0:
+            self._next_s = max(BUSY_INTERVAL_S, (now - self._last_drain) * REFILL_TO / filled)
+        self._last_drain = now
+        if time.monotonic() - self._last_scan >= RESCAN_EVERY_S:
+            self._last_scan = time.monotonic()
+            self.attach_new_libraries()
+
+    def _tick_failed(self, err: Exception) -> None:
+        # this thread runs inside the traced job: whatever goes wrong in a
+        # tick (a bug too) must not end tracing or reach the host, so it is
+        # counted and shown in status (not logged), and the next tick tries again
+        self.last_error = error_text(err)
 
     def _sync_threads(self) -> None:
         if self._py is not None:

@@ -22,6 +22,7 @@ from probing.node.cluster.port import NodePort
 from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
 from probing.target import Guest
+from probing.worker import Worker
 
 TICK_S = 1.0
 
@@ -48,8 +49,10 @@ class Service:
         self._lock = threading.Lock()
         self._attaching = threading.Lock()
         self._empty_since = time.monotonic()
-        self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        # the watch over the processes' deaths, on the engine's main thread (run):
+        # each turn waits in poll(), which a stop wakes through the pipe
+        self._watch = Worker("probing-engine", self._turn, 0.0, what="engine", wake=self._wake)
         self.server: Any = None
         self.port = NodePort(port=env.port or 0)  # the peers' one way in, bound on first use
 
@@ -121,7 +124,7 @@ class Service:
             raise
         with self._lock:
             self.entries[pid] = Entry(ctx, target, pidfd)
-        os.write(self._wake_w, b"x")
+        self._wake()
         resumed = _traced(state)
         if resumed is not None:  # an engine before this one traced it: go on tracing
             threading.Thread(
@@ -195,20 +198,28 @@ class Service:
         """Until stopped: a process that dies stops tracing (what it left stays
         queryable); one dead for ``keep_dead_s`` is retired; an engine with no
         process for ``idle_s`` stops."""
-        while not self._stop.is_set():
-            with self._lock:
-                live = {e.pidfd: pid for pid, e in self.entries.items() if e.died_at is None}
-            poll = select.poll()
-            poll.register(self._wake_r, select.POLLIN)
-            for fd in live:
-                poll.register(fd, select.POLLIN)
-            for fd, _ in poll.poll(TICK_S * 1000):
-                if fd == self._wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
-                elif fd in live:
-                    self._died(live[fd])
-            self._tidy()
+        self._watch.run()
+
+    def _turn(self) -> None:
+        """Wait ``TICK_S`` at most for a process's death or a wake-up (a new
+        process, a stop), then tidy."""
+        with self._lock:
+            live = {e.pidfd: pid for pid, e in self.entries.items() if e.died_at is None}
+        poll = select.poll()
+        poll.register(self._wake_r, select.POLLIN)
+        for fd in live:
+            poll.register(fd, select.POLLIN)
+        for fd, _ in poll.poll(TICK_S * 1000):
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            elif fd in live:
+                self._died(live[fd])
+        self._tidy()
+
+    def _wake(self) -> None:
+        """The watch's poll() returns at once (a new process to watch, a stop)."""
+        os.write(self._wake_w, b"x")
 
     def _died(self, pid: int) -> None:
         with self._lock:
@@ -253,7 +264,7 @@ class Service:
             if self.entries:
                 self._empty_since = now
             elif now - self._empty_since > self.idle_s:
-                self._stop.set()
+                self._watch.stop()  # after this turn (its own thread: no wait)
 
     def _retire(self, pid: int) -> Entry | None:
         """Its probe closed and its data dropped; the guest's socket is left
@@ -270,8 +281,7 @@ class Service:
         return entry
 
     def stop(self) -> None:
-        self._stop.set()
-        os.write(self._wake_w, b"x")
+        self._watch.stop()
 
     # -- running ---------------------------------------------------------------------
 

@@ -23,8 +23,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from probing.errors import ProbingError, log_unexpected
+from probing.errors import ProbingError
 from probing.node.store import Store
+from probing.worker import Worker
 
 SCHEMA = "nvml"
 
@@ -122,6 +123,28 @@ def unavailable_reason(err: Exception) -> str:
     return f"NVML failed: {err}"
 
 
+class Steady:
+    """When the next sample is due: at a steady rate from the first (no
+    drift); one that fell behind (a slow NVML call) waits a whole interval,
+    never a burst to catch up."""
+
+    def __init__(self) -> None:
+        self.next_at: float | None = None  # monotonic s
+
+    def begin(self) -> None:
+        """A sample begins: the first starts the schedule."""
+        if self.next_at is None:
+            self.next_at = time.monotonic()
+
+    def after(self, interval: float) -> float:
+        """Seconds from now until the sample after the last, ``interval`` on."""
+        now = time.monotonic()
+        self.next_at = (self.next_at or now) + interval
+        if self.next_at < now:
+            self.next_at = now + interval
+        return self.next_at - now
+
+
 class Sampler:
     """One per probe (``ProbeContext.nvml``); ``start(interval)`` / ``stop()``;
     safe to call repeatedly."""
@@ -138,8 +161,8 @@ class Sampler:
         self._own: tuple[float, set[int]] = (0.0, set())  # when learned, the indices
         self.table = store.table(SCHEMA, "gpu", GPU_SCHEMA)
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._steady = Steady()
         self._nvml: Any = None
         self._handles: list[tuple[int, str, Any]] = []  # (index, uuid, handle) sampled
         self._events: Any = None
@@ -152,34 +175,44 @@ class Sampler:
         self.samples = 0
         self.errors = 0
         self.last_error: str | None = None
-        self._logged: set[str] = set()  # the sampling bugs written to the log (each once)
         self.unsupported: set[str] = set()
+        self._worker = self._sampling()
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self, interval_s: float) -> None:
         with self._lock:
             self.interval_s = interval_s
-            if self._thread is not None and self._thread.is_alive():
+            self._worker.every_s = interval_s or 0.1
+            if self._worker.running:
                 return  # a running sampler picks the new interval up
             if not self._open():
                 return
             self._stop.clear()
             self.state, self.reason = "sampling", None
-            self._thread = threading.Thread(target=self._loop, name="probing-nvml", daemon=True)
-            self._thread.start()
+            self._steady = Steady()
+            self._worker.start()
+
+    def _sampling(self) -> Worker:
+        """The sampling thread: a sample at once, then every ``interval_s``
+        (``Steady``); a bug in a sample is counted, and logged once."""
+        return Worker(
+            "probing-nvml", self._turn, self.interval_s or 0.1, at_once=True,
+            sooner=lambda: self._steady.after(self.interval_s or 0.1),
+            what="NVML sampling", event=self._stop,
+            on_error=lambda err: self._note(err, "sample"),  # NVML's own: counted in _call
+        )  # fmt: skip
 
     def after_fork(self) -> None:
         """A forked child has no sampler thread: say so instead of claiming to sample."""
-        self._lock, self._stop, self._thread = threading.Lock(), threading.Event(), None
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._worker = self._sampling()
         if self.state == "sampling":
             self.state, self.reason = "stopped", "not inherited by a forked child: start it again"
 
     def stop(self) -> None:
-        with self._lock:
-            thread, self._thread = self._thread, None
+        with self._lock:  # after a start() in progress, not lost in it
             self._stop.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+        self._worker.stop(timeout=5)
         if self.state == "sampling":
             self.state, self.reason = "stopped", "stopped on request"
 
@@ -237,19 +270,13 @@ class Sampler:
 
     # --- sampling ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                self.sample()
-            except Exception as err:  # noqa: BLE001 - the thread never dies: counted, logged once
-                self._note(err, "sample")  # NVML's own errors are counted in _call: this is a bug
-                log_unexpected("NVML sampling", err, self._logged)
-            interval = self.interval_s or 0.1
-            next_at += interval
-            now = time.monotonic()
-            if next_at < now:  # fell behind (a slow NVML call): do not burst to catch up
-                next_at = now + interval
-            self._stop.wait(next_at - now)
+        """The sampling loop, on the calling thread (``start`` runs it on
+        ``probing-nvml``): until ``_stop`` is set."""
+        self._worker.run()
+
+    def _turn(self) -> None:
+        self._steady.begin()
+        self.sample()
 
     def sample(self) -> int:
         """Read every sampled GPU once; append the rows; returns how many."""

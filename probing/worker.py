@@ -1,0 +1,186 @@
+"""The one background loop: a named daemon thread that runs a step until stopped.
+
+The probe and the node run a few loops beside their real work: the tracer's
+drain, the samplers, the detector's looks and full detections, the engine's
+watch over its processes' deaths, the agent's scans, the webhook's sender,
+an export's reader. Each is a ``Worker``: ``start()`` runs it on a daemon
+thread of its own name (``ps`` and the tests look for ``probing-watch``,
+``probing-nvml`` ...), ``run()`` on the calling thread instead (the engine and
+the agent, whose main thread is the loop), ``stop()`` ends it.
+
+Two ways to loop:
+
+* periodic (``every_s`` given): ``step`` is called every ``every_s`` (first
+  after one period, or at once with ``at_once``), the wait measured from
+  the end of the step; ``sooner``, asked after each step (one that raised
+  too), may shorten that wait: the seconds until the next step is due, or
+  None. A loop with a pace of its own (a steady rate, a ring filling fast)
+  says it through ``sooner``;
+* once (``every_s`` None): ``step`` is the loop itself, and looks at
+  ``stopping`` or sleeps with ``wait`` to end when asked.
+
+A step that raises never ends the loop: it is counted (``errors``), kept in
+``last_error`` (a ``ProbingError`` by its text, anything else, a bug, as
+``Type: text``), a bug is written to the log once (``log_unexpected``, when
+the worker has a ``what`` to say it under), and ``on_error`` lets the owner
+show it in its own status. The next step tries again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from probing.errors import ProbingError, log_unexpected
+
+DEFAULT_JOIN_S = 10.0  # how long stop() waits for the thread to end
+
+
+def error_text(err: BaseException) -> str:
+    """How a status says ``err``: a ``ProbingError`` by its text (written to
+    be read), anything else (a bug) with its type."""
+    if isinstance(err, ProbingError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+class Worker:
+    """``step`` on a daemon thread named ``name`` until ``stop()``: every
+    ``every_s`` (or sooner), or once when ``every_s`` is None.
+
+    ``what``: the words a bug in a step is logged under (None: counted and
+    kept, not logged: a loop inside the traced job that must stay quiet);
+    ``on_error``: told of every step that raised, after the counts;
+    ``wake``: wakes a step that blocks on something other than ``wait`` (a
+    pipe, a condition) when ``stop()`` is called; ``event``: the stop event,
+    when its owner holds it (one event that stops several workers): the
+    owner clears it to start again, ``start()`` does not (a stop asked
+    before the start is kept).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], object],
+        every_s: float | None = None,
+        *,
+        at_once: bool = False,
+        sooner: Callable[[], float | None] | None = None,
+        what: str | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+        wake: Callable[[], None] | None = None,
+        event: threading.Event | None = None,
+    ) -> None:
+        self.name = name
+        self.step = step
+        self.every_s = every_s  # read before each wait: a running loop takes a new period
+        self.at_once = at_once
+        self.sooner = sooner
+        self.what = what
+        self.on_error = on_error
+        self.wake = wake
+        self.steps = 0  # steps run, those that raised too
+        self.errors = 0  # steps that raised
+        self.last_error: str | None = None
+        self._own_event = event is None
+        self._stop = event if event is not None else threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._here = 0  # run() in progress on a caller's thread
+        self._logged: set[str] = set()  # the bugs written to the log (each once)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """Whether it was asked to stop (a step that loops itself ends then)."""
+        return self._stop.is_set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop runs and was not asked to stop."""
+        return self._alive() and not self._stop.is_set()
+
+    @property
+    def state(self) -> str:
+        """``running``, ``stopping`` (asked to, its step not ended yet) or ``stopped``."""
+        if not self._alive():
+            return "stopped"
+        return "stopping" if self._stop.is_set() else "running"
+
+    def _alive(self) -> bool:
+        thread = self._thread
+        return self._here > 0 or (thread is not None and thread.is_alive())
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the loop on its thread; a running worker is left alone (safe
+        twice), a stopped one starts again (its owner clears an ``event``
+        it holds first)."""
+        with self._lock:
+            if self.running:
+                return
+            if self._own_event:
+                self._stop.clear()
+            self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = DEFAULT_JOIN_S) -> None:
+        """Ask the loop to end (it does after the step in progress) and wait
+        at most ``timeout`` s for its thread (None: as long as it takes);
+        from the worker's own thread (a step that stops it), no wait."""
+        self._stop.set()
+        if self.wake is not None:
+            self.wake()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or less when stopped meanwhile; whether it was."""
+        return self._stop.wait(seconds)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """The loop, on the calling thread (``start`` runs it on its own),
+        until stopped; a stop asked before it began is kept."""
+        with self._lock:
+            self._here += 1
+        try:
+            if self.every_s is None:
+                self._step()
+                return
+            wait = 0.0 if self.at_once else self.every_s
+            while not self._stop.wait(wait):
+                self._step()
+                wait = self._next_wait()
+        finally:
+            with self._lock:
+                self._here -= 1
+
+    def _step(self) -> None:
+        try:
+            self.step()
+        except Exception as err:  # noqa: BLE001 - the top of a loop: counted, kept, goes on
+            self._failed(err)
+        finally:
+            self.steps += 1
+
+    def _next_wait(self) -> float:
+        """``every_s``, or what ``sooner`` says, when sooner."""
+        wait = float(self.every_s or 0.0)
+        if self.sooner is None:
+            return wait
+        try:
+            due = self.sooner()
+        except Exception as err:  # noqa: BLE001 - a bug in the pace: the period, and said
+            self._failed(err)
+            return wait
+        return wait if due is None else max(0.0, min(wait, due))
+
+    def _failed(self, err: Exception) -> None:
+        self.errors += 1
+        self.last_error = error_text(err)
+        if self.what is not None and not isinstance(err, ProbingError):
+            log_unexpected(self.what, err, self._logged)
+        if self.on_error is not None:
+            self.on_error(err)
