@@ -17,15 +17,109 @@ BPF_HASH(context_seq, u64, u64, 4096);
 struct enqueued {
     u32 stack_id; /* the enqueuer's Python stack (0: none) */
     u32 tid;      /* the enqueuer */
+    u64 rs;       /* the reduce-scatter it is a part of (rs_calls), 0: none */
 };
 BPF_HASH(work_stack, u64, struct enqueued, 4096);   /* AsyncWork* -> who enqueued it */
 BPF_HASH(worker_stack, u32, struct enqueued, 4096); /* worker tid -> who enqueued its work */
 
+/* Reduce-scatter. torch's Gloo has no reduce-scatter of its own: each of
+ * its entry points (ProcessGroupGloo::reduce_scatter,
+ * reduce_scatter_tensor_coalesced, and _reduce_scatter_base, which calls
+ * the second) enqueues all-reduces of copies of its inputs (one per tensor;
+ * for the list form one per rank) and returns a work that copies this
+ * rank's chunk out when waited. Each call is one event, its all-reduces
+ * none: the entry point opens the call on the caller's thread (rs_open),
+ * every all-reduce that thread enqueues in it is one of its parts
+ * (enqueued.rs), and the workers run the parts (collective(),
+ * gloo_ret_GLOO_ALLREDUCE). The call's ts is its first part's start (when
+ * this rank joined, as for any Gloo collective), its seq is taken then,
+ * once, dur_ns runs to its last part's end and elements sums its parts'.
+ * `pending` counts the parts not returned, plus one until the entry point
+ * returns (a part may end before): whoever takes it to zero emits. */
+struct rs_open {
+    u64 call; /* its key in rs_calls */
+    u64 sp;   /* the stack pointer at its entry: an entry point it calls is deeper */
+};
+struct rs_call {
+    EVENT ev;
+    u64 pending; /* parts not returned, + 1 until the entry point returns */
+    u64 started; /* parts started */
+    u64 end;     /* when its last part returned */
+};
+BPF_HASH(rs_open, u32, struct rs_open, 4096); /* caller tid -> the call it is in */
+BPF_HASH(rs_calls, u64, struct rs_call, 4096);
+BPF_ARRAY(rs_next, u64, 1); /* the next call's key */
+
+static __always_inline void rs_release(u64 call) {
+    struct rs_call *rs = rs_calls.lookup(&call);
+    if (!rs || __sync_fetch_and_add(&rs->pending, -1) != 1)
+        return;
+    if (rs->started) { /* a call whose parts never ran is no collective */
+        rs->ev.hdr.dur_ns = rs->end - rs->ev.hdr.ts;
+        rs->ev.hdr.flags |= PROBING_HAS_RET;
+        emit(&rs->ev);
+    }
+    rs_calls.delete(&call);
+}
+static __always_inline int rs_enter(struct pt_regs *ctx, u16 fn) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 sp = PT_REGS_SP(ctx);
+    struct rs_open *open = rs_open.lookup(&tid);
+    if (open) {
+        if (open->sp > sp)
+            return 0; /* called by the entry point this thread is in: the same call */
+        rs_release(open->call); /* one an exception left (its return probe never ran) */
+        rs_open.delete(&tid);
+    }
+    int zero = 0;
+    u64 *next = rs_next.lookup(&zero);
+    if (!next)
+        return 0;
+    struct rs_open o = {.call = __sync_fetch_and_add(next, 1) + 1, .sp = sp};
+    struct rs_call rs = {.pending = 1};
+    hdr_init(&rs.ev.hdr, fn);
+    rs.ev.peer = -1;
+    rs.ev.caller = tid;
+    if (rs_calls.update(&o.call, &rs) == 0)
+        rs_open.update(&tid, &o);
+    return 0;
+}
+static __always_inline int rs_leave(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct rs_open *open = rs_open.lookup(&tid);
+    if (!open || PT_REGS_SP(ctx) < open->sp)
+        return 0; /* an entry point it called returned, not the call */
+    u64 call = open->call;
+    rs_open.delete(&tid);
+    rs_release(call);
+    return 0;
+}
+int gloo_reducescatter(struct pt_regs *ctx) { return rs_enter(ctx, GLOO_REDUCESCATTER); }
+int gloo_reducescatter_tensor(struct pt_regs *ctx) {
+    return rs_enter(ctx, GLOO_REDUCESCATTER_TENSOR);
+}
+int gloo_reducescatter_coalesced(struct pt_regs *ctx) {
+    return rs_enter(ctx, GLOO_REDUCESCATTER_COALESCED);
+}
+int gloo_ret_GLOO_REDUCESCATTER(struct pt_regs *ctx) { return rs_leave(ctx); }
+int gloo_ret_GLOO_REDUCESCATTER_TENSOR(struct pt_regs *ctx) { return rs_leave(ctx); }
+int gloo_ret_GLOO_REDUCESCATTER_COALESCED(struct pt_regs *ctx) { return rs_leave(ctx); }
+
 int gloo_enqueue(struct pt_regs *ctx) {
     u64 work = read_u64(arg(ctx, 2));
-    struct enqueued by = {.stack_id = py_stack_id(), .tid = (u32)bpf_get_current_pid_tgid()};
-    if (work)
-        work_stack.update(&work, &by);
+    if (!work)
+        return 0;
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct enqueued by = {.stack_id = py_stack_id(), .tid = tid};
+    struct rs_open *open = rs_open.lookup(&tid);
+    if (open) { /* enqueued by a reduce-scatter: one of its parts */
+        struct rs_call *rs = rs_calls.lookup(&open->call);
+        if (rs) {
+            __sync_fetch_and_add(&rs->pending, 1);
+            by.rs = open->call;
+        }
+    }
+    work_stack.update(&work, &by);
     return 0;
 }
 int gloo_execute(struct pt_regs *ctx) {
@@ -36,6 +130,7 @@ int gloo_execute(struct pt_regs *ctx) {
     if (by) {
         v.stack_id = by->stack_id;
         v.tid = by->tid;
+        v.rs = by->rs;
         work_stack.delete(&work);
     }
     worker_stack.update(&tid, &v);
@@ -148,32 +243,85 @@ int gloo_recvwait(struct pt_regs *ctx) { return p2p_wait(ctx); }
 int gloo_ret_GLOO_SENDWAIT(struct pt_regs *ctx) { return p2p_waited(ctx, GLOO_SEND); }
 int gloo_ret_GLOO_RECVWAIT(struct pt_regs *ctx) { return p2p_waited(ctx, GLOO_RECV); }
 
+/* the k-th collective on its context (since tracing began) */
+static __always_inline void next_seq(EVENT *ev) {
+    u64 context = ev->context, zero = 0;
+    u64 *seq = context ? context_seq.lookup_or_try_init(&context, &zero) : 0;
+    if (seq)
+        ev->seq = __sync_fetch_and_add(seq, 1);
+}
+
+/* An all-reduce that is a part of reduce-scatter `rs`: its size is added
+ * to the call's, the first part to start gives the call its start, context
+ * and seq, and the part waits in `inflight` as the call (a hang shows a
+ * reduce-scatter; without a size, known only at the call's end). */
+static __always_inline void rs_part(EVENT *ev, struct rs_call *rs) {
+    __sync_fetch_and_add(&rs->ev.elements, ev->elements);
+    if (__sync_fetch_and_add(&rs->started, 1) == 0) {
+        next_seq(ev);
+        rs->ev.hdr.ts = ev->hdr.ts;
+        rs->ev.context = ev->context;
+        rs->ev.ctx_head[0] = ev->ctx_head[0];
+        rs->ev.ctx_head[1] = ev->ctx_head[1];
+        rs->ev.elem_size = ev->elem_size;
+        rs->ev.seq = ev->seq;
+    }
+    u32 tid = ev->hdr.tid;
+    __builtin_memcpy(ev, &rs->ev, sizeof(*ev));
+    ev->hdr.tid = tid;
+    ev->elements = 0;
+    ev->elem_size = 0;
+}
+
 /* every gloo::<collective>(Options&) takes one reference to its options */
 static __always_inline int collective(struct pt_regs *ctx, u16 fn) {
     EVENT ev = {};
     hdr_init(&ev.hdr, fn);
     ev.peer = -1;
+    u64 call = 0;
     struct enqueued *by = worker_stack.lookup(&ev.hdr.tid);
     if (by) {
         if (!ev.hdr.stack_id)
             ev.hdr.stack_id = by->stack_id;
         ev.caller = by->tid;
+        call = by->rs;
     }
     u64 opts = arg(ctx, 1);
-    u64 context = read_u64(opts);
-    ev.context = context;
-    if (context) {
-        bpf_probe_read_user(ev.ctx_head, sizeof(ev.ctx_head), (void *)context);
-        u64 zero = 0;
-        u64 *seq = context_seq.lookup_or_try_init(&context, &zero);
-        if (seq)
-            ev.seq = __sync_fetch_and_add(seq, 1);
-    }
+    ev.context = read_u64(opts);
+    if (ev.context)
+        bpf_probe_read_user(ev.ctx_head, sizeof(ev.ctx_head), (void *)ev.context);
     if (fn == GLOO_ALLREDUCE) {
         ev.elements = read_u64(opts + GLOO_ALLREDUCE_ELEMENTS_OFF);
         ev.elem_size = read_u64(opts + GLOO_ALLREDUCE_ELEMSIZE_OFF);
     }
+    struct rs_call *rs = (call && fn == GLOO_ALLREDUCE) ? rs_calls.lookup(&call) : 0;
+    if (rs)
+        rs_part(&ev, rs);
+    else
+        next_seq(&ev);
     park(&ev);
+    return 0;
+}
+
+/* An all-reduce returns: its event, or, for a reduce-scatter's part, the
+ * part's end (the call's event goes out when its last part ends). */
+int gloo_ret_GLOO_ALLREDUCE(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct enqueued *by = worker_stack.lookup(&tid);
+    u64 call = by ? by->rs : 0;
+    struct rs_call *rs = call ? rs_calls.lookup(&call) : 0;
+    struct inflight_key key;
+    EVENT *ev = unpark(ctx, rs ? rs->ev.hdr.fn : GLOO_ALLREDUCE, &key);
+    if (!rs) {
+        if (ev)
+            emit(ev);
+        return 0;
+    }
+    by->rs = 0; /* one end per part */
+    u64 now = bpf_ktime_get_ns();
+    if (now > rs->end)
+        rs->end = now;
+    rs_release(call);
     return 0;
 }
 
@@ -181,7 +329,7 @@ static __always_inline int collective(struct pt_regs *ctx, u16 fn) {
     int gloo_##name(struct pt_regs *ctx) { return collective(ctx, fn); } \
     RETURN_PROBE(gloo, fn)
 
-GLOO_PROBE(allreduce, GLOO_ALLREDUCE)
+int gloo_allreduce(struct pt_regs *ctx) { return collective(ctx, GLOO_ALLREDUCE); }
 GLOO_PROBE(allgather, GLOO_ALLGATHER)
 GLOO_PROBE(allgatherv, GLOO_ALLGATHERV)
 GLOO_PROBE(broadcast, GLOO_BROADCAST)

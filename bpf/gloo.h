@@ -22,6 +22,11 @@ enum gloo_fn {
     GLOO_RECVWAIT = 15, /* c10d::ProcessGroupGloo::RecvWork::wait: completes GLOO_RECV */
     GLOO_UBSEND = 16,  /* gloo::transport::tcp::UnboundBuffer::send: the size, no event */
     GLOO_UBRECV = 17,  /* gloo::transport::tcp::UnboundBuffer::recv: the same */
+    /* reduce-scatter, which torch runs as all-reduces: one event per call,
+     * named by the outermost of these (see gloo.bpf.c) */
+    GLOO_REDUCESCATTER = 18,           /* c10d::ProcessGroupGloo::reduce_scatter */
+    GLOO_REDUCESCATTER_TENSOR = 19,    /* c10d::ProcessGroupGloo::_reduce_scatter_base */
+    GLOO_REDUCESCATTER_COALESCED = 20, /* ...::reduce_scatter_tensor_coalesced */
 };
 
 /* Gloo's struct layouts, verified against the Gloo in the libtorch_cpu.so of
@@ -58,7 +63,7 @@ struct gloo_event {
     struct probing_hdr hdr;
     u64 context;  /* gloo::Context*: the options' first member, a shared_ptr */
     u64 seq;      /* k-th collective on this context since tracing began */
-    u64 elements; /* allreduce: element count, else 0 */
+    u64 elements; /* allreduce: element count; reduce-scatter: its all-reduces' */
     u64 elem_size;
     u64 ctx_head[2]; /* the Context's first 16 bytes: rank and size, decoded by the
                         probe (with or without a vtable pointer in front) */

@@ -231,7 +231,7 @@ def test_nccl_calls_decode_exactly() -> None:
     assert init["comm_id"] == _fnv_words(bytes(uid.internal))
 
 
-GLOO_RANK = """
+GLOO_START = """
 import os, sys, time
 import torch, torch.distributed as dist
 rank, world, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -240,20 +240,29 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.02)
+"""
+
+
+def _gloo_rank(body: str) -> str:
+    """A Gloo rank's code: its group joined, it waits for the file ``go``
+    (every rank traced), then runs ``body``, prints done and lingers."""
+    return GLOO_START + body + 'print("done", flush=True)\ntime.sleep(600)\n'
+
+
+GLOO_RANK = _gloo_rank("""
 t = torch.ones(1000)
 for _ in range(10):
     dist.all_reduce(t)
 dist.broadcast(t, 0)
-print("done", flush=True)
-time.sleep(600)
-"""
+""")
 
 
-def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
-    require_privileged()
-    world, port, go = 3, free_port(), tmp_path / "go"
+def _traced_gloo_job(spawn, tmp_path: Path, code: str, world: int):  # type: ignore[no-untyped-def]
+    """A ``world``-rank Gloo job running ``code``, every rank traced (every
+    Gloo uprobe attached) before it starts; its ranks once each printed done."""
+    port, go = free_port(), tmp_path / "go"
     ranks = [
-        spawn("", argv=[sys.executable, "-c", GLOO_RANK, str(r), str(world), str(port), str(go)])
+        spawn("", argv=[sys.executable, "-c", code, str(r), str(world), str(port), str(go)])
         for r in range(world)
     ]
     for t in ranks:
@@ -266,6 +275,13 @@ def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
     go.touch()
     for t in ranks:
         wait_line(t, "done")
+    return ranks
+
+
+def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
+    require_privileged()
+    world = 3
+    ranks = _traced_gloo_job(spawn, tmp_path, GLOO_RANK, world)
     seen_ranks = []
     for t in ranks:
         client = ProbeClient.for_pid(t.pid)
@@ -287,6 +303,41 @@ def test_gloo_job_every_rank_matches(spawn, tmp_path: Path) -> None:
         # the data stays queryable after the trace
         assert client.query("SELECT count(*) AS n FROM gloo.calls").to_pylist() == [{"n": 11}]
     assert sorted(seen_ranks) == list(range(world))
+
+
+GLOO_REDUCE_SCATTERS = 6
+GLOO_REDUCE_SCATTER = _gloo_rank(f"""
+out = torch.zeros(250)
+for _ in range({GLOO_REDUCE_SCATTERS}):
+    dist.reduce_scatter_tensor(out, torch.ones(250 * world))  # FSDP2's, ZeRO's
+dist.reduce_scatter(out, [torch.ones(250) for _ in range(world)])  # the list form
+""")
+
+
+def test_a_gloo_reduce_scatter_is_one_collective_per_call(spawn, tmp_path: Path) -> None:
+    """torch runs Gloo's reduce-scatter as all-reduces (one per rank for the
+    list form): each call is still one reducescatter row, matched
+    across ranks by its group and seq, its bytes what each rank receives."""
+    require_privileged()
+    world, n = 2, GLOO_REDUCE_SCATTERS + 1
+    per_rank = []
+    for t in _traced_gloo_job(spawn, tmp_path, GLOO_REDUCE_SCATTER, world):
+        client = ProbeClient.for_pid(t.pid)
+        rows = client.query(
+            "SELECT c.op, c.seq, c.rank, c.nranks, c.bytes, c.dur_ns, c.tid, g.pg"
+            " FROM comm.collectives c JOIN comm.groups g ON c.comm = g.comm ORDER BY c.seq"
+        ).to_pylist()
+        assert [r["op"] for r in rows] == ["reducescatter"] * n
+        assert [r["bytes"] for r in rows] == [1000] * n  # 250 float32 received
+        assert all(r["dur_ns"] > 0 for r in rows)
+        assert {(r["nranks"], r["tid"]) for r in rows} == {(world, t.pid)}  # the main thread
+        per_rank.append((rows[0]["rank"], [(r["pg"], r["seq"]) for r in rows]))
+        apis = client.query("SELECT api FROM gloo.calls ORDER BY seq").to_pylist()
+        assert [r["api"] for r in apis] == [
+            "c10d::ProcessGroupGloo::_reduce_scatter_base"
+        ] * GLOO_REDUCE_SCATTERS + ["c10d::ProcessGroupGloo::reduce_scatter"]
+    assert sorted(rank for rank, _ in per_rank) == list(range(world))
+    assert per_rank[0][1] == per_rank[1][1] == [("0", seq) for seq in range(n)]
 
 
 CUDA_LOOP = """

@@ -433,8 +433,29 @@ GLOO_FUNCS = tuple(
     ),
     Func("GLOO_UBSEND", ("gloo::transport::tcp::UnboundBuffer::send",), "gloo_ubsend"),
     Func("GLOO_UBRECV", ("gloo::transport::tcp::UnboundBuffer::recv",), "gloo_ubrecv"),
+    # reduce-scatter: torch runs it as all-reduces, one per tensor (per rank
+    # for the list form); each call is one event, named by the outermost of
+    # these (_reduce_scatter_base calls reduce_scatter_tensor_coalesced), its
+    # all-reduces none (bpf/gloo.bpf.c)
+    *(
+        Func(enum, (f"c10d::ProcessGroupGloo::{name}",), entry, f"gloo_ret_{enum}", "reducescatter")
+        for enum, name, entry in (
+            ("GLOO_REDUCESCATTER", "reduce_scatter", "gloo_reducescatter"),
+            ("GLOO_REDUCESCATTER_TENSOR", "_reduce_scatter_base", "gloo_reducescatter_tensor"),
+            (
+                "GLOO_REDUCESCATTER_COALESCED",
+                "reduce_scatter_tensor_coalesced",
+                "gloo_reducescatter_coalesced",
+            ),
+        )
+    ),
 )
 GLOO_P2P = ("GLOO_SEND", "GLOO_RECV")
+GLOO_REDUCESCATTERS = (
+    "GLOO_REDUCESCATTER",
+    "GLOO_REDUCESCATTER_TENSOR",
+    "GLOO_REDUCESCATTER_COALESCED",
+)
 _GLOO_ENTRY = re.compile(r"^gloo::(\w+)\(gloo::(\w+)Options( const)?&\)$")
 _GLOO_HELPERS = {
     "c10d::ProcessGroupGloo::enqueue(c10::intrusive_ptr<": "GLOO_ENQUEUE",
@@ -445,6 +466,11 @@ _GLOO_HELPERS = {
     "c10d::ProcessGroupGloo::RecvWork::wait(": "GLOO_RECVWAIT",
     "gloo::transport::tcp::UnboundBuffer::send(int,": "GLOO_UBSEND",
     "gloo::transport::tcp::UnboundBuffer::recv(int,": "GLOO_UBRECV",
+    "c10d::ProcessGroupGloo::reduce_scatter(std::vector<at::Tensor": "GLOO_REDUCESCATTER",
+    "c10d::ProcessGroupGloo::_reduce_scatter_base(at::Tensor": "GLOO_REDUCESCATTER_TENSOR",
+    "c10d::ProcessGroupGloo::reduce_scatter_tensor_coalesced(std::vector<at::Tensor": (
+        "GLOO_REDUCESCATTER_COALESCED"
+    ),
 }
 
 
@@ -510,11 +536,25 @@ def gloo_rank_size(head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(ok, rank, -1), np.where(ok, size, -1)
 
 
+def gloo_elements(
+    ev: np.ndarray, rs: np.ndarray, size: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each call's element count, and where it is known.
+
+    A reduce-scatter's is what each rank receives (as NCCL's ``recvcount``):
+    its all-reduces' sum (the input) over the group's size, unknown where the
+    size is, or while in flight (its parts are summed as they run)."""
+    elements = ev["elements"].astype(np.int64)
+    per_rank = np.where(rs, elements // np.maximum(size, 1), elements)
+    return per_rank, (ev["elem_size"] > 0) & (~rs | (size > 0))
+
+
 def decode_gloo(ev: np.ndarray, d: Decoded) -> dict[str, Any]:
     cols = header_columns(ev, d, GLOO_FUNCS)
     rank, size = gloo_rank_size(ev["ctx_head"])
-    sized = ev["elem_size"] > 0
     p2p = fn_mask(ev, GLOO_FUNCS, GLOO_P2P, cols["_fn"])
+    rs = fn_mask(ev, GLOO_FUNCS, GLOO_REDUCESCATTERS, cols["_fn"])
+    elements, sized = gloo_elements(ev, rs, size)
     # a collective's thread is the one that issued it (the one that trains), not
     # ProcessGroupGloo's worker that ran it for that thread
     caller = ev["caller"]
@@ -524,8 +564,8 @@ def decode_gloo(ev: np.ndarray, d: Decoded) -> dict[str, Any]:
         seq=_masked(ev["seq"].astype(np.int64), ev["context"] != 0, pa.int64()),
         rank=_masked(rank.astype(np.int32), rank >= 0, pa.int32()),
         nranks=_masked(size.astype(np.int32), size > 0, pa.int32()),
-        elements=_masked(ev["elements"].astype(np.int64), sized & ~p2p, pa.int64()),
-        bytes=_masked((ev["elements"] * ev["elem_size"]).astype(np.int64), sized, pa.int64()),
+        elements=_masked(elements, sized & ~p2p, pa.int64()),
+        bytes=_masked(elements * ev["elem_size"].astype(np.int64), sized, pa.int64()),
         peer=_masked(ev["peer"], p2p, pa.int32()),
         tag=_masked(ev["tag"], p2p, pa.int32()),
         wait_ns=_masked(ev["wait_ns"].astype(np.int64), p2p & cols["_has_ret"], pa.int64()),
