@@ -2,10 +2,10 @@
 
 One ``Tracer`` per process at a time. ``start()`` compiles each family's
 BPF program (BCC), attaches its uprobes to the libraries this process has
-mapped (and to the NVIDIA/torch libraries it can load later, found on
-``sys.path``: uprobes attach to a file, mapped or not), then a thread wakes
-every ``interval_s`` to drain the ring buffers in bulk into the store and
-look for newly mapped libraries. ``stop()`` drains once more and detaches
+mapped, then a thread wakes every ``interval_s`` to drain the ring buffers
+in bulk into the store and, every ``RESCAN_EVERY_S``, to attach to the
+libraries mapped since (torch loads ``libnccl`` when a job makes its first
+NCCL group: its calls until the next scan are not seen). ``stop()`` drains once more and detaches
 every uprobe. The traced threads never wait for any of this.
 
 The tracer owns the lifecycle (its state, the timer thread, the helper
@@ -84,7 +84,8 @@ def clock_offset_ns() -> int:
 
 
 def installed_libraries() -> list[str]:
-    """Libraries this process may load later: NVIDIA wheels and torch on sys.path."""
+    """The NVIDIA wheels' and torch's libraries on ``sys.path``, mapped or not
+    (the tests' and benchmarks' own look-up: the tracer attaches to what is mapped)."""
     found = []
     for entry in sys.path:
         for pattern in (
