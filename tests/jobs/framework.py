@@ -132,6 +132,9 @@ ENVS = {
     "lightning_ddp": {"STRATEGY": "ddp"},
     "lightning_ddp_spawn": {"STRATEGY": "ddp_spawn"},
     "fsdp2_tp": {"MESH": "2d"},  # FSDP on a "dp" dimension, tensor parallel on "tp"
+    # the deepspeed launcher sets no OMP_NUM_THREADS (torchrun sets 1): ZeRO-3's 4
+    # ranks each spinning torch's default threads on 2 cores took ~1 s a step
+    "deepspeed_z3": {"OMP_NUM_THREADS": "1"},
 }
 # ZeRO-3's step is the longest (a gather per layer, twice): slowed more, to stand out
 SLOW_MS = {"pipeline": "60", "hf_trainer": "60", "fsdp2": "60", "deepspeed_z3": "100",

@@ -163,17 +163,15 @@ def test_a_megatron_tp_pp_straggler_is_named_with_its_place(
 
 
 # DeepSpeed under its own launcher (deepspeed_z<stage>) and under torchrun, each
-# with PROBING=1 and attached later, ZeRO-1, 2 and 3 among them. ZeRO-3, the
-# heaviest step, runs under torchrun (OMP_NUM_THREADS=1): under the deepspeed
-# launcher each rank spins torch's default threads, and with other loads on
-# the 2 cores (load 20-60) its steps took ~1 s and no straggler stood out
+# with PROBING=1 and attached later, ZeRO-1, 2 and 3 under each (ZeRO-2 under
+# torchrun in the losses' test below)
 @pytest.mark.parametrize(
     ("name", "probing"),
     [
         ("deepspeed_z2", True),
         ("deepspeed_z1", False),
         ("deepspeed_torchrun_z3", True),
-        ("deepspeed_torchrun_z2", False),
+        ("deepspeed_z3", False),
     ],
 )
 def test_a_deepspeed_straggler_is_named_with_its_function(
@@ -256,11 +254,45 @@ def test_a_hung_pipeline_names_the_stage_that_never_sent(
         job.stop()
 
 
+# a rank of DeepSpeed ZeRO-3 (its own launcher) or Megatron-Core TP 2 x PP 2 stops
+# for good in the user's function: the collective the others wait in names it
+@pytest.mark.parametrize("name", ["deepspeed_z3", "megatron"])
+def test_a_rank_that_stops_in_a_framework_job_is_named_as_the_hang(
+    name: str, hooked: str, runtime_dir: Path, tmp_path: Path
+) -> None:
+    require_bpf()
+    stuck = random.randrange(WORLD)
+    flag = tmp_path / "hang"
+    job = start(name, hooked, tmp_path, True, -1, HANG_RANK=str(stuck), HANG_FILE=str(flag))
+    try:
+        ranks = job.wait_ready()
+        assert not trace_all(list(ranks.values()), ["gloo"])
+        for pid in ranks.values():
+            wait_ready(pid, 60 * SLOWDOWN)
+        flag.touch()  # traced first: the others' waits begin under the probes
+        deadline = time.monotonic() + 60 * SLOWDOWN
+        while True:
+            r = cli("diagnose", "--pid", str(ranks[(stuck + 1) % WORLD]), "--cluster",
+                    "--hang-after", "2s", "--format", "json", timeout=120)  # fmt: skip
+            d = json.loads(r.stdout)
+            hung = [h for h in d["hangs"] if h["missing_ranks"] == [stuck]]
+            if hung or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert hung, d["verdict"]
+        assert f"rank {stuck}" in d["verdict"], d["verdict"]
+        fn = FUNCTION.get(name, FUNCTION["deepspeed_z2"])
+        stacks = [line for h in hung for line in (h.get("stacks") or {}).get(str(stuck), [])]
+        assert any(fn in line for line in stacks), (d["verdict"], stacks)
+    finally:
+        job.stop()
+
+
 def _losses(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-@pytest.mark.parametrize("name", ["pipeline", "lightning_ddp"])
+@pytest.mark.parametrize("name", ["pipeline", "lightning_ddp", "deepspeed_torchrun_z2", "megatron"])
 def test_a_traced_framework_job_trains_with_the_losses_of_an_untraced_one(
     name: str, hooked: str, runtime_dir: Path, tmp_path: Path
 ) -> None:

@@ -18,7 +18,8 @@ attribute path names torch).
 The user's code is ``mix_features``, called once a step in the forward.
 Environment: ``STEPS`` (20; 0 runs until killed), ``SLOW_RANK``, ``SLOW_MS``
 and ``SLOW_KIND`` (``sleep``: off CPU, ``cpu``: a busy loop) slow it on one
-rank, ``LOSS_FILE`` gets ``step <n> loss <rank's loss>`` lines (from rank 0,
+rank, ``HANG_RANK`` stops in it for good once the file ``HANG_FILE`` exists,
+``LOSS_FILE`` gets ``step <n> loss <rank's loss>`` lines (from rank 0,
 or from every rank where the name holds ``{rank}``). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its engine is built (ZeRO-3 partitions
 the model there: seconds of broadcasts), before its first step.
@@ -41,12 +42,16 @@ STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
 SLOW_MS = float(os.environ.get("SLOW_MS", "0"))
 SLOW_KIND = os.environ.get("SLOW_KIND", "sleep")
+HANG_RANK = int(os.environ.get("HANG_RANK", "-1"))
+HANG_FILE = os.environ.get("HANG_FILE", "")
 DIM, BATCH, CLASSES = 128, 16, 16
 RANK = -1  # set once the process group is up
 
 
 def mix_features(x: torch.Tensor) -> torch.Tensor:
     """The user's feature code: slowed by SLOW_MS on SLOW_RANK."""
+    while RANK == HANG_RANK and HANG_FILE and os.path.exists(HANG_FILE):
+        time.sleep(0.05)  # stopped for good once the file exists: the others wait
     if RANK == SLOW_RANK and SLOW_MS > 0:
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000

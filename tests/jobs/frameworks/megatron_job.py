@@ -12,7 +12,8 @@ on the PP group), stage 1 computes the loss; the gradients are all-reduced
 over the DP group as Megatron's DDP does. The user's code is
 ``attention_block``, called in each stage's forward. Environment: ``STEPS``
 (20; 0 runs until killed), ``SLOW_RANK``, ``SLOW_MS`` and ``SLOW_KIND``
-(``sleep``: off CPU, ``cpu``: a busy loop) slow it on one rank, ``LOSS_FILE``
+(``sleep``: off CPU, ``cpu``: a busy loop) slow it on one rank, ``HANG_RANK``
+stops in it for good once the file ``HANG_FILE`` exists, ``LOSS_FILE``
 gets ``step <n> loss <loss>`` lines from the last stage's TP rank 0
 (``{rank}`` in the name becomes its rank). Each rank prints ``ready rank=<r>
 pid=<pid>`` once its groups are up.
@@ -35,12 +36,16 @@ STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
 SLOW_MS = float(os.environ.get("SLOW_MS", "0"))
 SLOW_KIND = os.environ.get("SLOW_KIND", "sleep")
+HANG_RANK = int(os.environ.get("HANG_RANK", "-1"))
+HANG_FILE = os.environ.get("HANG_FILE", "")
 RANK = int(os.environ.get("RANK", "0"))
 DIM, BATCH, CLASSES = 128, 16, 8
 
 
 def attention_block(x: torch.Tensor) -> torch.Tensor:
     """The user's code: slowed by SLOW_MS on SLOW_RANK."""
+    while RANK == HANG_RANK and HANG_FILE and os.path.exists(HANG_FILE):
+        time.sleep(0.05)  # stopped for good once the file exists: the others wait
     if RANK == SLOW_RANK and SLOW_MS > 0:
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000
