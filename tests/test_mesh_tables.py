@@ -142,3 +142,16 @@ def test_docs_name_every_column(table: str) -> None:
     assert section, f"docs/sql.md has no section for {table}"
     missing = [c for c in columns if not re.search(rf"\b{c}\b", section.group(0))]
     assert not missing, f"docs/sql.md's {table} misses {missing}"
+
+
+def test_a_verdict_names_a_group_by_its_role() -> None:
+    from probing.analyze.verdict import group_text
+
+    tp, shard = "gloo/pg23 (TENSOR_MODEL_PARALLEL_GROUP)", "gloo/pg5 (mesh_dp_shard)"
+    said = {
+        tp: f"its TP group {tp}",
+        shard: f"its dp_shard group {shard}",  # a DeviceMesh's own dimension
+        "gloo/pg0": "gloo/pg0",  # the world's: no role
+        "gloo/pg3 (mesh_dim_0)": "gloo/pg3 (mesh_dim_0)",  # a dimension with no name
+    }
+    assert {g: group_text(g) for g in said} == said

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from probing.analyze import collectives as coll
 from probing.analyze import coverage as cv
 from probing.analyze import hangs as hg
+from probing.analyze import mesh
 from probing.analyze import pipeline as pp
 from probing.analyze import why as wy
 
@@ -67,13 +68,23 @@ def straggler_text(s: coll.Straggler, why: Sequence[wy.Why]) -> str:
     job, and the cause that explains most of it (``why``)."""
     since = f"since {'at least ' if s.since_start else ''}{hms(s.since_ns)}"
     node = (f" ({s.place})" if s.place else "") + (f" on node {s.node}" if s.node else "")
-    groups = f" in {', '.join(s.groups)}" if len(s.groups) > 1 else f" on {s.comm}"
+    groups = (f" in {', '.join(group_text(g) for g in s.groups)}" if len(s.groups) > 1
+              else f" on {group_text(s.comm)}")  # fmt: skip
     cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
     return (
         f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
         f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
         f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
     )
+
+
+def group_text(comm: str) -> str:
+    """A group as a verdict says it: by its role where its name tells one
+    (``its TP group gloo/pg23 (TENSOR_MODEL_PARALLEL_GROUP)``), else by name."""
+    role = mesh.role_of(comm)
+    if role is None:
+        return comm
+    return f"its {role.upper() if role in mesh.ROLES else role} group {comm}"
 
 
 def slow_link_text(link: coll.SlowLink) -> str:

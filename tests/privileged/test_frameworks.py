@@ -139,6 +139,7 @@ def test_a_megatron_tp_pp_straggler_is_named_with_its_place(
         said = [w["text"] for w in d["why"] if "attention_block" in w["text"]]
         assert len(said) == 1 and "ms/step" in said[0], said
         assert d["verdict"].count("attention_block (") == 1, d["verdict"]
+        assert " its TP group gloo/" in d["verdict"], d["verdict"]  # its group, by role
         # the same place as data: each rank's coordinates, each group's role
         want = [{"rank": k, "coords": f"tp {k % 2}/2, pp {k // 2}/2, dp 0/1", "tp": k % 2,
                  "pp": k // 2, "dp": 0, "cp": None} for k in range(WORLD)]  # fmt: skip
