@@ -13,8 +13,9 @@ that sleeps ``--load-ms`` (``load_batch``). Every step reads ``--control``:
   function);
 * ``tp``: ``tensor_parallel`` spins before the tensor-parallel all-reduce
   (``--groups``: 2 x 2 data- and tensor-parallel groups made with ``new_group``);
-* ``hang``: that rank stops for good in ``load_batch``, before the
-  tensor-parallel all-reduce when ``--groups`` (in ``tensor_parallel``);
+* ``hang``: that rank stops in ``load_batch``, before the tensor-parallel
+  all-reduce when ``--groups`` (in ``tensor_parallel``), until the control
+  file says otherwise (a later test goes on with the same job);
 * ``none``: nobody.
 
 Prints ``ready`` after the first step. Imports nothing from probing.
@@ -24,12 +25,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+CONTROL: str | None = None  # --control
+RANK = -1
+
+
+def held() -> None:
+    """This rank stopped (a read that does not return, a peer it waits on)
+    while the control file says it hangs."""
+    while control(CONTROL)[:2] == (RANK, "hang"):
+        time.sleep(0.05)
 
 
 def control(path: str | None) -> tuple[int, str, float]:
@@ -46,7 +56,7 @@ def control(path: str | None) -> tuple[int, str, float]:
 def load_batch(step: int, load_ms: float, extra_ms: float, hang: bool) -> tuple[torch.Tensor, ...]:
     """Read one batch: storage latency (a sleep, off the CPU)."""
     if hang:
-        threading.Event().wait()  # a read that never returns
+        held()  # a read that does not return
     time.sleep((load_ms + extra_ms) / 1000)
     g = torch.Generator().manual_seed(step)
     return torch.randn(32, 256, generator=g), torch.randint(0, 16, (32,), generator=g)
@@ -71,7 +81,7 @@ def other_work(ms: float) -> None:
 def tensor_parallel(t: torch.Tensor, extra_ms: float, hang: bool) -> torch.Tensor:
     """This rank's tensor-parallel shard of work."""
     if hang:
-        threading.Event().wait()
+        held()
     end = time.perf_counter() + extra_ms / 1000
     while time.perf_counter() < end:
         pass
@@ -89,7 +99,9 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rank = int(os.environ["RANK"])
+    global CONTROL, RANK
+    CONTROL, RANK = args.control, int(os.environ["RANK"])
+    rank = RANK
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 16))

@@ -2,10 +2,11 @@
 cores, ~10 ms of other Python work a step, a 256-512-16 MLP, 2 x 2 data- and
 tensor-parallel groups), traced once and slowed in different ways while it
 runs: a slow data loader (off-CPU), extra CPU work in one function (on-CPU),
-a CPU-starved rank, a slow tensor-parallel shard, nothing, and at last a hang
-in one tensor-parallel group. The slowed rank and the size of the slowdown
-are drawn at random each run (printed, so a failure names them); the
-verdict names the rank, and ``why`` the injected function or cause. Root-only.
+a CPU-starved rank, a slow tensor-parallel shard, nothing, and a hang in one
+tensor-parallel group (released after: the tests run in any order). The
+slowed rank and the size of the slowdown are drawn at random each run
+(printed, so a failure names them); the verdict names the rank, and ``why``
+the injected function or cause. Root-only.
 """
 
 from __future__ import annotations
@@ -123,13 +124,16 @@ def test_a_slow_tensor_parallel_shard_names_its_rank_and_groups(noisy: NoisyJob)
 
 
 def test_a_hang_in_a_subgroup_names_its_missing_rank_every_time(noisy: NoisyJob) -> None:
-    """Last: the job stays hung."""
+    """The rank is released after: the job goes on for the tests after it."""
     rank = random.randrange(WORLD)
     partner = rank ^ 1  # its tensor-parallel group: {0, 1} or {2, 3}
     print(f"hang: rank {rank} (tensor-parallel partner {partner})")
     noisy.slow(rank, "hang", 0)
-    first = _diagnose(noisy, "--hang-after", "3s")
-    again = _diagnose(noisy, "--hang-after", "3s")
+    try:
+        first = _diagnose(noisy, "--hang-after", "3s")
+        again = _diagnose(noisy, "--hang-after", "3s")
+    finally:
+        noisy.slow(-1, "none", 0)
     # the partner, stuck with it in their group, never enters the world's next
     # collective either: that hang may be listed too; the subgroup's names the rank
     found = []
