@@ -423,6 +423,10 @@ def test_a_slowdown_asks_every_rank_at_once_and_is_written_once_it_lasted() -> N
     names = [c for c in written if analyze(upto(node.live, c), now_ns=c).stragglers]
     assert names[0] < clock, "named once: not yet written"
     assert began + watch.CONFIRM_S * 1e9 <= clock < began + 1.5e9, (clock - began) / 1e9
+    # /metrics says its lateness with it (one scrape: the finding and the rank it blames)
+    late = {s.labels["rank"]: s.value for f in text_string_to_metric_families(w.metrics())
+            for s in f.samples if s.name == "probing_rank_lateness_seconds"}  # fmt: skip
+    assert late and max(late, key=lambda r: late[r]) == "2", late
 
 
 def test_a_full_detection_clears_nothing_a_look_wrote_from_newer_rows() -> None:

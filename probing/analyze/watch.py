@@ -239,7 +239,9 @@ class Watch:
         """Every rank asked for its new collectives between full detections;
         where their last ``TAIL_S`` names a straggler not written yet (or one
         awaits its confirmation, ``waiting``), the window's whole analysis:
-        its confirmed stragglers are written (nothing is cleared here)."""
+        its confirmed stragglers are written (nothing is cleared here), with
+        the step and each rank's lateness it found (``/metrics`` says them
+        together)."""
         table, got = self._asked.fetch(self.node, now)
         self._asked_ns = now
         with self.book.lock:
@@ -251,7 +253,7 @@ class Watch:
         d, judged = self._analyze(table, got, now, runq=False)
         with self.book.lock:
             found = self._stragglers(d.stragglers, _latest_ts(judged))
-        return self.book.record(now, found, None, False, self.node.pid)
+        return self.book.record(now, found, d, False, self.node.pid)
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """One full detection: ask, analyze, record, clear; the findings new in it."""
