@@ -7,7 +7,9 @@ until a query of rank 0 is answered (by the new engine, which the guests
 started), until every rank traces again, and until the traced rows grow;
 and rank 0's step time (from its own log) in the ``--window`` seconds
 before the kill, during the restart (until tracing resumed) and after,
-side by side with the same windows of the job before any kill.
+side by side with the same windows of the job before any kill, and with
+its step while ``probing trace --cluster`` starts tracing it again after a
+stop (``trace_start``: the uprobes attached anew, as a new engine does).
 
     python benchmarks/restart_bench.py [--kills 3] [--window 8]
 """
@@ -124,6 +126,30 @@ def one_kill(runtime: Path, pids: list[int], steps: list[float], window: float) 
     }
 
 
+def trace_start(env: dict[str, str], pids: list[int], steps: list[float], window: float) -> dict:
+    """The baseline a restart is held to: the same job's step while ``probing
+    trace --cluster`` starts tracing it again (stopped for ``window`` first),
+    the uprobes attached anew, as a new engine does."""
+
+    def trace(*how: str) -> None:
+        subprocess.run([sys.executable, "-m", "probing", "trace", "--pid", str(pids[0]),
+                        "--cluster", *how], env=env, check=True, capture_output=True)  # fmt: skip
+
+    trace("--stop")
+    time.sleep(window)
+    t0 = time.monotonic()
+    trace("--background", "--no-nccl", "--no-cuda")
+    tracing = until(lambda: all_tracing(pids))
+    t_on = time.monotonic()
+    time.sleep(window)
+    return {
+        "tracing_s": None if tracing is None else round(t_on - t0, 2),
+        "step_untraced": step_ms(steps, t0 - window, t0),
+        "step_during_start": step_ms(steps, t0, t_on),
+        "step_after": step_ms(steps, t_on, t_on + window),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=3)
@@ -144,11 +170,13 @@ def main() -> None:
         assert until(lambda: len(steps) > 3, 120) is not None, "the job does not step"
         time.sleep(args.window)  # the job traced, undisturbed: the reference window
         t_ref = time.monotonic()
+        start_again = trace_start(env, pids, steps, args.window)
         kills = [one_kill(runtime, pids, steps, args.window) for _ in range(args.kills)]
         print(json.dumps({
             "benchmark": "engine_restart", "ranks": WORLD, "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 1),
             "step_reference": step_ms(steps, t_ref - args.window, t_ref),
+            "trace_start": start_again,
             "kills": kills,
         }, indent=1))  # fmt: skip
     finally:
