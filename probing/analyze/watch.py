@@ -250,9 +250,7 @@ class Watch:
             self._ask_aux(now)
         if not waiting and not _screen(table, now) - known:
             return []
-        d, judged = self._analyze(table, got, now, runq=False)
-        with self.book.lock:
-            found = self._stragglers(d.stragglers, _latest_ts(judged))
+        d, found = self._analyze(table, got, now, runq=False)
         return self.book.record(now, found, d, False, self.node.pid)
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
@@ -283,11 +281,13 @@ class Watch:
         aux["intervals"] = optional(ask, sql["intervals"])
         self._aux = aux
 
-    def _analyze(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[Any, pa.Table]:
-        """The whole analysis of the window ``table`` (and the rows it judged):
-        torch's names for the groups, only the span in which every rank that
-        answered traced; ``runq``: a suspected slow link is told from ranks
-        waiting for a CPU."""
+    def _analyze(
+        self, table: pa.Table, got: Any, now: int, runq: bool
+    ) -> tuple[Any, dict[tuple[Any, ...], dict[str, Any]]]:
+        """The whole analysis of the window ``table``, and the stragglers it
+        names to write (``_stragglers``): torch's names for the groups, only
+        the span in which every rank that answered traced; ``runq``: a
+        suspected slow link is told from ranks waiting for a CPU."""
         from probing.analyze.diagnose import analyze, judge, optional, queries, with_groups
 
         groups, dead = self._aux["groups"], self._aux["dead"]
@@ -305,16 +305,15 @@ class Watch:
             table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
             dead=dead, runq=ask_runq if runq else None, coverage=cov,
         )  # fmt: skip
-        return d, table
+        with self.book.lock:
+            return d, self._stragglers(d.stragglers, _latest_ts(table))
 
     def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
         """The whole analysis of the window ``table``, recorded: every kind of
         finding, and what is gone cleared."""
         from probing.analyze.diagnose import death_text
 
-        d, judged = self._analyze(table, got, now, runq=True)
-        with self.book.lock:
-            found = self._stragglers(d.stragglers, _latest_ts(judged))
+        d, found = self._analyze(table, got, now, runq=True)
         self._full_ns = now
         seen = {link.comm for link in d.slow_links}
         self._slow = {c: self._slow.get(c, 0) + 1 for c in seen}  # detections in a row

@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -225,6 +225,19 @@ def test_python_is_what_the_job_runs() -> None:
     assert sys.executable != py
 
 
+def hang_diagnosed(asker: int, done: Callable[[dict], bool]) -> dict:  # type: ignore[type-arg]
+    """``diagnose --cluster --hang-after 2s`` (JSON) through ``asker``'s probe
+    until ``done`` says so of its answer (60 s at most); its last answer."""
+    deadline = time.monotonic() + 60 * SLOWDOWN
+    while True:
+        r = cli("diagnose", "--pid", str(asker), "--cluster", "--hang-after", "2s",
+                "--format", "json", timeout=120)  # fmt: skip
+        d = json.loads(r.stdout)
+        if done(d) or time.monotonic() > deadline:
+            return d
+        time.sleep(1)
+
+
 def test_a_hung_pipeline_names_the_stage_that_never_sent(
     hooked: str, runtime_dir: Path, tmp_path: Path
 ) -> None:
@@ -237,14 +250,7 @@ def test_a_hung_pipeline_names_the_stage_that_never_sent(
         ranks = job.wait_ready()
         assert not trace_all(list(ranks.values()), ["gloo"])
         flag.touch()  # traced first: the neighbours' waits begin under the probes
-        deadline = time.monotonic() + 60 * SLOWDOWN
-        while True:
-            r = cli("diagnose", "--pid", str(ranks[(stuck + 1) % WORLD]), "--cluster",
-                    "--hang-after", "2s", "--format", "json", timeout=120)  # fmt: skip
-            d = json.loads(r.stdout)
-            if d["hangs"] or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        d = hang_diagnosed(ranks[(stuck + 1) % WORLD], lambda d: bool(d["hangs"]))
         [h] = d["hangs"]
         assert h["missing_ranks"] == [stuck] and h["op"] == "recv", d["verdict"]
         assert h["waiting_ranks"] and stuck not in h["waiting_ranks"]
@@ -271,15 +277,12 @@ def test_a_rank_that_stops_in_a_framework_job_is_named_as_the_hang(
         for pid in ranks.values():
             wait_ready(pid, 60 * SLOWDOWN)
         flag.touch()  # traced first: the others' waits begin under the probes
-        deadline = time.monotonic() + 60 * SLOWDOWN
-        while True:
-            r = cli("diagnose", "--pid", str(ranks[(stuck + 1) % WORLD]), "--cluster",
-                    "--hang-after", "2s", "--format", "json", timeout=120)  # fmt: skip
-            d = json.loads(r.stdout)
-            hung = [h for h in d["hangs"] if h["missing_ranks"] == [stuck]]
-            if hung or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+
+        def missing(d: dict) -> list[dict]:  # type: ignore[type-arg]
+            return [h for h in d["hangs"] if h["missing_ranks"] == [stuck]]
+
+        d = hang_diagnosed(ranks[(stuck + 1) % WORLD], lambda d: bool(missing(d)))
+        hung = missing(d)
         assert hung, d["verdict"]
         assert f"rank {stuck}" in d["verdict"], d["verdict"]
         fn = FUNCTION.get(name, FUNCTION["deepspeed_z2"])
