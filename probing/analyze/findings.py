@@ -39,7 +39,7 @@ def findings_schema() -> pa.Schema:
 class Book:
     """One detector's findings, keyed ``(kind, ...)``: each written once, when
     new, and cleared (``cleared_ns``) at the first full detection without it;
-    the step and each rank's lateness of the last full analysis. ``lock``
+    the step and each rank's lateness of the last analysis. ``lock``
     guards them (the detector's two threads write here)."""
 
     def __init__(self) -> None:
@@ -54,19 +54,19 @@ class Book:
         self, now: int, found: dict[tuple[Any, ...], dict[str, Any]], d: Any, clear: bool,
         pid: int | None,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        """Write what is new in ``found`` (keyed by ``key``); with ``clear``,
-        clear what is not in it. ``d``: the full analysis, for ``/metrics``
-        (None: kept); ``pid``: the process whose stderr is told."""
+        """Write what is new in ``found`` (keyed ``(kind, ...)``); with
+        ``clear``, clear what is not in it. ``d``: the analysis that found
+        them, whose step and lateness ``/metrics`` says; ``pid``: the
+        process whose stderr is told."""
         new = []
         cleared: list[tuple[Any, ...]] = []
         with self.lock:
-            if d is not None:
-                self.step_s = d.summary.step_ms / 1e3 if d.summary.step_ms else None
-                self.lateness_s = {
-                    (int(r["rank"]), str(r.get("node") or "")): float(r["lag_ms_mean"]) / 1e3
-                    for r in d.ranks
-                    if r.get("lag_ms_mean") is not None
-                }
+            self.step_s = d.summary.step_ms / 1e3 if d.summary.step_ms else None
+            self.lateness_s = {
+                (int(r["rank"]), str(r.get("node") or "")): float(r["lag_ms_mean"]) / 1e3
+                for r in d.ranks
+                if r.get("lag_ms_mean") is not None
+            }
             for key, row in found.items():
                 if key not in self.active:
                     row["ts"] = now
