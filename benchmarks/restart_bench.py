@@ -11,7 +11,12 @@ side by side with the same windows of the job before any kill, and with
 its step while ``probing trace --cluster`` starts tracing it again after a
 stop (``trace_start``: the uprobes attached anew, as a new engine does).
 
-    python benchmarks/restart_bench.py [--kills 3] [--window 8]
+The ranks run with torch's default threads (an OpenMP pool per rank,
+whose threads spin while they wait: 4 ranks on 2 cores are 8 spinning
+threads) unless ``--omp-threads N`` sets ``OMP_NUM_THREADS`` (torchrun
+sets 1 for every rank of a node with more than one).
+
+    python benchmarks/restart_bench.py [--kills 3] [--window 8] [--omp-threads 1]
 """
 
 from __future__ import annotations
@@ -95,6 +100,19 @@ def engine_pid(runtime: Path) -> int:
         return 0
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def job_cpu_s(pids: list[int]) -> float:
+    return sum(cpu_s(p) for p in pids)
+
+
 def count(pid: int) -> int:
     return int(ProbeClient.for_pid(pid).query(COUNT).column(0)[0].as_py())
 
@@ -107,11 +125,13 @@ def one_kill(runtime: Path, pids: list[int], steps: list[float], window: float) 
     """Kill the engine; how long until it answers, traces and records again."""
     before = count(pids[0])
     old = engine_pid(runtime)
+    job0 = job_cpu_s(pids)
     t_kill = time.monotonic()
     os.kill(old, signal.SIGKILL)
     answered = until(lambda: engine_pid(runtime) != old and count(pids[0]) >= 0)
     tracing = until(lambda: all_tracing(pids))
     t_back = time.monotonic()
+    engine_cpu, job = cpu_s(engine_pid(runtime)), job_cpu_s(pids) - job0
     grown = until(lambda: count(pids[0]) > before)
     time.sleep(window)  # the window after
     t_end = time.monotonic()
@@ -120,6 +140,10 @@ def one_kill(runtime: Path, pids: list[int], steps: list[float], window: float) 
         "tracing_again_s": None if tracing is None else round(t_back - t_kill, 2),
         "rows_growing_s": None if grown is None else round(t_back - t_kill + grown, 2),
         "rows_kept": count(pids[0]) >= before,
+        # the new engine's CPU from its start until every rank traced again,
+        # and the job's (4 ranks) over the same time
+        "engine_cpu_s_until_tracing": round(engine_cpu, 2),
+        "job_cpu_s_during_restart": round(job, 2),
         "step_before": step_ms(steps, t_kill - window, t_kill),
         "step_during_restart": step_ms(steps, t_kill, t_back),
         "step_after": step_ms(steps, t_back, t_end),
@@ -137,13 +161,18 @@ def trace_start(env: dict[str, str], pids: list[int], steps: list[float], window
 
     trace("--stop")
     time.sleep(window)
+    engine = engine_pid(Path(os.environ["PROBING_RUNTIME_DIR"]))
+    engine0, job0 = cpu_s(engine), job_cpu_s(pids)
     t0 = time.monotonic()
     trace("--background", "--no-nccl", "--no-cuda")
     tracing = until(lambda: all_tracing(pids))
     t_on = time.monotonic()
+    engine_cpu, job = cpu_s(engine) - engine0, job_cpu_s(pids) - job0
     time.sleep(window)
     return {
         "tracing_s": None if tracing is None else round(t_on - t0, 2),
+        "engine_cpu_s_until_tracing": round(engine_cpu, 2),
+        "job_cpu_s_during_start": round(job, 2),
         "step_untraced": step_ms(steps, t0 - window, t0),
         "step_during_start": step_ms(steps, t0, t_on),
         "step_after": step_ms(steps, t_on, t_on + window),
@@ -154,9 +183,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--window", type=float, default=8.0)
+    ap.add_argument("--omp-threads", type=int, default=0, help="OMP_NUM_THREADS (0: torch's)")
     args = ap.parse_args()
     runtime = Path(tempfile.mkdtemp(prefix="probing-restart-"))
     env = dict(os.environ, PROBING_RUNTIME_DIR=str(runtime), PROBING_TOKEN="restart-bench")
+    env.pop("OMP_NUM_THREADS", None)
+    if args.omp_threads:
+        env["OMP_NUM_THREADS"] = str(args.omp_threads)
     os.environ.update(PROBING_RUNTIME_DIR=str(runtime))
     procs = start(env)
     steps: list[float] = []
@@ -174,6 +207,7 @@ def main() -> None:
         kills = [one_kill(runtime, pids, steps, args.window) for _ in range(args.kills)]
         print(json.dumps({
             "benchmark": "engine_restart", "ranks": WORLD, "cpus": os.cpu_count(),
+            "omp_threads": args.omp_threads or "torch's default",
             "load_avg_1m": round(os.getloadavg()[0], 1),
             "step_reference": step_ms(steps, t_ref - args.window, t_ref),
             "trace_start": start_again,

@@ -226,6 +226,29 @@ def test_gloo_symbols_in_the_installed_torch() -> None:
     assert sorted(found) == sorted(f.enum for f in fam.GLOO_FUNCS)
 
 
+def test_a_library_is_read_once_for_every_rank_that_maps_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The ranks of a job map the same libraries: the engine that traces
+    them reads each one's symbols once; a library replaced on disk is read again."""
+    from probing.node.bpf import attach
+
+    cudart = [p for p in installed_libraries() if "libcudart" in p][0]
+    lib = tmp_path / "libcudart.so.12"
+    shutil.copyfile(cudart, lib)
+    reads = []
+    real = attach._symbols
+    monkeypatch.setattr(attach, "_symbols", lambda f, path: reads.append(path) or real(f, path))
+    monkeypatch.setattr(attach, "_found", type(attach._found)())
+    cuda = fam.FAMILIES["cuda"]
+    first = attach.symbols(cuda, str(lib))
+    assert {"cudaLaunchKernel", "cudaMemcpy"} <= {sym for sym, _ in first.values()}
+    assert attach.symbols(cuda, str(lib)) == first
+    assert reads == [str(lib)]
+    with open(lib, "ab") as f:  # another build of the library, same path
+        f.write(b"\0")
+    assert attach.symbols(cuda, str(lib)) == first
+    assert reads == [str(lib)] * 2
+
+
 def test_exported_names_in_the_nvidia_wheels() -> None:
     libs = {p.rsplit("/", 1)[-1].split(".so")[0]: p for p in installed_libraries()}
     nccl = exported(libs["libnccl"], [f.api for f in fam.NCCL_FUNCS])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -47,8 +49,32 @@ class Probe:
 PROBES_SCHEMA = schema_of(Probe)  # trace.probes
 
 
+# What ``symbols`` found, per family and file (by its identity: a library
+# replaced on disk is read again). The ranks of a job map the same libraries,
+# and an engine traces them all: libtorch is read once, not once a rank.
+KEEP_SYMBOLS = 64
+_found: OrderedDict[tuple[str, int, int, int, int], dict[str, tuple[str, int]]] = OrderedDict()
+_found_lock = threading.Lock()
+
+
 def symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
     """Func.enum -> (the symbol to attach to in ``path``, its file offset)."""
+    st = os.stat(path)
+    key = (f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _found_lock:
+        got = _found.get(key)
+        if got is not None:
+            _found.move_to_end(key)
+            return got
+    got = _symbols(f, path)
+    with _found_lock:
+        _found[key] = got
+        while len(_found) > KEEP_SYMBOLS:
+            _found.popitem(last=False)
+    return got
+
+
+def _symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
     if f.demangled is not None:
         found = exported_matching(path, f.mangled_prefix, f.demangled)
     else:
