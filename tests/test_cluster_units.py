@@ -441,3 +441,100 @@ def test_a_control_fan_out_names_each_rank_it_could_not_ask() -> None:
         {"rank": 2, "node": "?", "addr": "", "status": 0,
          "reason": "not discovered (no probe, or not joined yet)"},
     ]  # fmt: skip
+
+
+def _one_engines_ranks(n: int) -> list[Any]:
+    """``n`` ranks served by one engine (one peer port), as the node's engine
+    serves them: each with its own store, with ``bench.events`` (rank r has
+    r + 1 rows; the last rank has none of it) and a live table ``live.t``."""
+    import types
+
+    import numpy as np
+
+    from probing.node.cluster.node import ClusterNode
+    from probing.node.cluster.port import NodePort
+    from probing.node.probe.api import make_app
+    from probing.node.probe.server import UnixHTTPServer
+    from probing.node.sql import Engine
+    from probing.node.store import Store
+
+    port = NodePort(first=0)
+    port.server = UnixHTTPServer(None, port.route)
+    port.server.start()
+    nodes = []
+    for rank in range(n):
+        store = Store()
+        if rank < n - 1:
+            rows = np.arange(rank + 1, dtype=np.int64)
+            store.table("bench", "events").append_batch({"ts": rows, "dur_ns": rows * 10 + rank})
+        eng = Engine(store)
+        eng.register_table("live", "t", lambda rank=rank: pa.table({"x": [rank * 100]}))
+        ident = identity.Identity(
+            rank=rank, world_size=n, local_rank=rank, node="n0", group_rank=0, master=None,
+            run_id="t", peers=(), port=0,
+        )  # fmt: skip
+        node = ClusterNode(ident, lambda eng=eng: eng, token=b"t", pid=(1 << 22) + rank)
+        node.port = port
+        host = types.SimpleNamespace(engine=eng, cluster=node, note_query=lambda: None)
+        node.setup(types.SimpleNamespace(app=make_app(host)))
+        nodes.append(node)
+    for node in nodes:
+        for other in nodes:
+            if other is not node:
+                node.registry.upsert(PeerInfo(other.rank, "n0", other.addr or "", other.pid))
+    nodes[0].stop_port = port.server.stop
+    return nodes
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT rank, count(*) AS n, sum(dur_ns) AS d FROM bench.events GROUP BY rank",
+        "SELECT node, count(*) AS n FROM bench.events GROUP BY node",
+        "SELECT rank, ts, dur_ns FROM bench.events WHERE dur_ns > 5 ORDER BY rank, ts",
+        "SELECT rank, x FROM live.t ORDER BY rank",
+    ],
+)
+def test_an_engines_ranks_answer_in_one_query_what_each_would_alone(monkeypatch, sql) -> None:  # type: ignore[no-untyped-def]
+    """The ranks one engine serves answer a cluster query with one query
+    over all their stored rows: the same rows as each rank's own share;
+    a rank without the table adds none; a live table is made per rank."""
+    from probing.node.cluster import coordinator
+    from probing.node.cluster.share import Together
+
+    nodes = _one_engines_ranks(4)
+    try:
+        runs: list[int] = []
+        real = Together.run
+        monkeypatch.setattr(Together, "run", lambda self: runs.append(1) or real(self))
+        together, got, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
+        assert not got.missing and sorted(t.rank for t in got.peers) == [0, 1, 2, 3]
+        assert len(runs) == (0 if "live" in sql else 1)  # one query for the 4 ranks
+        monkeypatch.setattr(Together, "prepare", classmethod(lambda cls, owners, work: None))
+        apart, _, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
+        assert together.sort_by([(c, "ascending") for c in together.column_names]).equals(
+            apart.sort_by([(c, "ascending") for c in apart.column_names])
+        )
+        assert together.num_rows > 0
+    finally:
+        nodes[0].stop_port()
+
+
+def test_a_query_the_ranks_cannot_run_together_runs_rank_by_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The query together fails (here: made to): each rank runs its own
+    share, so the answer is whole and each failure is its rank's."""
+    from probing.node.cluster import coordinator
+    from probing.node.cluster.share import Together
+
+    nodes = _one_engines_ranks(3)
+    try:
+
+        def broken(self: Any) -> Any:
+            raise QueryError("made to fail")
+
+        monkeypatch.setattr(Together, "run", broken)
+        sql = "SELECT rank, count(*) AS n FROM bench.events GROUP BY rank ORDER BY rank"
+        table, got, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
+        assert table.to_pydict() == {"rank": [0, 1], "n": [1, 2]} and not got.missing
+    finally:
+        nodes[0].stop_port()

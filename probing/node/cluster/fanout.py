@@ -317,19 +317,27 @@ def _run(
     deadline: float,
 ) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
     """Serve the exchange while the ``local`` shares run (mine first when
-    ``mine_first``, then my engine's other ranks'), each on a thread of its
-    own. Mine is waited for, and raises again here; a sibling not done by
-    ``deadline`` (its process stopped under a query that reads it) is named
-    missing like a late peer, and one that failed with its reason."""
+    ``mine_first``, then my engine's other ranks'): as one query where they
+    can (``share.Together``), else each on a thread of its own. Mine is
+    waited for, and raises again here; a sibling not done by ``deadline``
+    (its process stopped under a query that reads it) is named missing like
+    a late peer, and one that failed with its reason."""
+    from probing.node.cluster.share import Together
+
     slots: list[Any] = [None] * len(local)
-    threads = []
-    for i, node in enumerate(local):
-        t = threading.Thread(
-            target=_share, args=(node, work, slots, i), name="probing-cluster", daemon=True
-        )
-        t.start()
-        threads.append(t)
+    together = None
+    if len(local) > 1:
+        together = Together.prepare([n.share.owner for n in local], work.for_member())
+    if together is not None:
+        threads = [_start(_together, together, local, slots)] * len(local)
+    else:
+        threads = [_start(_share, node, work, slots, i) for i, node in enumerate(local)]
     replies = exchange.run()
+    if together is not None:
+        threads[0].join(max(0.0, deadline - time.monotonic()))
+        if isinstance(slots[0], BaseException):  # each on its own: who failed, and why
+            slots = [None] * len(local)
+            threads = [_start(_share, node, work, slots, i) for i, node in enumerate(local)]
     result = Gathered()
     for i, (node, t) in enumerate(zip(local, threads, strict=True)):
         mine = i == 0 and mine_first
@@ -343,6 +351,30 @@ def _run(
         else:
             result.extend(got)
     return result, replies
+
+
+def _start(target: Callable[..., None], *args: Any) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, name="probing-cluster", daemon=True)
+    t.start()
+    return t
+
+
+def _together(together: Any, local: list[Peer], slots: list[Any]) -> None:
+    """Every local share at once (``share.Together``): the rows in the first
+    slot, each rank's timing in its own; the exception in every slot."""
+    t0 = time.perf_counter()
+    try:
+        tables = together.run()
+    except BaseException as err:  # noqa: BLE001 - the shares run again one by one
+        slots[:] = [err] * len(slots)
+        return
+    ms = (time.perf_counter() - t0) * 1e3
+    for i, node in enumerate(local):
+        got = Gathered()
+        if i == 0:
+            got.add_tables(tables)
+        got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
+        slots[i] = got
 
 
 def _share(node: Peer, work: planner.Work, slots: list[Any], i: int) -> None:

@@ -10,6 +10,10 @@ columns changed). A table this peer lacks adds no rows.
 
 ``Owner`` is what the share needs of the cluster node: its engine, node
 name and rank (the rank may be learned after the share was made).
+
+``Together``: the shares of the ranks one engine serves, as one query over
+all their rows (an engine answers for its node in one reply): over stored
+tables only, whose rows it can read without asking any process.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
+    from probing.node.store.table import Snapshot
 
 # A process runs at most this many peers' shares at once (one probe per
 # process in a job; several in the benchmark): more at once only adds
@@ -87,8 +92,8 @@ class Share:
         from probing.node.cluster import plan as planner
 
         refs = planner.table_refs(sql, set(eng.catalog.schema_names()))
-        if not all(_exists(ref.name, eng) for ref in refs):
-            return None
+        if not refs or not all(_exists(ref.name, eng) for ref in refs):
+            return None  # not even the table's schema is here
         text = planner.over_tagged(sql, refs, {r.name: self._tagged(r.name, eng) for r in refs})
         if len(self._rewritten) < KEEP_REWRITTEN:
             self._rewritten[sql] = text
@@ -109,3 +114,135 @@ def _exists(table: str, eng: Any) -> bool:
     sch, name = table.split(".", 1)
     schema = eng.catalog.schema(sch)
     return schema is not None and name in schema.table_names
+
+
+class Together:
+    """The shares of ranks one engine serves, run as one query over the
+    union of their rows: what each ``Share.run`` would compute for its own
+    rank, together (one DataFusion query a node, not one a rank).
+
+    ``prepare`` says whether it can: every table the work reads is stored
+    (rows a trace keeps; a live table or a view is made per process) with
+    the same columns on every rank that has it, and in ``agg`` mode the
+    query reads one table (a join must never meet another rank's rows).
+    A rank that lacks a table adds no rows, as on its own.
+    """
+
+    def __init__(self, owners: list[Owner], work: planner.Work, snaps: dict[str, list[Any]]):
+        self.owners = owners
+        self.work = work
+        self.snaps = snaps  # table -> [(owner, Snapshot)] of the ranks that have it
+
+    @classmethod
+    def prepare(cls, owners: list[Owner], work: planner.Work) -> Together | None:
+        from probing.node.cluster import plan as planner
+
+        if len(owners) < 2:
+            return None
+        engines = [o.engine() for o in owners]
+        if work.mode is planner.Mode.AGG:
+            refs = planner.table_refs(work.sql, set(engines[0].catalog.schema_names()))
+            if len(refs) != 1:
+                return None
+            names = [refs[0].name]
+        else:
+            names = list(work.scans)
+        snaps: dict[str, list[Any]] = {}
+        for table in names:
+            got = _stored(table, owners, engines)
+            if got is None:
+                return None
+            snaps[table] = got
+        return cls(owners, work, snaps)
+
+    def run(self) -> dict[str, pa.Table]:
+        """The rows (``scan``) or partial aggregate (``agg``) of every rank at once."""
+        from probing.node.cluster import plan as planner
+        from probing.node.sql import run
+        from probing.node.sql.limits import check_sql
+        from probing.node.sql.session import READ_ONLY
+
+        eng = self.owners[0].engine()
+        limits = eng.limits
+        queries: dict[str, str] = {}
+        if self.work.mode is planner.Mode.AGG:
+            [(table, snaps)] = self.snaps.items()
+            if snaps:
+                refs = planner.table_refs(self.work.sql, set(eng.catalog.schema_names()))
+                queries[planner.PARTIAL] = planner.over_tagged(
+                    self.work.sql, refs, {table: _union(table, snaps)}
+                )
+        else:
+            for table, snaps in self.snaps.items():
+                if snaps:
+                    spec = self.work.scans[table]
+                    queries[table] = planner.scan_sql(table, _union(table, snaps), spec)
+        for sql in queries.values():
+            check_sql(sql, limits)
+
+        def job() -> dict[str, pa.Table]:
+            ctx = _context(self.snaps, limits)
+            return {
+                name: run.collect(ctx.sql_with_options(sql, READ_ONLY), limits)
+                for name, sql in queries.items()
+            }
+
+        with _RUNNING:
+            got: dict[str, pa.Table] = eng.threads.run(job, timeout_s=limits.timeout_s)
+        return got
+
+
+def _stored(table: str, owners: list[Owner], engines: list[Any]) -> list[Any] | None:
+    """``table``'s snapshot on each rank that has it; None where one serves
+    it otherwise than stored, or with other columns."""
+    sch, name = table.split(".", 1)
+    got: list[tuple[Owner, Snapshot]] = []
+    for owner, eng in zip(owners, engines, strict=True):
+        schema = eng.catalog.schema(sch)
+        kind = None if schema is None else schema.kind(name)
+        if kind is None:
+            continue  # this rank lacks it: no rows
+        if kind != "stored":
+            return None
+        snap = eng.store.get(sch, name).snapshot()
+        if got and not snap.schema.equals(got[0][1].schema):
+            return None
+        got.append((owner, snap))
+    return got
+
+
+def _hidden(table: str, rank: int) -> str:
+    """Where rank ``rank``'s rows of ``table`` are registered in a ``Together`` query."""
+    return "together." + f"{table}.{rank}".replace(".", "__")
+
+
+def _union(table: str, snaps: list[Any]) -> str:
+    from probing.node.cluster import plan as planner
+
+    return " UNION ALL ".join(
+        planner.tagged_sql(_hidden(table, o.rank), snap.schema.names, o.ident.node, o.rank)
+        for o, snap in snaps
+    )
+
+
+def _context(snaps: dict[str, list[Any]], limits: Any) -> Any:
+    """A fresh session holding every rank's rows of every table, by ``_hidden`` name."""
+    from datafusion import SessionConfig, SessionContext
+    from datafusion.catalog import Catalog, Schema
+
+    from probing.node.sql.providers import snapshot_frame
+    from probing.node.sql.session import runtime_env
+
+    ctx = SessionContext(
+        SessionConfig().with_default_catalog_and_schema("probing", "together"),
+        runtime_env(limits),
+    )
+    catalog = Catalog.memory_catalog()
+    ctx.register_catalog_provider("probing", catalog)
+    schema = Schema.memory_schema()
+    catalog.register_schema("together", schema)
+    for table, got in snaps.items():
+        for owner, snap in got:
+            name = _hidden(table, owner.rank).split(".", 1)[1]
+            schema.register_table(name, snapshot_frame(ctx, snap).into_view())
+    return ctx
