@@ -446,7 +446,8 @@ def test_a_control_fan_out_names_each_rank_it_could_not_ask() -> None:
 def _one_engines_ranks(n: int) -> list[Any]:
     """``n`` ranks served by one engine (one peer port), as the node's engine
     serves them: each with its own store, with ``bench.events`` (rank r has
-    r + 1 rows; the last rank has none of it) and a live table ``live.t``."""
+    r + 1 rows, rank 1 some sealed and twice as many; the last rank has none
+    of it) and a live table ``live.t``."""
     import types
 
     import numpy as np
@@ -466,7 +467,12 @@ def _one_engines_ranks(n: int) -> list[Any]:
         store = Store()
         if rank < n - 1:
             rows = np.arange(rank + 1, dtype=np.int64)
-            store.table("bench", "events").append_batch({"ts": rows, "dur_ns": rows * 10 + rank})
+            events = store.table("bench", "events")
+            events.append_batch({"ts": rows, "dur_ns": rows * 10 + rank})
+            if rank == 1:  # sealed in a chunk file, then rows not sealed yet
+                events.flush()
+                events.append_batch({"ts": rows + 10, "dur_ns": rows * 10 + 7})
+                assert events.snapshot().chunk_dir is not None
         eng = Engine(store)
         eng.register_table("live", "t", lambda rank=rank: pa.table({"x": [rank * 100]}))
         ident = identity.Identity(
@@ -535,6 +541,6 @@ def test_a_query_the_ranks_cannot_run_together_runs_rank_by_rank(monkeypatch) ->
         monkeypatch.setattr(Together, "run", broken)
         sql = "SELECT rank, count(*) AS n FROM bench.events GROUP BY rank ORDER BY rank"
         table, got, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
-        assert table.to_pydict() == {"rank": [0, 1], "n": [1, 2]} and not got.missing
+        assert table.to_pydict() == {"rank": [0, 1], "n": [1, 4]} and not got.missing
     finally:
         nodes[0].stop_port()

@@ -211,26 +211,34 @@ def _stored(table: str, owners: list[Owner], engines: list[Any]) -> list[Any] | 
     return got
 
 
-def _hidden(table: str, rank: int) -> str:
-    """Where rank ``rank``'s rows of ``table`` are registered in a ``Together`` query."""
+def _hidden(table: str, rank: int | str) -> str:
+    """Where rank ``rank``'s sealed rows of ``table`` are registered in a
+    ``Together`` query (``mem``: every rank's rows not sealed yet)."""
     return "together." + f"{table}.{rank}".replace(".", "__")
 
 
 def _union(table: str, snaps: list[Any]) -> str:
+    """Every rank's rows of ``table``, tagged: the rows not sealed yet of
+    all of them, tagged here (one memory table: planning a branch a rank
+    costs more than the rows), then each rank's sealed chunks (a native
+    scan of its files, tagged in SQL)."""
     from probing.node.cluster import plan as planner
 
-    return " UNION ALL ".join(
-        planner.tagged_sql(_hidden(table, o.rank), snap.schema.names, o.ident.node, o.rank)
-        for o, snap in snaps
-    )
+    cols = snaps[0][1].schema.names
+    branches = [f'SELECT * FROM "together"."{_hidden(table, "mem").split(".", 1)[1]}"']
+    for o, snap in snaps:
+        if snap.chunk_dir is not None:
+            hidden = _hidden(table, o.rank)
+            branches.append(planner.tagged_sql(hidden, cols, o.ident.node, o.rank))
+    return " UNION ALL ".join(branches)
 
 
 def _context(snaps: dict[str, list[Any]], limits: Any) -> Any:
-    """A fresh session holding every rank's rows of every table, by ``_hidden`` name."""
+    """A fresh session holding every rank's rows of every table (``_hidden``)."""
     from datafusion import SessionConfig, SessionContext
     from datafusion.catalog import Catalog, Schema
 
-    from probing.node.sql.providers import snapshot_frame
+    from probing.node.sql.providers import rows_frame, snapshot_frame
     from probing.node.sql.session import runtime_env
 
     ctx = SessionContext(
@@ -242,7 +250,30 @@ def _context(snaps: dict[str, list[Any]], limits: Any) -> Any:
     schema = Schema.memory_schema()
     catalog.register_schema("together", schema)
     for table, got in snaps.items():
+        pending = _tagged_rows([(o, snap.pending) for o, snap in got])
+        schema.register_table(_hidden(table, "mem").split(".", 1)[1],
+                              rows_frame(ctx, pending).into_view())  # fmt: skip
         for owner, snap in got:
-            name = _hidden(table, owner.rank).split(".", 1)[1]
-            schema.register_table(name, snapshot_frame(ctx, snap).into_view())
+            if snap.chunk_dir is not None:  # its sealed chunks alone: its pending rows are above
+                sealed = snap._replace(pending=snap.pending.schema.empty_table())
+                name = _hidden(table, owner.rank).split(".", 1)[1]
+                schema.register_table(name, snapshot_frame(ctx, sealed).into_view())
     return ctx
+
+
+def _tagged_rows(parts: list[tuple[Owner, pa.Table]]) -> pa.Table:
+    """Rows of several ranks as one table, tagged as ``plan.tagged_sql`` tags
+    a rank's (its own ``node``/``rank`` renamed ``table_node``/``table_rank``)."""
+    import pyarrow as pa
+
+    from probing.node.cluster import plan as planner
+
+    out = []
+    for owner, rows in parts:
+        names = [f"table_{n}" if n in ("node", "rank") else n for n in rows.column_names]
+        rows = rows.rename_columns(names)
+        rows = rows.append_column("node", pa.array([owner.ident.node] * rows.num_rows, pa.string()))
+        out.append(rows.append_column("rank", pa.array([owner.rank] * rows.num_rows, pa.int64())))
+    return pa.concat_tables(out).cast(
+        pa.schema([*out[0].schema][:-2] + [pa.field(n, t, nullable=False) for n, t in planner.TAGS])
+    )
