@@ -327,7 +327,10 @@ def _run(
     slots: list[Any] = [None] * len(local)
     together = None
     if len(local) > 1:
-        together = Together.prepare([n.share.owner for n in local], work.for_member())
+        try:
+            together = Together.prepare([n.share.owner for n in local], work.for_member())
+        except Exception:  # noqa: BLE001 - rank by rank: each says what is wrong with its own
+            together = None
     if together is not None:
         threads = [_start(_together, together, local, slots)] * len(local)
     else:

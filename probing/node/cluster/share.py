@@ -202,9 +202,10 @@ def _stored(table: str, owners: list[Owner], engines: list[Any]) -> list[Any] | 
         kind = None if schema is None else schema.kind(name)
         if kind is None:
             continue  # this rank lacks it: no rows
-        if kind != "stored":
+        tbl = eng.store.get(sch, name) if kind == "stored" else None
+        if tbl is None:  # made per process, or gone since
             return None
-        snap = eng.store.get(sch, name).snapshot()
+        snap = tbl.snapshot()
         if got and not snap.schema.equals(got[0][1].schema):
             return None
         got.append((owner, snap))
