@@ -222,10 +222,15 @@ def _traced(health: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _probed(pid: int) -> bool:
+    return _state(pid) == "tracing"
+
+
+def _state(pid: int) -> str:
+    """``pid``'s trace state, as its probe says; else why it said nothing."""
     try:
-        return ProbeClient.for_pid(pid).trace_status()["state"] == "tracing"
-    except ProbingError:
-        return False
+        return str(ProbeClient.for_pid(pid).trace_status()["state"])
+    except ProbingError as err:
+        return f"{type(err).__name__}: {err}"
 
 
 _SAMPLE = re.compile(r"^([a-z_:]+)\{(.*)\} (\S+)", re.M)
@@ -286,7 +291,9 @@ def test_an_srun_job_is_watched_by_the_agent_the_prolog_started(
             assert not [k for k in environ if k.startswith("PROBING")], environ
             ranks[int(environ["SLURM_PROCID"])] = p["pid"]
         assert sorted(ranks) == list(range(WORLD)), ranks
-        assert all(_probed(pid) for pid in ranks.values())
+        # what the agent says, each rank's own probe says (asked on a busy node)
+        probed = _until(lambda: all(_probed(pid) for pid in ranks.values()), 20)
+        assert probed, {pid: _state(pid) for pid in ranks.values()}
         print(f"every task traced {time.monotonic() - t_start:.1f} s after srun; attach s:",
               sorted(p["attached_s"] for p in traced))  # fmt: skip
 
