@@ -123,9 +123,16 @@ def worker(ranks: list[int], world: int, per_node: bool = False) -> None:
     everyone = json.loads(sys.stdin.readline())  # rank -> addr, for whoever asks
     for node in nodes:
         for rank, addr in everyone.items():
-            if int(rank) != node.rank:
-                where = f"n{int(rank) // RANKS_PER_NODE}"
-                node.registry.upsert(PeerInfo(int(rank), where, addr, FAKE_PID + int(rank)))
+            where = f"n{int(rank) // RANKS_PER_NODE}"
+            if int(rank) == node.rank:
+                continue
+            # per node, only the asker needs everyone: a gatherer is asked for
+            # its own node's ranks (here a process hosts many nodes, whose
+            # registries of every rank would take more memory and collection
+            # than a node's engine ever holds)
+            if per_node and node.rank != 0 and where != node.ident.node:
+                continue
+            node.registry.upsert(PeerInfo(int(rank), where, addr, FAKE_PID + int(rank)))
     sys.stdin.read()  # until the parent closes our stdin
     for s in servers:
         s.stop()
