@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,12 @@ class Node:
 
     def __init__(self, rank: int = 0) -> None:
         self.rank, self.pid, self.learning = rank, None, False
+        # where the detector finds the cluster's parts (ClusterNode's
+        # ``coordinator`` and ``asking`` modules): here, this node's scripts
+        self.coordinator = SimpleNamespace(
+            coordinate=lambda node, sql, **kw: node.coordinate(sql, **kw)
+        )
+        self.asking = SimpleNamespace(control=lambda node, *args: node.fan_out(*args))
         self.answers: list[tuple[pa.Table, Got]] = []
         self.live: pa.Table | None = None
         self.clock = 0

@@ -36,7 +36,8 @@ each new or cleared finding is one ``probing:`` line on the job's stderr.
 rank's lateness, the findings, the events dropped.
 
 The node (``probing.node.cluster.node.ClusterNode``) is handed in: this layer
-does not import the cluster's.
+does not import the cluster's, and asks through the parts the node names
+(``coordinator.coordinate``, ``asking.control``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ ALERT_S = 5.0  # ... and for at most this long after the pace dropped
 TAIL_S = 3.0  # the span an ask screens for a straggler
 DRAINED_S = 0.2  # a collective is in its rank's store this long after it began, as a rule
 CONFIRM_S = 1.0  # a new straggler's lateness lasted this long: written (noise is briefer)
+
+
+def ask_cluster(node: Any, sql: str) -> pa.Table:
+    """``sql`` over every rank of ``node``'s job (the cluster's coordinator)."""
+    table: pa.Table = node.coordinator.coordinate(node, sql, timeout=ASK_S)[0]
+    return table
 
 
 def detect_s() -> float:
@@ -145,7 +152,8 @@ class Watch:
             return self._elected[1]
         mine = True
         for rank in range(self.node.rank):  # from the lowest: rank 0 answers, as a rule
-            [row] = self.node.fan_out("/query", ALIVE, 3.0, {rank}) or [{"status": 0, "addr": ""}]
+            asked = self.node.asking.control(self.node, "/query", ALIVE, 3.0, {rank})
+            [row] = asked or [{"status": 0, "addr": ""}]
             if row["status"] == 200 and not any(r.get("alive") for r in row.get("reply") or []):
                 continue  # died: its probe answers for it
             if row["status"] == 0 and row.get("addr"):
@@ -271,7 +279,7 @@ class Watch:
         sql = queries(remote=True)
 
         def ask(q: str) -> pa.Table:
-            return self.node.coordinate(q, timeout=ASK_S)[0]
+            return ask_cluster(self.node, q)
 
         aux = dict(self._aux)  # the other thread reads them meanwhile: replaced at once
         if aux.get("groups") is None or now - self._groups_ns >= GROUPS_S * 1e9:
@@ -297,7 +305,7 @@ class Watch:
         runq_sql = queries(remote=True)["runq"].format(since_ns=since)
 
         def ask_runq() -> pa.Table | None:
-            return optional(lambda q: self.node.coordinate(q, timeout=ASK_S)[0], runq_sql)
+            return optional(lambda q: ask_cluster(self.node, q), runq_sql)
 
         answered = sorted({t.rank for t in got.peers})
         table, cov = judge(table, self._aux["intervals"], answered, dead, since, now)
@@ -477,7 +485,7 @@ class Window:
             sql = (
                 f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
             )
-        table, got, _ = node.coordinate(sql, timeout=ASK_S)
+        table, got, _ = node.coordinator.coordinate(node, sql, timeout=ASK_S)
         if kept is not None and kept.num_rows:
             ts, dur = kept.column("ts"), kept.column("dur_ns")
             old = kept.filter(

@@ -11,9 +11,10 @@ Nothing runs between queries: no heartbeat, no polling. The peers' state
 in ``probing.peers`` is what discovery published and what the last
 cluster query measured.
 
-The rest has one owner each, which take the node and call each other; the
-probe and the detector, which do not import the cluster, reach them through
-the node (``serve_query``, ``serve_gather``, ``fan_out``, ``coordinate``):
+The rest has one owner each, which take the node and call each other. The
+probe's HTTP app and the detector, which do not import the cluster, call
+them where the node says they are (``endpoints``, ``coordinator``,
+``asking``: the modules themselves; the node forwards nothing):
 
 * ``share``: this peer's share of a query, its tables tagged (SQL text: ``plan``);
 * ``fanout``: asking peers at once, retries, deadlines (``PeerFailure``);
@@ -28,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probing import config
 from probing.errors import ProbingError
@@ -50,18 +51,11 @@ from probing.node.cluster.identity import (
     token_from_env,
 )
 from probing.node.cluster.share import Share
-from probing.node.probe.http import Request, Response
-
-if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
-    import pyarrow as pa
-
-    from probing.node.cluster import plan as planner
-    from probing.node.cluster.fanout import Gathered
 
 
 class ClusterNode:
-    """One peer: its identity, its peers, its token, its share; the door of
-    the probe and the detector to the fan-out, coordinator and endpoints."""
+    """One peer: its identity, its peers, its token, its share; where the
+    probe and the detector find the fan-out, coordinator and endpoints."""
 
     def __init__(
         self,
@@ -92,6 +86,11 @@ class ClusterNode:
         self.port: Any = None
         self._join_lock = threading.Lock()
         self.share = Share(self)  # my share of a query, and what it caches
+        # where the probe's HTTP app and the detector find the parts that do
+        # the work (modules whose functions take this node): they do not import them
+        self.endpoints = endpoints  # POST /cluster/query, /cluster/gather
+        self.coordinator = coordinator  # a query over every peer (coordinate)
+        self.asking = asking  # the same request to every peer (control)
         self.watch: Any = None  # the always-on detector (probing.analyze.watch), once made
         self.detector: Callable[[], Any] | None = None  # makes it (given by probing.enable)
         if self.learn is not None:
@@ -235,28 +234,6 @@ class ClusterNode:
 
     def others(self) -> list[PeerInfo]:
         return [p for p in self.registry.peers() if p.rank != self.rank]
-
-    # -- what the probe and the detector ask of the cluster --------------------------
-    def coordinate(
-        self, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
-    ) -> tuple[pa.Table, Gathered, planner.Plan]:
-        """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
-        return coordinator.coordinate(self, sql, timeout=timeout, strict=strict, fanout=fanout)
-
-    def fan_out(
-        self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
-    ) -> list[dict[str, Any]]:
-        """POST ``body`` to ``path`` on every other peer (of ``ranks``): one row
-        per rank of the job but mine (``fanout.control``)."""
-        return asking.control(self, path, body, timeout, ranks)
-
-    def serve_query(self, req: Request) -> Response:
-        """POST /cluster/query (``endpoints.cluster_query``)."""
-        return endpoints.cluster_query(self, req)
-
-    def serve_gather(self, req: Request) -> Response:
-        """POST /cluster/gather (``endpoints.cluster_gather``)."""
-        return endpoints.cluster_gather(self, req)
 
     # -- the always-on detector -----------------------------------------------------
     def ensure_watch(self, start: bool = True) -> Any:

@@ -315,9 +315,10 @@ def peers(probe: Probe, req: Request) -> Response:
 def cluster_query(probe: Probe, req: Request) -> Response:
     """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}: this
     probe asks every peer and answers with the merged result, the missing
-    peers and each peer's response time and clock offset (the cluster node's
-    ``serve_query``)."""
-    resp: Response = _cluster(probe).serve_query(req)
+    peers and each peer's response time and clock offset (the cluster's
+    ``endpoints.cluster_query``)."""
+    node = _cluster(probe)
+    resp: Response = node.endpoints.cluster_query(node, req)
     if resp.status == 200:
         probe.note_query()
     return resp
@@ -325,7 +326,8 @@ def cluster_query(probe: Probe, req: Request) -> Response:
 
 def cluster_gather(probe: Probe, req: Request) -> Response:
     """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
-    resp: Response = _cluster(probe).serve_gather(req)
+    node = _cluster(probe)
+    resp: Response = node.endpoints.cluster_gather(node, req)
     if resp.status == 200:
         probe.note_query()
     return resp
@@ -366,7 +368,7 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
             reply = {}
         rows.append({"rank": node.rank, "node": node.ident.node, "addr": node.addr or "local",
                      "status": mine.status, "reply": reply})  # fmt: skip
-    rows += node.fan_out(path, body, timeout, ranks)
+    rows += node.asking.control(node, path, body, timeout, ranks)
     out = []
     for row in rows:
         did = control_outcome(row["status"], row.get("reply") or {}, row.get("reason"))
