@@ -235,7 +235,7 @@ def gather(
         w = work.for_member() if node_key(peer) == node.ident.node else work
         asked.append(_send(node, exchange, peer, w, sub, deadline))
     local = [node] if with_self else []
-    result, replies = _run(work, exchange, local + siblings, with_self, deadline)
+    result, replies = _run(work, exchange, local + siblings, with_self, deadline, bool(asked))
     retry = _collect(asked, replies, result)
     if retry and deadline - time.monotonic() > 0.05:
         left = deadline - time.monotonic()
@@ -315,10 +315,12 @@ def _run(
     local: list[Peer],
     mine_first: bool,
     deadline: float,
+    asking_others: bool = True,
 ) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
     """Serve the exchange while the ``local`` shares run (mine first when
     ``mine_first``, then my engine's other ranks'): as one query where they
-    can (``share.Together``), else each on a thread of its own. Mine is
+    can (``share.Together``; on this thread when nobody else is asked: a
+    node's gatherer), else each on a thread of its own. Mine is
     waited for, and raises again here; a sibling not done by ``deadline``
     (its process stopped under a query that reads it) is named missing like
     a late peer, and one that failed with its reason."""
@@ -331,25 +333,31 @@ def _run(
             together = Together.prepare([n.share.owner for n in local], work.for_member())
         except Exception:  # noqa: BLE001 - rank by rank: each says what is wrong with its own
             together = None
-    if together is not None:
+    threads: list[threading.Thread | None] = [None] * len(local)  # None: done on this thread
+    if together is not None and not asking_others:
+        _together(together, local, slots)
+    elif together is not None:
         threads = [_start(_together, together, local, slots)] * len(local)
     else:
         threads = [_start(_share, node, work, slots, i) for i, node in enumerate(local)]
     replies = exchange.run()
     if together is not None:
-        threads[0].join(max(0.0, deadline - time.monotonic()))
+        if threads[0] is not None:
+            threads[0].join(max(0.0, deadline - time.monotonic()))
         if isinstance(slots[0], BaseException):  # each on its own: who failed, and why
             slots = [None] * len(local)
             threads = [_start(_share, node, work, slots, i) for i, node in enumerate(local)]
     result = Gathered()
     for i, (node, t) in enumerate(zip(local, threads, strict=True)):
         mine = i == 0 and mine_first
-        t.join(None if mine else max(0.0, deadline - time.monotonic()))
+        if t is not None:
+            t.join(None if mine else max(0.0, deadline - time.monotonic()))
+        late = t is not None and t.is_alive()
         got = slots[i]
         if mine and isinstance(got, BaseException):
             raise got
-        if t.is_alive() or isinstance(got, BaseException):
-            why = "timeout" if t.is_alive() else f"failed: {type(got).__name__}: {got}"
+        if late or isinstance(got, BaseException):
+            why = "timeout" if late else f"failed: {type(got).__name__}: {got}"
             result.missing.append(MissingPeer(node.rank, node.ident.node, node.addr or "", why))
         else:
             result.extend(got)
