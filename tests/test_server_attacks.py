@@ -579,3 +579,33 @@ def _stderr(t) -> str:  # type: ignore[no-untyped-def]
         buf += chunk
     _stderr_seen[t.pid] = buf
     return buf.decode(errors="replace")
+
+
+def test_a_probe_socket_appears_only_once_it_accepts(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A client that sees ``<pid>.sock`` connects: the socket is bound and
+    listening under a name of its own, then renamed into place (a client
+    that saw the file between bind and listen got ECONNREFUSED)."""
+    path = tmp_path / "probing-0" / "123.sock"
+    path.parent.mkdir(mode=0o700)
+    path.write_bytes(b"")  # a socket left by a process gone: replaced
+    at_rename = []
+    real = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(src)  # accepts before it has its name
+        probe.close()
+        at_rename.append((os.path.basename(src), dst))
+        real(src, dst)
+
+    monkeypatch.setattr(srv.os, "rename", rename)
+    sock = srv.UnixHTTPServer._bind_unix(str(path))
+    try:
+        [(staging, to)] = at_rename
+        assert staging.startswith(f"{os.getpid()}.bind-") and to == str(path)
+        assert os.listdir(path.parent) == ["123.sock"]
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(path))
+        client.close()
+    finally:
+        sock.close()

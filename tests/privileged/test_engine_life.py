@@ -131,13 +131,16 @@ def test_a_new_engine_removes_what_a_killed_one_left(spawn, runtime_dir) -> None
     directory = runtime_dir / f"probing-{os.getuid()}"
     live = spawn("import time\nwhile True: time.sleep(0.1)\n")
     gone = spawn("import time\nwhile True: time.sleep(0.1)\n")
-    os.kill(_engine_pid(runtime_dir), signal.SIGKILL)
+    engine = _engine_pid(runtime_dir)
+    binding = directory / f"{engine}.bind-7"  # killed while it bound a process's socket
+    binding.write_bytes(b"")
+    os.kill(engine, signal.SIGKILL)
     gone.proc.kill()
     gone.proc.wait()
     assert (directory / f"{gone.pid}.guest").exists()  # killed with its engine: left behind
     # the live process's guest starts a new engine, which cleans up
     assert _until(lambda: not (directory / f"{gone.pid}.guest").exists(), 20)
-    assert not (directory / f"{gone.pid}.sock").exists()
+    assert not (directory / f"{gone.pid}.sock").exists() and not binding.exists()
     assert (directory / f"{live.pid}.guest").exists()
     try:
         assert ProbeClient.for_pid(live.pid).health()["pid"] == live.pid

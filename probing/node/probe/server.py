@@ -37,6 +37,8 @@ Limits, read from the environment when the server starts:
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import selectors
 import socket
@@ -54,6 +56,7 @@ from probing.node.probe.imports import SWITCH
 BUSY_SWITCH_S = 0.0005  # the GIL switch interval while connections are in flight
 
 _WAKE = object()
+_BINDS = itertools.count()  # names the sockets this process binds before they are in place
 
 
 class UnixHTTPServer:
@@ -105,20 +108,28 @@ class UnixHTTPServer:
 
     @staticmethod
     def _bind_unix(path: str) -> socket.socket:
+        """Listen at ``path``, which appears only once it accepts: bound and
+        listening under a name of its own first, then renamed into place (a
+        client that sees the file never gets ECONNREFUSED)."""
         from probing.guest.place import ensure_private_dir
 
-        ensure_private_dir(os.path.dirname(path))
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        directory = os.path.dirname(path)
+        ensure_private_dir(directory)
+        staging = os.path.join(directory, f"{os.getpid()}.bind-{next(_BINDS)}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
         try:
-            sock.bind(path)
-        finally:
-            os.umask(old_umask)
-        sock.listen(64)
+            old_umask = os.umask(0o177)
+            try:
+                sock.bind(staging)
+            finally:
+                os.umask(old_umask)
+            sock.listen(64)
+            os.rename(staging, path)  # replaces a socket left by a process gone
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
+            raise
         sock.setblocking(False)
         return sock
 

@@ -160,15 +160,16 @@ class Service:
 
     def clean(self) -> None:
         """Remove what an engine of this user that was killed left behind: the
-        sockets (``<pid>.sock``, ``<pid>.guest``) and the chunk directories
-        of processes that no longer exist, and only those."""
+        sockets (``<pid>.sock``, ``<pid>.guest``, and one it was binding,
+        ``<its pid>.bind-N``) and the chunk directories of processes that no
+        longer exist, and only those."""
         from probing.node.store.store import chunk_base, pid_alive, remove_stale_roots
 
         gone = 0
         for name in os.listdir(self.directory):
             pid, dot, kind = name.partition(".")
             dead = pid.isdigit() and not pid_alive(int(pid))
-            if dot and kind in ("sock", "guest", "trace") and dead:
+            if dot and (kind in ("sock", "guest", "trace") or kind.startswith("bind-")) and dead:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.directory, name))
                     gone += 1
