@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from probing import proc  # noqa: E402
 from probing.cli.client import ProbeClient  # noqa: E402
 from probing.cli.demo import free_port  # noqa: E402
 from probing.errors import ProbingError  # noqa: E402
@@ -103,7 +104,7 @@ def engine_pid(runtime: Path) -> int:
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of ``pid`` so far; 0 once it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = proc.stat(pid)  # utime and stime: fields 14 and 15
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -128,10 +128,17 @@ class Together:
     A rank that lacks a table adds no rows, as on its own.
     """
 
-    def __init__(self, owners: list[Owner], work: planner.Work, snaps: dict[str, list[Any]]):
+    def __init__(
+        self,
+        owners: list[Owner],
+        work: planner.Work,
+        snaps: dict[str, list[Any]],
+        refs: list[planner.TableRef],
+    ) -> None:
         self.owners = owners
         self.work = work
         self.snaps = snaps  # table -> [(owner, Snapshot)] of the ranks that have it
+        self.refs = refs  # agg: where the query names its one table
 
     @classmethod
     def prepare(cls, owners: list[Owner], work: planner.Work) -> Together | None:
@@ -140,6 +147,7 @@ class Together:
         if len(owners) < 2:
             return None
         engines = [o.engine() for o in owners]
+        refs: list[planner.TableRef] = []
         if work.mode is planner.Mode.AGG:
             refs = planner.table_refs(work.sql, set(engines[0].catalog.schema_names()))
             if len(refs) != 1:
@@ -153,7 +161,7 @@ class Together:
             if got is None:
                 return None
             snaps[table] = got
-        return cls(owners, work, snaps)
+        return cls(owners, work, snaps, refs)
 
     def run(self) -> dict[str, pa.Table]:
         """The rows (``scan``) or partial aggregate (``agg``) of every rank at once."""
@@ -168,9 +176,8 @@ class Together:
         if self.work.mode is planner.Mode.AGG:
             [(table, snaps)] = self.snaps.items()
             if snaps:
-                refs = planner.table_refs(self.work.sql, set(eng.catalog.schema_names()))
                 queries[planner.PARTIAL] = planner.over_tagged(
-                    self.work.sql, refs, {table: _union(table, snaps)}
+                    self.work.sql, self.refs, {table: _union(table, snaps)}
                 )
         else:
             for table, snaps in self.snaps.items():
@@ -213,9 +220,9 @@ def _stored(table: str, owners: list[Owner], engines: list[Any]) -> list[Any] | 
 
 
 def _hidden(table: str, rank: int | str) -> str:
-    """Where rank ``rank``'s sealed rows of ``table`` are registered in a
-    ``Together`` query (``mem``: every rank's rows not sealed yet)."""
-    return "together." + f"{table}.{rank}".replace(".", "__")
+    """The name in schema ``together`` of rank ``rank``'s sealed rows of
+    ``table`` in a ``Together`` query (``mem``: every rank's rows not sealed yet)."""
+    return f"{table}.{rank}".replace(".", "__")
 
 
 def _union(table: str, snaps: list[Any]) -> str:
@@ -226,10 +233,10 @@ def _union(table: str, snaps: list[Any]) -> str:
     from probing.node.cluster import plan as planner
 
     cols = snaps[0][1].schema.names
-    branches = [f'SELECT * FROM "together"."{_hidden(table, "mem").split(".", 1)[1]}"']
+    branches = [f'SELECT * FROM "together"."{_hidden(table, "mem")}"']
     for o, snap in snaps:
         if snap.chunk_dir is not None:
-            hidden = _hidden(table, o.rank)
+            hidden = f"together.{_hidden(table, o.rank)}"
             branches.append(planner.tagged_sql(hidden, cols, o.ident.node, o.rank))
     return " UNION ALL ".join(branches)
 
@@ -252,13 +259,13 @@ def _context(snaps: dict[str, list[Any]], limits: Any) -> Any:
     catalog.register_schema("together", schema)
     for table, got in snaps.items():
         pending = _tagged_rows([(o, snap.pending) for o, snap in got])
-        schema.register_table(_hidden(table, "mem").split(".", 1)[1],
-                              rows_frame(ctx, pending).into_view())  # fmt: skip
+        schema.register_table(_hidden(table, "mem"), rows_frame(ctx, pending).into_view())
         for owner, snap in got:
             if snap.chunk_dir is not None:  # its sealed chunks alone: its pending rows are above
                 sealed = snap._replace(pending=snap.pending.schema.empty_table())
-                name = _hidden(table, owner.rank).split(".", 1)[1]
-                schema.register_table(name, snapshot_frame(ctx, sealed).into_view())
+                schema.register_table(
+                    _hidden(table, owner.rank), snapshot_frame(ctx, sealed).into_view()
+                )
     return ctx
 
 
