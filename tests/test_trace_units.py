@@ -4,6 +4,7 @@ C/Python mirror of every event, decoders, symbols. No privileges needed."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import struct
 import subprocess
@@ -238,6 +239,7 @@ def test_a_library_is_read_once_for_every_rank_that_maps_it(tmp_path, monkeypatc
     real = attach._symbols
     monkeypatch.setattr(attach, "_symbols", lambda f, path: reads.append(path) or real(f, path))
     monkeypatch.setattr(attach, "_found", type(attach._found)())
+    monkeypatch.setattr(attach, "_kept", {"dir": "", "salt": ""})  # in memory only
     cuda = fam.FAMILIES["cuda"]
     first = attach.symbols(cuda, str(lib))
     assert {"cudaLaunchKernel", "cudaMemcpy"} <= {sym for sym, _ in first.values()}
@@ -247,6 +249,58 @@ def test_a_library_is_read_once_for_every_rank_that_maps_it(tmp_path, monkeypatc
         f.write(b"\0")
     assert attach.symbols(cuda, str(lib)) == first
     assert reads == [str(lib)] * 2
+
+
+def test_the_next_engine_finds_the_symbols_on_disk_and_ranks_read_a_library_once(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An engine keeps what it found beside its sockets: the engine after a
+    killed one reads no library again; ranks asking at once read it once;
+    another install reads it itself."""
+    import threading
+
+    from probing.node.bpf import attach
+
+    cudart = [p for p in installed_libraries() if "libcudart" in p][0]
+    lib = tmp_path / "libcudart.so.12"
+    shutil.copyfile(cudart, lib)
+    reads = []
+    real = attach._symbols
+    gate = threading.Event()
+
+    def slow(f, path):  # type: ignore[no-untyped-def]
+        reads.append(path)
+        gate.wait(5)  # the other ranks ask while this one reads
+        return real(f, path)
+
+    monkeypatch.setattr(attach, "_symbols", slow)
+    monkeypatch.setattr(attach, "_found", type(attach._found)())
+    monkeypatch.setattr(attach, "_kept", dict(attach._kept))
+    attach.keep_symbols_in(str(tmp_path / "symbols"), "1.0@/venv-a")
+    cuda = fam.FAMILIES["cuda"]
+    got: list = []
+    ranks = [threading.Thread(target=lambda: got.append(attach.symbols(cuda, str(lib))))
+             for _ in range(4)]  # fmt: skip
+    for t in ranks:
+        t.start()
+    gate.set()
+    for t in ranks:
+        t.join(10)
+    assert len(got) == 4 and all(g == got[0] for g in got) and reads == [str(lib)]
+    assert {"cudaLaunchKernel", "cudaMemcpy"} <= {sym for sym, _ in got[0].values()}
+    [kept] = os.listdir(tmp_path / "symbols")
+    assert oct(os.stat(tmp_path / "symbols" / kept).st_mode & 0o777) == "0o600"
+
+    monkeypatch.setattr(attach, "_found", type(attach._found)())  # the next engine
+    assert attach.symbols(cuda, str(lib)) == got[0]
+    assert reads == [str(lib)]
+    monkeypatch.setattr(attach, "_found", type(attach._found)())  # another install's
+    attach.keep_symbols_in(str(tmp_path / "symbols"), "2.0@/venv-b")
+    assert attach.symbols(cuda, str(lib)) == got[0]
+    assert reads == [str(lib)] * 2
+    (tmp_path / "symbols" / kept).write_text("{not json")  # torn: read the library again
+    monkeypatch.setattr(attach, "_found", type(attach._found)())
+    attach.keep_symbols_in(str(tmp_path / "symbols"), "1.0@/venv-a")
+    assert attach.symbols(cuda, str(lib)) == got[0]
+    assert reads == [str(lib)] * 3
 
 
 def test_exported_names_in_the_nvidia_wheels() -> None:

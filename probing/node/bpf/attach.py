@@ -12,6 +12,8 @@ and, where the family has one, a return probe. Every uprobe tried is a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -51,10 +53,22 @@ PROBES_SCHEMA = schema_of(Probe)  # trace.probes
 
 # What ``symbols`` found, per family and file (by its identity: a library
 # replaced on disk is read again). The ranks of a job map the same libraries,
-# and an engine traces them all: libtorch is read once, not once a rank.
+# and an engine traces them all: libtorch is read once, not once a rank, and
+# ranks asking at once wait for the one reading it. An engine keeps what it
+# found on disk too (``keep_symbols_in``): the engine that follows a killed one
+# re-traces every rank without reading libtorch again (a third of its CPU).
 KEEP_SYMBOLS = 64
-_found: OrderedDict[tuple[str, int, int, int, int], dict[str, tuple[str, int]]] = OrderedDict()
+Key = tuple[str, int, int, int, int]
+_found: OrderedDict[Key, dict[str, tuple[str, int]]] = OrderedDict()
 _found_lock = threading.Lock()
+_reading: dict[Key, threading.Lock] = {}
+_kept = {"dir": "", "salt": ""}  # where found symbols are kept, and for which install
+
+
+def keep_symbols_in(directory: str, salt: str) -> None:
+    """Keep found symbols in ``directory`` (private to the user), for the
+    engines of the install ``salt`` (another version may look for others)."""
+    _kept.update(dir=directory, salt=salt)
 
 
 def symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
@@ -66,12 +80,62 @@ def symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
         if got is not None:
             _found.move_to_end(key)
             return got
-    got = _symbols(f, path)
-    with _found_lock:
-        _found[key] = got
-        while len(_found) > KEEP_SYMBOLS:
-            _found.popitem(last=False)
+        reading = _reading.setdefault(key, threading.Lock())
+    with reading:  # one reads a file; the ranks asking meanwhile wait for what it found
+        try:
+            with _found_lock:
+                got = _found.get(key)
+            if got is None:
+                got = _from_disk(key)
+                if got is None:
+                    got = _symbols(f, path)
+                    _to_disk(key, got)
+                with _found_lock:
+                    _found[key] = got
+                    while len(_found) > KEEP_SYMBOLS:
+                        _found.popitem(last=False)
+        finally:
+            with _found_lock:
+                if _reading.get(key) is reading:
+                    del _reading[key]
     return got
+
+
+def _kept_path(key: Key) -> str | None:
+    if not _kept["dir"]:
+        return None
+    digest = hashlib.sha256(repr((_kept["salt"], *key)).encode()).hexdigest()[:32]
+    return os.path.join(_kept["dir"], f"{key[0]}-{digest}.json")
+
+
+def _from_disk(key: Key) -> dict[str, tuple[str, int]] | None:
+    path = _kept_path(key)
+    if path is None:
+        return None
+    try:
+        with open(path) as fh:
+            got = json.load(fh)
+        os.utime(path)  # the least recently used go first (_to_disk)
+        return {str(e): (str(sym), int(off)) for e, (sym, off) in got.items()}
+    except (OSError, ValueError, TypeError, AttributeError):  # none, or not ours: read the file
+        return None
+
+
+def _to_disk(key: Key, found: dict[str, tuple[str, int]]) -> None:
+    path = _kept_path(key)
+    if path is None:
+        return
+    try:
+        os.makedirs(_kept["dir"], mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            json.dump(found, fh)
+        os.replace(tmp, path)
+        kept = sorted(os.scandir(_kept["dir"]), key=lambda e: e.stat().st_mtime_ns)
+        for old in kept[:-KEEP_SYMBOLS]:
+            os.unlink(old.path)
+    except OSError:  # a full or read-only disk: the next engine reads the file again
+        pass
 
 
 def _symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:

@@ -288,8 +288,10 @@ class Service:
 
     def run(self) -> None:
         """Serve ``engine-<key>.sock`` until idle (the caller holds its lock)."""
+        from probing.node.bpf.attach import keep_symbols_in
         from probing.node.probe.server import UnixHTTPServer
 
+        keep_symbols_in(os.path.join(self.directory, "symbols"), self.install)
         self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
         self.port.server = self.server
         self.server.start()
