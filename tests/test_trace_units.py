@@ -251,7 +251,7 @@ def test_a_library_is_read_once_for_every_rank_that_maps_it(tmp_path, monkeypatc
     assert reads == [str(lib)] * 2
 
 
-def test_the_next_engine_finds_the_symbols_on_disk_and_ranks_read_a_library_once(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_symbols_kept_for_the_next_engine_and_read_once(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An engine keeps what it found beside its sockets: the engine after a
     killed one reads no library again; ranks asking at once read it once;
     another install reads it itself."""
