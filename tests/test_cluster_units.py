@@ -526,6 +526,45 @@ def test_an_engines_ranks_answer_in_one_query_what_each_would_alone(monkeypatch,
         nodes[0].stop_port()
 
 
+def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The session the queries together share keeps each rank's sealed
+    chunks registered: a chunk sealed since, a rank's first, and one retired
+    change the answer as they change each rank's own."""
+    import numpy as np
+
+    from probing.node.cluster import coordinator
+    from probing.node.cluster.share import Together
+
+    sql = "SELECT rank, count(*) AS n, sum(dur_ns) AS d FROM bench.events GROUP BY rank ORDER BY rank"
+    nodes = _one_engines_ranks(4)
+    events = [n.engine().store.table("bench", "events") for n in nodes[:3]]
+    runs: list[int] = []
+    real = Together.run
+    monkeypatch.setattr(Together, "run", lambda self: runs.append(1) or real(self))
+
+    def both() -> dict[str, list[Any]]:
+        together, got, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
+        with monkeypatch.context() as m:
+            m.setattr(Together, "prepare", classmethod(lambda cls, owners, work: None))
+            apart, _, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
+        assert not got.missing and together.equals(apart)
+        return together.to_pydict()
+
+    try:
+        first = both()
+        assert first["n"] == [1, 4, 3]
+        for rank in (0, 1):  # rank 0's first chunk, rank 1's second
+            rows = np.arange(5, dtype=np.int64)
+            events[rank].append_batch({"ts": rows + 100, "dur_ns": rows})
+            events[rank].flush()
+        assert both()["n"] == [6, 9, 3]
+        assert events[1].retire_oldest() is not None  # its first chunk, 2 rows
+        assert both()["n"] == [6, 7, 3]
+        assert len(runs) == 3
+    finally:
+        nodes[0].stop_port()
+
+
 def test_a_query_the_ranks_cannot_run_together_runs_rank_by_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The query together fails (here: made to): each rank runs its own
     share, so the answer is whole and each failure is its rank's."""
