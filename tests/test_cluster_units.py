@@ -529,11 +529,14 @@ def test_an_engines_ranks_answer_in_one_query_what_each_would_alone(monkeypatch,
 def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The session the queries together share keeps each rank's sealed
     chunks registered: a chunk sealed since, a rank's first, and one retired
-    change the answer as they change each rank's own."""
+    change the answer as they change each rank's own; a range replaced by
+    a newer one of its directory, and the rows of one query, are dropped."""
     import numpy as np
 
-    from probing.node.cluster import coordinator
+    from probing.node.cluster import coordinator, share
     from probing.node.cluster.share import Together
+
+    monkeypatch.setattr(share, "_sessions", {})
 
     sql = "SELECT rank, count(*) AS n, sum(dur_ns) AS d FROM bench.events GROUP BY rank ORDER BY rank"
     nodes = _one_engines_ranks(4)
@@ -561,8 +564,42 @@ def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(m
         assert events[1].retire_oldest() is not None  # its first chunk, 2 rows
         assert both()["n"] == [6, 7, 3]
         assert len(runs) == 3
+        [session] = share._sessions.values()
+        assert len(session.schema.table_names()) == 2  # rank 0's range, rank 1's newest
+        assert not session._reading and not session._doomed
     finally:
         nodes[0].stop_port()
+
+
+def test_a_range_a_query_reads_stays_registered_until_it_is_done() -> None:
+    """A newer range of a rank's chunks replaces the older one, but a query
+    still reading the older keeps it until that query leaves."""
+    import types
+
+    import numpy as np
+
+    from probing.node.cluster import share
+    from probing.node.sql import Engine
+    from probing.node.store import Store
+
+    store = Store()
+    events = store.table("bench", "events")
+    snaps = []
+    for i in range(2):
+        events.append_batch({"ts": np.arange(3, dtype=np.int64) + 10 * i})
+        events.flush()
+        snaps.append(events.snapshot())
+    session = share._Session(Engine(store).limits)
+    owner = types.SimpleNamespace(ident=types.SimpleNamespace(node="n0"), rank=0)
+    mem1, old = session.enter("bench.events", [(owner, snaps[0])])
+    mem2, new = session.enter("bench.events", [(owner, snaps[1])])
+    assert old[0] != new[0]
+    assert {mem1, old[0], mem2, new[0]} <= set(session.schema.table_names())
+    session.leave([mem1, old[0]])
+    assert set(session.schema.table_names()) == {mem2, new[0]}
+    session.leave([mem2, new[0]])
+    assert set(session.schema.table_names()) == {new[0]}  # kept for the next query
+    store.close()
 
 
 def test_a_query_the_ranks_cannot_run_together_runs_rank_by_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
