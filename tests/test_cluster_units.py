@@ -526,19 +526,31 @@ def test_an_engines_ranks_answer_in_one_query_what_each_would_alone(monkeypatch,
         nodes[0].stop_port()
 
 
-def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "small", [True, False, "over budget"], ids=["in-memory", "scanned", "budget"]
+)
+def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(
+    monkeypatch, small
+) -> None:  # type: ignore[no-untyped-def]
     """The session the queries together share keeps each rank's sealed
-    chunks registered: a chunk sealed since, a rank's first, and one retired
-    change the answer as they change each rank's own; a range replaced by
-    a newer one of its directory, and the rows of one query, are dropped."""
+    chunks registered (or, small, their rows in memory): a chunk sealed
+    since, a rank's first, and one retired change the answer as they change
+    each rank's own; a range replaced by a newer one of its directory, and
+    the rows of one query, are dropped."""
     import numpy as np
 
     from probing.node.cluster import coordinator, share
     from probing.node.cluster.share import Together
 
     monkeypatch.setattr(share, "_sessions", {})
+    if not small:
+        monkeypatch.setattr(share, "SMALL_BYTES", 0)
+    if small == "over budget":  # the least recently read go, down to one
+        monkeypatch.setattr(share, "SMALL_KEPT", 1)
 
-    sql = "SELECT rank, count(*) AS n, sum(dur_ns) AS d FROM bench.events GROUP BY rank ORDER BY rank"
+    sql = (
+        "SELECT rank, count(*) AS n, sum(dur_ns) AS d FROM bench.events GROUP BY rank ORDER BY rank"
+    )
     nodes = _one_engines_ranks(4)
     events = [n.engine().store.table("bench", "events") for n in nodes[:3]]
     runs: list[int] = []
@@ -565,13 +577,16 @@ def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(m
         assert both()["n"] == [6, 7, 3]
         assert len(runs) == 3
         [session] = share._sessions.values()
-        assert len(session.schema.table_names()) == 2  # rank 0's range, rank 1's newest
+        kept = session._rows if small else session.schema.table_names()
+        assert len(kept) == (1 if small == "over budget" else 2)  # rank 0's, rank 1's newest
+        assert session._rows_bytes == sum(t.nbytes for t in session._rows.values())
+        assert len(session.schema.table_names()) == (0 if small else 2)
         assert not session._reading and not session._doomed
     finally:
         nodes[0].stop_port()
 
 
-def test_a_range_a_query_reads_stays_registered_until_it_is_done() -> None:
+def test_a_range_a_query_reads_stays_registered_until_it_is_done(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A newer range of a rank's chunks replaces the older one, but a query
     still reading the older keeps it until that query leaves."""
     import types
@@ -579,6 +594,8 @@ def test_a_range_a_query_reads_stays_registered_until_it_is_done() -> None:
     import numpy as np
 
     from probing.node.cluster import share
+
+    monkeypatch.setattr(share, "SMALL_BYTES", 0)  # scanned, not read into memory
     from probing.node.sql import Engine
     from probing.node.store import Store
 
