@@ -19,7 +19,10 @@ its 8 ranks, each with its own engine and store (``NODE_ROWS`` rows, sealed
 in a chunk file: 4,096 stores of 100k rows would not fit here). A query fans out node to node
 (``auto``): each node answers for its 8 ranks in one reply, its ranks'
 shares run in-process. Side by side with the per-rank fan-out of before
-(every rank its own port) at the same number of ranks.
+(every rank its own port) at the same number of ranks. First, ``one_node``:
+one node's engine answering a gather for its 8 ranks, alone in this
+process, CPU per answer (the simulation puts 64 nodes in a process, whose
+answers contend for its GIL: what a real node spends is this figure).
 
     python benchmarks/cluster_bench.py [--sizes 4,64,256] [--runs 5]
     python benchmarks/cluster_bench.py --per-node --sizes 1024,4096 --runs 5
@@ -61,14 +64,13 @@ class PeerHost:
         return {"rank": self.cluster.rank, "queries": self.queries}
 
 
-def worker(ranks: list[int], world: int, per_node: bool = False) -> None:
-    """Host ``ranks``: print their addresses, read everyone's, serve until EOF.
-    ``per_node``: each node's ranks behind one port, as an engine serves them."""
+def bench_rank(rank: int, world: int, per_node: bool, ports: dict, servers: list):  # type: ignore[no-untyped-def]
+    """One simulated rank: its store, engine and cluster node, served on its
+    own port, or (``per_node``) on its node's port in ``ports``."""
     import types
 
     import numpy as np
 
-    from probing.node.cluster.discovery import PeerInfo
     from probing.node.cluster.identity import Identity
     from probing.node.cluster.node import ClusterNode
     from probing.node.cluster.port import NodePort
@@ -77,51 +79,95 @@ def worker(ranks: list[int], world: int, per_node: bool = False) -> None:
     from probing.node.sql import Engine
     from probing.node.store import Store
 
-    servers, nodes = [], []
-    ports: dict[int, NodePort] = {}  # per_node: node -> its engine's port
     rows = NODE_ROWS if per_node else ROWS
-    for rank in ranks:
-        store = Store(chunk_rows=1 << 16)
-        rng = np.random.default_rng(rank)
-        store.table("bench", "events").append_batch(
-            {
-                "ts": np.arange(rows, dtype=np.int64) * 1000,
-                "dur_ns": rng.integers(1000, 100_000, rows, dtype=np.int64),
-            }
-        )
-        store.table("bench", "one").append_batch({"x": np.zeros(1, dtype=np.int64)})
-        if per_node:  # sealed now, as a traced process's rows are 2 s on: not at the first query
-            for name in ("events", "one"):
-                store.table("bench", name).flush()
-        eng = Engine(store)
-        ident = Identity(
-            rank=rank,
-            world_size=world,
-            local_rank=rank % RANKS_PER_NODE,
-            node=f"n{rank // RANKS_PER_NODE}",
-            group_rank=rank // RANKS_PER_NODE,
-            master=None,
-            run_id="bench",
-            peers=(),
-            port=0,  # any free port on 127.0.0.1: the parent collects them
-        )
-        node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode(), pid=FAKE_PID + rank)
-        app = make_app(PeerHost(eng, node))
-        if per_node:  # the node's one port: its server answers every rank of the node
-            port = ports.get(ident.group_rank or 0)
-            if port is None:
-                port = ports[ident.group_rank or 0] = NodePort(first=0)
-                port.server = UnixHTTPServer(None, port.route)
-                port.server.start()
-                servers.append(port.server)
-            node.port = port
-            node.setup(types.SimpleNamespace(app=app))
-        else:
-            server = UnixHTTPServer(None, app)
-            server.start()
-            node.setup(server)
-            servers.append(server)
-        nodes.append(node)
+    store = Store(chunk_rows=1 << 16)
+    rng = np.random.default_rng(rank)
+    store.table("bench", "events").append_batch(
+        {
+            "ts": np.arange(rows, dtype=np.int64) * 1000,
+            "dur_ns": rng.integers(1000, 100_000, rows, dtype=np.int64),
+        }
+    )
+    store.table("bench", "one").append_batch({"x": np.zeros(1, dtype=np.int64)})
+    if per_node:  # sealed now, as a traced process's rows are 2 s on: not at the first query
+        for name in ("events", "one"):
+            store.table("bench", name).flush()
+    eng = Engine(store)
+    ident = Identity(
+        rank=rank,
+        world_size=world,
+        local_rank=rank % RANKS_PER_NODE,
+        node=f"n{rank // RANKS_PER_NODE}",
+        group_rank=rank // RANKS_PER_NODE,
+        master=None,
+        run_id="bench",
+        peers=(),
+        port=0,  # any free port on 127.0.0.1: the parent collects them
+    )
+    node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode(), pid=FAKE_PID + rank)
+    app = make_app(PeerHost(eng, node))
+    if per_node:  # the node's one port: its server answers every rank of the node
+        port = ports.get(ident.group_rank or 0)
+        if port is None:
+            port = ports[ident.group_rank or 0] = NodePort(first=0)
+            port.server = UnixHTTPServer(None, port.route)
+            port.server.start()
+            servers.append(port.server)
+        node.port = port
+        node.setup(types.SimpleNamespace(app=app))
+    else:
+        server = UnixHTTPServer(None, app)
+        server.start()
+        node.setup(server)
+        servers.append(server)
+    return node
+
+
+def one_node(runs: int) -> dict:
+    """One node's engine answering a gather for its 8 ranks (their rows
+    sealed), in this process, no other node beside it: the CPU of each
+    answer, as a real node spends it."""
+    from probing.node.cluster import coordinator
+    from probing.node.cluster import plan as planner
+    from probing.node.cluster.discovery import PeerInfo
+
+    servers: list = []
+    port: dict = {}  # the node's one port
+    nodes = [bench_rank(r, 2 * RANKS_PER_NODE, True, port, servers) for r in range(8, 16)]
+    try:
+        for node in nodes:
+            for o in nodes:
+                if o is not node:
+                    node.registry.upsert(PeerInfo(o.rank, o.ident.node, o.addr, o.pid))
+        out = {}
+        for name, sql, table in (("fanout", FANOUT_ONLY, "bench.one"),
+                                 ("pushed", PUSHED, "bench.events")):  # fmt: skip
+            eng = nodes[0].engine()
+            schema = eng.sql(f"SELECT * FROM {table} LIMIT 0", allow_code=False).schema
+            known = set(eng.catalog.schema_names())
+            work = planner.plan(sql, {table: planner.tagged_schema(schema)}, known).work()
+            payload = {"work": work.to_json(), "members": [{"rank": n.rank} for n in nodes[1:]]}
+            for _ in range(20):  # warm-up
+                coordinator.answer_gather(nodes[0], payload, time.time_ns())
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(runs):
+                coordinator.answer_gather(nodes[0], payload, time.time_ns())
+            out[name] = {"cpu_ms_per_answer": round((time.process_time() - cpu0) / runs * 1e3, 2),
+                         "wall_ms": round((time.perf_counter() - t0) / runs * 1e3, 2)}  # fmt: skip
+        return out
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def worker(ranks: list[int], world: int, per_node: bool = False) -> None:
+    """Host ``ranks``: print their addresses, read everyone's, serve until EOF.
+    ``per_node``: each node's ranks behind one port, as an engine serves them."""
+    from probing.node.cluster.discovery import PeerInfo
+
+    servers: list = []
+    ports: dict = {}  # per_node: node -> its engine's port
+    nodes = [bench_rank(rank, world, per_node, ports, servers) for rank in ranks]
     print(" ".join(f"{n.rank}={n.addr}" for n in nodes), flush=True)
     everyone = json.loads(sys.stdin.readline())  # rank -> addr, for whoever asks
     for node in nodes:
@@ -379,6 +425,7 @@ def main() -> None:
     out: dict = {"benchmark": "cluster_query", "cpus": os.cpu_count()}
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
     if args.per_node:
+        out["one_node"] = one_node(200)
         out["per_node"] = [measure(n, args.runs, args.workers, per_node=True) for n in sizes]
         out["per_rank"] = [measure(n, args.runs, args.workers) for n in sizes if n <= 1024]
         print(json.dumps(out))
