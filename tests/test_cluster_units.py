@@ -619,6 +619,43 @@ def test_a_range_a_query_reads_stays_registered_until_it_is_done(monkeypatch) ->
     store.close()
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["in-memory", "scanned"])
+def test_a_retired_ranks_ranges_are_forgotten(monkeypatch, small) -> None:  # type: ignore[no-untyped-def]
+    """An engine serves hundreds of jobs: the ranges of a process retired
+    (its chunk directory removed) go from the session that kept them."""
+    import types
+
+    import numpy as np
+
+    from probing.node.cluster import share
+    from probing.node.sql import Engine
+    from probing.node.store import Store
+
+    if not small:
+        monkeypatch.setattr(share, "SMALL_BYTES", 0)
+    stores = [Store(), Store()]
+    snaps = []
+    for store in stores:
+        events = store.table("bench", "events")
+        events.append_batch({"ts": np.arange(3, dtype=np.int64)})
+        events.flush()
+        snaps.append(events.snapshot())
+    session = share._Session(Engine(stores[0]).limits)
+    owners = [types.SimpleNamespace(ident=types.SimpleNamespace(node="n0"), rank=r) for r in (0, 1)]
+    got = list(zip(owners, snaps, strict=True))
+    mem, sealed = session.enter("bench.events", got)
+    session.leave([mem, *sealed.values()])
+    kept = lambda: session._rows if small else session.schema.table_names()  # noqa: E731
+    assert len(kept()) == 2
+    stores[1].close()  # its process retired
+    monkeypatch.setattr(share, "PRUNE_S", 0.0)
+    mem, sealed = session.enter("bench.events", got[:1])
+    session.leave([mem, *sealed.values()])
+    assert len(kept()) == 1
+    assert session._rows_bytes == sum(t.nbytes for t in session._rows.values())
+    stores[0].close()
+
+
 def test_a_query_the_ranks_cannot_run_together_runs_rank_by_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The query together fails (here: made to): each rank runs its own
     share, so the answer is whole and each failure is its rank's."""

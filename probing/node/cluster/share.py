@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,6 +43,7 @@ KEEP_REWRITTEN = 64  # aggregate queries whose rewriting is kept
 # by the queries together (``_Session``), up to SMALL_KEPT bytes of rows.
 SMALL_BYTES = 256 << 10
 SMALL_KEPT = 32 << 20
+PRUNE_S = 10.0
 
 
 class Owner(Protocol):
@@ -233,9 +235,10 @@ def _stored(table: str, owners: list[Owner], engines: list[Any]) -> list[Any] | 
 
 def _union(snaps: list[Any], mem: str, sealed: dict[int, str]) -> str:
     """Every rank's rows of a table, tagged: the rows not sealed yet of all
-    of them, tagged in ``mem`` (one memory table: planning a branch a rank
-    costs more than the rows), then each rank's sealed chunks (``sealed``:
-    rank -> a native scan of its files, tagged in SQL)."""
+    of them and their small sealed ranges, tagged in ``mem`` (one memory
+    table: planning a branch a rank costs more than the rows), then the
+    other ranks' sealed chunks (``sealed``: rank -> a native scan of its
+    files, tagged in SQL)."""
     from probing.node.cluster import plan as planner
 
     cols = snaps[0][1].schema.names
@@ -292,6 +295,7 @@ class _Session:
         self._rows: OrderedDict[tuple[Any, ...], pa.Table] = OrderedDict()  # small ranges
         self._rows_newest: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._rows_bytes = 0
+        self._pruned = time.monotonic()
 
     def enter(self, table: str, got: list[Any]) -> tuple[str, dict[int, str]]:
         """``table``'s rows of the ranks of ``got`` (``[(owner, Snapshot)]``)
@@ -302,6 +306,7 @@ class _Session:
 
         from probing.node.sql.providers import rows_frame, snapshot_frame
 
+        self._prune()
         rows = [_tagged_rows([(o, snap.pending) for o, snap in got])]
         sealed: dict[int, str] = {}
         for owner, snap in got:
@@ -352,6 +357,21 @@ class _Session:
                 if self._rows_newest.get(gone_key[:3]) == gone_key:
                     del self._rows_newest[gone_key[:3]]
         return got
+
+    def _prune(self) -> None:
+        """Forget, every ``PRUNE_S``, the ranges of directories that are gone
+        (their processes retired): an engine serves hundreds of jobs."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._pruned < PRUNE_S:
+                return
+            self._pruned = now
+            for key in [k for k in self._rows if not os.path.isdir(k[0])]:
+                self._rows_bytes -= self._rows.pop(key).nbytes
+                self._rows_newest.pop(key[:3], None)
+            for key in [k for k in self._sealed if not os.path.isdir(k[0])]:
+                self._newest.pop(key[:3], None)
+                self._drop(self._sealed.pop(key))
 
     def _read(self, key: tuple[Any, ...]) -> str | None:
         with self._lock:
