@@ -48,6 +48,10 @@ def test_every_codec_round_trips(codec: str) -> None:
     tbl.flush()
     back = tbl.to_arrow().sort_by("ts")
     assert back.equals(data.sort_by("ts"))
+    tbl.append_batch(data.slice(0, 10))  # and rows not sealed yet
+    assert tbl.stats().chunks >= 2 and tbl.stats().pending_rows == 10
+    ts = data.column("ts").to_pylist()
+    assert sorted(tbl.column("ts").to_pylist()) == sorted(ts + ts[:10])  # one column read
 
 
 def test_mapping_of_arrays_appends() -> None:

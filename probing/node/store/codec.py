@@ -46,6 +46,15 @@ class Codec:
         with pa.memory_map(path) as source:
             return ipc.open_file(source).read_all()
 
+    def decode_column(self, path: str, name: str) -> pa.ChunkedArray:
+        """One column of a chunk file, the others not read (nor, for
+        parquet, ``pyarrow.dataset`` loaded: an engine starting takes over
+        chunk files before its first query)."""
+        if self.container == "parquet":
+            return pq.ParquetFile(path).read(columns=[name]).column(0)
+        with pa.memory_map(path) as source:
+            return ipc.open_file(source).read_all().column(name)
+
     def describe(self, path: str) -> tuple[pa.Schema, int, int]:
         """A chunk file's schema, rows and bytes in memory, from its footer."""
         if self.container == "parquet":

@@ -331,6 +331,15 @@ class EventTable:
         """Rows not in a chunk file yet: being sealed, then pending."""
         return [b for group in self._sealing.values() for b in group] + list(self._pending)
 
+    def column(self, name: str) -> pa.ChunkedArray:
+        """One column of every live row (only it read from the chunk files)."""
+        snap = self.snapshot()
+        parts = [self._store.codec.decode_column(p, name) for p in snap.paths]
+        return pa.chunked_array(
+            [c for part in [*parts, snap.pending.column(name)] for c in part.chunks],
+            snap.schema.field(name).type,
+        )
+
     def to_arrow(self) -> pa.Table:
         """Every live row as one Arrow table (reads the chunk files)."""
         snap = self.snapshot()
