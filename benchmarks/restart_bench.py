@@ -7,7 +7,8 @@ until a query of rank 0 is answered (by the new engine, which the guests
 started), until every rank traces again, and until the traced rows grow;
 and rank 0's step time (from its own log) in the ``--window`` seconds
 before the kill, during the restart (until tracing resumed) and after,
-side by side with the same windows of the job before any kill, and with
+and the job's time lost to it (its steps until 1 s after, beyond its pace
+before); side by side with the same windows of the job before any kill, and with
 its step while ``probing trace --cluster`` starts tracing it again after a
 stop (``trace_start``: the uprobes attached anew, as a new engine does).
 
@@ -79,6 +80,14 @@ def step_ms(steps: list[float], t0: float, t1: float) -> dict[str, float]:
             "max_ms": round(d[-1], 1)}  # fmt: skip
 
 
+def lost_s(steps: list[float], t0: float, t1: float, pace_ms: float) -> float:
+    """The job's time lost in the steps that ended in [t0, t1): what they
+    took beyond ``pace_ms`` each (rank 0's median step before)."""
+    ends = [t for t in steps if t < t1]
+    d = [(b - a) * 1e3 for a, b in zip(ends, ends[1:], strict=False) if b >= t0]
+    return round(sum(x - pace_ms for x in d) / 1e3, 3)
+
+
 def until(what, timeout: float = 30.0) -> float | None:  # type: ignore[no-untyped-def]
     """Seconds until ``what()`` is true (None: not within ``timeout``)."""
     t0 = time.monotonic()
@@ -136,6 +145,7 @@ def one_kill(runtime: Path, pids: list[int], steps: list[float], window: float) 
     grown = until(lambda: count(pids[0]) > before)
     time.sleep(window)  # the window after
     t_end = time.monotonic()
+    pace = step_ms(steps, t_kill - window, t_kill).get("median_ms", 0.0)
     return {
         "query_answered_s": None if answered is None else round(answered, 2),
         "tracing_again_s": None if tracing is None else round(t_back - t_kill, 2),
@@ -148,6 +158,9 @@ def one_kill(runtime: Path, pids: list[int], steps: list[float], window: float) 
         "step_before": step_ms(steps, t_kill - window, t_kill),
         "step_during_restart": step_ms(steps, t_kill, t_back),
         "step_after": step_ms(steps, t_back, t_end),
+        # the job's time lost to the restart, against its pace before (the
+        # steps until 1 s after every rank traced again)
+        "job_lost_s": lost_s(steps, t_kill, t_back + 1.0, pace),
     }
 
 
@@ -170,6 +183,7 @@ def trace_start(env: dict[str, str], pids: list[int], steps: list[float], window
     t_on = time.monotonic()
     engine_cpu, job = cpu_s(engine) - engine0, job_cpu_s(pids) - job0
     time.sleep(window)
+    pace = step_ms(steps, t0 - window, t0).get("median_ms", 0.0)
     return {
         "tracing_s": None if tracing is None else round(t_on - t0, 2),
         "engine_cpu_s_until_tracing": round(engine_cpu, 2),
@@ -177,6 +191,7 @@ def trace_start(env: dict[str, str], pids: list[int], steps: list[float], window
         "step_untraced": step_ms(steps, t0 - window, t0),
         "step_during_start": step_ms(steps, t0, t_on),
         "step_after": step_ms(steps, t_on, t_on + window),
+        "job_lost_s": lost_s(steps, t0, t_on + 1.0, pace),
     }
 
 
@@ -211,6 +226,11 @@ def main() -> None:
             "omp_threads": args.omp_threads or "torch's default",
             "load_avg_1m": round(os.getloadavg()[0], 1),
             "step_reference": step_ms(steps, t_ref - args.window, t_ref),
+            # the same sum over quiet 2 s spans of the reference window: its noise
+            "reference_lost_s_per_2s": [
+                lost_s(steps, t, t + 2.0, step_ms(steps, t_ref - args.window, t_ref)["median_ms"])
+                for t in [t_ref - args.window + 2.0 * i for i in range(int(args.window // 2))]
+            ],
             "trace_start": start_again,
             "kills": kills,
         }, indent=1))  # fmt: skip
