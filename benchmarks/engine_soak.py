@@ -4,12 +4,13 @@ Each job's ranks start with ``PROBING=1`` (a ``torch`` DDP job launched the
 srun/mpirun way, ``tests/jobs/ddp_job.py``, or with ``--kind plain`` four
 plain Python processes joined by ``PROBING_PEERS``, the same four ports
 for every job: the same settings, so the same engine), are traced over the
-cluster, asked a cluster query, and stopped. After each job, and once every
-exited process was retired (``PROBING_KEEP_DEAD_S``), the engine's RSS,
-threads, descriptors, listening TCP ports and the files it keeps (sockets,
-state and chunk directories) are read. Printed: those figures once the
-first job was retired (the baseline), after the last job, once every job
-was retired, and the growth per job between the baseline and the end.
+cluster, asked two cluster queries (a live table, a stored one), and
+stopped. After each job, and once every exited process was retired
+(``PROBING_KEEP_DEAD_S``), the engine's RSS, threads, descriptors,
+listening TCP ports and the files it keeps (sockets, state and chunk
+directories) are read. Printed: those figures once the first job was
+retired (the baseline), after the last job, once every job was retired,
+and the growth per job between the baseline and the end.
 
     python benchmarks/engine_soak.py [--jobs 300] [--kind torch|plain] [--keep-dead-s 3]
 """
@@ -37,6 +38,7 @@ from probing.errors import ProbingError  # noqa: E402
 from probing.node.probe.connections import Workers  # noqa: E402
 
 WORLD = 4
+STORED = "SELECT rank, count(*) AS n FROM python.stacks GROUP BY rank"
 PLAIN = "import time\nwhile True:\n    time.sleep(0.05)\n"
 JOB = REPO / "tests" / "jobs" / "ddp_job.py"
 
@@ -147,6 +149,10 @@ def one_job(kind: str, env: dict[str, str]) -> None:
         got = cluster_query("SELECT rank FROM process.info", pid=procs[1].pid, timeout=30)
         if got.table.num_rows != WORLD:
             raise RuntimeError(f"{got.table.num_rows} of {WORLD} ranks answered")
+        # a stored table: the engine's ranks answer together (share.Together)
+        got = cluster_query(STORED, pid=procs[1].pid, timeout=30)
+        if got.missing:
+            raise RuntimeError(f"ranks missing from a query of a stored table: {got.missing}")
     finally:
         for p in procs:
             with_group = os.getpgid(p.pid) if p.poll() is None else None
