@@ -51,7 +51,8 @@ class Codec:
         parquet, ``pyarrow.dataset`` loaded: an engine starting takes over
         chunk files before its first query)."""
         if self.container == "parquet":
-            return pq.ParquetFile(path).read(columns=[name]).column(0)
+            with pq.ParquetFile(path) as f:
+                return f.read(columns=[name]).column(0)
         with pa.memory_map(path) as source:
             return ipc.open_file(source).read_all().column(name)
 
