@@ -85,7 +85,7 @@ class PyStacks:
         self.resolver = walker.Resolver(self.interp.mem, self.offsets)
         self.table = store.table("python", "stacks", STACKS_SCHEMA)
         if known is None:
-            ids = self.table.column("stack_id").unique()
+            ids = self.table.to_arrow(["stack_id"]).column(0).unique()
             known = {int(i) for i in ids.to_pylist() if i is not None}
         self.known = known
         self.threads: dict[int, int] = {}  # native tid -> PyThreadState* in the maps

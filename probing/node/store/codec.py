@@ -39,22 +39,30 @@ class Codec:
     def extension(self) -> str:
         return ".parquet" if self.container == "parquet" else ".arrow"
 
-    def decode(self, path: str, schema: pa.Schema | None = None) -> pa.Table:
-        """Read a chunk file back (DataFusion reads them natively; this is for Python)."""
-        if self.container == "parquet":
+    def decode(
+        self, path: str, schema: pa.Schema | None = None, columns: list[str] | None = None
+    ) -> pa.Table:
+        """Read a chunk file back (DataFusion reads them natively; this is for
+        Python), or only ``columns`` of it (for parquet, without loading
+        ``pyarrow.dataset``: an engine starting takes over chunk files
+        before its first query)."""
+        if self.container == "parquet" and columns is None:
             return pq.read_table(path, schema=schema)
-        with pa.memory_map(path) as source:
-            return ipc.open_file(source).read_all()
-
-    def decode_column(self, path: str, name: str) -> pa.ChunkedArray:
-        """One column of a chunk file, the others not read (nor, for
-        parquet, ``pyarrow.dataset`` loaded: an engine starting takes over
-        chunk files before its first query)."""
         if self.container == "parquet":
             with pq.ParquetFile(path) as f:
-                return f.read(columns=[name]).column(0)
-        with pa.memory_map(path) as source:
-            return ipc.open_file(source).read_all().column(name)
+                got = f.read(columns=columns)
+        else:
+            with pa.memory_map(path) as source:
+                got = ipc.open_file(source).read_all()
+            got = got if columns is None else got.select(columns)
+        want = (
+            None
+            if schema is None or columns is None
+            else pa.schema(schema.field(c) for c in columns)
+        )
+        if want is not None and not got.schema.equals(want):  # as read_table would give them
+            got = got.cast(want)
+        return got
 
     def describe(self, path: str) -> tuple[pa.Schema, int, int]:
         """A chunk file's schema, rows and bytes in memory, from its footer."""

@@ -331,20 +331,11 @@ class EventTable:
         """Rows not in a chunk file yet: being sealed, then pending."""
         return [b for group in self._sealing.values() for b in group] + list(self._pending)
 
-    def column(self, name: str) -> pa.ChunkedArray:
-        """One column of every live row (only it read from the chunk files)."""
+    def to_arrow(self, columns: list[str] | None = None) -> pa.Table:
+        """Every live row as one Arrow table (reads the chunk files: only ``columns``)."""
         snap = self.snapshot()
-        parts = [self._store.codec.decode_column(p, name) for p in snap.paths]
-        return pa.chunked_array(
-            [c for part in [*parts, snap.pending.column(name)] for c in part.chunks],
-            snap.schema.field(name).type,
-        )
-
-    def to_arrow(self) -> pa.Table:
-        """Every live row as one Arrow table (reads the chunk files)."""
-        snap = self.snapshot()
-        parts = [self._store.codec.decode(p, snap.schema) for p in snap.paths]
-        return pa.concat_tables([*parts, snap.pending])
+        parts = [self._store.codec.decode(p, snap.schema, columns) for p in snap.paths]
+        return pa.concat_tables([*parts, snap.pending.select(columns or snap.schema.names)])
 
     def add_before_read(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` before every read (to flush a writer's own buffer)."""
