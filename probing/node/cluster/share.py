@@ -315,21 +315,23 @@ class _Session:
             where = (snap.chunk_dir, snap.container, snap.schema.to_string())
             key = (*where, snap.first_chunk, snap.last_chunk, snap.sealing)
             name = self._read(key)
-            if name is None:
-                small = self._small(owner, snap, where, key)
+            if name is None:  # its pending rows are in the memory table
+                only = snap._replace(pending=snap.pending.schema.empty_table())
+                small = self._small(owner, only, where, key)
                 if small is not None:
                     rows.append(small)
                     continue
-                only = snap._replace(pending=snap.pending.schema.empty_table())
                 name = self._register(snapshot_frame(self.ctx, only), key, where)
             sealed[owner.rank] = name
         return self._register(rows_frame(self.ctx, pa.concat_tables(rows)), None, None), sealed
 
-    def _small(self, owner: Owner, snap: Any, where: Any, key: Any) -> pa.Table | None:
-        """A rank's sealed range, tagged, when its files are small (read once,
-        kept in memory: eight scans of a few rows cost more than the rows)."""
+    def _small(self, owner: Owner, sealed: Any, where: Any, key: Any) -> pa.Table | None:
+        """A rank's sealed range (``sealed``: its snapshot without pending
+        rows), tagged, when its files are small (read once, kept in memory:
+        eight scans of a few rows cost more than the rows)."""
         import pyarrow as pa
-        import pyarrow.dataset as ds
+
+        from probing.node.sql.providers import snapshot_dataset
 
         mine = (*key, owner.ident.node, owner.rank)
         with self._lock:
@@ -338,9 +340,9 @@ class _Session:
                 self._rows.move_to_end(mine)
                 return got
         try:
-            if sum(os.path.getsize(p) for p in snap.paths) > SMALL_BYTES:
+            if sum(os.path.getsize(p) for p in sealed.paths) > SMALL_BYTES:
                 return None
-            got = ds.dataset(list(snap.paths), schema=snap.schema, format=snap.container).to_table()
+            got = snapshot_dataset(sealed).to_table()
         except (OSError, pa.ArrowException):  # retired meanwhile: the scan says what is left
             return None
         got = _tagged_rows([(owner, got)])

@@ -46,23 +46,21 @@ class Codec:
         Python), or only ``columns`` of it (for parquet, without loading
         ``pyarrow.dataset``: an engine starting takes over chunk files
         before its first query)."""
-        if self.container == "parquet" and columns is None:
-            return pq.read_table(path, schema=schema)
+        if columns is None:
+            if self.container == "parquet":
+                return pq.read_table(path, schema=schema)
+            with pa.memory_map(path) as source:
+                return ipc.open_file(source).read_all()
         if self.container == "parquet":
             with pq.ParquetFile(path) as f:
                 got = f.read(columns=columns)
         else:
             with pa.memory_map(path) as source:
-                got = ipc.open_file(source).read_all()
-            got = got if columns is None else got.select(columns)
-        want = (
-            None
-            if schema is None or columns is None
-            else pa.schema(schema.field(c) for c in columns)
-        )
-        if want is not None and not got.schema.equals(want):  # as read_table would give them
-            got = got.cast(want)
-        return got
+                got = ipc.open_file(source).read_all().select(columns)
+        if schema is None:
+            return got
+        want = pa.schema(schema.field(c) for c in columns)  # as read_table would give them
+        return got if got.schema.equals(want) else got.cast(want)
 
     def describe(self, path: str) -> tuple[pa.Schema, int, int]:
         """A chunk file's schema, rows and bytes in memory, from its footer."""
