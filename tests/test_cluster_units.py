@@ -577,9 +577,9 @@ def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(
         assert both()["n"] == [6, 7, 3]
         assert len(runs) == 3
         [session] = share._sessions.values()
-        kept = session._rows if small else session.schema.table_names()
+        kept = session._rows.items if small else session.schema.table_names()
         assert len(kept) == (1 if small == "over budget" else 2)  # rank 0's, rank 1's newest
-        assert session._rows_bytes == sum(t.nbytes for t in session._rows.values())
+        assert session._rows.total == sum(t.nbytes for t in session._rows.items.values())
         assert len(session.schema.table_names()) == (0 if small else 2)
         assert not session._reading and not session._doomed
     finally:
@@ -645,14 +645,14 @@ def test_a_retired_ranks_ranges_are_forgotten(monkeypatch, small) -> None:  # ty
     got = list(zip(owners, snaps, strict=True))
     mem, sealed = session.enter("bench.events", got)
     session.leave([mem, *sealed.values()])
-    kept = lambda: session._rows if small else session.schema.table_names()  # noqa: E731
+    kept = lambda: session._rows.items if small else session.schema.table_names()  # noqa: E731
     assert len(kept()) == 2
     stores[1].close()  # its process retired
     monkeypatch.setattr(share, "PRUNE_S", 0.0)
     mem, sealed = session.enter("bench.events", got[:1])
     session.leave([mem, *sealed.values()])
     assert len(kept()) == 1
-    assert session._rows_bytes == sum(t.nbytes for t in session._rows.values())
+    assert session._rows.total == sum(t.nbytes for t in session._rows.items.values())
     stores[0].close()
 
 

@@ -288,13 +288,10 @@ class _Session:
         catalog.register_schema("together", self.schema)
         self._lock = threading.Lock()
         self._next = 0
-        self._sealed: OrderedDict[tuple[Any, ...], str] = OrderedDict()  # range -> name
-        self._newest: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # directory -> its range
+        self._sealed = _Ranges(self.KEEP, lambda name: 1)  # range -> the name it is under
         self._reading: dict[str, int] = {}  # name -> queries reading it
         self._doomed: set[str] = set()  # to go once no query reads them
-        self._rows: OrderedDict[tuple[Any, ...], pa.Table] = OrderedDict()  # small ranges
-        self._rows_newest: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._rows_bytes = 0
+        self._rows = _Ranges(SMALL_KEPT, lambda rows: rows.nbytes)  # small range -> its rows
         self._pruned = time.monotonic()
 
     def enter(self, table: str, got: list[Any]) -> tuple[str, dict[int, str]]:
@@ -312,20 +309,20 @@ class _Session:
         for owner, snap in got:
             if snap.chunk_dir is None:
                 continue
-            where = (snap.chunk_dir, snap.container, snap.schema.to_string())
-            key = (*where, snap.first_chunk, snap.last_chunk, snap.sealing)
+            key = (snap.chunk_dir, snap.container, snap.schema.to_string(),  # its directory,
+                   snap.first_chunk, snap.last_chunk, snap.sealing)  # fmt: skip
             name = self._read(key)
             if name is None:  # its pending rows are in the memory table
                 only = snap._replace(pending=snap.pending.schema.empty_table())
-                small = self._small(owner, only, where, key)
+                small = self._small(owner, only, key)
                 if small is not None:
                     rows.append(small)
                     continue
-                name = self._register(snapshot_frame(self.ctx, only), key, where)
+                name = self._register(snapshot_frame(self.ctx, only), key)
             sealed[owner.rank] = name
-        return self._register(rows_frame(self.ctx, pa.concat_tables(rows)), None, None), sealed
+        return self._register(rows_frame(self.ctx, pa.concat_tables(rows)), None), sealed
 
-    def _small(self, owner: Owner, sealed: Any, where: Any, key: Any) -> pa.Table | None:
+    def _small(self, owner: Owner, sealed: Any, key: tuple[Any, ...]) -> pa.Table | None:
         """A rank's sealed range (``sealed``: its snapshot without pending
         rows), tagged, when its files are small (read once, kept in memory:
         eight scans of a few rows cost more than the rows)."""
@@ -336,9 +333,8 @@ class _Session:
         mine = (*key, owner.ident.node, owner.rank)
         with self._lock:
             got = self._rows.get(mine)
-            if got is not None:
-                self._rows.move_to_end(mine)
-                return got
+        if got is not None:
+            return got
         try:
             if sum(os.path.getsize(p) for p in sealed.paths) > SMALL_BYTES:
                 return None
@@ -347,17 +343,7 @@ class _Session:
             return None
         got = _tagged_rows([(owner, got)])
         with self._lock:
-            old = self._rows_newest.get(where)
-            if old is not None and old != mine:  # an older range of the directory
-                self._rows_bytes -= self._rows.pop(old).nbytes if old in self._rows else 0
-            self._rows_newest[where] = mine
-            self._rows[mine] = got
-            self._rows_bytes += got.nbytes
-            while self._rows_bytes > SMALL_KEPT and len(self._rows) > 1:
-                gone_key, gone = self._rows.popitem(last=False)
-                self._rows_bytes -= gone.nbytes
-                if self._rows_newest.get(gone_key[:3]) == gone_key:
-                    del self._rows_newest[gone_key[:3]]
+            self._rows.put(mine, got)
         return got
 
     def _prune(self) -> None:
@@ -368,25 +354,22 @@ class _Session:
             if now - self._pruned < PRUNE_S:
                 return
             self._pruned = now
-            for key in [k for k in self._rows if not os.path.isdir(k[0])]:
-                self._rows_bytes -= self._rows.pop(key).nbytes
-                self._rows_newest.pop(key[:3], None)
-            for key in [k for k in self._sealed if not os.path.isdir(k[0])]:
-                self._newest.pop(key[:3], None)
-                self._drop(self._sealed.pop(key))
+            self._rows.prune()
+            for name in self._sealed.prune():
+                self._drop(name)
 
     def _read(self, key: tuple[Any, ...]) -> str | None:
         with self._lock:
-            name = self._sealed.get(key)
+            name: str | None = self._sealed.get(key)
             if name is not None:
-                self._sealed.move_to_end(key)
                 self._reading[name] = self._reading.get(name, 0) + 1
             return name
 
-    def _register(self, frame: Any, key: tuple[Any, ...] | None, where: Any) -> str:
+    def _register(self, frame: Any, key: tuple[Any, ...] | None) -> str:
         with self._lock:
-            if key is not None and key in self._sealed:  # another query registered it meanwhile
-                name = self._sealed[key]
+            got: str | None = None if key is None else self._sealed.get(key)
+            if got is not None:  # another query registered it meanwhile
+                name = got
             else:
                 self._next += 1
                 name = f"t{self._next}"
@@ -394,22 +377,12 @@ class _Session:
                 if key is None:
                     self._doomed.add(name)  # one query's rows
                 else:
-                    self._sealed[key] = name
-                    old = self._newest.get(where)
-                    self._newest[where] = key
-                    if old is not None and old != key:  # an older range of the directory
-                        self._drop(self._sealed.pop(old, ""))
-                    while len(self._sealed) > self.KEEP:
-                        gone_key, gone = self._sealed.popitem(last=False)
-                        if self._newest.get(gone_key[:3]) == gone_key:
-                            del self._newest[gone_key[:3]]
+                    for gone in self._sealed.put(key, name):
                         self._drop(gone)
             self._reading[name] = self._reading.get(name, 0) + 1
         return name
 
     def _drop(self, name: str) -> None:
-        if not name:
-            return
         if self._reading.get(name):
             self._doomed.add(name)
         else:
@@ -426,6 +399,48 @@ class _Session:
                 if name in self._doomed:
                     self._doomed.discard(name)
                     self.schema.deregister_table(name)
+
+
+class _Ranges:
+    """What a ``_Session`` keeps per range of a rank's sealed chunks (a key:
+    its directory, ``key[:3]``, then the range), for the newest range of
+    each directory only, the least recently read going first once their
+    ``size`` adds up past ``bound`` (one always stays). ``put`` and
+    ``prune`` return what they let go. The session's lock guards it."""
+
+    def __init__(self, bound: int, size: Callable[[Any], int]) -> None:
+        self.items: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.total = 0  # the items' size
+        self._bound = bound
+        self._size = size
+        self._newest: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # directory -> its range
+
+    def get(self, key: tuple[Any, ...]) -> Any:
+        got = self.items.get(key)
+        if got is not None:
+            self.items.move_to_end(key)
+        return got
+
+    def put(self, key: tuple[Any, ...], value: Any) -> list[Any]:
+        old = self._newest.get(key[:3])
+        gone = [self._pop(old)] if old is not None and old != key and old in self.items else []
+        self._newest[key[:3]] = key
+        self.items[key] = value
+        self.total += self._size(value)
+        while self.total > self._bound and len(self.items) > 1:
+            gone.append(self._pop(next(iter(self.items))))
+        return gone
+
+    def prune(self) -> list[Any]:
+        """What was kept for directories that are gone (their processes retired)."""
+        return [self._pop(k) for k in [k for k in self.items if not os.path.isdir(k[0])]]
+
+    def _pop(self, key: tuple[Any, ...]) -> Any:
+        value = self.items.pop(key)
+        self.total -= self._size(value)
+        if self._newest.get(key[:3]) == key:
+            del self._newest[key[:3]]
+        return value
 
 
 _sessions: dict[int, _Session] = {}
