@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from probing.analyze import diagnose
+from probing.cli.asking import diagnose
 from probing.analyze.collectives import match
 from probing.cli.demo import DemoJob, trace_all
 

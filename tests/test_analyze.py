@@ -37,19 +37,23 @@ def job(
     backend: str = "gloo",
     behind_link: int | None = None,
     seed: int = 0,
+    buckets: int = 1,
 ) -> pa.Table:
-    """Rows as ``gather(queries()["collectives"])`` returns them for a synchronous DDP job."""
+    """Rows as ``gather(queries()["collectives"])`` returns them for a synchronous
+    DDP job: ``buckets`` all-reduces a step (of different sizes, back to back in
+    its backward pass), the straggler late by ``lag_ms`` before the first."""
     rng = np.random.default_rng(seed)
     skipped = rng.integers(0, 5, size=ranks)  # collectives before each rank's trace began
     comm_ptr = rng.integers(1 << 40, 1 << 44, size=ranks)  # a local pointer per process
     rows = []
     t = np.full(ranks, float(T0))
-    for k in range(steps):
+    for k in range(steps * buckets):
         arrive = t + rng.normal(0, jitter_ms, size=ranks).clip(-3 * jitter_ms, 3 * jitter_ms) * 1e6
-        arrive += 5e6  # compute
-        if straggler is not None and k >= slow_from:
+        first = k % buckets == 0
+        arrive += (5e6 if first else 1e6)  # compute: the forward pass, or the next bucket's
+        if straggler is not None and k >= slow_from * buckets and first:
             arrive[straggler] += lag_ms * 1e6 * rng.uniform(0.8, 1.2)
-        link = link_ms if k >= link_from else 0.4
+        link = link_ms if k >= link_from * buckets else 0.4
         end = arrive.max() + link * 1e6 * rng.uniform(0.9, 1.1)
         ends = np.full(ranks, end)
         if behind_link is not None:  # the last hop's data reaches it one link delay later
@@ -63,12 +67,12 @@ def job(
                 {
                     "backend": backend, "op": "allreduce", "comm": int(comm_ptr[r]),
                     "seq": k - int(skipped[r]), "comm_rank": r, "nranks": ranks,
-                    "bytes": 4 * 20_000, "ts": int(arrive[r]),
+                    "bytes": 4 * 20_000 * (1 + k % buckets), "ts": int(arrive[r]),
                     "dur_ns": None if in_flight else int(ends[r] + rng.uniform(0, 2e4) - arrive[r]),
                     "pid": 1000 + r, "node": f"host{r // 2}", "rank": r,
                 }
             )  # fmt: skip
-        t = ends + step_ms * 1e6
+        t = ends + (step_ms * 1e6 if k % buckets == buckets - 1 else 0)
     return pa.Table.from_pylist(rows)
 
 
@@ -102,8 +106,28 @@ def test_a_straggler_is_named_with_its_lag_share_and_since(rank: int) -> None:
     matched = [c for c in coll.match(job(straggler=rank, slow_from=25, seed=rank)) if c.complete]
     change = min(c.ts[rank] for c in matched if c.seq >= 25 - 5)
     assert not s.since_start and abs(s.since_ns - change) < 0.5e9
-    assert d.verdict.startswith(f"rank {rank} on node host{rank // 2} arrives")
-    assert "of its step time" in d.verdict
+    # every figure per step is the job's: ~30 ms late a ~115 ms step, ~26 % lost
+    assert abs(s.step_ms - 115) < 11.5 and abs(s.late_ms - 30) < 3 and s.period == 1
+    assert abs(s.share_of_step - 30 / 115) < 0.1
+    assert d.verdict.startswith(f"rank {rank} on node host{rank // 2} is {s.late_ms:.0f} ms late")
+    assert f"each {s.step_ms:.0f} ms step" in d.verdict and "of its step time" in d.verdict
+
+
+@pytest.mark.parametrize("buckets", [2, 3, 5])
+def test_several_collectives_a_step_give_the_jobs_own_step(buckets: int) -> None:
+    # DDP's buckets: several all-reduces a step, the straggler late before the first
+    table = job(straggler=1, lag_ms=40, buckets=buckets, seed=buckets)
+    d = analyze(table, now_ns=T0)
+    [s] = d.stragglers
+    # the job's own step: its last all-reduce's end to the next one's, 80 ms, plus the
+    # forward pass (5 ms), the other buckets (1 ms each), the links and 40 ms of lag
+    truth = 80 + 5 + (buckets - 1) + 0.4 * buckets + 40
+    assert s.period == buckets and abs(s.step_ms - truth) < 0.1 * truth
+    assert d.summary.step_ms is not None and abs(d.summary.step_ms - truth) < 0.1 * truth
+    assert abs(s.late_ms - 40) < 4 and abs(s.share_of_step - 40 / truth) < 0.1
+    assert f"is {s.late_ms:.0f} ms late each {s.step_ms:.0f} ms step" in d.verdict
+
+
 
 
 def test_a_straggler_slow_from_the_start_says_since_at_least() -> None:
@@ -362,7 +386,8 @@ def test_a_collective_every_rank_entered_and_none_left_is_a_hang() -> None:
 
 
 def test_callsites_pick_each_ranks_most_frequent() -> None:
-    from probing.analyze.diagnose import callsites, queries
+    from probing.analyze.diagnose import callsites
+    from probing.analyze.queries import queries
 
     rows = [
         {"callsite": "train.py:69 main", "n": 40, "rank": 2},

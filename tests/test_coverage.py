@@ -13,7 +13,8 @@ import pyarrow as pa
 
 from probing.analyze import analyze
 from probing.analyze import coverage as cv
-from probing.analyze.diagnose import diagnose, judge
+from probing.analyze.diagnose import judge
+from probing.cli.asking import diagnose
 from probing.errors import ProbingError
 from tests.test_analyze import T0, job
 

@@ -342,7 +342,7 @@ def test_a_hang_that_began_just_inside_the_window_is_numbered_as_later() -> None
     """The window starts between the last completed collective and the hang: the
     calls before it are fetched too, so each rank's numbers line up (without them,
     no rank could be aligned) and the hang is named as it is a minute later."""
-    from probing.analyze import diagnose
+    from probing.cli.asking import diagnose
 
     t = job(hang_rank=1, hang_step=40, steps=60, seed=9)
     rows = t.to_pylist()

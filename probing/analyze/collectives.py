@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from probing.analyze import columns
+from probing.analyze import steps as st
 
 P2P_OPS = ("send", "recv")
 MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
@@ -108,6 +109,13 @@ class Straggler:
     p_value: float
     groups: list[str] = dataclasses.field(default_factory=list)  # the communicators it slows
     place: str = ""  # where it sits in the job's layout ("TP 1 of 2, PP stage 0, DP 0")
+    # a step of the job (``probing.analyze.steps``): how late it makes each one
+    # (the sum over the step's collectives of its typical excess at each), that
+    # step (ms) and its collectives on ``comm``; 0: the job's step is not known
+    late_ms: float = 0.0
+    step_ms: float = 0.0
+    period: int = 0
+    waited_share: float = 0.0  # of the wall time, the others' waits for it alone
 
 
 @dataclasses.dataclass
@@ -639,11 +647,16 @@ def by_comm(collectives: list[Collective]) -> dict[str, list[Collective]]:
     return out
 
 
-def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Straggler]:
+def stragglers(
+    collectives: list[Collective], nodes: dict[int, str], steps: st.Steps | None = None
+) -> list[Straggler]:
     """Ranks that keep arriving last, more often than chance and later than the
     others' own lateness (see ``Evidence``); tested over the whole window and,
-    where a rank's excess has a change point, over the time since."""
+    where a rank's excess has a change point, over the time since. ``steps``:
+    the job's (``steps.find``, found here where not given) puts each
+    straggler's figures per step."""
     comms = by_comm(collectives)
+    steps = st.find(collectives) if steps is None else steps
     found: dict[int, Straggler] = {}
     groups: dict[int, list[str]] = defaultdict(list)
     waits: dict[str, set[int]] = defaultdict(set)  # comm -> ranks usually first there
@@ -658,9 +671,11 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
             excess = matrix[:, j]
             if float(np.median(excess)) < 0:
                 waits[comm].add(r)
-            s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""))
+            mine = steps.comms.get(comm)
+            s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine)
             if s is None:
                 continue
+            per_step(s, cs, excess, mine, steps.job)
             groups[r].append(comm)
             named_in[comm].add(r)
             if r not in found or s.share_of_step > found[r].share_of_step:
@@ -679,14 +694,15 @@ def stragglers(collectives: list[Collective], nodes: dict[int, str]) -> list[Str
 
 def _straggler_on(
     comm: str, cs: list[Collective], r: int, excess: np.ndarray, starts: np.ndarray,
-    nranks: int, node: str,
+    nranks: int, node: str, step: st.Step | None = None,
 ) -> Straggler | None:  # fmt: skip
     """Rank ``r`` as a straggler on ``comm``, or None: over ``cs`` (its complete
     collectives, starting at ``starts``, ns), where ``r`` arrived ``excess``
     ms after the others' median (``excess_matrix``), of ``nranks`` ranks. Tested
     (``Evidence.named``) first since the change point where its excess rose
     (``change_point``), where there is one, then over the whole window; one
-    only released late by the collective before (``released_late``) is not."""
+    only released late by the collective before (``released_late``, over
+    ``comm``'s ``step``) is not."""
     k, score = change_point(excess)
     began = k > 0 and score > 3.0 and float(np.median(excess[k:])) > float(np.median(excess[:k]))
     seg_from = [0, k] if began and len(cs) - k >= MIN_COLLECTIVES else [0]
@@ -702,7 +718,7 @@ def _straggler_on(
     # late by a lot at a few collectives: its mean excess, not its median
     sparse = ev.excess_ms_median < 0.5 * float(np.mean(excess[k0:]))
     typical = np.mean if sparse else np.median
-    if released_late(cs[k0:], r, float(typical(excess[k0:])), typical):
+    if released_late(cs[k0:], r, excess[k0:], typical, step):
         return None
     lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
     return Straggler(
@@ -713,6 +729,7 @@ def _straggler_on(
         excess_ms_median=round(ev.excess_ms_median, 3),
         last_share=round(ev.last / ev.collectives, 4),
         share_of_step=round(max(ev.share_of_step, min(1.0, ev.late_share)), 4),
+        waited_share=round(ev.share_of_step, 4),
         since=iso(int(starts[k0])),
         since_ns=int(starts[k0]),
         since_start=k0 == 0,
@@ -723,24 +740,65 @@ def _straggler_on(
     )
 
 
+def per_step(
+    s: Straggler, cs: list[Collective], excess: np.ndarray, mine: st.Step | None,
+    job: st.Step | None,
+) -> None:  # fmt: skip
+    """``s``'s figures per step of the job (``job``), where its communicator
+    repeats (``mine``): how late it makes a step (``late_ms``: the sum, over
+    the step's collectives, of its median ``excess`` at each, from
+    ``s.since_ns``), and the share of the step the job loses to it (the more of
+    that and of its waits, ``share_of_step``)."""
+    if job is None or mine is None or job.ms <= 0:
+        return
+    since = np.array([min(c.ts.values()) >= s.since_ns for c in cs])
+    phase = np.array([mine.phase(c.seq) for c in cs])
+    late = sum(
+        float(np.median(excess[since & (phase == ph)]))
+        for ph in range(mine.period)
+        if (since & (phase == ph)).any()
+    )
+    s.late_ms = round(max(0.0, late), 3)
+    s.step_ms = job.ms
+    s.period = mine.period
+    s.share_of_step = round(min(1.0, max(s.waited_share, s.late_ms / job.ms)), 4)
+
+
 def released_late(
-    cs: list[Collective], rank: int, excess_ms: float, typical: Callable[..., Any] = np.median
+    cs: list[Collective],
+    rank: int,
+    excess: np.ndarray,
+    typical: Callable[..., Any] = np.median,
+    step: st.Step | None = None,
 ) -> bool:
     """Whether ``rank`` arrives late only because the previous collective let it
     go late (a rank behind a slow link), not because of its own work between
     collectives: its ``typical`` own time between them against its ``typical``
-    lateness ``excess_ms``. Needs return times (synchronous backends); else False."""
-    own = []  # its time from a return to its next arrival, minus the others' median
+    lateness (``excess``, ms, one per collective of ``cs``). Where its
+    communicator has a ``step`` of several collectives, both are summed over
+    the step's collectives (its own work comes before one of them only).
+    Needs return times (synchronous backends); else False."""
+    own: list[tuple[int, float]] = []  # (seq, its time from a return to its next arrival,
+    # minus the others' median)
     for prev, c in zip(cs, cs[1:], strict=False):
         if c.seq != prev.seq + 1 or any(prev.end.get(o) is None for o in c.ts):
             continue
         gaps = {o: c.ts[o] - prev.end[o] for o in c.ts if o in prev.end}  # type: ignore[operator]
         if rank in gaps and len(gaps) > 1:
             others = [g for o, g in gaps.items() if o != rank]
-            own.append((gaps[rank] - float(np.median(others))) / 1e6)
+            own.append((c.seq, (gaps[rank] - float(np.median(others))) / 1e6))
     if len(own) < MIN_COLLECTIVES:
         return False
-    return float(typical(own)) < 0.5 * excess_ms
+    if step is None or step.period == 1:
+        return float(typical([g for _, g in own])) < 0.5 * float(typical(excess))
+    mine, late = defaultdict(list), defaultdict(list)
+    for seq, g in own:
+        mine[step.phase(seq)].append(g)
+    for c, e in zip(cs, excess.tolist(), strict=True):
+        late[step.phase(c.seq)].append(e)
+    own_ms = sum(float(np.median(v)) for v in mine.values())
+    late_ms = sum(float(np.median(v)) for v in late.values())
+    return own_ms < 0.5 * late_ms
 
 
 # -- slow links -------------------------------------------------------------------------
@@ -814,17 +872,19 @@ class Summary:
     transfer_ms_median: float | None
     last_share_max: float | None  # the most any one rank was last
     last_share_min: float | None = None  # the least (over ranks in every collective)
-    step_ms: float | None = None  # median interval between the busiest comm's collectives
+    step_ms: float | None = None  # the job's step (``probing.analyze.steps``)
     noisy: bool = False  # skew above NOISY_SKEW of a step (and nobody to blame)
     busiest: int | None = None  # complete collectives of the busiest communicator
 
 
-def summarize(collectives: list[Collective]) -> Summary:
+def summarize(collectives: list[Collective], steps: st.Steps | None = None) -> Summary:
+    """The figures of ``collectives``; its step is the job's (``steps``, found
+    here where not given)."""
     done = complete(collectives)
     counts = Counter(c.comm for c in done)
     busiest = [c for c in done if counts and c.comm == counts.most_common(1)[0][0]]
-    starts = np.array(sorted(min(c.ts.values()) for c in busiest), dtype=np.float64)
-    step = float(np.median(np.diff(starts))) / 1e6 if len(starts) > 2 else None
+    job = (st.find(collectives) if steps is None else steps).job
+    step = job.ms if job is not None else None
     skew = np.array([max(c.lags_ns().values()) / 1e6 for c in done])
     transfer = [c.transfer_ns() for c in done]
     tr = np.array([t / 1e6 for t in transfer if t is not None])

@@ -1,20 +1,21 @@
-"""``probing diagnose``: gather every rank's collectives, stacks and counts,
-name the straggler, the slow link or the hang, and render the verdict.
+"""The diagnosis, pure: every rank's gathered collectives, stacks and counts
+in, the straggler, slow link or hang named and the verdict said out
+(``analyze``: rows in, a ``Diagnosis`` out), and the ``analyze.*`` tables of
+a diagnosis (``sql_tables``).
 
-In parts, one owner each: the queries every rank is asked (``queries``);
-the analysis, pure (``analyze``: rows in, a ``Diagnosis`` out); the verdict's
-text (``probing.analyze.verdict``, put together once in ``whole_verdict``);
-the asking and polling (``diagnose``, below "asking the probes"); and the
-``analyze.*`` tables (``sql_tables``, ``local_tables``)."""
+The other parts, one owner each: the SQL every rank is asked
+(``probing.analyze.queries``); the verdict's text (``probing.analyze.verdict``,
+put together once in ``whole_verdict``); the asking and polling
+(``probing.cli.asking``); an engine's own ``analyze.*`` tables
+(``probing.node.tables.analysis``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,122 +26,9 @@ from probing.analyze import coverage as cv
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze import pipeline as pp
+from probing.analyze import steps as st
 from probing.analyze import why as wy
-from probing.analyze.gather import missing_ranks
 from probing.analyze.verdict import covered_text, hms, verdict
-from probing.errors import ProbingError
-
-# what every rank is asked; ``{tags}`` is ", node, rank" in a cluster query,
-# where those are the peer's tags and the view's own ``rank`` is ``table_rank``
-COLLECTIVES_SQL = (
-    "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
-    "pid, peer, tag, wait_ns{tags} FROM comm.collectives WHERE ts >= {since_ns} OR dur_ns IS NULL"
-)  # calls still in flight however long ago they began: a hang older than the window
-# each traced Gloo context's torch process group, named the same in every rank
-GROUPS_SQL = "SELECT backend, comm, pg, ranks{tags} FROM comm.groups"
-# the ranks that died (a killed rank's probe answers with what it left)
-DEAD_SQL = "SELECT pid, alive, died_ns{tags} FROM process.info"
-STACKS_SQL = "SELECT tid, thread, state, depth, func, file, line{tags} FROM process.stacks"
-# torch's own count of collectives issued per process group (no tracing needed)
-COUNTS_EXPR = (
-    "(lambda d: [{{'group': str(n), 'size': g.size(), "
-    "'count': g._get_sequence_number_for_group()}} "
-    "for g, n in d.distributed_c10d._world.pg_names.items()] "
-    "if d is not None and d.is_initialized() else [])(sys.modules.get('torch.distributed'))"
-)
-COUNTS_SQL = "SELECT *{tags} FROM python.`" + COUNTS_EXPR + "`"
-
-
-# where each rank issues its collectives from, when the trace records Python
-# stacks (``stack_id`` and ``python.callsites``); absent: no callsites, no error
-# stack ids are per process: over a cluster, a stack joins its own rank's calls only
-CALLSITES_SQL = (
-    "SELECT s.callsite AS callsite, count(*) AS n{tags} FROM comm.collectives c "
-    "JOIN python.callsites s ON c.stack_id = s.stack_id{same_rank} WHERE c.ts >= {since_ns} "
-    "GROUP BY s.callsite{group}"
-)
-
-
-# where each rank spent its time (python.samples, by the innermost user frame,
-# whether it waited for its DataLoader's worker processes, and whether its
-# thread issued collectives: the thread that trains, whatever its name) and in
-# CUDA calls (by the thread that made them): asked only when there is a straggler to explain
-SAMPLES_SQL = (
-    "SELECT s.kind AS kind, c.file AS file, c.func AS func, c.line AS line, "
-    "c.via_file AS via_file, c.via_func AS via_func, l.stack_id IS NOT NULL AS loader, "
-    "s.thread AS thread, s.tid AS tid, t.tid IS NOT NULL AS trains, sum(s.dur_ns) AS dur_ns, "
-    "sum(s.count) AS n{tags} FROM python.samples s "
-    "LEFT JOIN python.callsites c ON s.stack_id = c.stack_id{same_rank} "
-    "LEFT JOIN (SELECT DISTINCT stack_id{ltags} FROM python.stacks "
-    "WHERE file LIKE '%torch/utils/data/dataloader.py' AND func LIKE '%._get_data') l "
-    "ON s.stack_id = l.stack_id{loader_rank} "
-    "LEFT JOIN (SELECT DISTINCT tid{ltags} FROM comm.collectives WHERE ts >= {since_ns}) t "
-    "ON s.tid = t.tid{issuer_rank} WHERE s.ts >= {since_ns} "
-    "GROUP BY s.kind, c.file, c.func, c.line, c.via_file, c.via_func, l.stack_id IS NOT NULL, "
-    "s.thread, s.tid, t.tid IS NOT NULL{group}"
-)  # by thread too: the threads without Python (Gloo's, OpenMP's) wait for a CPU as well
-CUDA_SQL = (
-    "SELECT api, tid, sum(dur_ns) AS dur_ns, count(*) AS n{tags} FROM cuda.calls "
-    "WHERE ts >= {since_ns} GROUP BY api, tid{group}"
-)
-
-
-# each rank's GPUs over the window (NVML, when sampled), those it works on
-# (``own``): asked only when there is a straggler to explain
-NVML_SQL = (
-    "SELECT gpu, avg(sm_clock_mhz) AS sm_mhz, bit_or(throttle_reasons) AS reasons, "
-    "avg(power_w) AS power_w, max(temp_c) AS temp_c, sum(xid_count) AS xids, max(xid) AS xid, "
-    "max(ecc_uncorrected) AS ecc, avg(pcie_tx_kbs + pcie_rx_kbs) AS pcie_kbs, "
-    "max(nvlink_tx_kib + nvlink_rx_kib) - min(nvlink_tx_kib + nvlink_rx_kib) AS nvlink_kib, "
-    "max(ts) - min(ts) AS span_ns{tags} FROM nvml.gpu WHERE ts >= {since_ns} AND own "
-    "GROUP BY gpu{group}"
-)
-
-
-# how long each rank's threads waited for a CPU (``runq``) over the wall time the
-# sampler covered (``tick``): asked only when a slow link is to be told from a starved CPU
-RUNQ_SQL = (
-    "SELECT kind, sum(dur_ns) AS dur_ns{tags} FROM python.samples "
-    "WHERE ts >= {since_ns} AND kind IN ('runq', 'tick') GROUP BY kind{group}"
-)
-
-
-# the CPU each rank runs on: its clock, its node's steal (asked with NVML_SQL)
-CPU_SQL = "SELECT cpu, mhz, max_mhz, steal_pct, busy_pct{tags} FROM process.cpu"
-
-
-def queries(remote: bool) -> dict[str, str]:
-    """The SQL for local ranks (tagged by ``gather``) or for a cluster query."""
-    rank = ", node, rank" if remote else ""
-    # every query's tags, its GROUP BY's, and ``{since_ns}`` left for the caller
-    tags = {"tags": rank, "group": rank, "since_ns": "{since_ns}"}
-    out = {
-        name: sql.format(**tags)
-        for name, sql in (
-            ("stacks", STACKS_SQL), ("groups", GROUPS_SQL), ("dead", DEAD_SQL),
-            ("counts", COUNTS_SQL), ("cuda", CUDA_SQL), ("cpu", CPU_SQL),
-            ("runq", RUNQ_SQL), ("nvml", NVML_SQL), ("intervals", cv.INTERVALS_SQL),
-        )
-    }  # fmt: skip
-    out["collectives"] = COLLECTIVES_SQL.format(
-        comm_rank="table_rank" if remote else "rank", **tags
-    )
-    out["callsites"] = CALLSITES_SQL.format(
-        tags=", c.rank AS rank" if remote else "",
-        same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
-        group=", c.rank" if remote else "",
-        since_ns="{since_ns}",
-    )  # fmt: skip
-    out["samples"] = SAMPLES_SQL.format(
-        tags=", s.node AS node, s.rank AS rank" if remote else "",
-        same_rank=" AND c.node = s.node AND c.rank = s.rank" if remote else "",
-        ltags=rank,
-        loader_rank=" AND l.node = s.node AND l.rank = s.rank" if remote else "",
-        issuer_rank=" AND t.node = s.node AND t.rank = s.rank" if remote else "",
-        group=", s.node, s.rank" if remote else "",
-        since_ns="{since_ns}",
-    )  # fmt: skip
-    return out
 
 
 def runq_rates(table: pa.Table | None) -> dict[int, float] | None:
@@ -309,12 +197,13 @@ def analyze(
         matched, rows, ranks, now_ns=now_ns, hang_after_s=hang_after_s, frames=frames,
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
     )  # fmt: skip
-    strag = [] if hangs else coll.stragglers(matched, nodes)
+    steps = st.find(matched)  # the job's step: every figure per step is of it
+    strag = [] if hangs else coll.stragglers(matched, nodes, steps)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
         late.place = mesh.place_text(late.rank, ranks_of or {})
     # a straggler slows the collectives too (its share of the reduction runs late)
     slow = [] if hangs or strag else _slow_links(matched, nodes, runq)
-    summary = coll.summarize(matched)
+    summary = coll.summarize(matched, steps)
     stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
     for h in hangs:
         stacks.update(h.stacks)
@@ -529,298 +418,6 @@ def _rank_rows(
     return rows
 
 
-# -- asking the probes, and watching a stall ------------------------------------------
-
-
-class Job(Protocol):
-    """The ranks a diagnosis asks (``probing.cli.client.Job``: local pids over
-    their sockets, or the cluster through one probe)."""
-
-    @property
-    def remote(self) -> bool:
-        """Through a cluster query: no python.`expr` tables."""
-        ...
-
-    def ask(self, sql: str) -> pa.Table:
-        """``sql`` in every rank: one table, rows tagged ``node`` and ``rank``."""
-        ...
-
-    def trace_starts_ns(self) -> list[int]:
-        """When each local probe that traces started tracing (none remotely)."""
-        ...
-
-
-def diagnose(
-    job: Job,
-    *,
-    window_s: float = 60.0,
-    hang_after_s: float = hg.HANG_AFTER_S,
-    on_wait: Callable[[float], None] | None = None,
-    now_ns: int | None = None,
-    eager: bool = False,
-) -> tuple[Diagnosis, pa.Table]:
-    """Ask every rank of ``job``, analyze, and return the diagnosis and the
-    gathered collectives.
-
-    ``eager`` asks what explaining a straggler takes (and the Flight Recorder's
-    rows) with the first questions, before the analysis says it is needed:
-    the probes are waited on once, not three times, for a page that waits.
-
-    When the counts say some ranks are ahead but nothing has been traced to
-    date the stall, the counts are watched until they have stood still for
-    ``hang_after_s`` (``on_wait`` is told how long that will take) or move.
-    """
-    t0 = time.perf_counter()
-    now = now_ns or time.time_ns()  # (given: a test's clock)
-    sql = queries(remote=job.remote)
-    since = now - int(window_s * 1e9)
-    # what every diagnosis asks, asked at once (each waits on the probes, not the CPU)
-    ask = asked_at_once(job.ask, _first_questions(sql, since, job.remote, eager))
-    got = _gather(ask, sql, job.remote, since, now, window_s, hang_after_s)
-    # the trace tells how long nothing moved only while every rank traces; else
-    # the counts are watched (below)
-    traced_now = got.coverage is None or got.coverage.now
-    stalled = round(_stalled_s(got.table, now, job.trace_starts_ns), 1) if traced_now else 0.0
-    runq = functools.partial(optional, ask, sql["runq"].format(since_ns=since))
-    matched = coll.match(got.table)  # once: each analyze below, and why a straggler is slow
-
-    def analyzed(stalled_s: float, at_ns: int) -> Diagnosis:
-        return analyze(
-            got.table, frames=got.frames, states=got.states, stalled_s=stalled_s, now_ns=at_ns,
-            window_s=window_s, hang_after_s=hang_after_s, recorded=got.recorded,
-            ranks_of=got.ranks_of, dead=got.dead, runq=runq, matched=matched,
-            coverage=got.coverage,
-        )  # fmt: skip
-
-    d = analyzed(stalled, now)
-    progressing = (
-        traced_now and got.table.num_rows > 0 and stalled < 1.0
-    )  # traced in the last second
-    if not d.hangs and not progressing and _counts_differ(got.states) and stalled < hang_after_s:
-        watched = _stood_still(ask, sql, got, stalled, hang_after_s, on_wait)
-        if watched is not None:  # still all along: where each rank waits now
-            got.frames = _frames_by_rank(ask(sql["stacks"]))
-            got.states = [
-                dataclasses.replace(s, frames=got.frames.get(s.rank, [])) for s in got.states
-            ]
-            d = analyzed(round(stalled + time.monotonic() - watched, 1), time.time_ns())
-    d.missing = missing_ranks(got.table)
-    if d.stragglers or (d.pipeline is not None and d.pipeline.slow is not None):
-        ask = _explain(d, ask, sql, since, matched, got.coverage)
-    if d.stragglers or d.hangs:
-        d.callsites = _callsites(ask, sql["callsites"].format(since_ns=since))
-    d.elapsed_s = round(time.perf_counter() - t0, 3)
-    return d, got.table
-
-
-POLL_S = 0.25  # how often the counts are asked while a stall is watched
-
-
-@dataclasses.dataclass
-class _Asked:
-    """What every diagnosis asks of every rank, gathered (``_gather``)."""
-
-    table: pa.Table  # the collectives, cut to the span every rank traced in (``judge``)
-    frames: dict[int, list[dict[str, Any]]]  # rank -> its threads' frames (STACKS_SQL)
-    states: list[hg.RankState]  # each rank's counts and frames
-    ranks_of: dict[str, list[int]]  # process group -> its global ranks (comm.groups)
-    dead: list[dict[str, Any]]  # DEAD_SQL's rows
-    recorded: fl.Gathered | None  # torch's Flight Recorder, traced or not
-    coverage: cv.Coverage | None  # the span every rank traced in (trace.intervals)
-
-
-def _first_questions(
-    sql: dict[str, str], since_ns: int, remote: bool, eager: bool
-) -> tuple[str, ...]:
-    """What every diagnosis asks, the collectives first; with ``eager``, what
-    explaining a straggler takes and the Flight Recorder's rows too."""
-    tags = ", node, rank" if remote else ""
-    first: tuple[str, ...] = (
-        sql["collectives"].format(since_ns=since_ns), sql["groups"], sql["stacks"],
-        sql["counts"], sql["dead"], fl.STATUS_SQL.format(tags=tags), sql["intervals"])  # fmt: skip
-    if eager:
-        explain = ("samples", "cuda", "nvml", "cpu", "callsites")
-        first += (
-            fl.FLIGHT_SQL.format(tags=tags),
-            *(sql[n].format(since_ns=since_ns) for n in explain),
-        )
-    return first
-
-
-def _gather(
-    ask: Callable[[str], pa.Table],
-    sql: dict[str, str],
-    remote: bool,
-    since_ns: int,
-    now_ns: int,
-    window_s: float,
-    hang_after_s: float,
-) -> _Asked:
-    """Every rank's collectives (with the calls before a hang: ``_with_history``),
-    groups, stacks, counts, deaths and Flight Recorder; the collectives judged
-    over the span every rank that answered traced in. A part a probe lacks is
-    left out."""
-    table = ask(sql["collectives"].format(since_ns=since_ns))
-    table = _with_history(table, ask, sql["collectives"], now_ns, window_s, hang_after_s)
-    ranks_of: dict[str, list[int]] = {}
-    try:
-        groups = ask(sql["groups"])
-        table = with_groups(table, groups)
-        ranks_of = {g["pg"]: g["ranks"] for g in groups.to_pylist() if g.get("ranks")}
-    except ProbingError:  # a probe without comm.groups: communicators matched by size
-        pass
-    frames = _frames_by_rank(ask(sql["stacks"]))
-    states = _states(ask, frames, sql)
-    try:
-        dead = ask(sql["dead"]).to_pylist()
-    except ProbingError:  # a probe of an older probing: no died_ns
-        dead = []
-    recorded = fl.gather(ask, remote)  # torch's Flight Recorder, traced or not
-    answered = _ranks_of(table) | set(frames) | {s.rank for s in states}
-    intervals = optional(ask, sql["intervals"])
-    table, cov = judge(table, intervals, sorted(answered), dead, since_ns, now_ns)
-    return _Asked(table, frames, states, ranks_of, dead, recorded, cov)
-
-
-def _stood_still(
-    ask: Callable[[str], pa.Table],
-    sql: dict[str, str],
-    got: _Asked,
-    stalled_s: float,
-    hang_after_s: float,
-    on_wait: Callable[[float], None] | None,
-) -> float | None:
-    """Every rank's counts asked every ``POLL_S`` until they have stood still
-    ``hang_after_s`` in all (``stalled_s`` of it gone already): when the watch
-    began (``time.monotonic()``), or None where they moved. ``on_wait`` is
-    told how long that will take."""
-    watched = time.monotonic()
-    if on_wait is not None:
-        on_wait(hang_after_s - stalled_s)
-    while stalled_s + time.monotonic() - watched < hang_after_s:
-        time.sleep(POLL_S)
-        again = _states(ask, got.frames, sql)
-        if [s.counts for s in again] != [s.counts for s in got.states]:
-            return None
-    return watched
-
-
-def _explain(
-    d: Diagnosis,
-    ask: Callable[[str], pa.Table],
-    sql: dict[str, str],
-    since_ns: int,
-    matched: list[coll.Collective],
-    coverage: cv.Coverage | None,
-) -> Callable[[str], pa.Table]:
-    """What makes ``d``'s stragglers (or its pipeline's slow stage) slow, asked
-    at once, into ``d.why`` and said in its verdict; returns ``ask`` with the
-    stragglers' callsites already on their way."""
-    extra_sql = {n: sql[n].format(since_ns=since_ns) for n in ("samples", "cuda", "nvml", "cpu")}
-    sites = [sql["callsites"].format(since_ns=since_ns)] if d.stragglers else []
-    ask = asked_at_once(ask, (*extra_sql.values(), *sites))
-    extra = {n: optional(ask, q) for n, q in extra_sql.items()}
-    d.why = explain_stragglers(
-        d.stragglers, matched, extra["samples"], extra["cuda"], extra["nvml"], extra["cpu"],
-    )  # fmt: skip
-    d.why += explain_stage(d.pipeline, extra["samples"], d.stragglers)
-    # found in the trace, with no hang: nothing the Flight Recorder would add
-    d.verdict = whole_verdict(d, coverage, traced=True)
-    return ask
-
-
-def _callsites(ask: Callable[[str], pa.Table], sql: str) -> dict[int, str]:
-    """Each rank's most frequent collective callsite (``callsites``); none from
-    a trace without Python stacks."""
-    try:
-        return callsites(ask(sql))
-    except ProbingError:
-        return {}
-
-
-def _frames_by_rank(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
-    """STACKS_SQL's rows, by rank."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for row in table.to_pylist():
-        out.setdefault(row["rank"], []).append(row)
-    return out
-
-
-def _states(
-    ask: Callable[[str], pa.Table], frames: dict[int, list[dict[str, Any]]], sql: dict[str, str]
-) -> list[hg.RankState]:
-    """Each rank's count of collectives per process group (torch's, where the
-    probe can ask it: COUNTS_SQL) with its ``frames``."""
-    try:
-        counts = ask(sql["counts"])
-    except ProbingError:  # python.`expr` is local-only: remote ranks give stacks only
-        counts = pa.table({"rank": pa.array([], pa.int64())})
-    per: dict[int, dict[str, int]] = {}
-    nodes: dict[int, str] = {}
-    if "count" in counts.column_names:
-        for row in counts.to_pylist():
-            per.setdefault(row["rank"], {})[row["group"]] = int(row["count"])
-            nodes[row["rank"]] = row["node"]
-    for r, rows in frames.items():
-        nodes.setdefault(r, str(rows[0].get("node") or "") if rows else "")
-    return [
-        hg.RankState(r, nodes.get(r, ""), per.get(r, {}), frames.get(r, []))
-        for r in sorted(set(per) | set(frames))
-    ]
-
-
-# questions in flight at once: a probe answers PROBING_WORKERS (8) requests at a
-# time, and a cluster query holds one while its peers answer theirs
-AT_ONCE = 4
-
-
-def asked_at_once(ask: Callable[[str], pa.Table], sqls: Sequence[str]) -> Callable[[str], pa.Table]:
-    """``ask`` with ``sqls`` already on their way, all at once: each is answered
-    (or raises) where it is asked, once; any other SQL, or a second time, is
-    asked then."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="diagnose-ask")
-    pending = {q: pool.submit(ask, q) for q in dict.fromkeys(sqls)}
-    pool.shutdown(wait=False)
-
-    def answer(sql: str) -> pa.Table:
-        future = pending.pop(sql, None)
-        return ask(sql) if future is None else future.result()
-
-    return answer
-
-
-def optional(ask: Callable[[str], pa.Table], sql: str) -> pa.Table | None:
-    """``ask(sql)``, or None from a probe without the table (that part is left out)."""
-    try:
-        return ask(sql)
-    except ProbingError:
-        return None
-
-
-def _with_history(
-    table: pa.Table,
-    ask: Callable[[str], pa.Table],
-    sql: str,
-    now_ns: int,
-    window_s: float,
-    hang_after_s: float,
-) -> pa.Table:
-    """``table`` again from ``window_s`` before its oldest call still in flight, where
-    that call may be a hang (in flight ``hang_after_s``): the calls that came before
-    a hang line each rank's sequence numbers up, so it is numbered alike however
-    late it is asked (a hang that began just inside the window has next to no
-    calls before it there, and a rank with none is left unaligned)."""
-    if not table.num_rows:
-        return table
-    ts, dur = table.column("ts").to_pylist(), table.column("dur_ns").to_pylist()
-    oldest = min((t for t, d in zip(ts, dur, strict=True) if d is None), default=now_ns)
-    if now_ns - oldest < hang_after_s * 1e9:
-        return table
-    return ask(sql.format(since_ns=oldest - int(window_s * 1e9)))
-
-
 def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     """``table`` plus ``pg``: each row's torch process group, where its rank's
     ``comm.groups`` names one (the cross-rank name of a Gloo context)."""
@@ -836,34 +433,6 @@ def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     ]
     pg = pa.array([names.get(k) for k in zip(*cols, strict=True)], pa.string())
     return table.append_column("pg", pg.take(pa.array(code)))
-
-
-def _ranks_of(table: pa.Table) -> set[int]:
-    if not table.num_rows or "rank" not in table.column_names:
-        return set()
-    return {int(r) for r in table.column("rank").unique().to_pylist() if r is not None}
-
-
-def _counts_differ(states: list[hg.RankState]) -> bool:
-    groups: dict[str, set[int]] = {}
-    for s in states:
-        for g, n in s.counts.items():
-            groups.setdefault(g, set()).add(n)
-    return any(len(v) > 1 for v in groups.values())
-
-
-def _stalled_s(table: pa.Table, now_ns: int, trace_starts: Callable[[], list[int]]) -> float:
-    """How long no collective has started or ended (a lower bound, from the trace)."""
-    last = 0
-    if table.num_rows:
-        for ts, dur in zip(
-            table.column("ts").to_pylist(), table.column("dur_ns").to_pylist(), strict=True
-        ):
-            last = max(last, ts + (dur or 0))
-    if not last:  # nothing traced: since when have the probes traced?
-        starts = trace_starts()
-        last = max(starts) if starts else now_ns
-    return max(0.0, (now_ns - (last or now_ns)) / 1e9)
 
 
 # -- SQL: analyze.* -----------------------------------------------------------------------
@@ -895,27 +464,3 @@ RANKS_SCHEMA = pa.schema(
         ("excess_ms_median", pa.float64()), ("count", pa.int64()), ("in_collective", pa.bool_()),
     ]
 )  # fmt: skip
-
-
-def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
-    """The analyze.* tables over the data this one probe holds (its own rank)."""
-    import os
-    import socket
-    from concurrent.futures import ThreadPoolExecutor
-
-    from probing.analyze.gather import RANK_EXPR, tag
-
-    now = time.time_ns()
-    sql = queries(remote=False)["collectives"].format(since_ns=now - int(window_s * 1e9))
-    # a table is produced inside the engine's own query: the query it needs runs
-    # on a thread of its own (DataFusion cannot block inside its runtime)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        rows = pool.submit(engine.sql, sql).result()
-        try:  # the process's rank, as the process itself tells it
-            asked = pool.submit(engine.sql, f"SELECT value FROM python.`{RANK_EXPR}`").result()
-            rank = int(asked.column("value")[0].as_py())
-        except (ProbingError, ValueError, TypeError, IndexError):  # no number; torch's refusal
-            rank = -1
-    rows = tag(rows, socket.gethostname(), rank if rank >= 0 else os.getpid())
-    d = analyze(rows, now_ns=now, window_s=window_s)
-    return sql_tables(d, rows)

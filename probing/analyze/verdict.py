@@ -71,10 +71,13 @@ def straggler_text(s: coll.Straggler, why: Sequence[wy.Why]) -> str:
     groups = (f" in {', '.join(group_text(g) for g in s.groups)}" if len(s.groups) > 1
               else f" on {group_text(s.comm)}")  # fmt: skip
     cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
+    if s.step_ms > 0:  # the job's step known: how late it makes each
+        late = f"is {s.late_ms:.0f} ms late each {s.step_ms:.0f} ms step (last at"
+    else:
+        late = f"arrives {s.lag_ms_mean:.0f} ms late (last at"
     return (
-        f"rank {s.rank}{node} arrives {s.lag_ms_mean:.0f} ms late at "
-        f"{100 * s.last_share:.0f} % of {s.op}s{groups} {since}; the job loses "
-        f"~{100 * s.share_of_step:.0f} % of its step time{cause}"
+        f"rank {s.rank}{node} {late} {100 * s.last_share:.0f} % of {s.op}s){groups} "
+        f"{since}; the job loses ~{100 * s.share_of_step:.0f} % of its step time{cause}"
     )
 
 

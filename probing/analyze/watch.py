@@ -274,7 +274,7 @@ class Watch:
         """The ranks that died and who traced when (torch's groups every
         ``GROUPS_S``): asked at full detections, used by the analyses the
         screen starts between them."""
-        from probing.analyze.diagnose import optional, queries
+        from probing.analyze.queries import optional, queries
 
         sql = queries(remote=True)
 
@@ -296,7 +296,8 @@ class Watch:
         names to write (``_stragglers``): torch's names for the groups, only
         the span in which every rank that answered traced; ``runq``: a
         suspected slow link is told from ranks waiting for a CPU."""
-        from probing.analyze.diagnose import analyze, judge, optional, queries, with_groups
+        from probing.analyze.diagnose import analyze, judge, with_groups
+        from probing.analyze.queries import optional, queries
 
         groups, dead = self._aux["groups"], self._aux["dead"]
         if groups is not None:
@@ -473,7 +474,7 @@ class Window:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from probing.analyze.diagnose import queries
+        from probing.analyze.queries import queries
 
         since = now - int(WINDOW_S * 1e9)
         sql = queries(remote=True)["collectives"].format(since_ns=since)

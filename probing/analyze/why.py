@@ -156,10 +156,19 @@ def _median(values: list[float]) -> float:
 
 
 def lateness_ms(s: Straggler, step: float) -> float:
-    """How late the straggler makes each step: its typical excess, or what
-    the job waits for it per step where it is late at a few collectives only
-    (FSDP's gathers: a median excess of nothing)."""
+    """How late the straggler makes each step: where the job's step is known
+    (``s.step_ms``), what the job loses to it per step; else its typical
+    excess, or what the job waits for it per step where it is late at a few
+    collectives only (FSDP's gathers: a median excess of nothing)."""
+    if s.step_ms > 0:
+        return max(s.late_ms, s.share_of_step * step, 0.0)
     return max(s.excess_ms_median, s.share_of_step * step, 0.0)
+
+
+def per_collective(s: Straggler, done: list[Collective]) -> float:
+    """Steps per collective of ``s``'s communicator: one over its period where
+    the job's step is known, else as the long gaps between them say."""
+    return 1.0 / s.period if s.period else steps_per_collective(done)
 
 
 def explain(
@@ -178,7 +187,7 @@ def explain(
     (ms): the job's step, else from its collectives; ``unit`` names it;
     ``gpus``: NVML's figures per rank and GPU over the window (``NVML_SQL``);
     ``cpus``: the CPU each rank runs on, its clock and its node's steal (``CPU_SQL``)."""
-    step = step or step_ms(collectives, s.comm)
+    step = step or s.step_ms or step_ms(collectives, s.comm)
     if not step:
         return []
     prof = _profile(samples, cuda or [])
@@ -536,7 +545,7 @@ def _collectives(s: Straggler, collectives: list[Collective], step: float) -> li
     done = by_comm(collectives).get(s.comm, [])
     if not done:
         return []
-    per = steps_per_collective(done)
+    per = per_collective(s, done)
     for c in done:
         for q, t in c.ts.items():
             end = c.end.get(q)
@@ -571,7 +580,7 @@ def _cuda(
         return []
     steps: dict[int, float] = defaultdict(float)
     done = by_comm(collectives).get(s.comm, [])
-    per = steps_per_collective(done) if done else 1.0
+    per = per_collective(s, done) if done else 1.0
     for c in done:
         for q in c.ts:
             steps[q] += per

@@ -25,10 +25,10 @@ def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
 
 
 def _install_analyze(engine: Engine, ctx: ProbeContext | None) -> None:
-    from probing import analyze
     from probing.analyze import findings as kept
+    from probing.node.tables import analysis
 
-    analyze.install(engine)
+    analysis.install(engine)
 
     def findings() -> Any:
         detector = getattr(ctx.cluster, "watch", None) if ctx is not None else None

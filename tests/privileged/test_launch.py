@@ -158,7 +158,7 @@ def test_two_kinds_of_process_group(launch) -> None:  # type: ignore[no-untyped-
     assert not errors, errors
     job.wait_steps(max(len(v) for v in job.losses().values()) + 6)
     from probing.analyze import collectives as coll
-    from probing.analyze.diagnose import diagnose
+    from probing.cli.asking import diagnose
     from probing.cli.client import Job
 
     _, table = diagnose(Job(pids=[ranks[0]], cluster=True, timeout=10))

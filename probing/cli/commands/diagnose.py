@@ -78,7 +78,7 @@ def job_ranks(pids: list[int], *, cluster: bool, inject: bool, timeout: float) -
 
 def answer(job: Job, *, window_s: float, hang_s: float, sql: str | None, fmt: str) -> None:
     """Diagnose ``job`` and print the diagnosis, or ``sql`` over it, as ``fmt``."""
-    from probing.analyze import diagnose as run_diagnosis
+    from probing.cli.asking import diagnose as run_diagnosis
     from probing.cli.render import diagnosis
 
     def waiting(seconds: float) -> None:

@@ -80,7 +80,8 @@ class CollectiveIndex:
 
     def __init__(self, win: Window) -> None:
         from probing.analyze.collectives import matched
-        from probing.analyze.diagnose import queries, with_groups
+        from probing.analyze.diagnose import with_groups
+        from probing.analyze.queries import queries
         from probing.errors import ProbingError
 
         sql = queries(win.source.remote)

@@ -581,7 +581,7 @@ def diagnose(
 ) -> tuple[Verdict, str]:
     """The verdict on ``pid``'s job (``probing diagnose --cluster``), after
     tracing it ``record_s`` where asked."""
-    from probing.analyze import diagnose as run_diagnosis
+    from probing.cli.asking import diagnose as run_diagnosis
     from probing.cli.render import diagnosis
 
     if record_s is not None and record_s > MAX_RECORD_S:

@@ -206,7 +206,8 @@ class JobView:
     def _job(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import collectives as coll
         from probing.analyze import hangs as hg
-        from probing.analyze.diagnose import queries, with_groups
+        from probing.analyze.diagnose import with_groups
+        from probing.analyze.queries import queries
 
         now = time.time_ns()
         since = now - int(window_s * 1e9)
@@ -286,7 +287,7 @@ class JobView:
             return self._latest[key]
 
     def _diagnose(self, window_s: float) -> dict[str, Any]:
-        from probing.analyze import diagnose
+        from probing.cli.asking import diagnose
         from probing.cli.client import Job
 
         src = self.source

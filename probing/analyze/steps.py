@@ -1,0 +1,173 @@
+"""The job's training step, from the pattern its collectives repeat.
+
+A step issues the same collectives in the same order every time: DDP one
+all-reduce per gradient bucket, FSDP an all-gather and a reduce-scatter per
+layer, gradient accumulation its buckets once every k iterations, Megatron
+the same sequence in each of its TP, DP and PP groups. The period of that
+pattern, in collectives of one communicator, is found from two things that
+repeat with it:
+
+1. what each collective is (its op and bytes): collective ``s`` is the same
+   as collective ``s + p`` wherever ``p`` is a whole number of steps;
+2. the gap before each collective: the gap before ``s`` is like the gap
+   before ``s + p`` (the same phase of the next step), where the time between
+   two neighbours mixes short gaps (buckets back to back) and long ones (the
+   optimizer, the next batch, the forward pass).
+
+The period is the smallest ``p`` that fits both as well as any larger one;
+the step is the median time of ``p`` collectives. Sums over ``p`` would favour
+multiples of the period (noise averages out over more steps); single gaps
+compared one phase apart do not, so a multiple never fits better than the
+period itself. An evaluation every N steps (a longer step, perhaps a
+collective of its own) only moves the medians a little.
+
+Pure: ``Collective`` rows in, a ``Step`` out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+
+from typing import Protocol
+
+import numpy as np
+
+MIN_STEPS = 3  # whole periods seen, at least, for a period to be believed
+MAX_PERIOD = 1024  # collectives a step of one communicator (a large FSDP model: a few hundred)
+MATCH_SLACK = 0.05  # a period's ops and bytes repeat within this share of the best period's
+GAP_SLACK = 1.5  # ... and its gaps repeat within this many times the best period's error
+GAP_FLOOR = 0.02  # ... or this share of the median gap (noise-free gaps: an error of ~0)
+DIVISOR_SLACK = 2.0  # ... and a divisor of it within this many times its error is the period
+AGREE = 0.1  # two groups' steps this close (a share of the longer) are one step
+GAP_CAP = 10.0  # a gap off by more than this many median gaps counts as this many
+
+
+class Collective(Protocol):
+    """What a step is found from: a collective as every rank saw it
+    (``probing.analyze.collectives.Collective``)."""
+
+    comm: str
+    seq: int
+    op: str
+    nranks: int
+    bytes: int | None
+    ts: dict[int, int]  # rank -> arrival (wall ns)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One communicator's step: ``period`` collectives a step, ``ms`` the
+    median step, ``steps`` whole steps seen, ``start``: the phase (seq modulo
+    ``period``) of the collective each step begins with (the one after the
+    longest gap)."""
+
+    comm: str
+    period: int
+    ms: float
+    steps: int
+    start: int
+
+    def phase(self, seq: int) -> int:
+        """Which collective of its step ``seq`` is (0: the first)."""
+        return (seq - self.start) % self.period
+
+    def index(self, seq: int) -> int:
+        """Which step ``seq`` belongs to (numbered from any fixed origin)."""
+        return (seq - self.start) // self.period
+
+
+def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
+    """The step of one communicator's collectives (any order; complete or not:
+    a rank's arrival says when each began), or None where fewer than
+    ``MIN_STEPS`` periods are seen or nothing repeats."""
+    by_seq = {c.seq: c for c in cs if c.ts}
+    if len(by_seq) < 2 * MIN_STEPS:
+        return None
+    first = min(by_seq)
+    n = max(by_seq) - first + 1  # dense by seq: NaN (-1) where a collective was not seen
+    t = np.full(n, np.nan)
+    names: dict[str, int] = {}
+    sig = np.full(n, -1, dtype=np.int64)
+    for s, c in by_seq.items():
+        t[s - first] = min(c.ts.values())
+        sig[s - first] = names.setdefault(f"{c.op}/{c.bytes}", len(names))
+    gap = np.r_[np.nan, np.diff(t)]  # the gap before each collective (NaN: a neighbour unseen)
+    typical = float(np.nanmedian(gap)) if np.isfinite(gap).any() else 0.0
+    if not typical > 0:
+        return None
+    fits: list[tuple[int, float, float]] = []  # (period, ops matched, gap error)
+    for p in range(1, min(MAX_PERIOD, n // MIN_STEPS) + 1):
+        seen = (sig[:-p] >= 0) & (sig[p:] >= 0)
+        both = np.isfinite(gap[:-p]) & np.isfinite(gap[p:])
+        if seen.sum() < MIN_STEPS * p or not both.any():
+            continue
+        matched = float(np.mean(sig[:-p][seen] == sig[p:][seen]))
+        # single gaps one period apart, each at most GAP_CAP typical gaps off: a
+        # minority of phases (a step's one long gap) counts, a rare outlier little
+        off = np.abs(gap[p:][both] - gap[:-p][both]) / typical
+        fits.append((p, matched, float(np.mean(np.minimum(off, GAP_CAP)))))
+    if not fits:
+        return None
+    best_match = max(m for _, m, _ in fits)
+    agree = [(p, e) for p, m, e in fits if m >= best_match - MATCH_SLACK]
+    best_error = min(e for _, e in agree)
+    period = next(p for p, e in agree if e <= GAP_SLACK * best_error + GAP_FLOOR)
+    # a multiple of the period repeats as well as the period, by chance better:
+    # a divisor that fits nearly as well is the period (a wrong one fits far worse)
+    error = dict(agree)
+    divisors = [d for d in error if period % d == 0 and d < period]
+    fit = [d for d in divisors if error[d] <= DIVISOR_SLACK * error[period] + GAP_FLOOR]
+    return _step(comm, first, t, gap, min(fit, default=period))
+
+
+def _step(comm: str, first: int, t: np.ndarray, gap: np.ndarray, p: int) -> Step | None:
+    """The ``p``-periodic step of the collectives begun at ``t`` (ns, dense
+    from seq ``first``; NaN: unseen), each after ``gap`` (ns)."""
+    spans = t[p:] - t[:-p]
+    spans = spans[np.isfinite(spans)]
+    if not len(spans):
+        return None
+    # a step begins after its longest typical gap (the optimizer, the next batch)
+    phases = (first + np.arange(len(t))) % p
+    typical = [
+        float(np.median(g)) if len(g := gap[(phases == ph) & np.isfinite(gap)]) else -1.0
+        for ph in range(p)
+    ]
+    start = int(np.argmax(typical))
+    return Step(comm, p, round(float(np.median(spans)) / 1e6, 3), len(t) // p, start)
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The job's step (``job``: None where nothing repeats) and each
+    communicator's own, where it has one."""
+
+    job: Step | None
+    comms: dict[str, Step]
+
+
+def find(collectives: Sequence[Collective]) -> Steps:
+    """Each communicator's step and the job's (``job_step``)."""
+    by: dict[str, list[Collective]] = defaultdict(list)
+    for c in collectives:
+        if c.nranks > 1:
+            by[c.comm].append(c)
+    comms = {comm: s for comm, cs in sorted(by.items()) if (s := of_comm(comm, cs)) is not None}
+    return Steps(job_step(list(comms.values())), comms)
+
+
+def job_step(found: Sequence[Step]) -> Step | None:
+    """The job's step of its communicators' (``found``): every group of a
+    synchronous job steps alike, so the step most of them agree on (within
+    ``AGREE``), of those the one seen for the most whole steps. A group that
+    missed its period (evenly spaced alike collectives) or steps with a
+    periodic chore (a barrier every N steps) is outvoted. None: no step."""
+    if not found:
+        return None
+
+    def votes(s: Step) -> int:
+        return sum(1 for o in found if abs(o.ms - s.ms) <= AGREE * max(o.ms, s.ms))
+
+    return max(found, key=lambda s: (votes(s), s.steps))
