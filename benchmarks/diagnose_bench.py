@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from probing.cli.asking import diagnose
 from probing.analyze.collectives import match
+from probing.cli.asking import diagnose
 from probing.cli.demo import DemoJob, trace_all
 
 WORLD = 4

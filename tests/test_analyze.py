@@ -50,7 +50,7 @@ def job(
     for k in range(steps * buckets):
         arrive = t + rng.normal(0, jitter_ms, size=ranks).clip(-3 * jitter_ms, 3 * jitter_ms) * 1e6
         first = k % buckets == 0
-        arrive += (5e6 if first else 1e6)  # compute: the forward pass, or the next bucket's
+        arrive += 5e6 if first else 1e6  # compute: the forward pass, or the next bucket's
         if straggler is not None and k >= slow_from * buckets and first:
             arrive[straggler] += lag_ms * 1e6 * rng.uniform(0.8, 1.2)
         link = link_ms if k >= link_from * buckets else 0.4
@@ -126,8 +126,6 @@ def test_several_collectives_a_step_give_the_jobs_own_step(buckets: int) -> None
     assert d.summary.step_ms is not None and abs(d.summary.step_ms - truth) < 0.1 * truth
     assert abs(s.late_ms - 40) < 4 and abs(s.share_of_step - 40 / truth) < 0.1
     assert f"is {s.late_ms:.0f} ms late each {s.step_ms:.0f} ms step" in d.verdict
-
-
 
 
 def test_a_straggler_slow_from_the_start_says_since_at_least() -> None:

@@ -65,9 +65,7 @@ def test_the_straggler_verdict_says_where_the_rank_sits() -> None:
     d = analyze(table, now_ns=T0, ranks_of=megatron(tp=2, pp=2, dp=1))
     [s] = d.stragglers
     assert s.rank == 1 and s.place == "TP 1 of 2, PP stage 0, DP 0"
-    assert d.verdict.startswith("rank 1 (TP 1 of 2, PP stage 0, DP 0) on node host0 is "), (
-        d.verdict
-    )
+    assert d.verdict.startswith("rank 1 (TP 1 of 2, PP stage 0, DP 0) on node host0 is "), d.verdict
     plain = analyze(table, now_ns=T0, ranks_of={"0": [0, 1, 2, 3]})
     assert re.match(r"rank 1 on node host0 is \d+ ms late ", plain.verdict), plain.verdict
 

@@ -122,11 +122,11 @@ def queries(remote: bool) -> dict[str, str]:
         since_ns="{since_ns}",
     )  # fmt: skip
     return out
+
+
 def optional(ask: Callable[[str], pa.Table], sql: str) -> pa.Table | None:
     """``ask(sql)``, or None from a probe without the table (that part is left out)."""
     try:
         return ask(sql)
     except ProbingError:
         return None
-
-

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
-
 from typing import Protocol
 
 import numpy as np

@@ -14,13 +14,23 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from probing.analyze import collectives as coll
+from probing.analyze import coverage as cv
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
-from probing.analyze.diagnose import Diagnosis, analyze, callsites, judge, whole_verdict, with_groups
-from probing.analyze.diagnose import explain_stage, explain_stragglers
+from probing.analyze.diagnose import (
+    Diagnosis,
+    analyze,
+    callsites,
+    explain_stage,
+    explain_stragglers,
+    judge,
+    whole_verdict,
+    with_groups,
+)
 from probing.analyze.gather import missing_ranks
 from probing.analyze.queries import optional, queries
 from probing.errors import ProbingError
+
 
 class Job(Protocol):
     """The ranks a diagnosis asks (``probing.cli.client.Job``: local pids over
