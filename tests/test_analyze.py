@@ -436,3 +436,101 @@ def test_two_groups_of_one_size_are_matched_per_group_with_comm_groups() -> None
     named = with_groups(table, pa.Table.from_pylist(groups))
     members = {c.comm: set(c.ts) for c in coll.match(named)}
     assert members == {"gloo/pg1": {0, 2}, "gloo/pg2": {1, 3}}
+
+
+def _only(table: pa.Table, ranks: set[int]) -> pa.Table:
+    keep = [r in ranks for r in table.column("rank").to_pylist()]
+    return table.filter(pa.array(keep))
+
+
+def test_one_rank_alone_says_to_add_cluster_not_that_nothing_was_traced() -> None:
+    # one pid without --cluster: its collectives are there, but only its side of each
+    table = _only(job(straggler=2, seed=3), {0})
+    d = analyze(table, now_ns=T0)
+    assert not d.stragglers and table.num_rows > 50
+    assert d.verdict.startswith("no verdict: only rank 0 of the job's 4 answered"), d.verdict
+    assert "add --cluster" in d.verdict and "every rank's pid" in d.verdict
+
+
+def test_peers_not_heard_from_are_the_reason_and_no_cause_is_built_on_them() -> None:
+    from probing.analyze.gather import with_missing
+
+    gone = ["rank 1 (vm): timeout after 5 s", "rank 3 (vm): connection refused"]
+    table = with_missing(_only(job(seed=4), {0, 2}), gone)
+    d = analyze(table, now_ns=T0)
+    assert d.missing == gone
+    assert d.verdict.startswith("no verdict: not heard from rank 1 (vm): timeout"), d.verdict
+    assert "rank 3 (vm): connection refused" in d.verdict and "unknown" in d.verdict
+
+
+def test_a_hang_with_a_peer_unheard_blames_no_network() -> None:
+    from probing.analyze.gather import with_missing
+
+    # rank 3 hangs before #25; rank 3's probe does not answer: the others wait in
+    # #25, and whether rank 3 entered it is unknown
+    t = job(steps=30, hang_rank=3, hang_step=25, seed=5)
+    t = with_missing(_only(t, {0, 1, 2}), ["rank 3 (host1): timeout after 5 s"])
+    last = max(t.column("ts").to_pylist())
+    d = analyze(t, now_ns=last + 12 * 10**9)
+    assert "network" not in d.verdict and "stuck" not in d.verdict, d.verdict
+    assert "not heard from rank 3 (host1)" in d.verdict and "unknown" in d.verdict
+
+
+def test_a_rank_alone_in_a_call_of_unknown_size_is_not_every_rank() -> None:
+    # a Gloo context traced after its creation says no size: rank 0 waits in its
+    # call, rank 1 answered and sits in no collective
+    rows = [
+        {"backend": "gloo", "op": "allreduce", "comm": 7, "seq": 157, "comm_rank": 0,
+         "nranks": None, "bytes": 64, "ts": T0, "dur_ns": None, "pid": 10, "node": "vm",
+         "rank": 0},
+    ]  # fmt: skip
+    frames = {
+        0: [{"tid": 1, "thread": "MainThread", "state": "waiting", "depth": 0,
+             "func": "all_reduce", "file": "torch/distributed/distributed_c10d.py", "line": 1}],
+        1: [{"tid": 2, "thread": "MainThread", "state": "running", "depth": 0,
+             "func": "load_batch", "file": "train.py", "line": 40}],
+    }  # fmt: skip
+    d = analyze(pa.Table.from_pylist(rows), frames=frames, now_ns=T0 + 20 * 10**9)
+    [h] = d.hangs
+    assert h.missing_ranks == [1] and h.waiting_ranks == [0]
+    assert "every rank" not in d.verdict and "rank 1 never entered it" in d.verdict, d.verdict
+
+
+def test_the_stack_shown_is_the_thread_that_trains_whatever_its_name() -> None:
+    # the loop runs in a thread named "trainer"; the main thread only joins it
+    t = job(straggler=2, lag_ms=30, seed=6)
+    t = t.append_column("tid", pa.array([500 + r for r in t.column("rank").to_pylist()]))
+    frames = {
+        2: [
+            {"tid": 2, "thread": "MainThread", "state": "waiting", "depth": 0,
+             "func": "Thread._wait_for_tstate_lock", "file": "threading.py", "line": 1},
+            {"tid": 2, "thread": "MainThread", "state": "waiting", "depth": 1,
+             "func": "Thread.join", "file": "threading.py", "line": 2},
+            {"tid": 502, "thread": "trainer", "state": "running", "depth": 0,
+             "func": "upload_checkpoint", "file": "train.py", "line": 77},
+            {"tid": 502, "thread": "trainer", "state": "running", "depth": 1,
+             "func": "loop", "file": "train.py", "line": 90},
+        ]
+    }  # fmt: skip
+    d = analyze(t, frames=frames, now_ns=T0)
+    assert [s.rank for s in d.stragglers] == [2]
+    assert d.stacks[2][0].startswith("thread trainer (502)")
+    assert "upload_checkpoint (train.py:77)" in d.stacks[2]
+    # untraced (no tids): the main thread only joins, so the other thread is the one
+    assert hg.main_stack(frames[2])[0].startswith("thread trainer (502)")
+    busy = [dict(f, func="step", file="train.py") if f["tid"] == 2 else f for f in frames[2]]
+    assert hg.main_stack(busy)[0].startswith("thread MainThread (2)")
+
+
+def test_the_span_said_is_within_the_window() -> None:
+    from probing.analyze import coverage as cv
+
+    since, now = T0, T0 + 60 * 10**9
+    rows = [
+        {"rank": 0, "start_ns": T0 - 300 * 10**9, "stop_ns": None, "state": "tracing"},
+        {"rank": 1, "start_ns": T0 - 300 * 10**9, "stop_ns": T0 + 30 * 10**9,
+         "state": "stopped"},
+    ]  # fmt: skip
+    cov = cv.coverage(rows, [0, 1], since, now)
+    assert cov.span is not None and cov.span[0] < since  # the calls before number a hang
+    assert cov.shown() == (since, T0 + 30 * 10**9)

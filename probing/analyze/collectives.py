@@ -875,6 +875,8 @@ class Summary:
     step_ms: float | None = None  # the job's step (``probing.analyze.steps``)
     noisy: bool = False  # skew above NOISY_SKEW of a step (and nobody to blame)
     busiest: int | None = None  # complete collectives of the busiest communicator
+    size: int = 0  # ranks in the largest group its collectives name (the job's, mostly)
+    pace_ms: float | None = None  # median interval between any collectives of one group
 
 
 def summarize(collectives: list[Collective], steps: st.Steps | None = None) -> Summary:
@@ -903,4 +905,17 @@ def summarize(collectives: list[Collective], steps: st.Steps | None = None) -> S
         step_ms=round(step, 3) if step else None,
         noisy=bool(step and len(busiest) >= MIN_COLLECTIVES and skew_med > NOISY_SKEW * step),
         busiest=len(busiest),
+        size=max((c.nranks for c in collectives), default=0),
+        pace_ms=_pace_ms(collectives),
     )
+
+
+def _pace_ms(collectives: list[Collective]) -> float | None:
+    """The median interval between the collectives (complete or not) of the
+    group that issues most: how often a job this slow can be judged."""
+    counts = Counter(c.comm for c in collectives if c.nranks > 1)
+    if not counts:
+        return None
+    comm = counts.most_common(1)[0][0]
+    starts = np.array(sorted(min(c.ts.values()) for c in collectives if c.comm == comm))
+    return round(float(np.median(np.diff(starts))) / 1e6, 3) if len(starts) > 1 else None

@@ -40,6 +40,12 @@ class Coverage:
     span: Span | None  # None: no instant in the window had every rank tracing
     now: bool  # the span reaches the present: every rank traces now
     untraced: list[Untraced]  # the ranks not tracing now, first stopped first
+    since_ns: int = 0  # the window's start: the span as a verdict says it begins no earlier
+
+    def shown(self) -> Span | None:
+        """The span as a verdict says it: within the window (``span`` reaches
+        before it, for the calls that number a hang)."""
+        return None if self.span is None else (max(self.span[0], self.since_ns), self.span[1])
 
     def note(self) -> str:
         """ "ranks 1, 3 not tracing (stopped since 12:00:01)", or ""."""
@@ -130,7 +136,7 @@ def coverage(
     untraced.sort(key=lambda u: (u.since_ns or 0, u.rank))
     common = [s for s in common if s[1] > since_ns]
     span = common[-1] if common else None
-    return Coverage(span, span is not None and span[1] >= now_ns, untraced)
+    return Coverage(span, span is not None and span[1] >= now_ns, untraced, since_ns)
 
 
 def judged(table: pa.Table, cov: Coverage) -> pa.Table:

@@ -28,6 +28,7 @@ from probing.analyze import hangs as hg
 from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
 from probing.analyze import why as wy
+from probing.analyze.gather import missing_ranks
 from probing.analyze.verdict import covered_text, hms, verdict
 
 
@@ -147,7 +148,11 @@ def whole_verdict(d: Diagnosis, coverage: cv.Coverage | None, traced: bool) -> s
     (``coverage``, where the probes tell it), the ranks that died said first,
     and the ranks whose Flight Recorder is off (``d.flight``) said last where
     the recorder would have told what nothing ``traced`` did."""
-    said = verdict(d.stragglers, d.slow_links, d.hangs, d.summary, d.window_s, d.why, d.pipeline)
+    answered = sorted({r["rank"] for r in d.ranks})
+    said = verdict(
+        d.stragglers, d.slow_links, d.hangs, d.summary, d.window_s, d.why, d.pipeline,
+        d.missing, answered,
+    )  # fmt: skip
     if coverage is not None:
         said = covered_text(said, coverage, bool(d.hangs), d.window_s)
     if d.dead:
@@ -193,9 +198,11 @@ def analyze(
     nodes = _nodes(table, states or [])
     ranks = sorted(set(nodes) | set(frames))
     rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
+    trainers = issuers(table)
     hangs = _hangs(
         matched, rows, ranks, now_ns=now_ns, hang_after_s=hang_after_s, frames=frames,
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
+        trainers=trainers,
     )  # fmt: skip
     steps = st.find(matched)  # the job's step: every figure per step is of it
     strag = [] if hangs else coll.stragglers(matched, nodes, steps)
@@ -204,7 +211,10 @@ def analyze(
     # a straggler slows the collectives too (its share of the reduction runs late)
     slow = [] if hangs or strag else _slow_links(matched, nodes, runq)
     summary = coll.summarize(matched, steps)
-    stacks = {r: hg.main_stack(frames[r]) for s in strag for r in [s.rank] if frames.get(r)}
+    stacks = {
+        r: hg.main_stack(frames[r], trainers.get(r, ()))
+        for s in strag for r in [s.rank] if frames.get(r)
+    }  # fmt: skip
     for h in hangs:
         stacks.update(h.stacks)
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
@@ -228,9 +238,23 @@ def analyze(
         transfers=pp.match_transfers(rows, ranks_of),
         dead=died,
         untraced=coverage.untraced if coverage is not None else [],
+        missing=missing_ranks(table),
     )
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
     return d
+
+
+def issuers(table: pa.Table) -> dict[int, set[int]]:
+    """rank -> the threads (tids) that issued its collectives: the threads that
+    train, whatever they are called (a launcher's loop in a ``threading.Thread``)."""
+    if not table.num_rows or "tid" not in table.column_names or "rank" not in table.column_names:
+        return {}
+    out: dict[int, set[int]] = defaultdict(set)
+    pairs = zip(table.column("rank").to_pylist(), table.column("tid").to_pylist(), strict=True)
+    for r, tid in pairs:
+        if r is not None and tid is not None:
+            out[int(r)].add(int(tid))
+    return dict(out)
 
 
 def _nodes(table: pa.Table, states: list[hg.RankState]) -> dict[int, str]:
@@ -256,18 +280,20 @@ def _hangs(
     recorded: fl.Gathered | None,
     states: list[hg.RankState],
     stalled_s: float,
+    trainers: dict[int, set[int]],
 ) -> list[hg.Hang]:
     """The hangs, by the best evidence there is: the traced collectives, then
     the traced sends and receives (``rows``: a pipeline's), then torch's Flight
     Recorder (``recorded``), and last each rank's counts and stacks (``states``,
-    still for ``stalled_s``)."""
-    hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames)
+    still for ``stalled_s``); each rank's stack is its thread that trains
+    (``trainers``)."""
+    hangs = hg.traced_hangs(matched, ranks, now_ns, hang_after_s, frames, trainers)
     if not hangs:
-        hangs = pipeline_hangs(rows, now_ns, hang_after_s, ranks_of, frames)
+        hangs = pipeline_hangs(rows, now_ns, hang_after_s, ranks_of, frames, trainers)
     if not hangs and recorded is not None:
-        hangs = hg.recorded_hangs(recorded, now_ns, hang_after_s, frames)
+        hangs = hg.recorded_hangs(recorded, now_ns, hang_after_s, frames, trainers)
     if not hangs and states:
-        hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s)
+        hangs = hg.snapshot_hangs(states, stalled_s, hang_after_s, trainers)
     return hangs
 
 
@@ -319,6 +345,7 @@ def pipeline_hangs(
     after_s: float,
     ranks_of: dict[str, list[int]],
     frames: dict[int, list[dict[str, Any]]],
+    trainers: dict[int, set[int]] | None = None,
 ) -> list[hg.Hang]:
     """A pipeline's hang: stages blocked receiving, followed upstream to the
     stage that never sent (``pipeline.culprit``)."""
@@ -328,7 +355,10 @@ def pipeline_hangs(
         return []
     root, waiting = found
     first = max((b for b in waits if b.rank in waiting), key=lambda b: b.age_s)
-    stacks = {r: hg.main_stack(frames[r]) for r in (root, *waiting) if frames.get(r)}
+    trainers = trainers or {}
+    stacks = {
+        r: hg.main_stack(frames[r], trainers.get(r, ())) for r in (root, *waiting) if frames.get(r)
+    }
     chain = ", ".join(
         f"rank {b.rank} {'from' if b.op == 'recv' else 'to'} rank {b.peer}"
         for b in waits

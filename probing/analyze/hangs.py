@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from probing.analyze import flight
@@ -59,18 +60,47 @@ class RankState:
     frames: list[dict[str, Any]]  # process.stacks rows
 
 
-def main_stack(frames: list[dict[str, Any]]) -> list[str]:
-    """The main thread's frames (or the first thread's), innermost first."""
+# a thread that only waits for another to finish (a launcher's main thread
+# joining the one that trains): its innermost frame is in threading's join
+_JOINS = re.compile(r"(^|\.)(join|_wait_for_tstate_lock)$")
+
+
+def main_stack(frames: list[dict[str, Any]], trainers: Collection[int] = ()) -> list[str]:
+    """The frames of the thread that trains, innermost first: the one that
+    issued the rank's collectives (``trainers``: their tids), else one that
+    sits in a collective now, else the main thread unless it only joins
+    another (a launcher's loop in a ``threading.Thread``): then the deepest
+    other thread; else the first thread."""
     by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for f in frames:
         by_thread[(f.get("tid"), f.get("thread"))].append(f)
     if not by_thread:
         return []
-    pick = next((t for t in by_thread if t[1] == "MainThread"), next(iter(by_thread)))
+    pick = _trainer(by_thread, trainers)
     rows = sorted(by_thread[pick], key=lambda f: f.get("depth") or 0)
     state = rows[0].get("state") if rows else None
     head = [f"thread {pick[1]} ({pick[0]}) {state or ''}".rstrip()]
     return head + [f"{f.get('func')} ({short_path(f.get('file'))}:{f.get('line')})" for f in rows]
+
+
+def _trainer(by_thread: dict[Any, list[dict[str, Any]]], trainers: Collection[int]) -> Any:
+    """``main_stack``'s choice of thread (a ``(tid, name)`` key of ``by_thread``)."""
+    issued = [t for t in by_thread if t[0] is not None and t[0] in trainers]
+    inside = [t for t in by_thread if in_collective(by_thread[t])]
+    for chosen in ([t for t in issued if t in inside], issued, inside):
+        if chosen:
+            return chosen[0]
+    main = next((t for t in by_thread if t[1] == "MainThread"), None)
+    others = [t for t in by_thread if t != main]
+    if main is not None and not (others and _only_joins(by_thread[main])):
+        return main
+    return max(others, key=lambda t: len(by_thread[t])) if others else next(iter(by_thread))
+
+
+def _only_joins(frames: list[dict[str, Any]]) -> bool:
+    """Whether a thread's innermost frames wait for another thread to end."""
+    inner = sorted(frames, key=lambda f: f.get("depth") or 0)[:2]
+    return any(_JOINS.search(str(f.get("func") or "")) for f in inner)
 
 
 def short_path(path: str | None) -> str:
@@ -96,9 +126,13 @@ def traced_hangs(
     now_ns: int,
     hang_after_s: float = HANG_AFTER_S,
     frames: dict[int, list[dict[str, Any]]] | None = None,
+    trainers: Mapping[int, Collection[int]] | None = None,
 ) -> list[Hang]:
     """Collectives in flight in some ranks and not entered by others for long enough;
-    or entered by every rank and left by none (the collective itself is stuck)."""
+    or entered by every rank and left by none (the collective itself is stuck).
+    A collective of a size not said (a Gloo context traced after its creation)
+    entered by one rank alone is not "every rank": the other ranks that
+    answered (``ranks``) are its members, and those not in it never entered it."""
     out = []
     # a communicator's members: the ranks seen in it (a subgroup is not the world),
     # or every rank where it spans the world and one was never seen
@@ -112,18 +146,23 @@ def traced_hangs(
         members = seen[c.comm]
         if len(members) < c.nranks and len(ranks) == c.nranks:
             members = set(ranks)
+        elif len(members) < 2 <= len(ranks):  # its size unknown: not one rank's group
+            members = set(ranks)
         missing = sorted(members - set(c.ts))
         age = (now_ns - min(c.ts[r] for r in inside)) / 1e9
-        stuck = not missing and len(inside) == len(c.ts) >= c.nranks
+        stuck = not missing and len(inside) == len(c.ts) >= max(c.nranks, 2)
         if (not missing and not stuck) or age < hang_after_s:
             continue
         out.append(Hang(c.comm, c.seq, c.op, missing, sorted(inside), round(age, 1), "traced", {}))
     out.sort(key=lambda h: (-h.age_s, h.comm, h.seq))  # the first stall first, every time
-    return _with_stacks(out, frames or {})
+    return _with_stacks(out, frames or {}, trainers)
 
 
 def snapshot_hangs(
-    states: list[RankState], stalled_s: float, hang_after_s: float = HANG_AFTER_S
+    states: list[RankState],
+    stalled_s: float,
+    hang_after_s: float = HANG_AFTER_S,
+    trainers: Mapping[int, Collection[int]] | None = None,
 ) -> list[Hang]:
     """From counts and stacks alone: ranks ahead in a group wait for those behind."""
     if stalled_s < hang_after_s:
@@ -149,7 +188,7 @@ def snapshot_hangs(
         outside = sorted(s.rank for s in states if not in_collective(s.frames))
         if inside and outside:
             out.append(Hang("?", -1, None, outside, inside, stalled_s, "stacks", {}))
-    return _with_stacks(out, {s.rank: s.frames for s in states})
+    return _with_stacks(out, {s.rank: s.frames for s in states}, trainers)
 
 
 def recorded_hangs(
@@ -157,6 +196,7 @@ def recorded_hangs(
     now_ns: int,
     hang_after_s: float = HANG_AFTER_S,
     frames: dict[int, list[dict[str, Any]]] | None = None,
+    trainers: Mapping[int, Collection[int]] | None = None,
 ) -> list[Hang]:
     """From every rank's Flight Recorder: ranks behind in a group never entered
     the collective the others wait in (or all wait in it and none leaves)."""
@@ -167,11 +207,19 @@ def recorded_hangs(
         )
         for s in flight.stalls(recorded.rows, recorded.status, now_ns, hang_after_s)
     ]  # fmt: skip
-    return _with_stacks(out, frames or {})
+    return _with_stacks(out, frames or {}, trainers)
 
 
-def _with_stacks(hangs: list[Hang], frames: dict[int, list[dict[str, Any]]]) -> list[Hang]:
+def _with_stacks(
+    hangs: list[Hang],
+    frames: dict[int, list[dict[str, Any]]],
+    trainers: Mapping[int, Collection[int]] | None = None,
+) -> list[Hang]:
+    """``hangs`` with the stacks of their missing ranks and first waiting one:
+    each rank's thread that trains (``main_stack``; ``trainers``: rank -> the
+    tids that issued its collectives)."""
+    trainers = trainers or {}
     for h in hangs:
         shown = [*h.missing_ranks, *h.waiting_ranks[:1]]
-        h.stacks = {r: main_stack(frames[r]) for r in shown if frames.get(r)}
+        h.stacks = {r: main_stack(frames[r], trainers.get(r, ())) for r in shown if frames.get(r)}
     return hangs

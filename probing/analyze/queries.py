@@ -15,7 +15,8 @@ from probing.errors import ProbingError
 # where those are the peer's tags and the view's own ``rank`` is ``table_rank``
 COLLECTIVES_SQL = (
     "SELECT backend, op, comm, seq, {comm_rank} AS comm_rank, nranks, bytes, ts, dur_ns, "
-    "pid, peer, tag, wait_ns{tags} FROM comm.collectives WHERE ts >= {since_ns} OR dur_ns IS NULL"
+    "pid, tid, peer, tag, wait_ns{tags} FROM comm.collectives "
+    "WHERE ts >= {since_ns} OR dur_ns IS NULL"
 )  # calls still in flight however long ago they began: a hang older than the window
 # each traced Gloo context's torch process group, named the same in every rank
 GROUPS_SQL = "SELECT backend, comm, pg, ranks{tags} FROM comm.groups"

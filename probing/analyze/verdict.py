@@ -26,8 +26,41 @@ def verdict(
     window_s: float,
     why: Sequence[wy.Why] = (),
     pipe: pp.Pipeline | None = None,
+    missing: Sequence[str] = (),
+    answered: Sequence[int] = (),
 ) -> str:
-    """One sentence: the worst finding first, or the figures that say it is healthy."""
+    """One sentence: the worst finding first, or the figures that say it is
+    healthy, or why there is no verdict. ``missing``: the peers not heard
+    from ("rank 1 (vm): timeout ..."), whose state is unknown: no cause that
+    depends on them is named; ``answered``: the ranks whose probes answered."""
+    unheard = f"not heard from {'; '.join(missing)}" if missing else ""
+    if hangs and unheard and not hangs[0].missing_ranks:  # "every rank" is not known
+        h = hangs[0]
+        return (
+            f"hang: {ranks_text(h.waiting_ranks)} wait in {_where(h)} for {h.age_s:g}+ s; "
+            f"{unheard}: whether they entered it is unknown, so no cause is named (is their "
+            "engine up? probing ps on their node, then diagnose again)"
+        )
+    said = _worst(stragglers, slow_links, hangs, summary, window_s, why, pipe, answered)
+    if unheard and said.startswith(("healthy", "noisy", "no verdict")):
+        return (
+            f"no verdict: {unheard}; their ranks' state is unknown, so none is judged "
+            "(is their engine up? probing ps on their node, then diagnose again)"
+        )
+    return f"{said}; {unheard} (their state is unknown)" if unheard else said
+
+
+def _worst(
+    stragglers: list[coll.Straggler],
+    slow_links: list[coll.SlowLink],
+    hangs: list[hg.Hang],
+    summary: coll.Summary,
+    window_s: float,
+    why: Sequence[wy.Why],
+    pipe: pp.Pipeline | None,
+    answered: Sequence[int],
+) -> str:
+    """``verdict``'s sentence from the findings alone."""
     if hangs:
         return hang_text(hangs[0])
     if stragglers:
@@ -36,7 +69,12 @@ def verdict(
         return pipe.text() + cause_text(wy.headline(why, pipe.slow)).replace("/step", "/s")
     if slow_links:
         return slow_link_text(slow_links[0])
-    return summary_text(summary, window_s, pipe)
+    return summary_text(summary, window_s, pipe, answered)
+
+
+def _where(h: hg.Hang) -> str:
+    what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
+    return f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
 
 
 def hang_text(h: hg.Hang) -> str:
@@ -48,8 +86,7 @@ def hang_text(h: hg.Hang) -> str:
             f"{ranks_text(h.missing_ranks)} never sent or received what they wait for "
             f"({h.detail})"
         )
-    what = f"{h.op} #{h.seq}" if h.op else f"collective #{h.seq}"
-    where = f"{what} of {h.comm}" if h.seq >= 0 else "a collective (by their stacks)"
+    where = _where(h)
     said = f" ({h.detail})" if h.detail else ""
     if not h.missing_ranks:
         return (
@@ -100,23 +137,38 @@ def slow_link_text(link: coll.SlowLink) -> str:
     )
 
 
-def summary_text(summary: coll.Summary, window_s: float, pipe: pp.Pipeline | None) -> str:
-    """Nothing found: no verdict (too little traced, and what to do), noisy, or
+def summary_text(
+    summary: coll.Summary,
+    window_s: float,
+    pipe: pp.Pipeline | None,
+    answered: Sequence[int] = (),
+) -> str:
+    """Nothing found: no verdict (the true reason, and what to do), noisy, or
     healthy, with the figures that say so."""
     if not summary.collectives and pipe is not None:
         return pipe.text()
+    if not summary.collectives and 0 < len(answered) < summary.size:
+        return (
+            f"no verdict: only {ranks_text(sorted(answered))} of the job's {summary.size} "
+            "answered, and a collective is judged from every rank's arrival: add --cluster "
+            "(every rank through its peers), or give every rank's pid"
+        )
+    if (summary.busiest or 0) < coll.MIN_COLLECTIVES and summary.pace_ms:
+        need_s = max(1.0, 2 * coll.MIN_COLLECTIVES * summary.pace_ms / 1e3)
+        step = summary.step_ms or summary.pace_ms
+        return (
+            f"no verdict: only {summary.busiest or 0} complete collectives of one group in the "
+            f"last {window_s:g} s ({coll.MIN_COLLECTIVES} needed to tell a straggler from "
+            f"noise), at about one every {step / 1e3:.3g} s in this job: trace every rank at "
+            f"least {need_s:.0f} s (--record {need_s:.0f}s), and diagnose over a longer "
+            f"--window where {window_s:g} s is less"
+        )
     if not summary.collectives:
         return (
-            f"no verdict: no complete collective traced in the last {window_s:g} s "
+            f"no verdict: no collective traced in the last {window_s:g} s "
             "(is every rank traced? probing diagnose --pid P --cluster --record 15s traces "
             "every rank 15 s first; probing trace --pid P --cluster --background leaves them "
             "tracing)"
-        )
-    if (summary.busiest or 0) < coll.MIN_COLLECTIVES:
-        return (
-            f"no verdict: only {summary.busiest} complete collectives of one group in the "
-            f"last {window_s:g} s ({coll.MIN_COLLECTIVES} needed to tell a straggler from "
-            "noise); diagnose over a longer --window"
         )
     chance = 100 / max(summary.ranks, 1)
     spread = (
@@ -179,7 +231,7 @@ def covered_text(said: str, cov: cv.Coverage, hang: bool, window_s: float) -> st
         )
     if cov.span is None or cov.now:
         return f"{said}; {note}"
-    start, end = cov.span
+    start, end = cov.shown() or cov.span
     return f"{said} (judged over {cv.hms(start)}-{cv.hms(end)}, while every rank traced; {note})"
 
 

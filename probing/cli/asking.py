@@ -27,7 +27,6 @@ from probing.analyze.diagnose import (
     whole_verdict,
     with_groups,
 )
-from probing.analyze.gather import missing_ranks
 from probing.analyze.queries import optional, queries
 from probing.errors import ProbingError
 
@@ -104,7 +103,6 @@ def diagnose(
                 dataclasses.replace(s, frames=got.frames.get(s.rank, [])) for s in got.states
             ]
             d = analyzed(round(stalled + time.monotonic() - watched, 1), time.time_ns())
-    d.missing = missing_ranks(got.table)
     if d.stragglers or (d.pipeline is not None and d.pipeline.slow is not None):
         ask = _explain(d, ask, sql, since, matched, got.coverage)
     if d.stragglers or d.hangs:

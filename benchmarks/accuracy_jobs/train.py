@@ -1,0 +1,293 @@
+"""A 4-rank Gloo training job on CPU that records its own truth (``make accuracy``).
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 train.py --shape ddp_buckets \\
+        --fault loader --fault-rank 2 --onset-step 20 --truth /tmp/t.jsonl
+
+Each rank appends to ``--truth PATH`` + ``.rank{r}`` (or ``$ACCURACY_TRUTH``):
+
+- once at start: ``{"fault", "rank", "onset_step", "ms", "pid", "tid", "shape"}``
+  (``rank``: the rank the fault is injected on; ``pid``: this rank's);
+- on the faulty rank, when the fault first fires: ``{"fault", "rank",
+  "onset": time.time(), "ms", "step"}``;
+- one line per optimizer step: ``{"rank", "step", "t0", "t1", "injected_ms",
+  "runq_ms"}``: wall-clock ``time.time()`` at the step's start and end, the
+  time this rank spent in the injected fault during the step (measured, not
+  the nominal figure), and the time the training thread waited for a CPU
+  (``/proc/thread-self/schedstat``).
+
+Shapes: ``ddp_buckets`` (DDP, an MLP of ~2.4 MB: 2 gradient buckets, so 2
+all-reduces a step), ``grad_accum`` (the same, 4 micro-batches a step, the
+first 3 under ``no_sync``), ``thread_loop`` (``ddp_buckets`` run in a
+``threading.Thread(name="trainer")`` the main thread joins), ``fsdp2``
+(``fully_shard`` on a 4-layer MLP).
+
+Faults, from ``--onset-step`` on ``--fault-rank``: ``loader`` (+40 ms asleep
+in ``load_batch``), ``python_work`` (+30 ms of pure-Python busy loop in
+``extra_work``), ``every_10th`` (+60 ms asleep in ``load_batch`` on every
+10th step), ``hang`` (``load_batch`` never returns), ``cpu_contention`` (the
+rank pins itself to the last CPU and starts a busy process pinned there with
+``taskset``), ``gc`` (``make_garbage``: a big object graph and
+``gc.collect()`` each step), ``healthy`` (nothing).
+
+This file imports nothing from probing: it is the job, not the tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+LOAD_MS = 20.0  # the data loader's normal latency
+FAULT_MS = {
+    "loader": 40.0,
+    "python_work": 30.0,
+    "every_10th": 60.0,
+    "hang": 0.0,
+    "cpu_contention": 0.0,
+    "gc": 0.0,
+    "healthy": 0.0,
+}
+ACCUM = 4  # grad_accum: micro-batches per optimizer step
+
+
+class Truth:
+    """This rank's truth file, one JSON object a line, flushed each line."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.f = open(f"{path}.rank{rank}", "a", buffering=1)  # noqa: SIM115
+        self.lock = threading.Lock()
+
+    def write(self, obj: dict) -> None:  # type: ignore[type-arg]
+        with self.lock:
+            self.f.write(json.dumps(obj) + "\n")
+            self.f.flush()
+
+
+class Fault:
+    """The fault this rank injects (if it is the faulty rank), and the time
+    it spent in it during the current step."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, truth: Truth) -> None:
+        self.kind = args.fault
+        self.mine = rank == args.fault_rank and self.kind != "healthy"
+        self.onset = args.onset_step
+        self.ms = FAULT_MS[self.kind]
+        self.truth = truth
+        self.rank = rank
+        self.fired = False
+        self.step = 0
+        self.injected_ms = 0.0  # this step's
+        self.hog: subprocess.Popen | None = None  # type: ignore[type-arg]
+
+    def active(self) -> bool:
+        return self.mine and self.step >= self.onset
+
+    def fire(self) -> None:
+        """Record the onset the first time the fault acts."""
+        if not self.fired:
+            self.fired = True
+            self.truth.write(
+                {"fault": self.kind, "rank": self.rank, "onset": time.time(), "ms": self.ms, "step": self.step}
+            )
+            if self.kind == "cpu_contention":  # a busy process on this rank's CPU
+                cpu = str(max(os.sched_getaffinity(0)))
+                self.hog = subprocess.Popen(
+                    ["taskset", "-c", cpu, sys.executable, "-c", "while True: pass"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                )
+
+    def add(self, t0: float) -> None:
+        self.injected_ms += (time.perf_counter() - t0) * 1e3
+
+
+def sleep_ms(ms: float) -> None:
+    time.sleep(ms * random.uniform(0.95, 1.05) / 1000)
+
+
+def load_batch(step: int, fault: Fault, batch: int = 64, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read and decode one batch: storage latency, then a little CPU work."""
+    if fault.active() and fault.kind in ("loader", "every_10th", "hang"):
+        t0 = time.perf_counter()
+        if fault.kind == "hang":
+            fault.fire()
+            threading.Event().wait()  # a read that never returns
+        elif fault.kind == "loader":
+            fault.fire()
+            sleep_ms(fault.ms)
+        elif step % 10 == 0:
+            fault.fire()
+            sleep_ms(fault.ms)
+        fault.add(t0)
+    sleep_ms(LOAD_MS)
+    x = torch.randn(batch, width)
+    a = torch.randn(128, 128)
+    for _ in range(3):  # decode / augment
+        a = torch.tanh(a @ a * 0.01)
+    return x + a.mean() * 0, torch.randint(0, 10, (batch,))
+
+
+def extra_work(ms: float) -> int:
+    """Pure-Python busy work for ``ms`` of wall time (the python_work fault)."""
+    end = time.perf_counter() + ms / 1000
+    n = 0
+    while time.perf_counter() < end:
+        for i in range(200):
+            n += i * i % 7
+    return n
+
+
+def make_garbage(n: int = 60_000) -> int:
+    """A big cyclic object graph, then a full collection (the gc fault)."""
+    nodes = [{"i": i} for i in range(n)]
+    for i, d in enumerate(nodes):
+        d["next"] = nodes[(i + 1) % n]
+    del nodes
+    return gc.collect()
+
+
+def on_cpu_faults(fault: Fault) -> None:
+    """The faults that run in the training loop rather than the loader."""
+    if not fault.active():
+        return
+    if fault.kind == "python_work":
+        fault.fire()
+        t0 = time.perf_counter()
+        extra_work(FAULT_MS["python_work"])
+        fault.add(t0)
+    elif fault.kind == "gc":
+        fault.fire()
+        t0 = time.perf_counter()
+        make_garbage()
+        fault.add(t0)
+    elif fault.kind == "cpu_contention":
+        fault.fire()
+
+
+def runq_ns() -> int:
+    """The calling thread's time waiting for a CPU so far."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes, sizes[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def build(shape: str) -> tuple[nn.Module, int]:
+    """The model of ``shape`` and its input width."""
+    if shape == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        net = mlp([64, 256, 256, 256, 10])
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return net, 64
+    # ~2.4 MB of parameters: DDP's first bucket is capped at 1 MiB, so 2 buckets
+    net = mlp([64, 1024, 512, 10])
+    return nn.parallel.DistributedDataParallel(net), 64
+
+
+def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> None:
+    model, width = build(args.shape)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    micro = ACCUM if args.shape == "grad_accum" else 1
+    batch = 64 // micro  # accumulation splits the batch into micro-batches
+    truth.write(
+        {
+            "fault": args.fault,
+            "rank": args.fault_rank,
+            "onset_step": args.onset_step,
+            "ms": FAULT_MS[args.fault],
+            "pid": os.getpid(),
+            "tid": threading.get_native_id(),
+            "shape": args.shape,
+            "self": rank,
+        }
+    )
+    step = 0
+    while args.steps <= 0 or step < args.steps:
+        fault.step = step
+        fault.injected_ms = 0.0
+        q0 = runq_ns()
+        t0 = time.time()
+        for m in range(micro):
+            x, y = load_batch(step, fault, batch, width)
+            on_cpu_faults(fault)
+            loss = nn.functional.cross_entropy(model(x), y) / micro
+            if micro > 1 and m < micro - 1:
+                with model.no_sync():  # type: ignore[operator]
+                    loss.backward()
+            else:
+                loss.backward()  # DDP all-reduces the gradients here (FSDP2: reduce-scatters)
+        opt.step()
+        opt.zero_grad()
+        t1 = time.time()
+        truth.write(
+            {
+                "rank": rank,
+                "step": step,
+                "t0": t0,
+                "t1": t1,
+                "injected_ms": round(fault.injected_ms, 3),
+                "runq_ms": round((runq_ns() - q0) / 1e6, 3),
+            }
+        )
+        step += 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="ddp_buckets", choices=["ddp_buckets", "grad_accum", "thread_loop", "fsdp2"])
+    p.add_argument("--fault", default="healthy", choices=sorted(FAULT_MS))
+    p.add_argument("--fault-rank", type=int, default=-1)
+    p.add_argument("--onset-step", type=int, default=20)
+    p.add_argument("--truth", default=os.environ.get("ACCURACY_TRUTH"))
+    p.add_argument("--steps", type=int, default=0, help="0: until killed")
+    args = p.parse_args()
+    if not args.truth:
+        p.error("--truth PATH (or $ACCURACY_TRUTH) is required")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if args.fault == "cpu_contention" and rank == args.fault_rank:
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})  # alone with the busy process
+    truth = Truth(args.truth, rank)
+    fault = Fault(args, rank, truth)
+    try:
+        if args.shape == "thread_loop":
+            t = threading.Thread(target=train, args=(args, rank, truth, fault), name="trainer")
+            t.start()
+            t.join()
+        else:
+            train(args, rank, truth, fault)
+    finally:
+        if fault.hog is not None:
+            fault.hog.kill()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
