@@ -115,7 +115,6 @@ class Straggler:
     late_ms: float = 0.0
     step_ms: float = 0.0
     period: int = 0
-    waited_share: float = 0.0  # of the wall time, the others' waits for it alone
 
 
 @dataclasses.dataclass
@@ -729,7 +728,6 @@ def _straggler_on(
         excess_ms_median=round(ev.excess_ms_median, 3),
         last_share=round(ev.last / ev.collectives, 4),
         share_of_step=round(max(ev.share_of_step, min(1.0, ev.late_share)), 4),
-        waited_share=round(ev.share_of_step, 4),
         since=iso(int(starts[k0])),
         since_ns=int(starts[k0]),
         since_start=k0 == 0,
@@ -746,22 +744,63 @@ def per_step(
 ) -> None:  # fmt: skip
     """``s``'s figures per step of the job (``job``), where its communicator
     repeats (``mine``): how late it makes a step (``late_ms``: the sum, over
-    the step's collectives, of its median ``excess`` at each, from
-    ``s.since_ns``), and the share of the step the job loses to it (the more of
-    that and of its waits, ``share_of_step``)."""
+    the step's collectives, of its typical own delay before each, from
+    ``s.since_ns``: ``own_delays``), and the share of the step the job loses
+    to it (``share_of_step``: that delay over the step). Where the
+    calls do not say when they returned, the sum of its typical ``excess`` at
+    each collective stands for the delays."""
     if job is None or mine is None or job.ms <= 0:
         return
-    since = np.array([min(c.ts.values()) >= s.since_ns for c in cs])
-    phase = np.array([mine.phase(c.seq) for c in cs])
-    late = sum(
-        float(np.median(excess[since & (phase == ph)]))
-        for ph in range(mine.period)
-        if (since & (phase == ph)).any()
-    )
+    later = [c for c in cs if min(c.ts.values()) >= s.since_ns]
+    own = own_delays(later, s.rank)
+    if len(own) >= MIN_COLLECTIVES:
+        late = _by_phase(own, mine, sum)
+    else:
+        since = [min(c.ts.values()) >= s.since_ns for c in cs]
+        late = _by_phase(
+            [(c.seq, e) for c, e, x in zip(cs, excess.tolist(), since, strict=True) if x],
+            mine, sum,
+        )  # fmt: skip
     s.late_ms = round(max(0.0, late), 3)
     s.step_ms = job.ms
     s.period = mine.period
-    s.share_of_step = round(min(1.0, max(s.waited_share, s.late_ms / job.ms)), 4)
+    # what the job would gain without it: its delay, not the others' waits summed
+    # over a step's collectives (waits at back-to-back buckets are one wait)
+    s.share_of_step = round(min(1.0, s.late_ms / job.ms), 4)
+
+
+def _by_phase(
+    values: list[tuple[int, float]], step: st.Step, over: Callable[[list[float]], float]
+) -> float:
+    """``over`` the median ``(seq, value)`` of each of ``step``'s collectives."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for seq, v in values:
+        by[step.phase(seq)].append(v)
+    return float(over([float(np.median(v)) for v in by.values()])) if by else 0.0
+
+
+def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
+    """``(seq, ms)``: how much longer than the others' median ``rank`` took to
+    reach each collective from where the previous one left it (of consecutive
+    ones that every rank returned from): its own delay before each. A rank
+    that arrived at the next before the previous was done (an asynchronous
+    launch: DDP's buckets, issued back to back) was never held by it, and
+    carries its lateness on: its delay counts from its arrival there; one held
+    until the previous was done (Gloo's synchronous calls, a bucket waited
+    for at the step's end) goes on with the others: from its return."""
+    own = []
+    for prev, c in zip(cs, cs[1:], strict=False):
+        if c.seq != prev.seq + 1 or any(prev.end.get(o) is None for o in c.ts):
+            continue
+        gaps = {}
+        for o, t in c.ts.items():
+            end, before = prev.end.get(o), prev.ts.get(o)
+            if end is not None and before is not None:
+                gaps[o] = t - (before if t < end else end)
+        if rank in gaps and len(gaps) > 1:
+            others = [g for o, g in gaps.items() if o != rank]
+            own.append((c.seq, (gaps[rank] - float(np.median(others))) / 1e6))
+    return own
 
 
 def released_late(
@@ -773,32 +812,19 @@ def released_late(
 ) -> bool:
     """Whether ``rank`` arrives late only because the previous collective let it
     go late (a rank behind a slow link), not because of its own work between
-    collectives: its ``typical`` own time between them against its ``typical``
-    lateness (``excess``, ms, one per collective of ``cs``). Where its
-    communicator has a ``step`` of several collectives, both are summed over
-    the step's collectives (its own work comes before one of them only).
-    Needs return times (synchronous backends); else False."""
-    own: list[tuple[int, float]] = []  # (seq, its time from a return to its next arrival,
-    # minus the others' median)
-    for prev, c in zip(cs, cs[1:], strict=False):
-        if c.seq != prev.seq + 1 or any(prev.end.get(o) is None for o in c.ts):
-            continue
-        gaps = {o: c.ts[o] - prev.end[o] for o in c.ts if o in prev.end}  # type: ignore[operator]
-        if rank in gaps and len(gaps) > 1:
-            others = [g for o, g in gaps.items() if o != rank]
-            own.append((c.seq, (gaps[rank] - float(np.median(others))) / 1e6))
+    collectives: its ``typical`` own time between them (``own_delays``)
+    against its ``typical`` lateness (``excess``, ms, one per collective of
+    ``cs``). Where its communicator has a ``step`` of several collectives,
+    its own delays over a step against its lateness where it is latest (its
+    own work comes before one of them; an asynchronous launch carries that
+    lateness to the next). Needs return times (synchronous backends); else False."""
+    own = own_delays(cs, rank)
     if len(own) < MIN_COLLECTIVES:
         return False
     if step is None or step.period == 1:
         return float(typical([g for _, g in own])) < 0.5 * float(typical(excess))
-    mine, late = defaultdict(list), defaultdict(list)
-    for seq, g in own:
-        mine[step.phase(seq)].append(g)
-    for c, e in zip(cs, excess.tolist(), strict=True):
-        late[step.phase(c.seq)].append(e)
-    own_ms = sum(float(np.median(v)) for v in mine.values())
-    late_ms = sum(float(np.median(v)) for v in late.values())
-    return own_ms < 0.5 * late_ms
+    late = _by_phase([(c.seq, e) for c, e in zip(cs, excess.tolist(), strict=True)], step, max)
+    return _by_phase(own, step, sum) < 0.5 * late
 
 
 # -- slow links -------------------------------------------------------------------------

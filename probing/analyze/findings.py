@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from probing.errors import tell
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 KEEP = 1000  # findings kept (the oldest cleared ones go first)
+# full detections in a row that see a finding over before it is cleared: one
+# that misses it (a rank's answer late, a noisy window, a group named anew) is
+# no end (15 s at a detection every 5 s, its 30 s windows mostly healthy by then)
+CLEAR_AFTER = 3
 
 
 def findings_schema() -> pa.Schema:
@@ -31,35 +36,49 @@ def findings_schema() -> pa.Schema:
             ("text", pa.string()),
             ("since", pa.string()),  # ISO time it began, as the analysis tells
             ("since_ns", pa.int64()),
-            ("cleared_ns", pa.int64()),  # wall ns of the first detection without it; NULL: active
+            ("cleared_ns", pa.int64()),  # wall ns of the detection that cleared it; NULL: active
+            ("seen_ns", pa.int64()),  # wall ns of the last detection that found it
         ]
     )
 
 
+Key = tuple[Any, ...]
+# whether a full detection saw a finding over (True), still there by a lower
+# bar than the one that named it (False), or could not tell (None)
+Over = Callable[[Key], bool | None]
+
+
 class Book:
-    """One detector's findings, keyed ``(kind, ...)``: each written once, when
-    new, and cleared (``cleared_ns``) at the first full detection without it;
-    the step and each rank's lateness of the last analysis. ``lock``
-    guards them (the detector's two threads write here)."""
+    """One detector's findings, keyed ``(kind, ...)`` (a straggler by its rank
+    alone: one problem, one finding, whatever its group is called): each
+    written once, when new, and cleared (``cleared_ns``) once ``CLEAR_AFTER``
+    full detections in a row saw it over; the step, each rank's lateness and
+    each straggler's cost of the last analysis. ``lock`` guards them (the
+    detector's two threads write here)."""
 
     def __init__(self) -> None:
         self.findings: list[dict[str, Any]] = []
-        self.active: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.active: dict[Key, dict[str, Any]] = {}
+        self.misses: dict[Key, int] = {}  # active key -> full detections in a row that saw it over
         self.step_s: float | None = None
         self.lateness_s: dict[tuple[int, str], float] = {}
+        # an active straggler's rank -> (node, s late a step, share of the step lost)
+        self.costs: dict[int, tuple[str, float, float]] = {}
         self.detections = 0
         self.lock = threading.Lock()
 
     def record(
-        self, now: int, found: dict[tuple[Any, ...], dict[str, Any]], d: Any, clear: bool,
-        pid: int | None,
+        self, now: int, found: dict[Key, dict[str, Any]], d: Any, pid: int | None,
+        over: Over | None = None,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        """Write what is new in ``found`` (keyed ``(kind, ...)``); with
-        ``clear``, clear what is not in it. ``d``: the analysis that found
-        them, whose step and lateness ``/metrics`` says; ``pid``: the
-        process whose stderr is told."""
+        """Write what is new in ``found`` (keyed ``(kind, ...)``); with ``over``
+        (a full detection), count each active finding not in it that ``over``
+        says is over, and clear it at ``CLEAR_AFTER`` in a row (one it says
+        is still there starts the count again; one it cannot tell leaves it).
+        ``d``: the analysis that found them, whose step, lateness and
+        stragglers ``/metrics`` says; ``pid``: the process whose stderr is told."""
         new = []
-        cleared: list[tuple[Any, ...]] = []
+        cleared: list[Key] = []
         with self.lock:
             self.step_s = d.summary.step_ms / 1e3 if d.summary.step_ms else None
             self.lateness_s = {
@@ -68,14 +87,30 @@ class Book:
                 if r.get("lag_ms_mean") is not None
             }
             for key, row in found.items():
+                self.misses.pop(key, None)
                 if key not in self.active:
                     row["ts"] = now
                     self.active[key] = row
                     self.findings.append(row)
                     new.append(row)
-            if clear:  # not what the other thread wrote from newer rows meanwhile
-                cleared = [k for k, f in self.active.items() if k not in found and f["ts"] <= now]
+                self.active[key]["seen_ns"] = max(now, self.active[key].get("seen_ns") or 0)
+            for s in d.stragglers:  # the verdict's figures of each straggler written
+                if ("straggler", s.rank) in self.active:
+                    self.costs[s.rank] = (s.node, s.late_ms / 1e3, s.share_of_step)
+            if over is not None:  # not what the other thread wrote from newer rows meanwhile
+                for key, f in self.active.items():
+                    if key in found or f["ts"] > now:
+                        continue
+                    said = over(key)
+                    if said is None:
+                        continue
+                    self.misses[key] = self.misses.get(key, 0) + 1 if said else 0
+                    if self.misses[key] >= CLEAR_AFTER:
+                        cleared.append(key)
             for key in cleared:
+                self.misses.pop(key, None)
+                if key[0] == "straggler":
+                    self.costs.pop(key[1], None)
                 self.active.pop(key)["cleared_ns"] = now
             if len(self.findings) > KEEP:
                 done = [f for f in self.findings if f["cleared_ns"] is not None]
@@ -105,7 +140,8 @@ class Book:
             for key in self.active:
                 active[key[0]] = active.get(key[0], 0) + 1
             detections = self.detections
-        return openmetrics(step, late, active, dropped, detections)
+            costs = dict(self.costs)
+        return openmetrics(step, late, active, dropped, detections, costs)
 
 
 def row(
@@ -113,7 +149,7 @@ def row(
     since_ns: int | None, text: str,
 ) -> dict[str, Any]:  # fmt: skip
     return {"ts": 0, "kind": kind, "rank": rank, "node": node, "comm": comm, "text": text,
-            "since": since, "since_ns": since_ns, "cleared_ns": None}  # fmt: skip
+            "since": since, "since_ns": since_ns, "cleared_ns": None, "seen_ns": None}  # fmt: skip
 
 
 KINDS = ("straggler", "slow_link", "hang", "rank_gone")
@@ -155,14 +191,36 @@ def openmetrics(
     active: dict[str, int],
     dropped: dict[str, int],
     detections: int,
+    costs: dict[int, tuple[str, float, float]] | None = None,
 ) -> str:
-    """The text format of OpenMetrics 1.0 (``# EOF`` last)."""
+    """The text format of OpenMetrics 1.0 (``# EOF`` last). ``costs``: each
+    active straggler's node, seconds late a step and share of the step lost,
+    as the verdict says them (``probing.analyze.verdict.straggler_text``)."""
     out = [
         "# TYPE probing_step_seconds gauge",
-        "# HELP probing_step_seconds median interval between the busiest group's collectives",
+        "# HELP probing_step_seconds the job's training step: the median time of one period "
+        "of the pattern its collectives repeat (as diagnose says it)",
     ]
     if step_s is not None:
         out.append(f"probing_step_seconds {step_s:.6f}")
+    out += [
+        "# TYPE probing_straggler_late_seconds gauge",
+        "# HELP probing_straggler_late_seconds how late an active straggler makes each step "
+        "of the job (the verdict's ms late each step)",
+    ]
+    for rank, (node, late, _) in sorted((costs or {}).items()):
+        out.append(
+            f'probing_straggler_late_seconds{{rank="{rank}",node="{_label(node)}"}} {late:.6f}'
+        )
+    out += [
+        "# TYPE probing_straggler_step_share gauge",
+        "# HELP probing_straggler_step_share the share of the job's step time an active "
+        "straggler costs (the verdict's share the job loses)",
+    ]
+    for rank, (node, _, share) in sorted((costs or {}).items()):
+        out.append(
+            f'probing_straggler_step_share{{rank="{rank}",node="{_label(node)}"}} {share:.4f}'
+        )
     out += [
         "# TYPE probing_rank_lateness_seconds gauge",
         "# HELP probing_rank_lateness_seconds mean arrival after the first rank at a collective",

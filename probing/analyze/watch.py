@@ -9,10 +9,10 @@ lowest, and stops at the first that does. It runs two threads:
   collectives of the last ``WINDOW_S`` (one cluster query, as ``diagnose
   --cluster`` asks, without the stacks, samples and NVML; after the first,
   only the calls that ended since the last ask: ``Window``), the ranks that
-  died and who traced when (torch's groups every ``GROUPS_S``), runs the
+  died and who traced when (torch's groups: ``Groups``), runs the
   same analysis and keeps what it finds as ``analyze.findings``: a
   straggler, a slow link, a hang, a rank gone (one that did not answer two
-  full detections running);
+  full detections running; one never discovered is not gone, it never came);
 * every ``PROBING_DETECT_S`` (1 s), a *look* at the pace of its own
   rank's collectives (a query of its own tables, a few ms: ``Pace``). A
   rank that slows down slows every rank it meets in a collective, the
@@ -29,11 +29,18 @@ A new straggler is written once its lateness has lasted ``CONFIRM_S`` in
 the collectives analyzed (where it has not yet, the ranks are asked again
 when it may have): analyzing whenever the pace drops must not name the
 bursts of noise of a busy machine (a rank starved of CPU for a moment)
-that one detection every 5 s seldom met. A finding is written once, when it is
-new; its ``cleared_ns`` is set at the first full detection without it;
-each new or cleared finding is one ``probing:`` line on the job's stderr.
-``metrics()`` is the OpenMetrics text of ``GET /metrics``: the step, each
-rank's lateness, the findings, the events dropped.
+that one detection every 5 s seldom met. One problem is one finding: a
+straggler is keyed by its rank alone (its group's name may change as torch's
+names are learned), written once, when it is new, in the verdict's words
+(``probing.analyze.verdict``: ``straggler_text``, ``hang_text``,
+``slow_link_text``), and cleared only once ``findings.CLEAR_AFTER`` full
+detections in a row saw it over: a straggler is over where every rank
+answered, the window could be judged, and its rank is neither named nor
+still half as late as when it was (``HOLD``); a detection that cannot tell
+(a rank missing, too few collectives) counts neither way. Each new or
+cleared finding is one ``probing:`` line on the job's stderr.
+``metrics()`` is the OpenMetrics text of ``GET /metrics``: the job's step,
+each rank's lateness, each straggler's cost, the findings, the events dropped.
 
 The node (``probing.node.cluster.node.ClusterNode``) is handed in: this layer
 does not import the cluster's, and asks through the parts the node names
@@ -48,7 +55,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from probing.analyze.findings import Book, row
+from probing.analyze.findings import Book, Key, row
 from probing.errors import ProbingError
 from probing.worker import Worker, error_text
 
@@ -62,7 +69,9 @@ ELECT_S = 30.0  # how often a rank above the detector checks that the ranks belo
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
 FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often
 ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
-GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes)
+GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes) ...
+GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)
+GROUPS_KEEP = 65536  # contexts whose group is kept (past it, only the last answer's)
 # a call reaches its rank's store within this of its end (drained every 50 ms):
 # the calls that ended this long before the last ask are asked again
 LAG_S = 2.0
@@ -76,6 +85,10 @@ ALERT_S = 5.0  # ... and for at most this long after the pace dropped
 TAIL_S = 3.0  # the span an ask screens for a straggler
 DRAINED_S = 0.2  # a collective is in its rank's store this long after it began, as a rule
 CONFIRM_S = 1.0  # a new straggler's lateness lasted this long: written (noise is briefer)
+# a straggler not named at a full detection but still this share as late as when
+# it was written (its excess over the others' median) is not over: the test that
+# names one is strict, so one window of a rank still slow may miss it
+HOLD = 0.5
 
 
 def ask_cluster(node: Any, sql: str) -> pa.Table:
@@ -112,15 +125,17 @@ class Watch:
         self.book = Book()  # the findings; its lock also guards which stragglers were named
         self.last_error: str | None = None
         self._misses: dict[int, int] = {}
+        self._seen: set[int] = set()  # the ranks that ever answered a full detection
         self._slow: dict[str, int] = {}  # comm -> full detections in a row that found it slow
-        self._named: set[tuple[Any, ...]] = set()  # stragglers the last analysis named
+        self._named: set[Key] = set()  # stragglers the last analysis named
+        self._late_ms: dict[int, float] = {}  # a straggler written -> its excess (ms) then
         self._confirm_ns: int | None = None  # when one named, not written, may have lasted
         self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
         self._window = Window()  # the full detections'
         self._asked = Window()  # the asks' between them
         self._pace = Pace()
-        self._aux: dict[str, Any] = {}  # groups, dead, intervals: asked at full detections
-        self._groups_ns = 0  # wall ns torch's groups were last asked
+        self._aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
+        self.groups = Groups()  # torch's names for the job's groups
         self._full_ns: int | None = None  # wall ns of the last full detection
         self._asked_ns = 0  # ... of the last ask between them
         self._alert_ns: int | None = None  # since when the pace is low
@@ -255,11 +270,11 @@ class Watch:
         with self.book.lock:
             self.book.detections += 1
         if not self._aux:
-            self._ask_aux(now)
+            self._ask_aux(now, table)
         if not waiting and not _screen(table, now) - known:
             return []
         d, found = self._analyze(table, got, now, runq=False)
-        return self.book.record(now, found, d, False, self.node.pid)
+        return self.book.record(now, found, d, self.node.pid)
 
     def once(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """One full detection: ask, analyze, record, clear; the findings new in it."""
@@ -267,13 +282,13 @@ class Watch:
         table, got = self._window.fetch(self.node, now)
         with self.book.lock:
             self.book.detections += 1
-        self._ask_aux(now)
+        self._ask_aux(now, table)
         return self._detect(table, got, now)
 
-    def _ask_aux(self, now: int) -> None:
-        """The ranks that died and who traced when (torch's groups every
-        ``GROUPS_S``): asked at full detections, used by the analyses the
-        screen starts between them."""
+    def _ask_aux(self, now: int, table: pa.Table) -> None:
+        """The ranks that died and who traced when, and torch's groups where
+        due for the window ``table`` (``Groups.due``): asked at full
+        detections, used by the analyses the screen starts between them."""
         from probing.analyze.queries import optional, queries
 
         sql = queries(remote=True)
@@ -281,27 +296,26 @@ class Watch:
         def ask(q: str) -> pa.Table:
             return ask_cluster(self.node, q)
 
+        if self.groups.due(table, now):  # torch's names, as diagnose says them
+            self.groups.learn(optional(ask, sql["groups"]), table, now)
         aux = dict(self._aux)  # the other thread reads them meanwhile: replaced at once
-        if aux.get("groups") is None or now - self._groups_ns >= GROUPS_S * 1e9:
-            aux["groups"] = optional(ask, sql["groups"])  # torch's names, as diagnose says them
-            self._groups_ns = now
         aux["dead"] = ask(sql["dead"]).to_pylist()
         aux["intervals"] = optional(ask, sql["intervals"])
         self._aux = aux
 
     def _analyze(
         self, table: pa.Table, got: Any, now: int, runq: bool
-    ) -> tuple[Any, dict[tuple[Any, ...], dict[str, Any]]]:
+    ) -> tuple[Any, dict[Key, dict[str, Any]]]:
         """The whole analysis of the window ``table``, and the stragglers it
-        names to write (``_stragglers``): torch's names for the groups, only
-        the span in which every rank that answered traced; ``runq``: a
-        suspected slow link is told from ranks waiting for a CPU."""
-        from probing.analyze.diagnose import analyze, judge, with_groups
+        names to write (``_stragglers``): torch's names for the groups
+        (``Groups.names``), only the span in which every rank that answered
+        traced; ``runq``: a suspected slow link is told from ranks waiting
+        for a CPU."""
+        from probing.analyze.diagnose import analyze, judge
         from probing.analyze.queries import optional, queries
 
-        groups, dead = self._aux["groups"], self._aux["dead"]
-        if groups is not None:
-            table = with_groups(table, groups)
+        dead = self._aux["dead"]
+        table = self.groups.names(table)
         since = now - int(WINDOW_S * 1e9)
         runq_sql = queries(remote=True)["runq"].format(since_ns=since)
 
@@ -315,12 +329,13 @@ class Watch:
             dead=dead, runq=ask_runq if runq else None, coverage=cov,
         )  # fmt: skip
         with self.book.lock:
-            return d, self._stragglers(d.stragglers, _latest_ts(table))
+            return d, self._stragglers(d, _latest_ts(table))
 
     def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
         """The whole analysis of the window ``table``, recorded: every kind of
-        finding, and what is gone cleared."""
+        finding, and what is over counted towards its clearing (``_over``)."""
         from probing.analyze.diagnose import death_text
+        from probing.analyze.verdict import hang_text, slow_link_text
 
         d, found = self._analyze(table, got, now, runq=True)
         self._full_ns = now
@@ -331,21 +346,20 @@ class Watch:
                 continue
             found[("slow_link", link.comm)] = row(
                 "slow_link", None, ",".join(link.nodes), link.comm, link.since, link.since_ns,
-                f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms "
-                f"on every rank (model {link.baseline_ms:.1f} ms)",
+                slow_link_text(link),
             )  # fmt: skip
         for h in d.hangs:
-            missing = ", ".join(str(r) for r in h.missing_ranks) or "?"
             found[("hang", h.comm, h.seq)] = row(
                 "hang", h.missing_ranks[0] if h.missing_ranks else None, None, h.comm, None,
-                None, f"hang: {h.op} #{h.seq} on {h.comm} for {h.age_s:.0f} s; rank(s) "
-                f"{missing} never entered it",
+                None, hang_text(h),
             )  # fmt: skip
         for r, x in d.dead.items():  # killed: its probe answers with what it left
             found[("rank_gone", r)] = row(
                 "rank_gone", r, None, None, None, x.died_ns or None, death_text({r: x})
             )
         for m in got.missing:
+            if not m.addr and m.rank not in self._seen:  # never discovered: not gone, not come
+                continue
             self._misses[m.rank] = self._misses.get(m.rank, 0) + 1
             if self._misses[m.rank] >= GONE_AFTER:
                 found[("rank_gone", m.rank)] = row(
@@ -354,7 +368,27 @@ class Watch:
                 )  # fmt: skip
         for r in {t.rank for t in got.peers}:
             self._misses.pop(r, None)
-        return self.book.record(now, found, d, True, self.node.pid)
+            self._seen.add(r)
+        return self.book.record(now, found, d, self.node.pid, lambda k: self._over(k, d, got))
+
+    def _over(self, key: Key, d: Any, got: Any) -> bool | None:
+        """Whether the full detection ``d`` (who answered: ``got``) saw the
+        active finding ``key``, which it did not find, over: a straggler only
+        where every rank answered, the window could be judged and its rank is
+        no longer ``HOLD`` as late as when it was written (False: still that
+        late; None: it cannot tell); any other finding, yes."""
+        from probing.analyze.collectives import MIN_COLLECTIVES
+
+        if key[0] != "straggler":
+            return True
+        rank = key[1]
+        judged = not d.hangs and (d.summary.busiest or 0) >= MIN_COLLECTIVES
+        if got.missing or rank not in {t.rank for t in got.peers} or not judged:
+            return None
+        mine = next((r for r in d.ranks if r["rank"] == rank and r["collectives"]), None)
+        if mine is None or mine["excess_ms_median"] is None:
+            return None
+        return bool(mine["excess_ms_median"] < HOLD * self._late_ms.get(rank, 0.0))
 
     def table(self) -> pa.Table:
         """``analyze.findings``."""
@@ -364,29 +398,107 @@ class Watch:
         """OpenMetrics text: what this probe's detections and tracer say."""
         return self.book.metrics(self.dropped())
 
-    def _stragglers(self, named: list[Any], latest: int) -> dict[tuple[Any, ...], dict[str, Any]]:
-        """The stragglers an analysis ``named`` to write: those written already,
-        and new ones whose lateness lasted ``CONFIRM_S`` up to ``latest`` (ns),
-        the last arrival analyzed. Holding the lock."""
-        found: dict[tuple[Any, ...], dict[str, Any]] = {}
+    def _stragglers(self, d: Any, latest: int) -> dict[Key, dict[str, Any]]:
+        """The stragglers the analysis ``d`` named to write, in the verdict's
+        words (``straggler_text``): those written already, and new ones whose
+        lateness lasted ``CONFIRM_S`` up to ``latest`` (ns), the last arrival
+        analyzed. Holding the lock."""
+        from probing.analyze.verdict import straggler_text
+
+        found: dict[Key, dict[str, Any]] = {}
         keys = set()
         due = []
-        for s in named:
-            key = ("straggler", s.rank, s.comm)
+        for s in d.stragglers:
+            key = ("straggler", s.rank)  # one problem, whatever its group is called now
             keys.add(key)
             if key not in self.book.active and latest - s.since_ns < CONFIRM_S * 1e9:
                 # new and short: a burst of noise, maybe; asked again once it may have lasted
                 due.append(s.since_ns + int((CONFIRM_S + DRAINED_S) * 1e9))
                 continue
+            if key not in self.book.active:  # written now: the lateness its end is told by
+                self._late_ms[s.rank] = s.excess_ms_median
             found[key] = row(
                 "straggler", s.rank, s.node, s.comm, s.since, s.since_ns,
-                f"rank {s.rank} on node {s.node} arrives {s.lag_ms_mean:.0f} ms late (mean) at "
-                f"{100 * s.last_share:.0f} % of {s.op}s on {s.comm}; the job loses "
-                f"~{100 * s.share_of_step:.0f} % of its step time",
+                straggler_text(s, d.why),
             )  # fmt: skip
         self._named = keys
         self._confirm_ns = min(due, default=None)
         return found
+
+
+class Groups:
+    """torch's names for the job's Gloo contexts (``comm.groups``, asked of
+    every rank), kept between asks: a context belongs to one process group
+    for its life, so what an answer said stays true. A window is named by
+    them only where they name every Gloo context in it (``names``): a
+    context one rank's answer left out (it had traced none yet, it did not
+    answer in time) would make that rank's rows a communicator of their own
+    (``gloo/n4#0`` beside ``gloo/pg0``) and split the group; such a window
+    keeps the names by size and order, the same for every rank. Asked
+    again every ``GROUPS_S`` (a job makes groups as it goes), and sooner,
+    from ``GROUPS_RETRY_S`` on and twice as long after each answer that
+    named none of them, while a window holds a context they do not name."""
+
+    KEYS = ("node", "rank", "backend", "comm")
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[Any, ...], dict[str, Any]] = {}  # a context -> its comm.groups row
+        self.asked_ns = 0
+        self.retry_s = GROUPS_RETRY_S
+        self.lock = threading.Lock()  # the look's and the full detection's threads name windows
+
+    def due(self, table: pa.Table, now: int) -> bool:
+        """Whether to ask for them again, for the window ``table`` at ``now``."""
+        with self.lock:
+            since = now - self.asked_ns
+            if not self.asked_ns or since >= GROUPS_S * 1e9:
+                return True
+            return since >= self.retry_s * 1e9 and bool(self._unnamed(table))
+
+    def learn(self, got: pa.Table | None, table: pa.Table, now: int) -> None:
+        """What an ask answered (``got``; None: a probe without the table),
+        asked for the window ``table``."""
+        rows = got.to_pylist() if got is not None else []
+        with self.lock:
+            before = len(self._unnamed(table))
+            if len(self.rows) + len(rows) > GROUPS_KEEP:
+                self.rows = {}
+            for g in rows:
+                self.rows[tuple(g.get(c) for c in self.KEYS)] = g
+            named = len(self._unnamed(table)) < before
+            self.retry_s = GROUPS_RETRY_S if named else min(2 * self.retry_s, GROUPS_S)
+            self.asked_ns = now
+
+    def names(self, table: pa.Table) -> pa.Table:
+        """``table`` with its Gloo contexts named by torch's groups (``pg``,
+        ``diagnose.with_groups``) where the groups known name every one."""
+        import pyarrow as pa
+
+        from probing.analyze.diagnose import with_groups
+
+        with self.lock:
+            if not self.rows or self._unnamed(table):
+                return table
+            groups = pa.Table.from_pylist(list(self.rows.values()))
+        return with_groups(table, groups)
+
+    def _unnamed(self, table: pa.Table) -> set[tuple[Any, ...]]:
+        """The Gloo contexts of ``table`` (by node, rank, backend, comm) no
+        group known names. Holding the lock."""
+        import pyarrow.compute as pc
+
+        from probing.analyze import columns
+
+        if not table.num_rows or "backend" not in table.column_names:
+            return set()
+        gloo = table.filter(pc.equal(table.column("backend"), "gloo"))
+        if not gloo.num_rows:
+            return set()
+        keys = [c for c in self.KEYS if c in gloo.column_names]
+        _, firsts = columns.distinct(gloo, keys)
+        picked = gloo.take(firsts)
+        cols = [picked.column(c).to_pylist() for c in keys]
+        return {k for k in zip(*cols, strict=True) if k not in self.rows}
 
 
 def _screen(table: pa.Table, now: int) -> set[int]:

@@ -539,8 +539,10 @@ def _slow_functions(
 
 
 def _collectives(s: Straggler, collectives: list[Collective], step: float) -> list[Why]:
-    """Time inside collectives per step: the others wait there for the straggler."""
-    total: dict[int, float] = defaultdict(float)
+    """Time inside collectives per step: the others wait there for the straggler.
+    Collectives in flight at once (DDP's buckets, launched back to back) count
+    once: the time some collective of the rank's was in flight."""
+    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     count: dict[int, int] = defaultdict(int)
     done = by_comm(collectives).get(s.comm, [])
     if not done:
@@ -550,8 +552,9 @@ def _collectives(s: Straggler, collectives: list[Collective], step: float) -> li
         for q, t in c.ts.items():
             end = c.end.get(q)
             if end is not None:
-                total[q] += (end - t) / 1e6
+                spans[q].append((t, end))
                 count[q] += 1
+    total = {q: _covered_ns(v) / 1e6 for q, v in spans.items()}
     if s.rank not in total or len(total) < 2:
         return []
     mine = total[s.rank] / count[s.rank] / per
@@ -564,6 +567,19 @@ def _collectives(s: Straggler, collectives: list[Collective], step: float) -> li
             "on the others (they wait there for it)",
         )
     ]  # fmt: skip
+
+
+def _covered_ns(spans: list[tuple[int, int]]) -> int:
+    """The time some of ``spans`` (start, end ns) covers: their union's length."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
 
 
 def _cuda(

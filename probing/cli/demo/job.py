@@ -2,14 +2,21 @@
 
     python job.py --rank R --world 4 --port 29500 [--slow-rank 2 --slow-ms 40]
                        [--hang-rank 1 --hang-step 30] [--work 10] [--steps 0]
+                       [--truth FILE] [--thread]
 
 Each step loads a batch (``load_batch``: a data loader that sleeps like one
 reading and decoding from storage; slower on ``--slow-rank``), runs forward
-and backward through a small MLP wrapped in DistributedDataParallel (one
-real all-reduce of the gradients per step) and an SGD step. ``--hang-rank``
+and backward through an MLP of 2.4 MB of parameters wrapped in
+DistributedDataParallel (two real all-reduces of the gradients per step:
+DDP's first 1 MiB bucket, then the rest) and an SGD step. ``--hang-rank``
 stops for good in its data loader at ``--hang-step``: the others wait in
-the all-reduce it never joins. Prints ``ready`` once the first step is done.
-This file imports nothing from probing: run it by path.
+the all-reduce it never joins. ``--truth`` appends ``<rank> <step> <start>
+<end>`` (wall-clock s) per step to that file (one write a line: every rank
+may append to one file): the job's own step times, what a
+verdict is checked against. ``--thread`` trains in a thread named
+``trainer`` while the main thread joins it (a launcher's way). Prints
+``ready`` once the first step is done. This file imports nothing from
+probing: run it by path.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ def main() -> None:
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
     p.add_argument("--hang-file", help="--hang-rank gets stuck once this file exists")
+    p.add_argument("--truth", help="append '<rank> <step> <start> <end>' (wall s) per step here")
+    p.add_argument("--thread", action="store_true", help="train in a thread named trainer")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -76,20 +85,39 @@ def main() -> None:
     if args.backend == "nccl":  # one GPU per rank (shared round-robin if fewer)
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
+    # 2.4 MB of parameters: DDP's buckets (1 MiB first, then 25 MiB) make two
+    # all-reduces a step, as a real model's several do
+    net = nn.Sequential(
+        nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10)
+    ).to(device)
     model = nn.parallel.DistributedDataParallel(net)
+    if args.thread:  # the main thread only waits, as under some launchers
+        trainer = threading.Thread(target=train, args=(model, device, args), name="trainer")
+        trainer.start()
+        trainer.join()
+    else:
+        train(model, device, args)
+    dist.destroy_process_group()
+
+
+def train(model: nn.Module, device: torch.device, args: argparse.Namespace) -> None:
+    """The training loop: ``--steps`` steps (0: until killed), each timed into
+    ``--truth`` where given."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    truth = open(args.truth, "a", buffering=1) if args.truth else None  # noqa: SIM115
     step = 0
     while args.steps <= 0 or step < args.steps:
+        t0 = time.time()
         x, y = (t.to(device) for t in load_batch(args.rank, args, step))
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()  # DDP all-reduces the gradients here
+        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
         opt.step()
+        if truth is not None:
+            truth.write(f"{args.rank} {step} {t0:.6f} {time.time():.6f}\n")
         step += 1
         if step == 1:
             print("ready", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def _schemas(sql: str, eng: Any, known: set[str]) -> dict[str, pa.Schema | None]
     for ref in planner.table_refs(sql, known):
         try:
             cols = eng.sql(f"SELECT * FROM {ref.name} LIMIT 0", allow_code=False).schema
-            schemas[ref.name] = planner.tagged_schema(cols)
+            schemas[ref.name] = planner.tagged_schema(cols, ref.name)
         except QueryError:
             schemas[ref.name] = None
     return schemas
@@ -121,7 +121,7 @@ def _final_scan(
         sch = schemas.get(name)
         if data is None and sch is None:
             raise QueryError(f"table '{name}' not found here nor on any peer that answered")
-        tables[name] = data if data is not None else (sch or pa.schema(list(planner.TAGS)))
+        tables[name] = data if data is not None else (sch or pa.schema(list(planner.tags_of(name))))
     return planner.run_final(the_plan.final_sql, tables, threads)
 
 
@@ -146,7 +146,7 @@ def _final_agg(
         partial = mine if partial is None else concat([partial, mine])
     if partial is None:
         ref = planner.table_refs(sql, known)[0].name
-        empty = schemas[ref] or pa.schema(list(planner.TAGS))
+        empty = schemas[ref] or pa.schema(list(planner.tags_of(ref)))
         partial = planner.run_final(the_plan.sql, {ref: empty}, threads)
     return planner.run_final(the_plan.final_sql, {f"probing.{planner.PARTIAL}": partial}, threads)
 

@@ -16,7 +16,12 @@ Two shapes, chosen from the SQL:
 
 On a peer every table gains ``node`` and ``rank``; a table that already
 has such a column keeps it as ``table_node`` / ``table_rank``
-(``tagged_sql``). A peer's SQL reads its tables through that tagging:
+(``tagged_sql``). A job-wide table (``analyze.*``: a finding, a straggler,
+a rank's evidence) is the other way round: its rows are about the ranks
+they name, whichever probe keeps them (rank 0's detector keeps the
+finding that blames rank 2), so its own ``node`` and ``rank`` stay as they
+are and the probe that answered is ``probe_node`` / ``probe_rank``
+(``tags_of``). A peer's SQL reads its tables through that tagging:
 ``scan_sql`` for one table's scan, ``over_tagged`` for the whole query.
 """
 
@@ -40,6 +45,10 @@ from probing.node.sql.limits import Limits, check_sql
 from probing.node.sql.session import READ_ONLY, memory_exceeded, runtime_env
 
 TAGS = (("node", pa.string()), ("rank", pa.int64()))
+# a job-wide table's tags: the probe that answered, its rows' own node and rank kept
+PROBE_TAGS = (("probe_node", pa.string()), ("probe_rank", pa.int64()))
+# schemas whose rows are about the job's ranks, not about the probe that keeps them
+JOB_WIDE = frozenset({"analyze"})
 PARTIAL = "cluster_partial"  # the table the final SQL reads in agg modes
 
 _TOKEN = re.compile(
@@ -184,14 +193,28 @@ class Plan:
         return Work(self.mode, self.sql, dict(self.scans))
 
 
-def tagged_schema(schema: pa.Schema) -> pa.Schema:
-    """A local table's schema as peers serve it: own node/rank renamed, tags added."""
+def job_wide(table: str) -> bool:
+    """Whether ``table`` ("schema.name") is job-wide: its ``rank`` is the rank
+    its rows are about (``analyze.*``), not the probe's that keeps them."""
+    return table.split(".", 1)[0].strip('"`').lower() in JOB_WIDE
+
+
+def tags_of(table: str) -> tuple[tuple[str, pa.DataType], ...]:
+    """The columns a peer adds to ``table``'s rows: ``node``, ``rank`` (its
+    own renamed ``table_*``), or for a job-wide table ``probe_node``,
+    ``probe_rank`` (its own kept)."""
+    return PROBE_TAGS if job_wide(table) else TAGS
+
+
+def tagged_schema(schema: pa.Schema, table: str = "") -> pa.Schema:
+    """``table``'s local schema as peers serve it: own node/rank renamed (kept,
+    where ``table`` is job-wide), tags added."""
     fields = []
     for f in schema:
-        if f.name in ("node", "rank"):
+        if f.name in ("node", "rank") and not job_wide(table):
             f = f.with_name(f"table_{f.name}")
         fields.append(f)
-    return pa.schema(fields + [pa.field(n, t) for n, t in TAGS])
+    return pa.schema(fields + [pa.field(n, t) for n, t in tags_of(table)])
 
 
 # -- on a peer: its tables tagged with node and rank ---------------------------------
@@ -199,17 +222,19 @@ def tagged_schema(schema: pa.Schema) -> pa.Schema:
 
 def tagged_sql(table: str, columns: list[str], node: str, rank: int) -> str:
     """``SELECT`` of ``table`` ("schema.name", whose columns are ``columns``)
-    as a peer serves it: its own ``node``/``rank`` renamed, the tags added."""
+    as a peer serves it: its own ``node``/``rank`` renamed (kept, where it is
+    job-wide), the tags added (``tags_of``)."""
     sch, name = table.split(".", 1)
-    if "node" in columns or "rank" in columns:
+    if ("node" in columns or "rank" in columns) and not job_wide(table):
         own = ", ".join(
             f'"{c}" AS "table_{c}"' if c in ("node", "rank") else f'"{c}"' for c in columns
         )
     else:
         own = "*"
     node = node.replace("'", "''")
+    (node_tag, _), (rank_tag, _) = tags_of(table)
     return (
-        f"SELECT {own}, '{node}' AS node, CAST({int(rank)} AS BIGINT) AS rank "
+        f"SELECT {own}, '{node}' AS {node_tag}, CAST({int(rank)} AS BIGINT) AS {rank_tag} "
         f'FROM "{sch}"."{name}"'
     )
 
@@ -447,6 +472,8 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
         and not refs[0].qualified_column
         and not any(t.word in _BLOCKERS for t in toks)
         and schemas.get(refs[0].name) is not None
+        # a job-wide table's rank (or node) spans probes: two may keep rows about one rank
+        and not job_wide(refs[0].name)
     )
     if simple and keys is not None:
         key_names = {item[0].name for item in keys if len(item) == 1}
@@ -490,7 +517,7 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
         _collect_scans(logical, None, found)
         for name, specs in found.items():
             if name in scans:
-                scans[name] = _with_filter_columns(_merge_specs(specs), known[name])
+                scans[name] = _with_filter_columns(_merge_specs(specs), known[name], name)
     pushed = "; ".join(
         f"{n}: {', '.join(s.columns) if s.columns else '*'}"
         + (f" WHERE {s.where}" if s.where else "")
@@ -518,13 +545,13 @@ def _collect_scans(node: Any, parent: Any, found: dict[str, list[ScanSpec]]) -> 
         _collect_scans(child, node, found)
 
 
-def _with_filter_columns(spec: ScanSpec, schema: pa.Schema) -> ScanSpec:
+def _with_filter_columns(spec: ScanSpec, schema: pa.Schema, table: str = "") -> ScanSpec:
     """The columns the filters name, too: a filter the scan takes whole
     leaves its columns out of the scan's projection, but the asker runs the
     original SQL, filters included, over what the peers send."""
     if spec.columns is None or not spec.where:
         return spec
-    names = set(schema.names) - {n for n, _ in TAGS}  # every peer sends its tags
+    names = set(schema.names) - {n for n, _ in tags_of(table)}  # every peer sends its tags
     columns = list(spec.columns)
     for t in tokens(spec.where):
         if t.name in names and t.name not in columns:
