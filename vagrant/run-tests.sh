@@ -66,7 +66,7 @@ smoke=(
 )
 # 4 Gloo ranks under TCG for over a minute: not in CI's smoke
 diagnose=(
-  tests/privileged/test_diagnose.py::test_a_slow_data_loader_is_named
+  tests/privileged/test_verdicts.py::test_a_ddp_jobs_step_lateness_and_loss_are_its_own
 )
 # NVIDIA's CUDA runtime and NCCL wheels are ~300 MB more per image: host-only
 host_only=(

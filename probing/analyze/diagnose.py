@@ -133,6 +133,7 @@ class Diagnosis:
             "summary": dataclasses.asdict(self.summary),
             "ranks": self.ranks,
             "missing": self.missing,
+            "stacks": {str(r): v for r, v in self.stacks.items()},
             "callsites": {str(r): c for r, c in self.callsites.items()},
             "why": [dataclasses.asdict(w) for w in self.why],
             "flight": self.flight,
@@ -182,6 +183,7 @@ def analyze(
     runq: Callable[[], pa.Table | None] | None = None,
     matched: list[coll.Collective] | None = None,
     coverage: cv.Coverage | None = None,
+    missing: list[str] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
@@ -191,7 +193,8 @@ def analyze(
     asks RUNQ_SQL, only where a slow link is suspected: its ranks may be
     waiting for a CPU instead; ``matched``: ``table``'s collectives, when the
     caller matched them already; ``coverage``: the span every rank traced in,
-    which ``table`` was cut to (``judge``), said in the verdict."""
+    which ``table`` was cut to (``judge``), said in the verdict; ``missing``:
+    the ranks not heard from (any question's; else those ``table`` lacked)."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table) if matched is None else matched
@@ -238,7 +241,7 @@ def analyze(
         transfers=pp.match_transfers(rows, ranks_of),
         dead=died,
         untraced=coverage.untraced if coverage is not None else [],
-        missing=missing_ranks(table),
+        missing=missing_ranks(table) if missing is None else missing,
     )
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
     return d
@@ -450,10 +453,18 @@ def _rank_rows(
 
 def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     """``table`` plus ``pg``: each row's torch process group, where its rank's
-    ``comm.groups`` names one (the cross-rank name of a Gloo context)."""
+    ``comm.groups`` names one (the cross-rank name of a Gloo context). Where
+    a rank with rows has no groups (its process stopped, its guest gone), no
+    row gets one: its contexts would be named by size and order and the
+    others' by torch, one group under two names (its ranks apart)."""
     if not table.num_rows or not groups.num_rows or "pg" in table.column_names:
         return table
     key_cols = [c for c in ("node", "rank") if c in groups.column_names]
+    if key_cols and set(key_cols) <= set(table.column_names):
+        said = set(zip(*(groups.column(c).to_pylist() for c in key_cols), strict=True))
+        rows = set(zip(*(table.column(c).to_pylist() for c in key_cols), strict=True))
+        if rows - said:
+            return table
     names = {
         (*(g[c] for c in key_cols), g["backend"], g["comm"]): g["pg"] for g in groups.to_pylist()
     }

@@ -27,6 +27,7 @@ from probing.analyze.diagnose import (
     whole_verdict,
     with_groups,
 )
+from probing.analyze.gather import missing_ranks
 from probing.analyze.queries import optional, queries
 from probing.errors import ProbingError
 
@@ -74,7 +75,8 @@ def diagnose(
     sql = queries(remote=job.remote)
     since = now - int(window_s * 1e9)
     # what every diagnosis asks, asked at once (each waits on the probes, not the CPU)
-    ask = asked_at_once(job.ask, _first_questions(sql, since, job.remote, eager))
+    heard = Unheard(job.ask)  # the ranks any answer lacked, whichever question it was
+    ask = asked_at_once(heard.ask, _first_questions(sql, since, job.remote, eager))
     got = _gather(ask, sql, job.remote, since, now, window_s, hang_after_s)
     # the trace tells how long nothing moved only while every rank traces; else
     # the counts are watched (below)
@@ -88,7 +90,7 @@ def diagnose(
             got.table, frames=got.frames, states=got.states, stalled_s=stalled_s, now_ns=at_ns,
             window_s=window_s, hang_after_s=hang_after_s, recorded=got.recorded,
             ranks_of=got.ranks_of, dead=got.dead, runq=runq, matched=matched,
-            coverage=got.coverage,
+            coverage=got.coverage, missing=heard.missing(),
         )  # fmt: skip
 
     d = analyzed(stalled, now)
@@ -109,6 +111,25 @@ def diagnose(
         d.callsites = _callsites(ask, sql["callsites"].format(since_ns=since))
     d.elapsed_s = round(time.perf_counter() - t0, 3)
     return d, got.table
+
+
+class Unheard:
+    """``ask`` that keeps the ranks each answer lacked (``missing_ranks``): a
+    rank whose engine answers its collectives but whose stopped process
+    cannot give its stacks is not heard from either."""
+
+    def __init__(self, ask: Callable[[str], pa.Table]) -> None:
+        self._ask = ask
+        self._gone: dict[str, str] = {}  # who -> the first answer that lacked it
+
+    def ask(self, sql: str) -> pa.Table:
+        answer = self._ask(sql)
+        for said in missing_ranks(answer):  # "rank 3 (vm): why": each rank once
+            self._gone.setdefault(said.split(": ", 1)[0], said)
+        return answer
+
+    def missing(self) -> list[str]:
+        return list(self._gone.values())
 
 
 POLL_S = 0.25  # how often the counts are asked while a stall is watched

@@ -437,18 +437,27 @@ class Job:
             return self._cluster(sql)
         if not self.pids:
             raise ProbingError("nothing to ask: give --pid (repeatable), --addr or --cluster")
+        from probing.analyze.gather import with_missing
+
         node = socket.gethostname()
         pids = self.pids
-        # local probes: the CLI's wait for an answer (the timeout is the peers')
-        clients = [ProbeClient.for_pid(pid) for pid in pids]
 
-        def one(i: int) -> pa.Table:  # the ranks answer in parallel
-            rank = process_rank(clients[i], pids[i])
-            return tag(clients[i].query(sql), node, rank if rank >= 0 else i)
+        def one(i: int) -> pa.Table | ProbingError:  # the ranks answer in parallel
+            try:  # local probes: the CLI's wait for an answer (the timeout is the peers')
+                client = ProbeClient.for_pid(pids[i])
+                rank = process_rank(client, pids[i])
+                return tag(client.query(sql), node, rank if rank >= 0 else i)
+            except ProbingError as err:  # one rank gone, stopped or refusing: asked with
+                return err  # others, it is said not heard from, their answers kept
 
-        with ThreadPoolExecutor(max_workers=min(16, len(clients))) as pool:
-            parts = list(pool.map(one, range(len(clients))))
-        return pa.concat_tables(parts, promote_options="default")
+        with ThreadPoolExecutor(max_workers=min(16, len(pids))) as pool:
+            parts = list(pool.map(one, range(len(pids))))
+        tables = [p for p in parts if not isinstance(p, ProbingError)]
+        if not tables:
+            raise next(p for p in parts if isinstance(p, ProbingError))
+        gone = [f"pid {pid}: {p}" for pid, p in zip(pids, parts, strict=True)
+                if isinstance(p, ProbingError)]  # fmt: skip
+        return with_missing(pa.concat_tables(tables, promote_options="default"), gone)
 
     def _cluster(self, sql: str) -> Any:
         from probing.analyze.gather import with_missing

@@ -5,7 +5,9 @@
 
 It reads its place from the environment (``init_process_group("gloo")``:
 env://, so in the env launch rank 0 hosts the store), keeps torch's default
-thread count, and trains a 256-512-16 MLP on seeded data: each rank prints
+thread count, and trains a 256-1024-512-16 MLP on seeded data (3.2 MB of
+parameters: DDP's 1 MiB first bucket and the rest, two all-reduces a step,
+as a real model's several buckets): each rank prints
 ``rank <r> step <i> loss <value> t <wall s>`` every step, the same values with or without a
 probe. Options add what real jobs have: ``--workers N`` (a DataLoader whose
 workers fork), ``--groups`` (2 x 2 data- and tensor-parallel groups made with
@@ -79,7 +81,9 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 16))
+        nn.Sequential(
+            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 16)
+        )
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     dp = tp = None

@@ -59,7 +59,8 @@ main()
 """
 # the verdict's first words, in the README's sample and as diagnose prints it
 VERDICT = re.compile(
-    r"^rank (\d+) on node \S+ arrives \d+ ms late at \d+ % of allreduces on \S+ since at\s+least"
+    r"^rank (\d+) on node \S+ is \d+ ms late each \d+ ms step \(last at \d+ % of\s+allreduces\)"
+    r"\s+on\s+\S+\s+since\s+at\s+least"
 )
 
 

@@ -11,9 +11,10 @@ DistributedDataParallel (two real all-reduces of the gradients per step:
 DDP's first 1 MiB bucket, then the rest) and an SGD step. ``--hang-rank``
 stops for good in its data loader at ``--hang-step``: the others wait in
 the all-reduce it never joins. ``--truth`` appends ``<rank> <step> <start>
-<end>`` (wall-clock s) per step to that file (one write a line: every rank
-may append to one file): the job's own step times, what a
-verdict is checked against. ``--thread`` trains in a thread named
+<backward> <end>`` (wall-clock s: the step's start, its backward pass's, where
+the all-reduces are issued, and its end) per step to that file (one write a
+line: every rank may append to one file): the job's own step times and
+arrivals, what a verdict is checked against. ``--thread`` trains in a thread named
 ``trainer`` while the main thread joins it (a launcher's way). Prints
 ``ready`` once the first step is done. This file imports nothing from
 probing: run it by path.
@@ -69,7 +70,7 @@ def main() -> None:
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
     p.add_argument("--hang-file", help="--hang-rank gets stuck once this file exists")
-    p.add_argument("--truth", help="append '<rank> <step> <start> <end>' (wall s) per step here")
+    p.add_argument("--truth", help="append '<rank> <step> <start> <backward> <end>' (wall s)")
     p.add_argument("--thread", action="store_true", help="train in a thread named trainer")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -111,10 +112,11 @@ def train(model: nn.Module, device: torch.device, args: argparse.Namespace) -> N
         x, y = (t.to(device) for t in load_batch(args.rank, args, step))
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
+        t_backward = time.time()
         loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
         opt.step()
         if truth is not None:
-            truth.write(f"{args.rank} {step} {t0:.6f} {time.time():.6f}\n")
+            truth.write(f"{args.rank} {step} {t0:.6f} {t_backward:.6f} {time.time():.6f}\n")
         step += 1
         if step == 1:
             print("ready", flush=True)
