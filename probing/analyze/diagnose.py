@@ -208,6 +208,8 @@ def analyze(
         trainers=trainers,
     )  # fmt: skip
     steps = st.find(matched)  # the job's step: every figure per step is of it
+    if steps.job is None and rows:  # a pipeline's: its stages' transfers repeat
+        steps = st.Steps(st.find(st.of_transfers(rows)).job, steps.comms)
     strag = [] if hangs else coll.stragglers(matched, nodes, steps)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
         late.place = mesh.place_text(late.rank, ranks_of or {})

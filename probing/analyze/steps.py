@@ -26,10 +26,11 @@ Pure: ``Collective`` rows in, a ``Step`` out.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +41,7 @@ GAP_SLACK = 1.5  # ... and its gaps repeat within this many times the best perio
 GAP_FLOOR = 0.02  # ... or this share of the median gap (noise-free gaps: an error of ~0)
 DIVISOR_SLACK = 2.0  # ... and a divisor of it within this many times its error is the period
 AGREE = 0.1  # two groups' steps this close (a share of the longer) are one step
+RARE = 0.25  # a kind of collective this many times rarer than the median kind: a chore
 GAP_CAP = 10.0  # a gap off by more than this many median gaps counts as this many
 
 
@@ -47,12 +49,19 @@ class Collective(Protocol):
     """What a step is found from: a collective as every rank saw it
     (``probing.analyze.collectives.Collective``)."""
 
-    comm: str
-    seq: int
-    op: str
-    nranks: int
-    bytes: int | None
-    ts: dict[int, int]  # rank -> arrival (wall ns)
+    @property
+    def comm(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def nranks(self) -> int: ...
+    @property
+    def bytes(self) -> int | None: ...
+    @property
+    def ts(self) -> dict[int, int]:  # rank -> arrival (wall ns)
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +76,13 @@ class Step:
     ms: float
     steps: int
     start: int
+    # the seqs left out of the pattern: a rare collective's (an evaluation's
+    # metric every N steps), each counted out of the seqs after it
+    chores: tuple[int, ...] = ()
 
     def phase(self, seq: int) -> int:
         """Which collective of its step ``seq`` is (0: the first)."""
-        return (seq - self.start) % self.period
-
-    def index(self, seq: int) -> int:
-        """Which step ``seq`` belongs to (numbered from any fixed origin)."""
-        return (seq - self.start) // self.period
+        return (seq - bisect.bisect_left(self.chores, seq) - self.start) % self.period
 
 
 def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
@@ -82,14 +90,20 @@ def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
     a rank's arrival says when each began), or None where fewer than
     ``MIN_STEPS`` periods are seen or nothing repeats."""
     by_seq = {c.seq: c for c in cs if c.ts}
-    if len(by_seq) < 2 * MIN_STEPS:
+    kinds = Counter(f"{c.op}/{c.bytes}" for c in by_seq.values())
+    # a collective far rarer than the others is a chore, not the step's pattern
+    # (an evaluation's all-reduce every N steps would shift the pattern it breaks)
+    rare = {k for k, n in kinds.items() if n < RARE * float(np.median(list(kinds.values())))}
+    chores = tuple(sorted(s for s, c in by_seq.items() if f"{c.op}/{c.bytes}" in rare))
+    by_pos = {s - bisect.bisect_left(chores, s): c for s, c in by_seq.items() if s not in chores}
+    if len(by_pos) < 2 * MIN_STEPS:
         return None
-    first = min(by_seq)
-    n = max(by_seq) - first + 1  # dense by seq: NaN (-1) where a collective was not seen
+    first = min(by_pos)
+    n = max(by_pos) - first + 1  # dense by place: NaN (-1) where a collective was not seen
     t = np.full(n, np.nan)
     names: dict[str, int] = {}
     sig = np.full(n, -1, dtype=np.int64)
-    for s, c in by_seq.items():
+    for s, c in by_pos.items():
         t[s - first] = min(c.ts.values())
         sig[s - first] = names.setdefault(f"{c.op}/{c.bytes}", len(names))
     gap = np.r_[np.nan, np.diff(t)]  # the gap before each collective (NaN: a neighbour unseen)
@@ -118,7 +132,8 @@ def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
     error = dict(agree)
     divisors = [d for d in error if period % d == 0 and d < period]
     fit = [d for d in divisors if error[d] <= DIVISOR_SLACK * error[period] + GAP_FLOOR]
-    return _step(comm, first, t, gap, min(fit, default=period))
+    step = _step(comm, first, t, gap, min(fit, default=period))
+    return dataclasses.replace(step, chores=chores) if step is not None else None
 
 
 def _step(comm: str, first: int, t: np.ndarray, gap: np.ndarray, p: int) -> Step | None:
@@ -170,3 +185,41 @@ def job_step(found: Sequence[Step]) -> Step | None:
         return sum(1 for o in found if abs(o.ms - s.ms) <= AGREE * max(o.ms, s.ms))
 
     return max(found, key=lambda s: (votes(s), s.steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A rank's send or receive as a one-rank ``Collective``: a pipeline's
+    stages talk by point-to-point transfers only, in a pattern its
+    microbatches repeat every step (``of_transfers``)."""
+
+    comm: str
+    seq: int
+    op: str
+    nranks: int
+    bytes: int | None
+    ts: dict[int, int]
+
+
+def of_transfers(rows: Sequence[dict[str, Any]]) -> list[Transfer]:
+    """Each rank's sends and receives (``pipeline.p2p_rows``, tagged ``rank``),
+    in its order, as a sequence of its own (``p2p/rank3``) whose step
+    ``find`` tells: the op and peer of each is what repeats."""
+    per: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row.get("rank") is not None and row.get("ts") is not None:
+            per[int(row["rank"])].append(row)
+    out = []
+    for rank, mine in sorted(per.items()):
+        for seq, row in enumerate(sorted(mine, key=lambda r: r["ts"])):
+            out.append(
+                Transfer(
+                    f"p2p/rank{rank}",
+                    seq,
+                    f"{row.get('op')}/{row.get('peer')}",
+                    2,
+                    row.get("bytes"),
+                    {rank: int(row["ts"])},
+                )  # fmt: skip
+            )
+    return out
