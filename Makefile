@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # number tries another order (`make test PYTEST_SEED=7`)
 PYTEST_SEED ?= 20261205
 
-.PHONY: setup jobenvs demo test bench lint clean vm-test
+.PHONY: setup jobenvs demo test bench accuracy lint clean vm-test
 
 setup:
 	@bash .ci/setup.sh
@@ -29,6 +29,11 @@ test: jobenvs
 bench: jobenvs
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@for b in benchmarks/*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done
+
+# how right `probing diagnose` is against jobs that record their own truth
+# (root; ~25 min): writes its table into docs/accuracy.md
+accuracy: jobenvs
+	$(PY) benchmarks/accuracy.py --out docs/accuracy.md
 
 lint: setup
 	$(VENV)/bin/ruff check probing tests benchmarks

@@ -334,3 +334,23 @@ def test_user_tables_joins_and_an_own_rank_column(spawn) -> None:
     # GROUP BY node over three peers of one node: computed once, by the asker
     res = cluster_query("SELECT node, count(*) AS n FROM python.steps GROUP BY node", pid=pid)
     assert res.table.column("n").to_pylist() == [30]
+
+
+def test_a_job_wide_table_keeps_the_rank_its_rows_are_about(spawn) -> None:
+    """``analyze.*`` asked across the cluster: ``rank`` is the rank a row is
+    about (a finding's, whichever probe keeps it), the probe that answered
+    is ``probe_rank``; no ``table_rank``."""
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    env = {"PROBING_PEERS": ",".join(addrs), "PROBING_TOKEN": TOKEN}
+    targets = [spawn(IDLE_LOOP, env={**env, "RANK": str(i)}) for i in range(3)]
+    for t in targets:
+        wait_ready(t.pid)
+    res = cluster_query("SELECT * FROM analyze.findings ORDER BY ts", pid=targets[0].pid)
+    names = res.table.column_names
+    assert "rank" in names and "probe_rank" in names and "table_rank" not in names, names
+    assert [m.rank for m in res.missing] == [], res.missing
+    res = cluster_query(
+        "SELECT probe_rank, count(*) AS n FROM analyze.findings GROUP BY probe_rank",
+        pid=targets[0].pid,
+    )
+    assert res.table.num_rows == 0 and res.plan["mode"] == "scan"

@@ -245,6 +245,35 @@ def test_tagged_schema_keeps_a_tables_own_rank() -> None:
     assert COLL.field("rank").type == pa.int64() and COLL.field("table_rank").type == pa.int32()
 
 
+def test_a_job_wide_table_keeps_its_own_rank_and_tags_the_probe_apart() -> None:
+    """``analyze.*`` rows are about the ranks they name, whichever probe keeps
+    them: their own ``rank`` and ``node`` stay, the probe that answered is
+    ``probe_rank``/``probe_node``; a GROUP BY rank over one is not computed
+    per peer (two probes may keep rows about one rank)."""
+    own = pa.schema([("kind", pa.string()), ("rank", pa.int64()), ("node", pa.string())])
+    findings = plan.tagged_schema(own, "analyze.findings")
+    assert findings.names == ["kind", "rank", "node", "probe_node", "probe_rank"]
+    assert plan.tagged_sql("analyze.findings", own.names, "n1", 0) == (
+        'SELECT *, \'n1\' AS probe_node, CAST(0 AS BIGINT) AS probe_rank FROM "analyze"."findings"'
+    )
+    assert (
+        plan.tags_of("analyze.findings") == plan.PROBE_TAGS and plan.tags_of("comm.x") == plan.TAGS
+    )
+    schemas: dict[str, pa.Schema | None] = {"analyze.findings": findings}
+    known = KNOWN | {"analyze"}
+    p = plan.plan("SELECT rank, count(*) AS n FROM analyze.findings GROUP BY rank", schemas, known)
+    assert p.mode == "scan"
+    p = plan.plan("SELECT kind FROM analyze.findings WHERE rank = 2", schemas, known)
+    assert "rank" in (p.scans["analyze.findings"].columns or [])
+    # two probes' rows (rank 0's detector, and rank 1's after it took over): by the rank blamed
+    rows = pa.table({"kind": ["straggler", "straggler"], "rank": [2, 2], "node": ["b", "b"],
+                     "probe_node": ["a", "a"], "probe_rank": [0, 1]})  # fmt: skip
+    out = plan.run_final(p.sql.replace("kind FROM", "kind, probe_rank FROM"),
+                         {"analyze.findings": rows})  # fmt: skip
+    assert out.to_pylist() == [{"kind": "straggler", "probe_rank": 0},
+                               {"kind": "straggler", "probe_rank": 1}]  # fmt: skip
+
+
 def test_final_sql_runs_over_empty_and_merged_tables() -> None:
     empty = plan.run_final(
         "SELECT count(*) AS n FROM process.threads", {"process.threads": THREADS}

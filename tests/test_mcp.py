@@ -504,3 +504,75 @@ def test_a_trace_is_written_only_under_the_out_dir(tmp_path: Path) -> None:
     for name in ("../a.pftrace", "/etc/passwd", "link/a.pftrace", ".", "runs/../../a"):
         with pytest.raises(ProbingError, match=f"only under {out}"):
             inside(out, name)
+
+
+# -- the verdict and the findings, one story (canned answers, no probe) -------------------
+
+
+def _finding(rank: int, text: str, seen_ns: int) -> dict[str, Any]:
+    return {"ts": seen_ns - 10**9, "kind": "straggler", "rank": rank, "node": "host1",
+            "comm": "gloo/pg0", "text": text, "since": None, "since_ns": None,
+            "cleared_ns": None, "seen_ns": seen_ns}  # fmt: skip
+
+
+class _Probe:
+    """A local probe's client, as ``tools.job_findings`` uses it."""
+
+    def __init__(self, rank: int, rows: list[dict[str, Any]]) -> None:
+        self.rank, self.rows = rank, rows
+
+    def query(self, sql: str) -> Any:
+        import pyarrow as pa
+
+        from probing.analyze.findings import findings_schema
+
+        if "python.`" in sql:  # its rank, as the process tells it
+            return pa.table({"value": [self.rank]})
+        return pa.Table.from_pylist(self.rows, schema=findings_schema())
+
+
+def test_findings_of_local_ranks_keep_the_rank_each_blames(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Asked rank by rank on this machine, as over the cluster: ``rank`` is
+    the rank a finding blames (2), the probe that kept it ``probe_rank`` (0)."""
+    from probing.cli.mcp import tools
+
+    probes = {
+        2**22 + 10: _Probe(0, [_finding(2, "rank 2 is late", 5 * 10**18)]),
+        2**22 + 11: _Probe(1, []),
+    }
+    monkeypatch.setattr(tools, "client", lambda pid: probes[pid])
+    table = tools.job_findings(None, "local", list(probes))  # type: ignore[arg-type]
+    assert [(r["rank"], r["probe_rank"]) for r in table.to_pylist()] == [(2, 0)]
+
+
+def test_diagnose_says_what_active_findings_say_and_it_does_not(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A diagnosis that names no straggler (its window healthy: the trace
+    stopped, another window) while the job's detector holds an active one:
+    the answer carries the findings, and says which it does not confirm and
+    when each was last found; one that names the same rank says nothing more."""
+    import pyarrow as pa
+
+    from probing.analyze import analyze
+    from probing.cli import asking
+    from probing.cli.mcp import tools
+    from tests.test_analyze import job
+
+    active = [_finding(2, "rank 2 on node host1 is 60 ms late each 90 ms step", 1763880000 * 10**9)]
+
+    class Job:
+        def ask(self, sql: str) -> pa.Table:
+            assert sql == tools.ACTIVE_SQL, sql
+            return pa.Table.from_pylist(active)
+
+    monkeypatch.setattr(tools, "job_of", lambda pid, timeout: (Job(), "cluster", [pid]))
+    for table, confirmed in ((job(seed=2), False), (job(straggler=2, lag_ms=60, seed=1), True)):
+        d = analyze(table, now_ns=max(table.column("ts").to_pylist()) + 10**9)
+        monkeypatch.setattr(asking, "diagnose", lambda job, d=d, t=table, **kw: (d, t))
+        answer, text = tools.diagnose(4242, 60.0, 10.0, None, 5.0)
+        assert [(f["kind"], f["rank"]) for f in answer.findings] == [("straggler", 2)]
+        if confirmed:
+            assert answer.unconfirmed is None and "does not confirm" not in text
+            continue
+        assert answer.unconfirmed and active[0]["text"] in answer.unconfirmed
+        assert "last found at 06:40:00 UTC" in answer.unconfirmed, answer.unconfirmed
+        assert answer.unconfirmed in text and answer.verdict == d.verdict

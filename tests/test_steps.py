@@ -107,8 +107,8 @@ def test_a_pipelines_transfers_give_its_step() -> None:
         for m in range(4):
             for op, peer, at in (("recv", 0, 0.0), ("send", 2, 6.0), ("recv", 2, 14.0),
                                  ("send", 0, 22.0)):  # fmt: skip
-                rows.append({"rank": 1, "op": op, "peer": peer, "bytes": 4096,
-                             "ts": int(t + (30 * m + at + abs(rng.normal(0, 0.3))) * 1e6)})  # fmt: skip
+                ts = int(t + (30 * m + at + abs(rng.normal(0, 0.3))) * 1e6)
+                rows.append({"rank": 1, "op": op, "peer": peer, "bytes": 4096, "ts": ts})
         t += 160e6  # 4 x 30 ms of microbatches, 40 ms of flush and optimizer
     step = st.find(st.of_transfers(rows)).job
     assert step is not None and step.period == 16 and abs(step.ms - 160.0) < 16.0

@@ -9,10 +9,12 @@ Each rank appends to ``--truth PATH`` + ``.rank{r}`` (or ``$ACCURACY_TRUTH``):
   (``rank``: the rank the fault is injected on; ``pid``: this rank's);
 - on the faulty rank, when the fault first fires: ``{"fault", "rank",
   "onset": time.time(), "ms", "step"}``;
-- one line per optimizer step: ``{"rank", "step", "t0", "t1", "injected_ms",
-  "runq_ms"}``: wall-clock ``time.time()`` at the step's start and end, the
-  time this rank spent in the injected fault during the step (measured, not
-  the nominal figure), and the time the training thread waited for a CPU
+- one line per optimizer step: ``{"rank", "step", "t0", "t1", "t_arrive",
+  "injected_ms", "runq_ms"}``: wall-clock ``time.time()`` at the step's
+  start and end and just before its first collective (the synchronised
+  backward for DDP, the last forward for FSDP2), the time this rank spent in
+  the injected fault during the step (measured, not the nominal figure), and
+  the time the training thread waited for a CPU
   (``/proc/thread-self/schedstat``).
 
 Shapes: ``ddp_buckets`` (DDP, an MLP of ~2.4 MB: 2 gradient buckets, so 2
@@ -58,6 +60,7 @@ FAULT_MS = {
     "gc": 0.0,
     "healthy": 0.0,
 }
+GC_OBJECTS = 40_000  # the gc fault's object graph (dicts in one cycle)
 ACCUM = 4  # grad_accum: micro-batches per optimizer step
 
 
@@ -89,6 +92,9 @@ class Fault:
         self.step = 0
         self.injected_ms = 0.0  # this step's
         self.hog: subprocess.Popen | None = None  # type: ignore[type-arg]
+        # grad_accum: a loader call, and each fault, per micro-batch of 1/micro
+        # the batch, so that a step gets the same figures as in the other shapes
+        self.scale = 1.0
 
     def active(self) -> bool:
         return self.mine and self.step >= self.onset
@@ -98,7 +104,13 @@ class Fault:
         if not self.fired:
             self.fired = True
             self.truth.write(
-                {"fault": self.kind, "rank": self.rank, "onset": time.time(), "ms": self.ms, "step": self.step}
+                {
+                    "fault": self.kind,
+                    "rank": self.rank,
+                    "onset": time.time(),
+                    "ms": self.ms,
+                    "step": self.step,
+                }
             )
             if self.kind == "cpu_contention":  # a busy process on this rank's CPU
                 cpu = str(max(os.sched_getaffinity(0)))
@@ -112,25 +124,21 @@ class Fault:
         self.injected_ms += (time.perf_counter() - t0) * 1e3
 
 
-def sleep_ms(ms: float) -> None:
-    time.sleep(ms * random.uniform(0.95, 1.05) / 1000)
-
-
-def load_batch(step: int, fault: Fault, batch: int = 64, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read and decode one batch: storage latency, then a little CPU work."""
+def load_batch(
+    step: int, fault: Fault, batch: int = 64, width: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read and decode one batch: storage latency, then a little CPU work.
+    (The sleeps are here, not in a helper: the function that waits is this one.)"""
     if fault.active() and fault.kind in ("loader", "every_10th", "hang"):
         t0 = time.perf_counter()
         if fault.kind == "hang":
             fault.fire()
             threading.Event().wait()  # a read that never returns
-        elif fault.kind == "loader":
+        elif fault.kind == "loader" or step % 10 == 0:
             fault.fire()
-            sleep_ms(fault.ms)
-        elif step % 10 == 0:
-            fault.fire()
-            sleep_ms(fault.ms)
+            time.sleep(fault.ms * fault.scale * random.uniform(0.95, 1.05) / 1000)
         fault.add(t0)
-    sleep_ms(LOAD_MS)
+    time.sleep(LOAD_MS * fault.scale * random.uniform(0.95, 1.05) / 1000)
     x = torch.randn(batch, width)
     a = torch.randn(128, 128)
     for _ in range(3):  # decode / augment
@@ -148,7 +156,7 @@ def extra_work(ms: float) -> int:
     return n
 
 
-def make_garbage(n: int = 60_000) -> int:
+def make_garbage(n: int) -> int:
     """A big cyclic object graph, then a full collection (the gc fault)."""
     nodes = [{"i": i} for i in range(n)]
     for i, d in enumerate(nodes):
@@ -164,12 +172,12 @@ def on_cpu_faults(fault: Fault) -> None:
     if fault.kind == "python_work":
         fault.fire()
         t0 = time.perf_counter()
-        extra_work(FAULT_MS["python_work"])
+        extra_work(fault.ms * fault.scale)
         fault.add(t0)
     elif fault.kind == "gc":
         fault.fire()
         t0 = time.perf_counter()
-        make_garbage()
+        make_garbage(int(GC_OBJECTS * fault.scale))
         fault.add(t0)
     elif fault.kind == "cpu_contention":
         fault.fire()
@@ -213,7 +221,10 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
     model, width = build(args.shape)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     micro = ACCUM if args.shape == "grad_accum" else 1
+    fsdp = args.shape == "fsdp2"
+    arrive = 0.0
     batch = 64 // micro  # accumulation splits the batch into micro-batches
+    fault.scale = 1 / micro
     truth.write(
         {
             "fault": args.fault,
@@ -226,6 +237,7 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
             "self": rank,
         }
     )
+    gc.freeze()  # what is alive now stays (as big jobs do): a collection walks new objects only
     step = 0
     while args.steps <= 0 or step < args.steps:
         fault.step = step
@@ -235,12 +247,16 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
         for m in range(micro):
             x, y = load_batch(step, fault, batch, width)
             on_cpu_faults(fault)
-            loss = nn.functional.cross_entropy(model(x), y) / micro
-            if micro > 1 and m < micro - 1:
+            if micro > 1 and m < micro - 1:  # forward and backward without a collective
                 with model.no_sync():  # type: ignore[operator]
-                    loss.backward()
-            else:
-                loss.backward()  # DDP all-reduces the gradients here (FSDP2: reduce-scatters)
+                    (nn.functional.cross_entropy(model(x), y) / micro).backward()
+                continue
+            if fsdp:  # its first collective: the first layer's all-gather
+                arrive = time.time()
+            loss = nn.functional.cross_entropy(model(x), y) / micro
+            if not fsdp:  # its first collective: the first bucket's all-reduce
+                arrive = time.time()
+            loss.backward()  # DDP all-reduces the gradients here (FSDP2: reduce-scatters)
         opt.step()
         opt.zero_grad()
         t1 = time.time()
@@ -250,6 +266,7 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
                 "step": step,
                 "t0": t0,
                 "t1": t1,
+                "t_arrive": arrive,
                 "injected_ms": round(fault.injected_ms, 3),
                 "runq_ms": round((runq_ns() - q0) / 1e6, 3),
             }
@@ -259,7 +276,11 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="ddp_buckets", choices=["ddp_buckets", "grad_accum", "thread_loop", "fsdp2"])
+    p.add_argument(
+        "--shape",
+        default="ddp_buckets",
+        choices=["ddp_buckets", "grad_accum", "thread_loop", "fsdp2"],
+    )
     p.add_argument("--fault", default="healthy", choices=sorted(FAULT_MS))
     p.add_argument("--fault-rank", type=int, default=-1)
     p.add_argument("--onset-step", type=int, default=20)

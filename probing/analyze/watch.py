@@ -85,6 +85,8 @@ ALERT_S = 5.0  # ... and for at most this long after the pace dropped
 TAIL_S = 3.0  # the span an ask screens for a straggler
 DRAINED_S = 0.2  # a collective is in its rank's store this long after it began, as a rule
 CONFIRM_S = 1.0  # a new straggler's lateness lasted this long: written (noise is briefer)
+# what a straggler written is explained by, asked as diagnose asks it (queries.queries)
+EXPLAIN = ("samples", "cuda", "nvml", "cpu")
 # a straggler not named at a full detection but still this share as late as when
 # it was written (its excess over the others' median) is not over: the test that
 # names one is strict, so one window of a rank still slow may miss it
@@ -328,8 +330,32 @@ class Watch:
             table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
             dead=dead, runq=ask_runq if runq else None, coverage=cov,
         )  # fmt: skip
+        latest = _latest_ts(table)
         with self.book.lock:
-            return d, self._stragglers(d, _latest_ts(table))
+            new = [s for s in d.stragglers if self._writes(s, latest)]
+        if new:  # written now: with its cause, as the verdict says it
+            self._explain(d, table, since)
+        with self.book.lock:
+            return d, self._stragglers(d, latest)
+
+    def _explain(self, d: Any, table: pa.Table, since: int) -> None:
+        """What makes ``d``'s stragglers slow (``d.why``), asked of every rank
+        as ``diagnose`` asks it (``EXPLAIN``: their samples, CUDA calls, GPUs
+        and CPUs since ``since``) over the window ``table`` analyzed: a
+        finding says its cause as the verdict does. Asked only when a
+        straggler is written (a few queries, not at every detection)."""
+        from probing.analyze import collectives as coll
+        from probing.analyze.diagnose import explain_stragglers
+        from probing.analyze.queries import optional, queries
+
+        sql = queries(remote=True)
+        got = {
+            n: optional(lambda q: ask_cluster(self.node, q), sql[n].format(since_ns=since))
+            for n in EXPLAIN
+        }
+        d.why = explain_stragglers(
+            d.stragglers, coll.match(table), got["samples"], got["cuda"], got["nvml"], got["cpu"]
+        )
 
     def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
         """The whole analysis of the window ``table``, recorded: every kind of
@@ -415,7 +441,7 @@ class Watch:
                 # new and short: a burst of noise, maybe; asked again once it may have lasted
                 due.append(s.since_ns + int((CONFIRM_S + DRAINED_S) * 1e9))
                 continue
-            if key not in self.book.active:  # written now: the lateness its end is told by
+            if self._writes(s, latest):  # written now: the lateness its end is told by
                 self._late_ms[s.rank] = s.excess_ms_median
             found[key] = row(
                 "straggler", s.rank, s.node, s.comm, s.since, s.since_ns,
@@ -424,6 +450,12 @@ class Watch:
         self._named = keys
         self._confirm_ns = min(due, default=None)
         return found
+
+    def _writes(self, s: Any, latest: int) -> bool:
+        """Whether the straggler ``s`` is written now: new, and its lateness
+        lasted ``CONFIRM_S`` up to ``latest`` (ns). Holding the lock."""
+        new = ("straggler", s.rank) not in self.book.active
+        return new and latest - s.since_ns >= CONFIRM_S * 1e9
 
 
 class Groups:

@@ -123,6 +123,36 @@ def active_findings(text: str) -> set[tuple[str, str]]:
     }
 
 
+def one_verdict(detector: int, asked: int, metrics: str) -> None:
+    """What the job's detector found (its findings, asked over the cluster
+    through rank ``asked``; /metrics) is what ``diagnose`` says (MCP's): one
+    straggler finding, by torch's name for its group, and no rank gone (the
+    ranks not discovered yet while the probes joined are not gone); over the
+    cluster ``rank`` is the rank it blames; the same step; MCP's verdict names
+    the rank and has nothing the findings say that it does not."""
+    from probing.cli.mcp import tools
+
+    every = ProbeClient.for_pid(detector).query_rows(
+        "SELECT kind, rank, comm, text, node FROM analyze.findings"
+    )[1]
+    stragglers = [(r, c) for k, r, c, *_ in every if k == "straggler"]
+    assert stragglers == [(SLOW, "gloo/pg0")], every
+    # (a rank too slow to answer twice on a loaded machine is gone; one never discovered not)
+    assert not [f for f in every if f[0] == "rank_gone" and f[4] == "?"], every
+    found, _ = tools.findings(asked, 50, 1 << 16, 10.0 * SLOWDOWN)
+    blamed = [(r["rank"], r["probe_rank"]) for r in found.rows if r["kind"] == "straggler"]
+    assert blamed == [(SLOW, 0)], found.rows
+    verdict, _ = tools.diagnose(asked, 30.0, 10.0, None, 10.0 * SLOWDOWN)
+    assert [s["rank"] for s in verdict.diagnosis["stragglers"]] == [SLOW], verdict.verdict
+    assert verdict.unconfirmed is None and [f["rank"] for f in verdict.findings] == [SLOW]
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    [step] = [s.value for s in families["probing_step_seconds"].samples]
+    want = verdict.diagnosis["summary"]["step_ms"] / 1e3
+    assert abs(step - want) < 0.2 * want, (step, want)  # two windows of one job: one step
+    shares = {s.labels["rank"] for s in families["probing_straggler_step_share"].samples}
+    assert shares == {str(SLOW)}, shares
+
+
 def test_the_agent_attaches_to_a_job_nobody_probed(runtime_dir) -> None:  # type: ignore[no-untyped-def]
     require_bpf()
     with watched_job(runtime_dir) as w:
@@ -167,6 +197,7 @@ def test_the_agent_attaches_to_a_job_nobody_probed(runtime_dir) -> None:  # type
         )
         kinds = [(row[0], row[1]) for row in got[1]]
         assert ("straggler", SLOW) in kinds, got
+        one_verdict(ranks[0].pid, ranks[-1].pid, text)
         # its port is read-only
         req = urllib.request.Request(f"{url}/metrics", data=b"x", method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:

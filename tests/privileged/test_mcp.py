@@ -102,8 +102,11 @@ def test_an_agent_names_the_straggler_of_a_real_job(tmp_path: Path, slow_job) ->
     assert sorted(r["rank"] for r in ranks) == list(range(WORLD)) and all(r["ok"] for r in ranks)
     findings = ok(got["findings"])
     stragglers = [r for r in findings["rows"] if r["kind"] == "straggler"]
-    # over the cluster a finding's own rank is table_rank (rank: the probe that answered)
-    assert stragglers and {r["table_rank"] for r in stragglers} == {rank}, findings["rows"]
+    # over the cluster a finding's rank is the rank it blames (probe_rank: the detector's);
+    # one problem, one finding, in the verdict's words
+    assert [r["rank"] for r in stragglers] == [rank], findings["rows"]
+    assert {r["probe_rank"] for r in stragglers} == {0} and "table_rank" not in findings["columns"]
+    assert f"rank {rank} on node " in stragglers[0]["text"] and " ms step " in stragglers[0]["text"]
     assert findings["scope"] == "cluster"
 
     exported = ok(got["export"])

@@ -146,6 +146,16 @@ def test_prometheus_scrapes_the_agent_and_promql_names_the_slowed_rank(  # type:
                 deadline,
             )
             assert late["metric"]["rank"] == str(SLOW) and float(late["value"][1]) > 0.03, late
+            # the verdict's figures: the job's step (80 ms of sleep a step, the slow rank's),
+            # and the share of it the straggler costs
+            [share] = _until(
+                "the straggler's share of the step",
+                lambda: prom.query("max by (rank) (probing_straggler_step_share)"),
+                deadline,
+            )
+            assert share["metric"]["rank"] == str(SLOW) and float(share["value"][1]) > 0.3, share
+            [step] = _until("the step", lambda: prom.query("max(probing_step_seconds)"), deadline)
+            assert 0.07 < float(step["value"][1]) < 0.2, step
 
             def ranks() -> list[str]:
                 return sorted(s["metric"]["rank"] for s in prom.query(

@@ -217,7 +217,9 @@ def add_job_tools(server: MCPServer, state: State) -> None:
     ) -> Annotated[CallToolResult, tools.Verdict]:  # fmt: skip
         """The verdict on a distributed job (`probing diagnose --cluster`): the straggler,
         slow link or hang, why it is slow (analyze.why), with every rank's evidence. Over the
-        job's peers when its probes joined the job, else over its ranks on this machine."""
+        job's peers when its probes joined the job, else over its ranks on this machine. With
+        it, the always-on detector's active findings, and what they say that the verdict does
+        not (unconfirmed: another window, or a trace stopped since)."""
 
         def go() -> tuple[BaseModel, str]:
             window_s = seconds(window, "window")
@@ -238,8 +240,8 @@ def add_job_tools(server: MCPServer, state: State) -> None:
     ) -> Annotated[CallToolResult, tools.Findings]:
         """What the job's always-on detector found while it traces (analyze.findings of
         every rank): stragglers, slow links, hangs, ranks gone, each with when it began and
-        cleared (cleared_ns null: still active). Over the cluster a finding's own rank and node
-        are table_rank and table_node (rank, node: the probe that answered)."""
+        cleared (cleared_ns null: still active); rank and node: the rank each blames (the
+        probe that answered: probe_rank, probe_node)."""
         return run(lambda: tools.findings(pid, max_rows, max_bytes, timeout))
 
     @server.tool(annotations=WRITES)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -502,18 +503,54 @@ def query(
 
 
 FINDINGS_SQL = "SELECT * FROM analyze.findings ORDER BY ts"
+ACTIVE_SQL = "SELECT * FROM analyze.findings WHERE cleared_ns IS NULL ORDER BY ts"
 
 
 class Findings(QueryAnswer):
     active: int = Field(description="findings not cleared yet (cleared_ns null)")
 
 
+def job_findings(job: Job, scope: str, pids: list[int], sql: str = FINDINGS_SQL) -> Any:
+    """``sql`` over ``analyze.findings`` of every rank of a job, as a cluster
+    query answers it in either scope: each row's own ``rank`` and ``node``
+    (the rank a finding blames), the probe that answered as ``probe_node``,
+    ``probe_rank`` (a local ask would tag each row with its probe's rank in
+    place of the one it blames)."""
+    import socket
+
+    import pyarrow as pa
+
+    from probing.analyze.gather import process_rank, with_missing
+
+    if scope == "cluster":
+        return job.ask(sql)
+    node = socket.gethostname()
+    parts, gone = [], []
+    for p in pids:
+        try:
+            probe = client(p)
+            table = probe.query(sql)
+            rank = process_rank(probe, p)
+        except ProbingError as err:
+            gone.append(f"pid {p}: {err}")
+            continue
+        n = table.num_rows
+        table = table.append_column("probe_node", pa.array([node] * n, pa.string()))
+        parts.append(table.append_column("probe_rank", pa.array([rank] * n, pa.int64())))
+    if not parts:
+        raise ProbingError(f"no rank of the job answered: {'; '.join(gone)}")
+    table = pa.concat_tables(parts, promote_options="default")
+    if "ts" in table.column_names:
+        table = table.sort_by("ts")
+    return with_missing(table, gone)
+
+
 def findings(pid: int, max_rows: int, max_bytes: int, timeout: float) -> tuple[Findings, str]:
     """The always-on findings of ``pid``'s job (``analyze.findings`` of every rank)."""
     from probing.analyze.gather import missing_ranks
 
-    job, scope, _ = job_of(pid, timeout)
-    table = job.ask(FINDINGS_SQL)
+    job, scope, pids = job_of(pid, timeout)
+    table = job_findings(job, scope, pids)
     names, rows = arrow_rows(table)
     got = capped(names, rows, max_rows, max_bytes)
     cleared = names.index("cleared_ns") if "cleared_ns" in names else None
@@ -542,6 +579,16 @@ class Verdict(BaseModel):
     )
     at: float = Field(description="when it was made (Unix seconds)")
     diagnosis: dict[str, Any] = Field(description="probing diagnose --format json")
+    findings: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the job's always-on detector's active findings (analyze.findings, "
+        "cleared_ns null; rank: the rank each blames)",
+    )
+    unconfirmed: str | None = Field(
+        default=None,
+        description="what active findings say that this verdict does not (a different "
+        "window, a trace stopped since: seen_ns says when each was last found)",
+    )
 
 
 def _record(pid: int, scope: str, seconds: float) -> None:
@@ -589,7 +636,7 @@ def diagnose(
             f"a recording of {record_s:g} s is longer than a call may wait ({MAX_RECORD_S:g} s)",
             hint="record less, or trace_start the job in the background and diagnose later",
         )
-    job, scope, _ = job_of(pid, timeout)
+    job, scope, pids = job_of(pid, timeout)
     if record_s is not None:
         _record(pid, scope, record_s)
         window_s = min(window_s, record_s)
@@ -598,6 +645,8 @@ def diagnose(
         note(f"counts differ; watching {seconds:.0f} s for a hang")
 
     d, _ = run_diagnosis(job, window_s=window_s, hang_after_s=hang_s, on_wait=waiting)
+    active = _active(job, scope, pids)
+    said = unconfirmed(d, active)
     answer = Verdict(
         pid=pid,
         scope=scope,
@@ -606,8 +655,55 @@ def diagnose(
         recorded_s=record_s,
         at=time.time(),
         diagnosis=jsonable(d.to_json()),
+        findings=[jsonable(f) for f in active],
+        unconfirmed=said,
     )
-    return answer, diagnosis(d)
+    text = diagnosis(d)
+    return answer, f"{text}\n{said}" if said else text
+
+
+MISSING_RANK = re.compile(r"rank (\d+)\b")  # a diagnosis's missing rank: "rank 3 (host1): ..."
+
+
+def _active(job: Job, scope: str, pids: list[int]) -> list[dict[str, Any]]:
+    """The job's active findings ([] where its probes keep none, or do not answer)."""
+    try:
+        rows: list[dict[str, Any]] = job_findings(job, scope, pids, ACTIVE_SQL).to_pylist()
+    except ProbingError as err:
+        note(f"the job's findings: {err}")
+        return []
+    return rows
+
+
+def unconfirmed(d: Any, active: list[dict[str, Any]]) -> str | None:
+    """What the job's ``active`` findings say that the diagnosis ``d`` does
+    not (a straggler it does not name, a hang, a slow link or a rank gone it
+    does not find), said with when each was last found; None where it says
+    all of it. The detector judges its own last 30 s every 5 s: a diagnosis
+    of another window, or one after the trace stopped, may see none of it."""
+    from probing.analyze.verdict import hms
+
+    named = {s.rank for s in d.stragglers}
+    gone = set(d.dead) | {int(m.group(1)) for m in map(MISSING_RANK.match, d.missing) if m}
+    kinds = {"hang": bool(d.hangs), "slow_link": bool(d.slow_links)}
+    said = []
+    for f in active:
+        kind = f.get("kind")
+        if kind == "straggler" and f.get("rank") in named:
+            continue
+        if kind == "rank_gone" and f.get("rank") in gone:
+            continue
+        if kinds.get(str(kind)):
+            continue
+        seen = f.get("seen_ns") or f.get("ts")
+        when = f"last found at {hms(int(seen))}" if seen else "found"
+        said.append(f"{f.get('text')} ({when})")
+    if not said:
+        return None
+    return (
+        "the job's always-on detector holds active findings this verdict does not "
+        f"confirm: {'; '.join(said)}"
+    )
 
 
 # -- export_timeline ------------------------------------------------------------------

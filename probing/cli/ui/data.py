@@ -31,7 +31,7 @@ GPU_SQL = (
     "FROM nvml.gpu WHERE ts >= {since}"
 )
 HANG_AFTER_S = 10.0
-SLOW_TTL_S = 10.0  # the ranks and their process groups: asked again this often
+SLOW_TTL_S = 10.0  # the ranks: asked again this often
 # a diagnosis older than this is shown at once while a new one is made behind it
 DIAGNOSIS_AGE_S = 2.0
 
@@ -188,6 +188,7 @@ class JobView:
         self._latest: dict[str, Latest] = {}
         self.trace_path: str | None = None
         self._tmp: str | None = None  # made by the first timeline export
+        self._groups: Any = None  # torch's names for the job's groups (analyze.watch.Groups)
 
     def _cached(self, key: str, ttl: float, make: Any) -> Any:
         """One computation per ``ttl`` seconds, however many pages ask at once."""
@@ -206,18 +207,13 @@ class JobView:
     def _job(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import collectives as coll
         from probing.analyze import hangs as hg
-        from probing.analyze.diagnose import with_groups
         from probing.analyze.queries import queries
+        from probing.analyze.verdict import straggler_text
 
         now = time.time_ns()
         since = now - int(window_s * 1e9)
         sql = queries(self.source.remote)
-        table = self.source.ask(sql["collectives"].format(since_ns=since))
-        try:
-            groups = self._cached("groups", SLOW_TTL_S, lambda: self.source.ask(sql["groups"]))
-            table = with_groups(table, groups)
-        except ProbingError:
-            pass
+        table = self._named(self.source.ask(sql["collectives"].format(since_ns=since)), now)
         known = self._cached("ranks", SLOW_TTL_S, self.source.ranks)
         nodes = {r.rank: r.node for r in known}
         if table.num_rows:
@@ -250,7 +246,8 @@ class JobView:
             "window_s": window_s,
             "ranks": rows,
             "heatmap": grid,
-            "stragglers": [dataclasses.asdict(s) for s in strag],
+            # each with the verdict's sentence (late per step of the job, its share)
+            "stragglers": [dict(dataclasses.asdict(s), text=straggler_text(s, ())) for s in strag],
             "hangs": [
                 {
                     "comm": h.comm,
@@ -265,6 +262,23 @@ class JobView:
             "missing": list(self.source.missing),
             "collectives": len(matched),
         }
+
+    def _named(self, table: pa.Table, now: int) -> pa.Table:
+        """``table`` with its groups named as the detector and ``diagnose`` name
+        them (``probing.analyze.watch.Groups``: torch's names where they name
+        every Gloo context of it, asked again while one is left unnamed)."""
+        from probing.analyze.queries import optional, queries
+        from probing.analyze.watch import Groups
+
+        with self._lock:
+            if self._groups is None:
+                self._groups = Groups()
+            groups = self._groups
+        if groups.due(table, now):
+            groups.learn(optional(self.source.ask, queries(self.source.remote)["groups"]), table,
+                         now)  # fmt: skip
+        named: pa.Table = groups.names(table)
+        return named
 
     # -- Diagnose -------------------------------------------------------------------
     def diagnose(self, window_s: float = 60.0) -> dict[str, Any]:

@@ -150,11 +150,15 @@ function jobBanner(job) {
       ` #${h.seq} of ${h.comm}; rank(s) ${h.waiting_ranks.join(", ")} wait ${h.age_s} s`);
   }
   if (job.stragglers.length) {
+    // the verdict's sentence (probing.analyze.verdict.straggler_text), made by the server
     const s = job.stragglers[0];
-    return el("div", {class: "banner bad", id: "verdict"},
-      `Straggler: rank ${s.rank} on ${s.node} arrives ${s.lag_ms_mean.toFixed(0)} ms late and ` +
-      `is last at ${(100 * s.last_share).toFixed(0)} % of ${s.op}s; ` +
-      `the job loses ~${(100 * s.share_of_step).toFixed(0)} % of its step time`);
+    const late = s.step_ms > 0
+      ? `is ${s.late_ms.toFixed(0)} ms late each ${s.step_ms.toFixed(0)} ms step`
+      : `arrives ${s.lag_ms_mean.toFixed(0)} ms late`;
+    return el("div", {class: "banner bad", id: "verdict"}, "Straggler: " + (s.text ||
+      `rank ${s.rank} on node ${s.node} ${late} (last at ${(100 * s.last_share).toFixed(0)} % ` +
+      `of ${s.op}s) on ${s.comm}; the job loses ~${(100 * s.share_of_step).toFixed(0)} % of ` +
+      "its step time"));
   }
   if (!job.collectives) {
     return el("div", {class: "banner warn", id: "verdict"},
