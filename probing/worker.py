@@ -184,3 +184,38 @@ class Worker:
             log_unexpected(self.what, err, self._logged)
         if self.on_error is not None:
             self.on_error(err)
+
+
+def stop_on_signals(stop: Callable[[], None], signals: tuple[int, ...]) -> None:
+    """``stop()`` when one of ``signals`` arrives, called on a thread of its own
+    (``probing-signals``), never in the handler: a handler runs on whatever
+    thread it interrupted, maybe inside the very lock ``stop()`` takes (an
+    ``Event.set`` while that thread waits on the event: a SIGTERM at the wrong
+    instant hung an engine for good). The handler only writes a byte to a
+    pipe, which takes no lock; the thread reads it and stops. Call from the
+    main thread (where Python runs handlers), before the loop it stops."""
+    import os
+    import signal
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)  # a burst of signals never blocks the handler
+
+    def wait() -> None:
+        while True:
+            try:
+                if os.read(read, 1):
+                    break
+            except InterruptedError:
+                continue
+        stop()
+
+    threading.Thread(target=wait, name="probing-signals", daemon=True).start()
+
+    def handler(signum: int, _frame: object) -> None:
+        try:
+            os.write(write, bytes([signum & 0xFF]))
+        except BlockingIOError:  # the pipe is full: a stop is on its way already
+            pass
+
+    for sig in signals:
+        signal.signal(sig, handler)

@@ -233,3 +233,35 @@ def test_run_on_the_calling_thread_keeps_a_stop_asked_before_it() -> None:
     w.stop()
     w.run()
     assert ran == [] and w.state == "stopped"
+
+
+STOPPED_BY_SIGNAL = """
+import signal, sys
+from probing.worker import Worker, stop_on_signals
+loop = Worker("probing-test", lambda: None, every_s=1e-5)  # always in or near its wait
+stop_on_signals(loop.stop, (signal.SIGTERM,))
+print("ready", flush=True)
+loop.run()
+print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_a_signal_stops_a_loop_whose_thread_waits_in_the_lock_stop_takes(attempt: int) -> None:
+    # the handler takes no lock: stop() runs on a thread of its own, so a
+    # SIGTERM landing while the loop's thread holds its event's lock stops it
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_BY_SIGNAL], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for _ in range(3):  # a burst: the second and third find a stop on its way
+            p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and out.strip() == "stopped"

@@ -52,7 +52,7 @@ from probing.guest import place, wire
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition
 from probing.node.webhook import Webhook
-from probing.worker import Worker
+from probing.worker import Worker, stop_on_signals
 
 DEFAULT_PORT = 9978  # outside the ephemeral range, away from torchrun's 29500
 LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -433,8 +433,7 @@ def main(
     )
     if hook is not None:
         _say(f"findings go to the webhook {hook.health()['url']} too")
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop())
+    stop_on_signals(agent.stop, (signal.SIGTERM, signal.SIGINT))  # no lock in a handler
     try:
         agent.run()
     finally:

@@ -22,7 +22,7 @@ from probing.node.cluster.port import NodePort
 from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
 from probing.target import Guest
-from probing.worker import Worker
+from probing.worker import Worker, stop_on_signals
 
 TICK_S = 1.0
 
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
             open(stopped, "w").close()  # noqa: SIM115 - a marker, empty
         service.stop()
 
-    signal.signal(signal.SIGTERM, stop)
+    stop_on_signals(stop, (signal.SIGTERM,))  # never a lock in the handler itself
     service.run()
 
 
