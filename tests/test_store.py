@@ -206,6 +206,32 @@ def test_deferred_seals_keep_rows_readable_and_flush_waits_for_them() -> None:
     assert st.stored_bytes < st.raw_bytes
 
 
+def test_a_closed_store_ends_its_sealer_and_is_let_go() -> None:
+    """An engine retires the store of every process it served: the sealer
+    thread ends with it, and nothing keeps the store alive after."""
+    import gc
+    import threading
+    import weakref
+
+    def sealers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "probing-seal")
+
+    before = sealers()
+    store = Store(chunk_rows=1_000)
+    tbl = store.table("t", "c")
+    tbl.append_batch(events(2_500), defer_seal=True)  # two chunks to the sealer
+    thread = store._sealer
+    assert thread is not None and sealers() == before + 1
+    tbl.flush()
+    store.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and sealers() == before
+    gone = weakref.ref(store)
+    del store, tbl
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_writer_that_outruns_the_sealer_seals_itself(monkeypatch) -> None:
     """Past SEAL_QUEUE chunks waiting, append_batch seals in the writer: the
     rows held in memory stay bounded."""

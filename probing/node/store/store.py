@@ -128,7 +128,8 @@ class Store:
         self._owner_start = started(owner) if owner else None
         self._tables: dict[tuple[str, str], EventTable] = {}
         self._lock = threading.RLock()
-        self._seal_queue: queue.SimpleQueue[tuple[EventTable, int, list[pa.RecordBatch]]] = (
+        # the chunks to seal; None: the sealer's end (``close``)
+        self._seal_queue: queue.SimpleQueue[tuple[EventTable, int, list[pa.RecordBatch]] | None] = (
             queue.SimpleQueue()
         )
         self._sealer: threading.Thread | None = None
@@ -155,12 +156,23 @@ class Store:
 
     def _seal_forever(self) -> None:
         while True:
-            table, chunk_id, batches = self._seal_queue.get()
+            item = self._seal_queue.get()
+            if item is None:  # closed: what was queued before is sealed, and it ends
+                return
+            table, chunk_id, batches = item
             try:
                 table._seal(chunk_id, batches)  # never raises: a failure is counted there
             finally:
                 with self._lock:
                     self._queued -= 1
+
+    def _stop_sealer(self) -> None:
+        """The sealer thread ends once what is queued before now is sealed; a
+        chunk handed over later starts another (``seal_later``)."""
+        with self._lock:
+            sealer, self._sealer = self._sealer, None
+        if sealer is not None and self._sealer_pid == os.getpid():
+            self._seal_queue.put(None)
 
     def chunk_root(self) -> str:
         """This process's chunk directory, created on first use."""
@@ -184,6 +196,7 @@ class Store:
         engine (``adopt``): an engine that stops, its process running on."""
         for t in self.tables():
             t.flush()
+        self._stop_sealer()
         with self._lock:
             root, self._root = self._root, None
         if root is not None and self._root_pid == os.getpid():
@@ -223,7 +236,9 @@ class Store:
     def close(self) -> None:
         """Remove this process's chunk files (at exit; safe to call twice).
         Closed before the exit (an engine retiring a process's store), it
-        lets go of its exit hook, which would keep the store alive."""
+        lets go of its exit hook and ends its sealer thread, either of which
+        would keep the store alive (an engine serves hundreds of jobs)."""
+        self._stop_sealer()
         with self._lock:
             root, self._root = self._root, None
         if root is not None and self._root_pid == os.getpid():
