@@ -128,6 +128,10 @@ def test_the_ctypes_structs_follow_the_kernel_uapi() -> None:
     assert _offset(kernel.MapInfo, "name") == 24
     assert _offset(kernel.PerfEventAttr, "config2") == 64
     assert (kernel.TRACE_UPROBE_MULTI, kernel.LINK_TYPE_UPROBE_MULTI) == (48, 12)
+    # union bpf_attr's batch: in_batch, out_batch, keys, values, count, map_fd, ...
+    b = kernel.MapBatchAttr
+    assert [_offset(b, f) for f in ("keys", "values", "count", "map_fd", "elem_flags")] == [
+        16, 24, 32, 36, 40]  # fmt: skip
 
 
 def test_entry_only_functions_get_links_of_their_own() -> None:

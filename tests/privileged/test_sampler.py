@@ -161,3 +161,34 @@ def test_threads_python_did_not_start_are_named_by_the_kernel_and_the_engines_le
     assert mine and {r["thread"] for r in mine} == {"native-spin"}, mine[:3]
     assert engine and not [r for r in rows if r["tid"] == engine[0]]
     assert not [r for r in rows if r["thread"] in smp.ENGINE_THREADS]
+
+
+def test_a_hash_map_read_in_batches_is_the_map_read_key_by_key() -> None:
+    # the sampler reads its counts every interval: a few bpf() calls, not two an entry
+    import ctypes
+
+    from probing.node.bpf import kernel, loader
+
+    require_bpf()
+
+    class Key(ctypes.Structure):
+        _fields_ = [("tid", ctypes.c_uint32), ("stack_id", ctypes.c_uint32)]
+
+    class Val(ctypes.Structure):
+        _fields_ = [("count", ctypes.c_uint64), ("ns", ctypes.c_uint64)]
+
+    spec = kernel.MapSpec("probing_test", 1, ctypes.sizeof(Key), ctypes.sizeof(Val), 4096, 0)
+    fd = kernel.map_create(spec)
+    try:
+        m = loader.Map.__new__(loader.Map)
+        m.map_fd, m.spec, m.name, m.Key, m.Leaf, m.batched = fd, spec, spec.name, Key, Val, True
+        for i in range(3000):
+            m[Key(i, i % 7)] = Val(i * 3, i * 1000)
+        keys, vals = m.arrays()
+        assert m.batched  # this kernel (>= 5.6) has batch lookups
+        batched = {(int(k["tid"]), int(k["stack_id"])): (int(v["count"]), int(v["ns"]))
+                   for k, v in zip(keys, vals, strict=True)}  # fmt: skip
+        one_by_one = {(k.tid, k.stack_id): (v.count, v.ns) for k, v in m.items()}
+        assert len(batched) == 3000 and batched == one_by_one
+    finally:
+        os.close(fd)

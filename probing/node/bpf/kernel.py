@@ -36,6 +36,7 @@ PROG_LOAD = 5
 PROG_TEST_RUN = 10
 OBJ_GET_INFO_BY_FD = 15
 RAW_TRACEPOINT_OPEN = 17
+MAP_LOOKUP_BATCH = 24  # kernels >= 5.6
 LINK_CREATE = 28
 LINK_GET_FD_BY_ID = 30
 LINK_GET_NEXT_ID = 31
@@ -76,6 +77,19 @@ class MapCreateAttr(ctypes.Structure):
         ("inner_map_fd", ctypes.c_uint32),
         ("numa_node", ctypes.c_uint32),
         ("map_name", ctypes.c_char * 16),
+    ]
+
+
+class MapBatchAttr(ctypes.Structure):
+    _fields_ = [
+        ("in_batch", ctypes.c_uint64),
+        ("out_batch", ctypes.c_uint64),
+        ("keys", ctypes.c_uint64),
+        ("values", ctypes.c_uint64),
+        ("count", ctypes.c_uint32),
+        ("map_fd", ctypes.c_uint32),
+        ("elem_flags", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
     ]
 
 
@@ -281,6 +295,40 @@ def map_delete(fd: int, key: CData) -> bool:
             return False
         raise
     return True
+
+
+def map_lookup_batch(fd: int, key_size: int, value_size: int, count: int) -> tuple[bytes, bytes]:
+    """Every entry of a hash map, ``count`` at a time, in a few bpf() calls
+    (BPF_MAP_LOOKUP_BATCH) where reading it key by key takes two per entry:
+    the keys and the values, packed. ``BPFError`` where the kernel has no batch
+    operations (EINVAL before 5.6): the caller reads it key by key."""
+    count = max(count, 1)
+    keys = ctypes.create_string_buffer(key_size * count)
+    values = ctypes.create_string_buffer(value_size * count)
+    token = max(key_size, 8)  # the position between calls: opaque, a key's size at most
+    at, after = ctypes.create_string_buffer(token), ctypes.create_string_buffer(token)
+    out_keys, out_values = bytearray(), bytearray()
+    start = True
+    while True:
+        attr = MapBatchAttr(
+            0 if start else ctypes.addressof(at), ctypes.addressof(after),
+            ctypes.addressof(keys), ctypes.addressof(values), count, fd, 0, 0,
+        )  # fmt: skip
+        try:
+            bpf(MAP_LOOKUP_BATCH, attr)
+            done = False
+        except BPFError as err:
+            if err.errno == errno.ENOSPC:  # one bucket holds more than count: a bigger count
+                return map_lookup_batch(fd, key_size, value_size, count * 2)
+            if err.errno != errno.ENOENT:
+                raise
+            done = True  # the last entries (count of them) came with the end
+        out_keys += keys.raw[: attr.count * key_size]
+        out_values += values.raw[: attr.count * value_size]
+        if done or attr.count == 0:
+            return bytes(out_keys), bytes(out_values)
+        ctypes.memmove(at, after, token)
+        start = False
 
 
 def map_next_key(fd: int, key: CData | None, next_key: CData) -> bool:

@@ -375,6 +375,7 @@ class Map:
         # the ctypes types (None: BCC described none)
         self.Key: Any = ctype_of(d.key) if d.key is not None else None
         self.Leaf: Any = ctype_of(d.leaf) if d.leaf is not None else None
+        self.batched = True  # BPF_MAP_LOOKUP_BATCH, until the kernel says it has none
 
     def __getitem__(self, key: Any) -> Any:
         leaf = self.Leaf()
@@ -407,6 +408,26 @@ class Map:
             except KeyError:  # deleted meanwhile
                 continue
         return out
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry as two numpy record arrays (keys, values: the C types'
+        fields), read in a few bpf() calls (``kernel.map_lookup_batch``), or
+        key by key on a kernel without batch operations."""
+        kd, vd = np.dtype(self.Key), np.dtype(self.Leaf)
+        if self.batched:
+            try:
+                keys, values = kernel.map_lookup_batch(
+                    self.map_fd, kd.itemsize, vd.itemsize, self.spec.max_entries
+                )
+                return np.frombuffer(keys, dtype=kd), np.frombuffer(values, dtype=vd)
+            except kernel.BPFError as err:
+                if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                self.batched = False  # this kernel has none: key by key from now on
+        pairs = self.items()
+        keys = b"".join(bytes(k) for k, _ in pairs)
+        values = b"".join(bytes(v) for _, v in pairs)
+        return np.frombuffer(keys, dtype=kd), np.frombuffer(values, dtype=vd)
 
     def clear(self) -> None:
         for k in self.keys():

@@ -212,10 +212,11 @@ class Sampler:
 
         put(0, 0, "tick", 1, now_mono - self._last_read)
         self._last_read = now_mono
-        cur = {
-            (int(k.tid), int(k.stack_id), int(k.kind)): (int(v.count), int(v.ns))
-            for k, v in m.items()
-        }
+        keys, vals = m.arrays()  # a few bpf() calls, not two an entry
+        tid, sid, kind = (keys[f].tolist() for f in ("tid", "stack_id", "kind"))
+        ids = zip(tid, sid, kind, strict=True)
+        totals = zip(vals["count"].tolist(), vals["ns"].tolist(), strict=True)
+        cur = dict(zip(ids, totals, strict=True))
         for key, (count, ns) in cur.items():
             pc, pn = self._prev.get(key, (0, 0))
             if count > pc and key[0] not in ours and key[2] < len(KINDS):
