@@ -276,6 +276,28 @@ def test_one_straggler_is_one_finding_whatever_its_group_is_called() -> None:
     assert w.groups.names(slow).column("pg").to_pylist()[0] == "0"
 
 
+def test_a_straggler_is_written_by_torchs_name_where_it_came_since_it_was_asked() -> None:
+    """The groups asked at a full detection name nothing yet (no rank had
+    traced a Gloo call then); rank 2 slows down and a look writes it a
+    moment later, the groups' retry not due: they are asked again as it is
+    written, and it is written by torch's name."""
+    onset = 330
+    node = Node()
+    node.live = synchronous(lambda k: 60.0 if k >= onset else 0.0, steps=420)
+    began = int(node.live.filter(pc.equal(node.live["seq"], onset))["ts"][0].as_py())
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=1)
+    node.clock = began - int(2.1e9)
+    assert w.once(node.clock) == []  # the groups asked: none named
+    assert not w.groups.due(upto(node.live, began), began + int(1.5e9))
+    node.groups = groups_of(node.live)
+    written = []
+    for k in range(1, 8):  # looks every 0.25 s
+        node.clock = began + int(k * 0.25e9)
+        written += w.look(node.clock)
+    [new] = written
+    assert new["comm"] == "gloo/pg0" and "gloo/pg0" in new["text"], new
+
+
 def test_a_window_is_named_by_torchs_groups_only_where_they_name_every_context() -> None:
     """A context one rank's answer left out keeps every rank's rows named by
     size and order (one group, not two); the groups are asked again sooner
@@ -626,6 +648,7 @@ def test_a_slowdown_asks_every_rank_at_once_and_is_written_once_it_lasted() -> N
     onset = 330
     node = Node()
     node.live = synchronous(lambda k: 60.0 if k >= onset else 0.0, steps=420)
+    node.groups = groups_of(node.live)
     began = int(node.live.filter(pc.equal(node.live["seq"], onset))["ts"][0].as_py())
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=1)
     node.clock = began - int(2.1e9)

@@ -31,9 +31,11 @@ when it may have): analyzing whenever the pace drops must not name the
 bursts of noise of a busy machine (a rank starved of CPU for a moment)
 that one detection every 5 s seldom met. One problem is one finding: a
 straggler is keyed by its rank alone (its group's name may change as torch's
-names are learned), written once, when it is new, in the verdict's words
-(``probing.analyze.verdict``: ``straggler_text``, ``hang_text``,
-``slow_link_text``), and cleared only once ``findings.CLEAR_AFTER`` full
+names are learned; they are asked again as one is written by other
+names), written once, when it is new, in the verdict's words and with its
+cause (``probing.analyze.verdict``: ``straggler_text``, ``hang_text``,
+``slow_link_text``; what explains a straggler asked, ``EXPLAIN``, as it is
+written), and cleared only once ``findings.CLEAR_AFTER`` full
 detections in a row saw it over: a straggler is over where every rank
 answered, the window could be judged, and its rank is neither named nor
 still half as late as when it was (``HOLD``); a detection that cannot tell
@@ -299,7 +301,7 @@ class Watch:
             return ask_cluster(self.node, q)
 
         if self.groups.due(table, now):  # torch's names, as diagnose says them
-            self.groups.learn(optional(ask, sql["groups"]), table, now)
+            self._learn_groups(now, table)
         aux = dict(self._aux)  # the other thread reads them meanwhile: replaced at once
         aux["dead"] = ask(sql["dead"]).to_pylist()
         aux["intervals"] = optional(ask, sql["intervals"])
@@ -310,9 +312,27 @@ class Watch:
     ) -> tuple[Any, dict[Key, dict[str, Any]]]:
         """The whole analysis of the window ``table``, and the stragglers it
         names to write (``_stragglers``): torch's names for the groups
-        (``Groups.names``), only the span in which every rank that answered
-        traced; ``runq``: a suspected slow link is told from ranks waiting
-        for a CPU."""
+        (``Groups.names``; asked again before a straggler is written by
+        other names, which it keeps), only the span in which every rank that
+        answered traced; ``runq``: a suspected slow link is told from ranks
+        waiting for a CPU."""
+        raw = table
+        table, d = self._judged(raw, got, now, runq)
+        latest = _latest_ts(table)
+        with self.book.lock:
+            new = [s for s in d.stragglers if self._writes(s, latest)]
+        if new and self.groups.unnamed(raw):  # torch's names may have come since they were asked
+            self._learn_groups(now, raw)
+            if not self.groups.unnamed(raw):
+                table, d = self._judged(raw, got, now, runq)
+        if new:  # written now: with its cause, as the verdict says it
+            self._explain(d, table, now - int(WINDOW_S * 1e9))
+        with self.book.lock:
+            return d, self._stragglers(d, latest)
+
+    def _judged(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[pa.Table, Any]:
+        """``table`` named by torch's groups and cut to the span every rank
+        that answered (``got``) traced in, and its analysis."""
         from probing.analyze.diagnose import analyze, judge
         from probing.analyze.queries import optional, queries
 
@@ -330,13 +350,14 @@ class Watch:
             table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
             dead=dead, runq=ask_runq if runq else None, coverage=cov,
         )  # fmt: skip
-        latest = _latest_ts(table)
-        with self.book.lock:
-            new = [s for s in d.stragglers if self._writes(s, latest)]
-        if new:  # written now: with its cause, as the verdict says it
-            self._explain(d, table, since)
-        with self.book.lock:
-            return d, self._stragglers(d, latest)
+        return table, d
+
+    def _learn_groups(self, now: int, table: pa.Table) -> None:
+        """torch's groups asked of every rank, for the window ``table``."""
+        from probing.analyze.queries import optional, queries
+
+        sql = queries(remote=True)["groups"]
+        self.groups.learn(optional(lambda q: ask_cluster(self.node, q), sql), table, now)
 
     def _explain(self, d: Any, table: pa.Table, since: int) -> None:
         """What makes ``d``'s stragglers slow (``d.why``), asked of every rank
@@ -500,6 +521,11 @@ class Groups:
             named = len(self._unnamed(table)) < before
             self.retry_s = GROUPS_RETRY_S if named else min(2 * self.retry_s, GROUPS_S)
             self.asked_ns = now
+
+    def unnamed(self, table: pa.Table) -> bool:
+        """Whether ``table`` holds a Gloo context no group known names."""
+        with self.lock:
+            return bool(self._unnamed(table))
 
     def names(self, table: pa.Table) -> pa.Table:
         """``table`` with its Gloo contexts named by torch's groups (``pg``,
