@@ -16,6 +16,8 @@ from probing.analyze import pipeline as pp
 from probing.analyze import why as wy
 
 MOST = 0.5  # a cause that explains this share of the lateness heads the verdict
+# what to do about ranks not heard from
+ASK_AGAIN = "is their engine up? probing ps on their node, then diagnose again"
 
 
 def verdict(
@@ -38,14 +40,12 @@ def verdict(
         h = hangs[0]
         return (
             f"hang: {ranks_text(h.waiting_ranks)} wait in {_where(h)} for {h.age_s:g}+ s; "
-            f"{unheard}: whether they entered it is unknown, so no cause is named (is their "
-            "engine up? probing ps on their node, then diagnose again)"
+            f"{unheard}: whether they entered it is unknown, so no cause is named ({ASK_AGAIN})"
         )
     said = _worst(stragglers, slow_links, hangs, summary, window_s, why, pipe, answered)
     if unheard and said.startswith(("healthy", "noisy", "no verdict")):
         return (
-            f"no verdict: {unheard}; their ranks' state is unknown, so none is judged "
-            "(is their engine up? probing ps on their node, then diagnose again)"
+            f"no verdict: {unheard}; their ranks' state is unknown, so none is judged ({ASK_AGAIN})"
         )
     return f"{said}; {unheard} (their state is unknown)" if unheard else said
 
