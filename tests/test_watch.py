@@ -501,7 +501,7 @@ def watch_analysis(w: Watch, table: pa.Table, now: int) -> Any:
     from probing.analyze import analyze
 
     return analyze(table, now_ns=now, window_s=watch.WINDOW_S, hang_after_s=watch.HANG_AFTER_S,
-                   dead=w._aux["dead"])  # fmt: skip
+                   dead=w.analyst.aux["dead"])  # fmt: skip
 
 
 def analyze_links(table: pa.Table) -> list[Any]:

@@ -207,21 +207,16 @@ def analyze(
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
         trainers=trainers,
     )  # fmt: skip
-    steps = st.find(matched)  # the job's step: every figure per step is of it
-    if steps.job is None and rows:  # a pipeline's: its stages' transfers repeat
-        steps = st.Steps(st.find(st.of_transfers(rows)).job, steps.comms)
+    steps = job_steps(matched, rows)  # the job's step: every figure per step is of it
     strag = [] if hangs else coll.stragglers(matched, nodes, steps)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
         late.place = mesh.place_text(late.rank, ranks_of or {})
     # a straggler slows the collectives too (its share of the reduction runs late)
     slow = [] if hangs or strag else _slow_links(matched, nodes, runq)
     summary = coll.summarize(matched, steps)
-    stacks = {
-        r: hg.main_stack(frames[r], trainers.get(r, ()))
-        for s in strag for r in [s.rank] if frames.get(r)
-    }  # fmt: skip
-    for h in hangs:
-        stacks.update(h.stacks)
+    stacks = {s.rank: hg.main_stack(frames[s.rank], trainers.get(s.rank, ()))
+              for s in strag if frames.get(s.rank)}  # fmt: skip
+    stacks.update({r: v for h in hangs for r, v in h.stacks.items()})
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
     why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
     why += explain_stage(pipe, samples, strag)
@@ -247,6 +242,15 @@ def analyze(
     )
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
     return d
+
+
+def job_steps(matched: list[coll.Collective], rows: list[dict[str, Any]]) -> st.Steps:
+    """The job's step (``steps.find``) of its collectives, else of its
+    point-to-point transfers ``rows`` (a pipeline's stages' repeat too)."""
+    steps = st.find(matched)
+    if steps.job is None and rows:
+        steps = st.Steps(st.find(st.of_transfers(rows)).job, steps.comms)
+    return steps
 
 
 def issuers(table: pa.Table) -> dict[int, set[int]]:

@@ -138,8 +138,8 @@ class Watch:
         self._window = Window()  # the full detections'
         self._asked = Window()  # the asks' between them
         self._pace = Pace()
-        self._aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
-        self.groups = Groups()  # torch's names for the job's groups
+        self.analyst = Analyst(node)  # a window's analysis, as diagnose's
+        self.groups = self.analyst.groups  # torch's names for the job's groups
         self._full_ns: int | None = None  # wall ns of the last full detection
         self._asked_ns = 0  # ... of the last ask between them
         self._alert_ns: int | None = None  # since when the pace is low
@@ -273,8 +273,8 @@ class Watch:
         self._asked_ns = now
         with self.book.lock:
             self.book.detections += 1
-        if not self._aux:
-            self._ask_aux(now, table)
+        if not self.analyst.aux:
+            self.analyst.ask_aux(now, table)
         if not waiting and not _screen(table, now) - known:
             return []
         d, found = self._analyze(table, got, now, runq=False)
@@ -286,26 +286,8 @@ class Watch:
         table, got = self._window.fetch(self.node, now)
         with self.book.lock:
             self.book.detections += 1
-        self._ask_aux(now, table)
+        self.analyst.ask_aux(now, table)
         return self._detect(table, got, now)
-
-    def _ask_aux(self, now: int, table: pa.Table) -> None:
-        """The ranks that died and who traced when, and torch's groups where
-        due for the window ``table`` (``Groups.due``): asked at full
-        detections, used by the analyses the screen starts between them."""
-        from probing.analyze.queries import optional, queries
-
-        sql = queries(remote=True)
-
-        def ask(q: str) -> pa.Table:
-            return ask_cluster(self.node, q)
-
-        if self.groups.due(table, now):  # torch's names, as diagnose says them
-            self._learn_groups(now, table)
-        aux = dict(self._aux)  # the other thread reads them meanwhile: replaced at once
-        aux["dead"] = ask(sql["dead"]).to_pylist()
-        aux["intervals"] = optional(ask, sql["intervals"])
-        self._aux = aux
 
     def _analyze(
         self, table: pa.Table, got: Any, now: int, runq: bool
@@ -317,66 +299,18 @@ class Watch:
         answered traced; ``runq``: a suspected slow link is told from ranks
         waiting for a CPU."""
         raw = table
-        table, d = self._judged(raw, got, now, runq)
+        table, d = self.analyst.judged(raw, got, now, runq)
         latest = _latest_ts(table)
         with self.book.lock:
             new = [s for s in d.stragglers if self._writes(s, latest)]
         if new and self.groups.unnamed(raw):  # torch's names may have come since they were asked
-            self._learn_groups(now, raw)
+            self.analyst.learn_groups(now, raw)
             if not self.groups.unnamed(raw):
-                table, d = self._judged(raw, got, now, runq)
+                table, d = self.analyst.judged(raw, got, now, runq)
         if new:  # written now: with its cause, as the verdict says it
-            self._explain(d, table, now - int(WINDOW_S * 1e9))
+            self.analyst.explain(d, table, now - int(WINDOW_S * 1e9))
         with self.book.lock:
             return d, self._stragglers(d, latest)
-
-    def _judged(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[pa.Table, Any]:
-        """``table`` named by torch's groups and cut to the span every rank
-        that answered (``got``) traced in, and its analysis."""
-        from probing.analyze.diagnose import analyze, judge
-        from probing.analyze.queries import optional, queries
-
-        dead = self._aux["dead"]
-        table = self.groups.names(table)
-        since = now - int(WINDOW_S * 1e9)
-        runq_sql = queries(remote=True)["runq"].format(since_ns=since)
-
-        def ask_runq() -> pa.Table | None:
-            return optional(lambda q: ask_cluster(self.node, q), runq_sql)
-
-        answered = sorted({t.rank for t in got.peers})
-        table, cov = judge(table, self._aux["intervals"], answered, dead, since, now)
-        d = analyze(
-            table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
-            dead=dead, runq=ask_runq if runq else None, coverage=cov,
-        )  # fmt: skip
-        return table, d
-
-    def _learn_groups(self, now: int, table: pa.Table) -> None:
-        """torch's groups asked of every rank, for the window ``table``."""
-        from probing.analyze.queries import optional, queries
-
-        sql = queries(remote=True)["groups"]
-        self.groups.learn(optional(lambda q: ask_cluster(self.node, q), sql), table, now)
-
-    def _explain(self, d: Any, table: pa.Table, since: int) -> None:
-        """What makes ``d``'s stragglers slow (``d.why``), asked of every rank
-        as ``diagnose`` asks it (``EXPLAIN``: their samples, CUDA calls, GPUs
-        and CPUs since ``since``) over the window ``table`` analyzed: a
-        finding says its cause as the verdict does. Asked only when a
-        straggler is written (a few queries, not at every detection)."""
-        from probing.analyze import collectives as coll
-        from probing.analyze.diagnose import explain_stragglers
-        from probing.analyze.queries import optional, queries
-
-        sql = queries(remote=True)
-        got = {
-            n: optional(lambda q: ask_cluster(self.node, q), sql[n].format(since_ns=since))
-            for n in EXPLAIN
-        }
-        d.why = explain_stragglers(
-            d.stragglers, coll.match(table), got["samples"], got["cuda"], got["nvml"], got["cpu"]
-        )
 
     def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
         """The whole analysis of the window ``table``, recorded: every kind of
@@ -477,6 +411,84 @@ class Watch:
         lasted ``CONFIRM_S`` up to ``latest`` (ns). Holding the lock."""
         new = ("straggler", s.rank) not in self.book.active
         return new and latest - s.since_ns >= CONFIRM_S * 1e9
+
+
+class Analyst:
+    """The analysis of a window of the job's collectives, as ``diagnose``
+    does it, asked of every rank through ``node``: torch's names for the
+    groups (``groups``), the ranks that died and who traced when (``aux``,
+    asked at full detections), the span judged, the stragglers' causes."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.groups = Groups()  # torch's names for the job's groups
+        self.aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
+
+    def ask_aux(self, now: int, table: pa.Table) -> None:
+        """The ranks that died and who traced when, and torch's groups where
+        due for the window ``table`` (``Groups.due``): asked at full
+        detections, used by the analyses the screen starts between them."""
+        from probing.analyze.queries import optional, queries
+
+        sql = queries(remote=True)
+
+        def ask(q: str) -> pa.Table:
+            return ask_cluster(self.node, q)
+
+        if self.groups.due(table, now):  # torch's names, as diagnose says them
+            self.learn_groups(now, table)
+        aux = dict(self.aux)  # the other thread reads them meanwhile: replaced at once
+        aux["dead"] = ask(sql["dead"]).to_pylist()
+        aux["intervals"] = optional(ask, sql["intervals"])
+        self.aux = aux
+
+    def judged(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[pa.Table, Any]:
+        """``table`` named by torch's groups and cut to the span every rank
+        that answered (``got``) traced in, and its analysis."""
+        from probing.analyze.diagnose import analyze, judge
+        from probing.analyze.queries import optional, queries
+
+        dead = self.aux["dead"]
+        table = self.groups.names(table)
+        since = now - int(WINDOW_S * 1e9)
+        runq_sql = queries(remote=True)["runq"].format(since_ns=since)
+
+        def ask_runq() -> pa.Table | None:
+            return optional(lambda q: ask_cluster(self.node, q), runq_sql)
+
+        answered = sorted({t.rank for t in got.peers})
+        table, cov = judge(table, self.aux["intervals"], answered, dead, since, now)
+        d = analyze(
+            table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
+            dead=dead, runq=ask_runq if runq else None, coverage=cov,
+        )  # fmt: skip
+        return table, d
+
+    def learn_groups(self, now: int, table: pa.Table) -> None:
+        """torch's groups asked of every rank, for the window ``table``."""
+        from probing.analyze.queries import optional, queries
+
+        sql = queries(remote=True)["groups"]
+        self.groups.learn(optional(lambda q: ask_cluster(self.node, q), sql), table, now)
+
+    def explain(self, d: Any, table: pa.Table, since: int) -> None:
+        """What makes ``d``'s stragglers slow (``d.why``), asked of every rank
+        as ``diagnose`` asks it (``EXPLAIN``: their samples, CUDA calls, GPUs
+        and CPUs since ``since``) over the window ``table`` analyzed: a
+        finding says its cause as the verdict does. Asked only when a
+        straggler is written (a few queries, not at every detection)."""
+        from probing.analyze import collectives as coll
+        from probing.analyze.diagnose import explain_stragglers
+        from probing.analyze.queries import optional, queries
+
+        sql = queries(remote=True)
+        got = {
+            n: optional(lambda q: ask_cluster(self.node, q), sql[n].format(since_ns=since))
+            for n in EXPLAIN
+        }
+        d.why = explain_stragglers(
+            d.stragglers, coll.match(table), got["samples"], got["cuda"], got["nvml"], got["cpu"]
+        )
 
 
 class Groups:
