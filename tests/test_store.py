@@ -232,6 +232,23 @@ def test_a_closed_store_ends_its_sealer_and_is_let_go() -> None:
     assert gone() is None
 
 
+def test_a_settled_store_ends_its_sealer_and_keeps_its_rows() -> None:
+    """A process that exited writes no more: its store's sealer ends, what it
+    left stays queryable until the engine retires it."""
+    store = Store(chunk_rows=1_000)
+    tbl = store.table("t", "s")
+    data = events(2_500)
+    tbl.append_batch(data, defer_seal=True)
+    thread = store._sealer
+    assert thread is not None
+    store.settle()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and store._sealer is None
+    assert tbl.stats().pending_rows == 0
+    assert tbl.to_arrow().sort_by("ts").equals(data.sort_by("ts"))
+    store.close()
+
+
 def test_a_writer_that_outruns_the_sealer_seals_itself(monkeypatch) -> None:
     """Past SEAL_QUEUE chunks waiting, append_batch seals in the writer: the
     rows held in memory stay bounded."""

@@ -166,6 +166,14 @@ class Store:
                 with self._lock:
                     self._queued -= 1
 
+    def settle(self) -> None:
+        """Seal what is pending and end the sealer thread: the process whose
+        data this is has exited and writes no more; its rows stay queryable
+        until ``close`` (an engine keeps what a dead process left a while)."""
+        for t in self.tables():
+            t.flush()
+        self._stop_sealer()
+
     def _stop_sealer(self) -> None:
         """The sealer thread ends once what is queued before now is sealed; a
         chunk handed over later starts another (``seal_later``)."""
