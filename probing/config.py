@@ -150,8 +150,14 @@ class Config:
     port: int | None = _setting(
         "PROBING_PORT",
         None,
-        "the engine's peer TCP port (default 9977, else the next free)",
+        "the engine's peer TCP port (default: the first free of `PROBING_PORT_RANGE`)",
         strict=True,
+    )
+    port_range: str = _setting(
+        "PROBING_PORT_RANGE",
+        "9979-10010",
+        "`first-last`: the ports an engine takes its peer port from, the first free one "
+        "(else any free one); never `PROBING_AGENT_PORT`, which is outside it by default",
     )
     node: str = _setting("PROBING_NODE", "", "this node's name (default: the host name)")
     host: str = _setting("PROBING_HOST", "", "the address peers reach this probe at")
@@ -180,7 +186,11 @@ class Config:
     )
     # probing agent (its options override these; `--config FILE` reads them from a file)
     agent_port: int = _setting(
-        "PROBING_AGENT_PORT", 9978, "`probing agent`'s GET /health and /metrics port", least=0
+        "PROBING_AGENT_PORT",
+        9978,
+        "`probing agent`'s GET /health and /metrics port (outside `PROBING_PORT_RANGE`: "
+        "no engine takes it)",
+        least=0,
     )
     agent_host: str = _setting(
         "PROBING_AGENT_HOST", "127.0.0.1", "the address `probing agent` serves on"

@@ -184,29 +184,52 @@ _LOGGED_AT_MOST = 64  # distinct errors a ``seen`` set remembers; past it, they 
 
 def tell(msg: str, pid: int | None = None) -> None:
     """One ``probing: msg`` line where the process ``pid`` writes its errors
-    (its stderr, through ``/proc/PID/fd/2``: a probe served beside the job
-    speaks where the job's user looks), else on our own stderr. Never raises."""
+    when that is a terminal or a pipe (its stderr, through ``/proc/PID/fd/2``:
+    a probe served beside the job speaks where the job's user looks), else
+    on our own stderr (the engine's log). Never into a file: a job run with
+    ``> train.log 2>&1`` writes at its own offset, and a line of ours, opened
+    a second time, was overwritten by its lines and garbled them. Never raises."""
     import os
     import sys
 
     from probing import proc
 
     line = f"probing: {msg}\n"
-    if pid is not None and pid != os.getpid():
-        try:  # one write, appended: the line is whole however the job writes around it
-            fd = os.open(proc.path(pid, "fd/2"), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            try:
-                os.write(fd, line.encode(errors="replace"))
-            finally:
-                os.close(fd)
-            return
-        except OSError:  # gone, a socket, or not ours: the engine's log has it
-            pass
+    if pid is not None and pid != os.getpid() and _told_to(proc.path(pid, "fd/2"), line):
+        return
     try:
         sys.stderr.write(line)
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
         pass
+
+
+def _told_to(stderr: str, line: str) -> bool:
+    """``line`` written to a process's ``stderr`` (its ``/proc/PID/fd/2``)
+    where that is a terminal or a pipe: one write, appended, so the line is
+    whole however the job writes around it; never blocking (a pipe nobody
+    reads, a full one: the line is not told there). False where it was not
+    (a file, a socket, gone, not ours): the caller's log has it."""
+    import os
+    import stat
+
+    try:  # what it is, before it is opened: a job's file is never opened at all
+        mode = os.stat(stderr).st_mode
+        if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+            return False
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+        fd = os.open(stderr, flags)
+    except OSError:
+        return False
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISFIFO(mode) or os.isatty(fd)):  # /dev/null, another device
+            return False
+        return os.write(fd, line.encode(errors="replace")) > 0
+    except OSError:  # a pipe full or closed meanwhile
+        return False
+    finally:
+        os.close(fd)
 
 
 def log_unexpected(what: str, err: BaseException, seen: set[str] | None = None) -> None:

@@ -75,7 +75,7 @@ def test_only_one_rank_traced_is_no_verdict_not_a_straggler() -> None:
     spans = {0: [(T0 - S, None, "tracing")]}
     table, cov = judge(alone, _intervals(spans), [0, 1, 2, 3], [], T0 - S, now)
     d = analyze(table, now_ns=now, coverage=cov)
-    assert d.healthy and not d.stragglers and not d.hangs
+    assert not d.healthy and not d.stragglers and not d.hangs
     assert d.verdict.startswith("no verdict: not every rank traced"), d.verdict
     assert "ranks 1, 2, 3 never traced in the window" in d.verdict, d.verdict
     assert "probing trace --pid P --cluster --background" in d.verdict

@@ -52,6 +52,9 @@ MIN_LAG_MS = 2.0  # ... or is this much later than the others' median (median ex
 MIN_EXCESS = 0.03  # ... and this share of a step later
 SHARE_MIN = 0.01  # ... and costs at least this share
 SHARE_SPARSE = 0.20  # last more often than chance and costing this share: named
+# ... and, where the job's step is known, never one that costs it less than this
+# share of its step (a loaded machine keeps one rank 1 ms late a 65 ms step)
+SHARE_NAMED = 0.03
 NOISY_SKEW = 0.35  # arrival skew above this share of a step with no straggler: noisy
 SLOW_LINK_MIN_MS = 5.0  # a collective's transfer time above this and ...
 SLOW_LINK_FACTOR = 4.0  # ... this many times the modelled time, and ...
@@ -672,9 +675,13 @@ def stragglers(
                 waits[comm].add(r)
             mine = steps.comms.get(comm)
             s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine)
+            if s is None and mine is not None and steps.job is not None:
+                s = _late_at_one(comm, cs, r, excess, len(ranks), nodes.get(r, ""), mine, steps.job)
             if s is None:
                 continue
             per_step(s, cs, excess, mine, steps.job)
+            if s.step_ms and s.share_of_step < SHARE_NAMED:  # a machine favouring a rank
+                continue
             groups[r].append(comm)
             named_in[comm].add(r)
             if r not in found or s.share_of_step > found[r].share_of_step:
@@ -745,22 +752,20 @@ def per_step(
     """``s``'s figures per step of the job (``job``), where its communicator
     repeats (``mine``): how late it makes a step (``late_ms``: the sum, over
     the step's collectives, of its typical own delay before each, from
-    ``s.since_ns``: ``own_delays``), and the share of the step the job loses
-    to it (``share_of_step``: that delay over the step). Where the
-    calls do not say when they returned, the sum of its typical ``excess`` at
-    each collective stands for the delays."""
+    ``s.since_ns``: ``own_delays``; at least its typical ``excess`` at the
+    collective it is latest at, where the job sees it arrive), and the share of
+    the step the job loses to it (``share_of_step``: that delay over the step)."""
     if job is None or mine is None or job.ms <= 0:
         return
     later = [c for c in cs if min(c.ts.values()) >= s.since_ns]
     own = own_delays(later, s.rank)
+    since = [min(c.ts.values()) >= s.since_ns for c in cs]
+    arrivals = [(c.seq, e) for c, e, x in zip(cs, excess.tolist(), since, strict=True) if x]
+    # where it is latest, it is at least that late a step (what the job sees it
+    # arrive); its own delays summed say more where it is late before several
+    late = _by_phase(arrivals, mine, max)
     if len(own) >= MIN_COLLECTIVES:
-        late = _by_phase(own, mine, sum)
-    else:
-        since = [min(c.ts.values()) >= s.since_ns for c in cs]
-        late = _by_phase(
-            [(c.seq, e) for c, e, x in zip(cs, excess.tolist(), since, strict=True) if x],
-            mine, sum,
-        )  # fmt: skip
+        late = max(late, _by_phase(own, mine, sum))
     s.late_ms = round(max(0.0, late), 3)
     s.step_ms = job.ms
     s.period = mine.period
@@ -801,6 +806,43 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
             others = [g for o, g in gaps.items() if o != rank]
             own.append((c.seq, (gaps[rank] - float(np.median(others))) / 1e6))
     return own
+
+
+def _late_at_one(
+    comm: str, cs: list[Collective], r: int, excess: np.ndarray, nranks: int, node: str,
+    mine: st.Step, job: st.Step,
+) -> Straggler | None:  # fmt: skip
+    """Rank ``r`` as a straggler late at one collective of each step, or None:
+    where ``comm`` issues many a step (FSDP's gathers, a reduce-scatter per
+    layer), a rank slow before one of them is last there alone, and nowhere
+    else; over all of them chance hides it. The collective of the step at
+    which its median excess is largest, where that is ``SHARE_ALWAYS`` of the
+    job's step and it is last there, and later in the order, beyond chance."""
+    if mine.period < 2:
+        return None
+    phase = np.array([mine.phase(c.seq) for c in cs])
+    typical = {ph: float(np.median(excess[phase == ph])) for ph in set(phase.tolist())
+               if (phase == ph).sum() >= MIN_COLLECTIVES}  # fmt: skip
+    if not typical:
+        return None
+    ph = max(typical, key=typical.__getitem__)
+    if typical[ph] < SHARE_ALWAYS * job.ms:
+        return None
+    at = [c for c, p in zip(cs, phase.tolist(), strict=True) if p == ph]
+    ev = evidence(at, r)
+    n = max(nranks, 1)
+    if ev.p_last >= P_LAST / n or ev.p_excess >= P_VALUE / n:
+        return None
+    lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in at])
+    return Straggler(
+        rank=r, node=node, lag_ms_mean=round(float(lags.mean()), 3),
+        lag_ms_p99=round(float(np.percentile(lags, 99)), 3),
+        excess_ms_median=round(ev.excess_ms_median, 3), last_share=round(ev.last / len(at), 4),
+        share_of_step=round(min(1.0, typical[ph] / job.ms), 4),
+        since=iso(min(min(c.ts.values()) for c in cs)),
+        since_ns=min(min(c.ts.values()) for c in cs), since_start=True, comm=comm,
+        op=at[0].op, collectives=len(at), p_value=max(ev.p_last, ev.p_excess),
+    )  # fmt: skip
 
 
 def released_late(

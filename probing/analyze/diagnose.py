@@ -29,7 +29,7 @@ from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
 from probing.analyze import why as wy
 from probing.analyze.gather import missing_ranks
-from probing.analyze.verdict import covered_text, hms, verdict
+from probing.analyze.verdict import covered_text, hms, ranks_text, verdict
 
 
 def runq_rates(table: pa.Table | None) -> dict[int, float] | None:
@@ -98,7 +98,7 @@ def death_text(dead: dict[int, Death]) -> str:
 
 @dataclasses.dataclass
 class Diagnosis:
-    healthy: bool
+    healthy: bool  # nothing found, and a verdict given ("no verdict" is not healthy)
     verdict: str
     stragglers: list[coll.Straggler]
     slow_links: list[coll.SlowLink]
@@ -154,14 +154,35 @@ def whole_verdict(d: Diagnosis, coverage: cv.Coverage | None, traced: bool) -> s
         d.stragglers, d.slow_links, d.hangs, d.summary, d.window_s, d.why, d.pipeline,
         d.missing, answered,
     )  # fmt: skip
-    if coverage is not None:
+    untraced = (
+        coverage is not None
+        and len(coverage.untraced) >= len(answered) > 0
+        and all(u.state == "never" for u in coverage.untraced)
+    )  # nothing traced at all: not a gap in a trace
+    if coverage is not None and not (untraced and d.hangs):  # a hang by stacks needs no trace
         said = covered_text(said, coverage, bool(d.hangs), d.window_s)
+    if untraced and not d.hangs:
+        said += stacks_text(d.ranks)
     if d.dead:
         said = f"{death_text(d.dead)}; {said}"
     by_trace = traced and all(h.evidence == "traced" for h in d.hangs)
     if d.flight and not by_trace:
         said = f"{said}; {d.flight}"
     return said
+
+
+def stacks_text(ranks: list[dict[str, Any]]) -> str:
+    """What the ranks' stacks say where nothing was traced: some wait in a
+    collective and others do not (a hang younger than ``--hang-after``, or a
+    step caught mid-way: asked again, it tells)."""
+    inside = [r["rank"] for r in ranks if r.get("in_collective")]
+    outside = [r["rank"] for r in ranks if r.get("in_collective") is False]
+    if not inside or not outside:
+        return ""
+    return (
+        f"; by their stacks {ranks_text(inside)} wait in a collective and "
+        f"{ranks_text(outside)} not: a hang once that lasts --hang-after (diagnose again then)"
+    )
 
 
 def analyze(
@@ -241,6 +262,7 @@ def analyze(
         missing=missing_ranks(table) if missing is None else missing,
     )
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
+    d.healthy = d.healthy and not d.verdict.startswith("no verdict")  # unknown is not healthy
     return d
 
 

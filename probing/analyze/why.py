@@ -243,6 +243,13 @@ def headline(why: Sequence[Why], rank: int) -> Why | None:
     mine = by_share([w for w in why if w.rank == rank and w.kind in CAUSES])
     mine = [w for w in mine if w.kind not in HARDWARE]
     top = mine[0] if mine else None
+    # a function doing work the others do not do is the cause, even where the
+    # rank waits for a CPU meanwhile (on a loaded node, extra work waits too)
+    work = next((w for w in mine if w.kind == "function" and (w.share or 0) >= MIN_DELTA_SHARE
+                 and (w.on_cpu_ms or 0) + (w.off_cpu_ms or 0) > 2 * w.others_ms_per_step),
+                None)  # fmt: skip
+    if top is not None and top.kind == "cpu_starvation" and work is not None:
+        top = work
     gpu = next((w for w in why if w.rank == rank and w.kind == "gpu"), None)
     cpu = next((w for w in why if w.rank == rank and w.kind == "cpu"), None)
     if top is None:

@@ -179,25 +179,39 @@ def agent(
 
     from probing import config
     from probing.node import agent as node_agent
+    from probing.node.cluster.port import port_range
 
     env = dict(os.environ)
     if config_file is not None:
         env.update(_env_file(config_file))
-    s = config.from_env(env, strict=True)
-    policy = node_agent.Policy(
-        pattern=s.agent_match if match is None else match,
-        cgroup=s.agent_cgroup if cgroup is None else cgroup,
-        families=tuple(f.strip() for f in (families or s.agent_families).split(",") if f.strip()),
-        attach=s.agent_attach if attach is None else attach,
-        require=tuple(tuple(r.split("=", 1)) for r in require or [] if "=" in r),  # type: ignore[misc]
-    )
-    node_agent.main(
-        policy,
-        every_s=s.agent_every_s if every is None else every,
-        host=host or s.agent_host,
-        port=s.agent_port if port is None else port,
-        webhook=s.agent_webhook,
-    )
+    try:  # what a restart cannot fix: one line, and the status the unit does not restart on
+        s = config.from_env(env, strict=True)
+        policy = node_agent.Policy(
+            pattern=s.agent_match if match is None else match,
+            cgroup=s.agent_cgroup if cgroup is None else cgroup,
+            families=tuple(
+                f.strip() for f in (families or s.agent_families).split(",") if f.strip()
+            ),
+            attach=s.agent_attach if attach is None else attach,
+            require=tuple(tuple(r.split("=", 1)) for r in require or [] if "=" in r),  # type: ignore[misc]
+        )
+        port = s.agent_port if port is None else port
+        first, last = port_range(s.port_range)
+        if first <= port <= last:
+            raise config.ConfigError(
+                f"the agent's port {port} is one of the engines' peer ports "
+                f"(PROBING_PORT_RANGE {first}-{last}): an engine could take it",
+                hint="give the agent a port outside that range (9978), or move the range",
+            )
+        node_agent.main(
+            policy,
+            every_s=s.agent_every_s if every is None else every,
+            host=host or s.agent_host,
+            port=port,
+            webhook=s.agent_webhook,
+        )
+    except ProbingError as err:
+        raise _fail(err, node_agent.EX_CONFIG) from None
 
 
 def _env_file(path: str) -> dict[str, str]:
@@ -795,8 +809,11 @@ def mcp_cmd(
     """Serve probing to AI agents over MCP: processes, stacks, SQL, diagnose, findings."""
     from probing.cli.mcp import Options, serve
     from probing.config import load
+    from probing.node.cluster.port import check_free
 
     token = token or load().mcp_token or None
+    if http:  # a port held: who holds it, in one line
+        check_free("probing mcp", host, port, "choose another --port (0: any free one)")
     serve(Options(http, host, port, token, out_dir, allow_control))
 
 

@@ -16,23 +16,29 @@ a pattern, or which runs in a cgroup whose path holds a given text; never
 a launcher itself (torchrun's agent, ``deepspeed``, ``accelerate``).
 
 It serves ``GET /health`` (what it attached, what failed and why) and
-``GET /metrics`` on ``127.0.0.1:<port>``, read-only: one scrape target per
-node. ``/metrics`` is OpenMetrics (every counter with its ``_created``):
-the agent's own counters; every live probe of the node's metrics (asked
-over its unix socket at each scrape), each sample labelled with its
-process's ``pid``, ``job``, ``rank`` and ``node`` where it names none of
-its own (``probing_rank_lateness_seconds`` names the rank it measures);
-and ``probing_finding_active``, one series for each finding active now
-(``kind``, the ``rank`` it blames, ``node``, ``comm``, ``job``), read from
-the findings logs the jobs' detectors write (``probing.node.findings``).
-Each new or cleared finding also goes to the webhook, when one is set
-(``probing.node.webhook``). It logs to stderr, one line an event. SIGTERM
-stops it; the engines and their probes go on.
+``GET /metrics`` on ``127.0.0.1:<port>``, read-only: one scrape target per node.
+No engine takes that port (theirs come from ``PROBING_PORT_RANGE``, which it
+is outside of); where another process holds it all the same, the agent says
+who in one line and exits ``EX_CONFIG``. At start it compiles and load-tests
+the BPF programs it traces (``probing.node.service.warm``), so the first job
+it attaches to waits for no compile. ``/metrics`` is OpenMetrics (every
+counter with its ``_created``): the agent's own counters; every live probe
+of the node's metrics (asked over its unix socket at each scrape), each
+sample labelled with its process's ``pid``, ``job`` (``identity.job_label``:
+one a job, the same on every node of it), ``rank`` and ``node`` where it
+names none of its own (``probing_rank_lateness_seconds`` names the rank it
+measures); and ``probing_finding_active``, one series for each finding
+active now (``kind``, the ``rank`` it blames, ``node``, ``comm``, ``job``),
+read from the findings logs the jobs' detectors write
+(``probing.node.findings``). Each new or cleared finding also goes to the
+webhook, when one is set (``probing.node.webhook``). It logs to stderr, one
+line an event. SIGTERM stops it; the engines and their probes go on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -51,6 +57,7 @@ from probing import paths, proc
 from probing.guest import place, wire
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition
+from probing.node.service import warm
 from probing.node.webhook import Webhook
 from probing.worker import Worker, stop_on_signals
 
@@ -61,7 +68,17 @@ LAUNCHERS = re.compile(
     r"|deepspeed\.launcher"
 )
 GONE_KEEP_S = 600.0  # how long a gone process's job names the findings about it
+# the exit status of an agent that cannot start as set up (its port held, a bad
+# setting): sysexits' EX_CONFIG, which the systemd unit does not restart on
+# (RestartPreventExitStatus): a restart every 2 s would meet the same holder
+EX_CONFIG = 78
 RETRIES = 3  # attempts at a process before it is left alone (each said in /health)
+# a trace's start: its uprobes attached, beside a busy job; a BPF compile it
+# meets is waited for on top (warm.wait_out), however long it takes
+TRACE_START_S = 120.0
+# the request's own timeout: warm.wait_out gives up first; no compile takes an hour,
+# and a thread left waiting on a probe that never answered ends then
+LONGEST_ANSWER_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +241,17 @@ class Agent:
             result = inject(pid)
             traced = {"families": list(self.policy.families)}
             sock = result.socket or _socket(pid)
-            answer = wire.request(sock, "POST", "/trace/start", traced, timeout=120)
+            start = functools.partial(
+                wire.request, sock, "POST", "/trace/start", traced, timeout=LONGEST_ANSWER_S
+            )
+            answer = warm.wait_out(
+                start, _engine_of(sock), TRACE_START_S,
+                lambda msg: _say(f"pid {pid}: {msg.removeprefix('probing: ')}"),
+            )  # fmt: skip
             state = str(answer.get("state", "tracing"))
+        except TimeoutError:
+            self.failures += 1
+            state = f"failed: its probe did not answer /trace/start in {TRACE_START_S:g} s"
         except (ProbingError, wire.WireError, OSError) as err:
             self.failures += 1
             state = f"failed: {err}"
@@ -336,11 +362,27 @@ def _cgroup(pid: int) -> str:
 
 
 def _job(environ: Mapping[str, str]) -> str:
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE"):
-        if environ.get(name):
-            return f"{name.lower()}={environ[name]}"
-    port = environ.get("MASTER_PORT")
-    return f"master_port={port}" if port else "?"
+    """A process's ``job`` label (``identity.job_label``: never torchrun's
+    default run id, which every plain torchrun job of a node has)."""
+    from probing.node.cluster.identity import job_label
+
+    return job_label(environ)
+
+
+def _engine_of(sock: str) -> int | None:
+    """The pid of the engine that serves the probe socket ``sock`` (its peer)."""
+    import struct
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(5.0)
+        conn.connect(sock)
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[0])
+    except OSError:
+        return None
+    finally:
+        conn.close()
 
 
 def _socket(pid: int) -> str:
@@ -386,7 +428,9 @@ def _get(sock_path: str, path: str) -> str:
 
 
 def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
-    """``GET /health`` and ``GET /metrics``, read-only, in a thread of its own."""
+    """``GET /health`` and ``GET /metrics``, read-only, in a thread of its own.
+    A port another process holds is a ``PortHeld`` naming it (the command
+    line's one line and ``EX_CONFIG``), never a traceback."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -407,7 +451,13 @@ def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
         def log_message(self, *args: Any) -> None:  # scrapes are not events
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    from probing.node.cluster.port import cannot_bind
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as err:
+        hint = "stop it, or give the agent another port: --port or PROBING_AGENT_PORT"
+        raise cannot_bind("the agent", host, port, err, hint) from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="probing-agent-http", daemon=True).start()
     return server
@@ -431,12 +481,16 @@ def main(
     _say(
         f"serving GET /health and /metrics on {host}:{server.server_address[1]}; attaching: {what}"
     )
+    # compiled now, not at the first job's trace (which would wait for it)
+    warming = warm.warm_up(policy.families, _say) if policy.attach else None
     if hook is not None:
         _say(f"findings go to the webhook {hook.health()['url']} too")
     stop_on_signals(agent.stop, (signal.SIGTERM, signal.SIGINT))  # no lock in a handler
     try:
         agent.run()
     finally:
+        if warming is not None:
+            warming.stop()
         server.shutdown()
         if hook is not None:
             agent.follow()  # what was logged since the last look goes too

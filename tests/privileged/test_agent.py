@@ -90,8 +90,8 @@ def watched_job(runtime_dir: Path, **agent_env: str) -> Iterator[Watched]:
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
             ranks.append(subprocess.Popen([sys.executable, "-c", JOB], env=env, text=True))
         procs += ranks
-        yield Watched(f"http://127.0.0.1:{found.group(1)}", ranks, f"master_port={port}", base,
-                      procs)  # fmt: skip
+        yield Watched(f"http://127.0.0.1:{found.group(1)}", ranks, f"rendezvous=127.0.0.1:{port}",
+                      base, procs)  # fmt: skip
     finally:
         for p in procs:
             p.terminate()

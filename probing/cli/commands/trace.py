@@ -4,13 +4,23 @@ machine)."""
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-from probing.cli.commands.common import client, probe_client
+from probing.cli.commands.common import client, note, probe_client
+
+if TYPE_CHECKING:
+    from probing.cli.client import ProbeClient
+
+T = TypeVar("T")
+# the request's own socket timeout while ``answered`` waits on it: a compile has
+# no fixed length (BCC, under load), ``answered``'s watch gives up first
+LONGEST_ANSWER_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ def trace_one(
         return
     probe = probe_client(pid, inject)
     out = os.path.abspath(output) if output else None
-    status = probe.trace_start(**asdict(options), output=out)
+    status = answered(probe, pid, lambda: probe.trace_start(**asdict(options), output=out))
     monitor = TraceMonitor(pid, status)
     typer.echo(monitor.started())
     if background:
@@ -92,7 +102,11 @@ def trace_many(
             return job_trace(pid, action, inject, options)
         if action != "start":
             return client(pid).cluster_trace(action, timeout=timeout)
-        return probe_client(pid, inject).cluster_trace(action, timeout=timeout, **asdict(options))
+        probe = probe_client(pid, inject)
+        return answered(  # the peers' answers come first (cluster_trace's own wait)
+            probe, pid, lambda: probe.cluster_trace(action, timeout=timeout, **asdict(options)),
+            timeout + 10,
+        )  # fmt: skip
 
     if not job and not stop and inject:  # the whole job, however it was started
         pid = probe_job(pid, timeout)
@@ -111,6 +125,32 @@ def trace_many(
         pass
     typer.echo(control_rows(act("stop"), "stopped", who))
     return 0
+
+
+def answered(probe: ProbeClient, pid: int, call: Callable[[], T], budget_s: float = 0.0) -> T:
+    """``call()``'s answer from ``pid``'s probe, which starts a trace: where its
+    engine compiles the BPF programs meanwhile (the first trace on a node, a
+    job of another Python), that is said and waited for however long it
+    takes; a wait with no compile in it is the probe's usual answer timeout
+    (``PROBING_ANSWER_TIMEOUT_S``, or ``budget_s`` where longer)."""
+    from probing.errors import NoProbe, ProbingError
+    from probing.node.service import warm
+
+    try:
+        engine = probe.health().get("engine_pid")
+    except ProbingError:  # it says so again at the call
+        engine = None
+    transport = probe.transport
+    wait = float(transport.timeout)
+    transport.timeout = LONGEST_ANSWER_S
+    try:
+        quiet = max(wait, budget_s)
+        engine_pid = engine if isinstance(engine, int) else None
+        return warm.wait_out(call, engine_pid, quiet, note)
+    except TimeoutError:
+        raise NoProbe(f"the probe of pid {pid} did not answer in {quiet:g} s", pid=pid) from None
+    finally:
+        transport.timeout = wait
 
 
 def still_tracing(pid: int) -> list[int]:
@@ -168,7 +208,8 @@ def job_trace(pid: int, action: str, inject: bool, options: TraceOptions) -> lis
     for p in job_pids(pid):
         try:
             if action == "start":
-                reply = probe_client(p, inject).trace_start(**asdict(options))
+                probe = probe_client(p, inject)
+                reply = answered(probe, p, functools.partial(probe.trace_start, **asdict(options)))
             else:
                 reply = client(p).trace_stop()
             rows.append({"pid": p, **control_outcome(200, reply)})

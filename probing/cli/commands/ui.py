@@ -14,10 +14,13 @@ def serve(pids: list[int], addr: str | None, port: int, timeout: float) -> None:
     from probing.cli.export import Source
     from probing.cli.ui.data import JobView
     from probing.cli.ui.server import UIServer
+    from probing.node.cluster.port import check_free
 
     src = Source(pids=pids, addr=addr, cluster=len(pids) == 1, timeout=timeout)
     if not 0 <= port <= 65535:
         raise ProbingError(f"--port {port} is not a port", hint="use 1-65535, or 0")
+    # a port held: who holds it, before the wait for the ranks' probes
+    check_free("probing ui", "127.0.0.1", port, "pick another --port, or leave it out")
     ranks = src.ranks()  # the probes answer (and the token works) before we serve
     server = UIServer(JobView(src), port=port)
     server.view.warm()  # the first diagnosis, ready by the time its page is opened

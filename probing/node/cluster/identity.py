@@ -152,6 +152,37 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Identity:
     )
 
 
+# torchrun's run id where its user gave none (``--rdzv-id``, ``--standalone``):
+# every plain torchrun job of a node has it, so it names no job
+DEFAULT_RUN_ID = "none"
+# where no run id names the job, what its launcher names it by, first found
+# first: a Slurm job, an Open MPI ``mpirun``, a PMIx namespace (srun --mpi=pmix, prrte)
+LAUNCHER_JOBS = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE")
+
+
+def job_label(environ: Mapping[str, str]) -> str:
+    """The ``job`` label of a process (the agent's ``/metrics``, findings,
+    webhook): unique on the node and the same on every node of the job, from
+    what every rank's launcher gave it. The launcher's run id where its user
+    set one (torchrun's ``TORCHELASTIC_RUN_ID``, not its default ``none``),
+    else the launcher's job (``LAUNCHER_JOBS``), else the job's rendezvous,
+    ``MASTER_ADDR:MASTER_PORT``: two jobs at once cannot share one (its store
+    listens there), and every node of a job reaches the same. Nothing else
+    every node shares tells a job from one started later on the same
+    address (each node's launcher starts at its own time); ``"?"`` for a
+    process no launcher describes."""
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id != DEFAULT_RUN_ID:
+        return f"torchelastic_run_id={run_id}"
+    for name in LAUNCHER_JOBS:
+        if environ.get(name, "").strip():
+            return f"{name.lower()}={environ[name].strip()}"
+    addr, port = environ.get("MASTER_ADDR", "").strip(), environ.get("MASTER_PORT", "").strip()
+    if port and addr:
+        return f"rendezvous={addr}:{port}"
+    return f"master_port={port}" if port else "?"
+
+
 def known(ident: Identity) -> bool:
     """Whether the environment said enough to join: a rank of a job of
     several with its store, or an explicit peer list."""

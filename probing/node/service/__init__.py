@@ -8,7 +8,8 @@ the engine runs with the job's settings. For each process it builds a probe
 own socket, ``<pid>.sock``: the BPF programs (compiled here, never in the
 job), the store, SQL, NVML and the cluster node live here, in probing's own
 Python and its numpy, pyarrow and datafusion. One engine serves every rank
-of the node: the libraries load once, the BPF programs compile once.
+of the node: the libraries load once, the BPF programs compile once, at
+its start, before a trace needs them (``warm``).
 
 A process that dies keeps its probe: its tracing stops, and what it left is
 answered for ``PROBING_KEEP_DEAD_S`` (600 s) before it is retired. An engine

@@ -231,8 +231,12 @@ class Service:
         entry.target.died_ns = time.time_ns()
         _say(f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s")
         # its peers still reach it through the engine's port: a cluster query gets
-        # what it did last, marked dead (process.info.died_ns), until it is retired
-        _stop_tracing(entry)
+        # what it did last, marked dead (process.info.died_ns), until it is retired;
+        # no thread works for it meanwhile (its detector's, its store's sealer)
+        try:
+            entry.ctx.died()
+        except Exception as err:  # noqa: BLE001 - one process's death never ends the engine
+            log_unexpected(f"tracing of pid {pid} not stopped", err)
 
     def _free_ports(self) -> None:
         """A new process may be a dead rank started again, on the port the
@@ -290,6 +294,7 @@ class Service:
         """Serve ``engine-<key>.sock`` until idle (the caller holds its lock)."""
         from probing.node.bpf.attach import keep_symbols_in
         from probing.node.probe.server import UnixHTTPServer
+        from probing.node.service import warm  # not at import: `-m ...service.warm` runs it
 
         keep_symbols_in(os.path.join(self.directory, "symbols"), self.install)
         self.server = UnixHTTPServer(place.engine_path(self.directory, self.key), self.app)
@@ -298,9 +303,12 @@ class Service:
         self.clean()
         self.adopt()
         threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
+        warming = warm.warm_up(warm.FAMILIES, _say)  # the first trace finds them compiled
         try:
             self.watch()
         finally:
+            if warming is not None:
+                warming.stop()
             self.server.stop()
             self._shutdown()
 
