@@ -18,8 +18,9 @@ The period is the smallest ``p`` that fits both as well as any larger one;
 the step is the median time of ``p`` collectives. Sums over ``p`` would favour
 multiples of the period (noise averages out over more steps); single gaps
 compared one phase apart do not, so a multiple never fits better than the
-period itself. An evaluation every N steps (a longer step, perhaps a
-collective of its own) only moves the medians a little.
+period itself. An evaluation every N steps only moves the medians a little
+(a longer step); a collective of its own, far rarer than the step's kinds
+(``RARE``), is a chore left out of the pattern it would shift.
 
 Pure: ``Collective`` rows in, a ``Step`` out.
 """
