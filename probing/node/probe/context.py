@@ -194,18 +194,6 @@ class ProbeContext:
                 self.on_trace(None)
         return tracer
 
-    def died(self) -> None:
-        """The process exited: its tracing stops, and every thread working for
-        it ends (its detector's looks, its store's sealer); what it left stays
-        queryable until ``close`` (an engine keeps a dead process's data a
-        while, and serves hundreds of jobs: their threads must not add up)."""
-        self.stop_trace()
-        watch = getattr(self.cluster, "watch", None)
-        if watch is not None:
-            watch.stop()
-        if self._store is not None:
-            self._store.settle()
-
     def trace_intervals(self) -> list[dict[str, Any]]:
         """When this process was traced (``trace.intervals``): each trace's
         start and stop, the current one open (``stop_ns`` NULL) while it

@@ -234,7 +234,7 @@ class Service:
         # what it did last, marked dead (process.info.died_ns), until it is retired;
         # no thread works for it meanwhile (its detector's, its store's sealer)
         try:
-            entry.ctx.died()
+            _quiet(entry)
         except Exception as err:  # noqa: BLE001 - one process's death never ends the engine
             log_unexpected(f"tracing of pid {pid} not stopped", err)
 
@@ -386,6 +386,18 @@ def _other_install(theirs: str, ours: str) -> str:
         "version or install gets an engine of its own (restart the process, or "
         "inject it with the probing it was started with)"
     )
+
+
+def _quiet(entry: Entry) -> None:
+    """A process exited: no thread works for it any more (its tracing, its
+    detector's looks, its store's sealer: an engine serves hundreds of jobs,
+    their threads must not add up); its rows stay queryable until retired."""
+    ctx = entry.ctx
+    ctx.stop_trace()
+    watch = getattr(ctx.cluster, "watch", None)
+    if watch is not None:
+        watch.stop()
+    ctx.store.settle()
 
 
 def _stop_tracing(entry: Entry) -> None:
