@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--hang-file", help="--hang-rank gets stuck once this file exists")
     p.add_argument("--truth", help="append '<rank> <step> <start> <backward> <end>' (wall s)")
     p.add_argument("--thread", action="store_true", help="train in a thread named trainer")
+    p.add_argument("--small", action="store_true", help="a 9.6k-parameter MLP: one all-reduce")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -88,9 +89,14 @@ def main() -> None:
         torch.cuda.set_device(device)
     # 2.4 MB of parameters: DDP's buckets (1 MiB first, then 25 MiB) make two
     # all-reduces a step, as a real model's several do
-    net = nn.Sequential(
-        nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10)
-    ).to(device)
+    net = (
+        nn.Sequential(
+            nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+        if not args.small
+        else nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    )
+    net = net.to(device)
     model = nn.parallel.DistributedDataParallel(net)
     if args.thread:  # the main thread only waits, as under some launchers
         trainer = threading.Thread(target=train, args=(model, device, args), name="trainer")
