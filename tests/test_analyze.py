@@ -562,3 +562,25 @@ def test_a_rank_late_before_one_of_many_collectives_a_step_is_named() -> None:
     [s] = d.stragglers
     assert s.rank == 1 and s.period == 12, d.verdict
     assert abs(s.late_ms - 30) < 4 and abs(s.share_of_step - 30 / s.step_ms) < 0.05
+
+
+def test_a_small_lateness_with_nothing_of_its_own_is_noise_not_a_straggler() -> None:
+    from probing.analyze import why as wy
+    from probing.analyze.diagnose import explained
+
+    def late(rank: int, share: float) -> coll.Straggler:
+        return coll.Straggler(
+            rank=rank, node="vm", lag_ms_mean=2.0, lag_ms_p99=3.0, excess_ms_median=2.0,
+            last_share=0.5, share_of_step=share, since="", since_ns=0, since_start=True,
+            comm="gloo/pg0", op="allreduce", collectives=100, p_value=1e-9,
+        )  # fmt: skip
+
+    def why(rank: int, kind: str) -> wy.Why:
+        return wy.Why(rank, kind, "f", None, None, 5.0, 1.0, text=f"rank {rank}: f")
+
+    # rank 1: 4 % of the step and nothing of its own (a loaded machine favouring
+    # the others); rank 2: as small, with a function of its own; rank 3: 30 %
+    stragglers = [late(1, 0.04), late(2, 0.04), late(3, 0.30)]
+    whys = [why(1, wy.NOTHING), why(2, "function"), why(3, wy.NOTHING)]
+    kept, said = explained(stragglers, whys)
+    assert [s.rank for s in kept] == [2, 3] and [w.rank for w in said] == [2, 3]

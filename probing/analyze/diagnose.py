@@ -240,6 +240,7 @@ def analyze(
     stacks.update({r: v for h in hangs for r, v in h.stacks.items()})
     pipe = None if hangs else pp.analyze(rows, nodes, ranks_of)
     why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
+    strag, why = explained(strag, why)
     why += explain_stage(pipe, samples, strag)
     died = deaths(dead or [], matched)
     found = hangs or strag or slow or (pipe is not None and pipe.slow is not None)
@@ -264,6 +265,23 @@ def analyze(
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
     d.healthy = d.healthy and not d.verdict.startswith("no verdict")  # unknown is not healthy
     return d
+
+
+# a straggler costing less than this share of the step is named only with a
+# cause of its own: on a loaded machine one rank stays 2 ms late a 60 ms step,
+# and its samples show nothing of its own
+SMALL_SHARE = 0.10
+
+
+def explained(
+    stragglers: list[coll.Straggler], why: list[wy.Why]
+) -> tuple[list[coll.Straggler], list[wy.Why]]:
+    """``stragglers`` and ``why`` less a small straggler (``SMALL_SHARE`` of the
+    step) whose samples show nothing of its own (``why.NOTHING``): the machine's
+    noise favouring a rank, not a problem to page anyone about."""
+    noise = {w.rank for w in why if w.kind == wy.NOTHING}
+    drop = {s.rank for s in stragglers if s.rank in noise and s.share_of_step < SMALL_SHARE}
+    return [s for s in stragglers if s.rank not in drop], [w for w in why if w.rank not in drop]
 
 
 def job_steps(matched: list[coll.Collective], rows: list[dict[str, Any]]) -> st.Steps:

@@ -23,6 +23,7 @@ from probing.analyze.diagnose import (
     callsites,
     explain_stage,
     explain_stragglers,
+    explained,
     judge,
     whole_verdict,
     with_groups,
@@ -242,9 +243,13 @@ def _explain(
     d.why = explain_stragglers(
         d.stragglers, matched, extra["samples"], extra["cuda"], extra["nvml"], extra["cpu"],
     )  # fmt: skip
+    d.stragglers, d.why = explained(d.stragglers, d.why)
     d.why += explain_stage(d.pipeline, extra["samples"], d.stragglers)
     # found in the trace, with no hang: nothing the Flight Recorder would add
     d.verdict = whole_verdict(d, coverage, traced=True)
+    found = d.stragglers or d.hangs or d.slow_links or d.dead
+    slow_stage = d.pipeline is not None and d.pipeline.slow is not None
+    d.healthy = not (found or slow_stage) and not d.verdict.startswith("no verdict")
     return ask
 
 
