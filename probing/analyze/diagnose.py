@@ -277,10 +277,21 @@ def explained(
     stragglers: list[coll.Straggler], why: list[wy.Why]
 ) -> tuple[list[coll.Straggler], list[wy.Why]]:
     """``stragglers`` and ``why`` less a small straggler (``SMALL_SHARE`` of the
-    step) whose samples show nothing of its own (``why.NOTHING``): the machine's
-    noise favouring a rank, not a problem to page anyone about."""
-    noise = {w.rank for w in why if w.kind == wy.NOTHING}
-    drop = {s.rank for s in stragglers if s.rank in noise and s.share_of_step < SMALL_SHARE}
+    step) whose samples show no cause that explains most of its lateness
+    (nothing of its own, ``why.NOTHING``, or no single cause): the machine's
+    noise favouring a rank, not a problem to page anyone about. One whose
+    samples were not read is kept (nothing says it is noise)."""
+    from probing.analyze.verdict import MOST
+
+    def noise(s: coll.Straggler) -> bool:
+        mine = [w for w in why if w.rank == s.rank and w.kind in (*wy.CAUSES, wy.NOTHING)]
+        if s.share_of_step >= SMALL_SHARE or not mine:
+            return False
+        head = wy.headline(why, s.rank)
+        explains = head is not None and (head.share is None or head.share >= MOST)
+        return head is None or head.kind == wy.NOTHING or not explains
+
+    drop = {s.rank for s in stragglers if noise(s)}
     return [s for s in stragglers if s.rank not in drop], [w for w in why if w.rank not in drop]
 
 
