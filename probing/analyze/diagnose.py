@@ -242,10 +242,8 @@ def analyze(
     why = explain_stragglers(strag, matched, samples, cuda, nvml, cpu)
     strag, why = explained(strag, why)
     why += explain_stage(pipe, samples, strag)
-    died = deaths(dead or [], matched)
-    found = hangs or strag or slow or (pipe is not None and pipe.slow is not None)
     d = Diagnosis(
-        healthy=not (found or died),
+        healthy=False,  # below, once the verdict is said
         verdict="",  # below, once the rest is known
         stragglers=strag,
         slow_links=slow,
@@ -258,13 +256,21 @@ def analyze(
         flight=fl.off_note(recorded.status) if recorded is not None else "",
         pipeline=pipe,
         transfers=pp.match_transfers(rows, ranks_of),
-        dead=died,
+        dead=deaths(dead or [], matched),
         untraced=coverage.untraced if coverage is not None else [],
         missing=missing_ranks(table) if missing is None else missing,
     )
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
-    d.healthy = d.healthy and not d.verdict.startswith("no verdict")  # unknown is not healthy
+    d.healthy = healthy(d)
     return d
+
+
+def healthy(d: Diagnosis) -> bool:
+    """Nothing found (no hang, straggler, slow link, slow pipeline stage or
+    death) and a verdict said: "no verdict" is unknown, not healthy."""
+    slow_stage = d.pipeline is not None and d.pipeline.slow is not None
+    found = d.hangs or d.stragglers or d.slow_links or slow_stage or d.dead
+    return not found and not d.verdict.startswith("no verdict")
 
 
 # a straggler costing less than this share of the step is named only with a

@@ -24,6 +24,7 @@ from probing.analyze.diagnose import (
     explain_stage,
     explain_stragglers,
     explained,
+    healthy,
     judge,
     whole_verdict,
     with_groups,
@@ -247,9 +248,7 @@ def _explain(
     d.why += explain_stage(d.pipeline, extra["samples"], d.stragglers)
     # found in the trace, with no hang: nothing the Flight Recorder would add
     d.verdict = whole_verdict(d, coverage, traced=True)
-    found = d.stragglers or d.hangs or d.slow_links or d.dead
-    slow_stage = d.pipeline is not None and d.pipeline.slow is not None
-    d.healthy = not (found or slow_stage) and not d.verdict.startswith("no verdict")
+    d.healthy = healthy(d)  # a straggler taken for noise leaves the job healthy
     return ask
 
 

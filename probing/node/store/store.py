@@ -202,9 +202,7 @@ class Store:
     def keep(self) -> None:
         """Seal what is pending and leave the chunk files to the owner's next
         engine (``adopt``): an engine that stops, its process running on."""
-        for t in self.tables():
-            t.flush()
-        self._stop_sealer()
+        self.settle()
         with self._lock:
             root, self._root = self._root, None
         if root is not None and self._root_pid == os.getpid():
