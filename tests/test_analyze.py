@@ -476,6 +476,27 @@ def test_a_hang_with_a_peer_unheard_blames_no_network() -> None:
     assert "not heard from rank 3 (host1)" in d.verdict and "unknown" in d.verdict
 
 
+def test_a_rank_unheard_in_the_collectives_never_is_said_to_have_not_entered() -> None:
+    from probing.analyze.gather import with_missing
+
+    # rank 3 hangs before #25; rank 2's collectives timed out (its stack came
+    # from another question): only rank 3 is known not to have entered #25
+    t = job(steps=30, hang_rank=3, hang_step=25, seed=5)
+    t = with_missing(_only(t, {0, 1, 3}), ["rank 2 (vm): timeout"], [2])
+    frames = {r: [{"tid": r, "thread": "MainThread", "state": "waiting", "depth": 0,
+                   "func": "f", "file": "train.py", "line": 1}] for r in range(4)}  # fmt: skip
+    last = max(t.column("ts").to_pylist())
+    d = analyze(t, frames=frames, now_ns=last + 12 * 10**9)
+    [h] = d.hangs
+    assert h.missing_ranks == [3], d.verdict
+    assert "rank 3 never entered it" in d.verdict and "not heard from rank 2 (vm)" in d.verdict
+    # the same gather without the ranks' numbers: rank 2 counted with those who never entered
+    blind = analyze(with_missing(_only(job(steps=30, hang_rank=3, hang_step=25, seed=5),
+                                       {0, 1, 3}), ["rank 2 (vm): timeout"]),
+                    frames=frames, now_ns=last + 12 * 10**9)  # fmt: skip
+    assert blind.hangs[0].missing_ranks == [2, 3]
+
+
 def test_a_rank_alone_in_a_call_of_unknown_size_is_not_every_rank() -> None:
     # a Gloo context traced after its creation says no size: rank 0 waits in its
     # call, rank 1 answered and sits in no collective

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from probing.analyze import hangs as hg
 from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
 from probing.analyze import why as wy
-from probing.analyze.gather import missing_ranks
+from probing.analyze.gather import missing_ranks, unheard_ranks
 from probing.analyze.verdict import covered_text, hms, ranks_text, verdict
 
 
@@ -205,6 +205,7 @@ def analyze(
     matched: list[coll.Collective] | None = None,
     coverage: cv.Coverage | None = None,
     missing: list[str] | None = None,
+    unheard: Collection[int] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
@@ -215,7 +216,9 @@ def analyze(
     waiting for a CPU instead; ``matched``: ``table``'s collectives, when the
     caller matched them already; ``coverage``: the span every rank traced in,
     which ``table`` was cut to (``judge``), said in the verdict; ``missing``:
-    the ranks not heard from (any question's; else those ``table`` lacked)."""
+    the ranks not heard from (any question's; else those ``table`` lacked);
+    ``unheard``: the ranks (numbers) ``table``'s answer lacked (else its own
+    note of them): a hang never says they never entered a collective."""
     now_ns = now_ns or time.time_ns()
     frames = frames or {}
     matched = coll.match(table) if matched is None else matched
@@ -223,8 +226,10 @@ def analyze(
     ranks = sorted(set(nodes) | set(frames))
     rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
     trainers = issuers(table)
+    unknown = unheard_ranks(table) if unheard is None else set(unheard)
+    heard = [r for r in ranks if r not in unknown]  # a rank unheard never "never entered"
     hangs = _hangs(
-        matched, rows, ranks, now_ns=now_ns, hang_after_s=hang_after_s, frames=frames,
+        matched, rows, heard, now_ns=now_ns, hang_after_s=hang_after_s, frames=frames,
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
         trainers=trainers,
     )  # fmt: skip

@@ -8,6 +8,7 @@ share: the tags, the rank expression, and the ranks a gather missed.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Protocol
 
 import pyarrow as pa
@@ -15,6 +16,7 @@ import pyarrow as pa
 from probing.errors import ProbingError
 
 MISSING_KEY = b"probing.missing"
+UNHEARD_KEY = b"probing.unheard"  # the ranks (numbers) among them, where known
 RANK_EXPR = (
     "(lambda d: d.get_rank() if d is not None and d.is_initialized() "
     "else int(os.environ.get('RANK', '-1')))(sys.modules.get('torch.distributed'))"
@@ -55,6 +57,18 @@ def process_rank(client: Queries, pid: int) -> int:
     return rank
 
 
+def launched_rank(pid: int) -> int | None:
+    """``pid``'s rank as its launcher set it (``RANK`` in its environment),
+    for a process that cannot answer (stopped, its guest gone); None if unset
+    or unreadable."""
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).environ()["RANK"])
+    except (psutil.Error, KeyError, ValueError, OSError):
+        return None
+
+
 def _start_time(pid: int) -> float:
     import psutil
 
@@ -64,13 +78,23 @@ def _start_time(pid: int) -> float:
         return 0.0
 
 
-def with_missing(table: pa.Table, gone: list[str]) -> pa.Table:
-    """``table`` noting, in its metadata, the ranks a gather did not reach."""
+def with_missing(table: pa.Table, gone: list[str], ranks: Sequence[int] = ()) -> pa.Table:
+    """``table`` noting, in its metadata, the ranks a gather did not reach:
+    in words (``gone``), and by number where the gather knew them (``ranks``)."""
     if not gone:
         return table
     meta = dict(table.schema.metadata or {})
     meta[MISSING_KEY] = json.dumps(gone).encode()
+    if ranks:
+        meta[UNHEARD_KEY] = json.dumps(sorted(ranks)).encode()
     return table.replace_schema_metadata(meta)
+
+
+def unheard_ranks(table: pa.Table) -> set[int]:
+    """The ranks (by number) a cluster gather of ``table`` could not reach:
+    what they did is unknown, not absent."""
+    raw = (table.schema.metadata or {}).get(UNHEARD_KEY)
+    return set(json.loads(raw)) if raw else set()
 
 
 def missing_ranks(table: pa.Table) -> list[str]:

@@ -437,7 +437,7 @@ class Job:
             return self._cluster(sql)
         if not self.pids:
             raise ProbingError("nothing to ask: give --pid (repeatable), --addr or --cluster")
-        from probing.analyze.gather import with_missing
+        from probing.analyze.gather import launched_rank, with_missing
 
         node = socket.gethostname()
         pids = self.pids
@@ -455,9 +455,11 @@ class Job:
         tables = [p for p in parts if not isinstance(p, ProbingError)]
         if not tables:
             raise next(p for p in parts if isinstance(p, ProbingError))
-        gone = [f"pid {pid}: {p}" for pid, p in zip(pids, parts, strict=True)
-                if isinstance(p, ProbingError)]  # fmt: skip
-        return with_missing(pa.concat_tables(tables, promote_options="default"), gone)
+        failed = [pid for pid, p in zip(pids, parts, strict=True) if isinstance(p, ProbingError)]
+        gone = [f"pid {pid}: {p}" for pid, p in zip(pids, parts, strict=True) if pid in failed]
+        ranks = [r for r in map(launched_rank, failed) if r is not None]
+        table = pa.concat_tables(tables, promote_options="default")
+        return with_missing(table, gone, ranks if len(ranks) == len(failed) else ())
 
     def _cluster(self, sql: str) -> Any:
         from probing.analyze.gather import with_missing
@@ -470,7 +472,7 @@ class Job:
             raise ProbingError("--cluster needs one local rank (--pid P) or a peer (--addr H:PORT)")
         # ranks that did not answer: the diagnosis says it works without them
         gone = [f"rank {m.rank} ({m.node or m.addr}): {m.reason}" for m in res.missing]
-        return with_missing(res.table, gone)
+        return with_missing(res.table, gone, [m.rank for m in res.missing])
 
     def trace_starts_ns(self) -> list[int]:
         """When each local probe that traces started tracing."""

@@ -70,29 +70,31 @@ def test_an_untraced_hang_is_named_by_the_flight_recorder(job) -> None:  # type:
     time.sleep((HANG_AFTER_S + 1) * SLOWDOWN)  # the others wait longer than --hang-after
     status = _query(pid, "SELECT rank, state, buffer_size FROM comm.flight_status ORDER BY rank")
     assert status == [{"rank": r, "state": "on", "buffer_size": 2000} for r in range(WORLD)]
-    # where each rank stands in the world group, by SQL: rank 2 one behind
+    # where each rank stands in the world group, by SQL: rank 2 behind (one
+    # all-reduce a DDP bucket: the others entered each of the step's buckets)
     last = _query(
         pid, "SELECT rank, max(seq) AS seq FROM comm.flight WHERE NOT is_p2p AND pg = '0' "
         "GROUP BY rank ORDER BY rank",
     )  # fmt: skip
     seqs = {r["rank"]: r["seq"] for r in last}
-    ahead = seqs[0]
-    assert seqs == {0: ahead, 1: ahead, 2: ahead - 1, 3: ahead}, seqs
+    ahead, behind = seqs[0], seqs[STUCK]
+    assert seqs == {0: ahead, 1: ahead, 2: behind, 3: ahead} and behind < ahead, seqs
+    first = behind + 1  # the first all-reduce rank 2 never entered
 
     out = _diagnose(pid)
     assert not out["healthy"]
     [h] = out["hangs"]
     assert h["evidence"] == "flight recorder"
-    assert (h["seq"], h["op"], h["missing_ranks"]) == (ahead, "all_reduce", [STUCK])
+    assert (h["seq"], h["op"], h["missing_ranks"]) == (first, "all_reduce", [STUCK])
     assert h["waiting_ranks"] == [0, 1, 3] and h["age_s"] >= HANG_AFTER_S
     assert out["verdict"].startswith(
-        f"hang: ranks 0, 1, 3 wait in all_reduce #{ahead} of process group 0 for "
+        f"hang: ranks 0, 1, 3 wait in all_reduce #{first} of process group 0 for "
     )
     assert (
-        f"; rank {STUCK} never entered it (Flight Recorder: all_reduce #{ahead} of "
+        f"; rank {STUCK} never entered it (Flight Recorder: all_reduce #{first} of "
         in (out["verdict"])
     )
-    assert f"rank {STUCK}'s last: all_reduce #{ahead - 1})" in out["verdict"]
+    assert f"rank {STUCK}'s last: all_reduce #{behind})" in out["verdict"]
     assert out["flight"] == ""
     # the stuck rank's own stack, from the same cluster query: its data loader
     assert any(line.startswith("load_batch ") for line in h["stacks"][str(STUCK)])

@@ -185,7 +185,8 @@ def test_a_hang_with_a_rank_unheard_blames_nothing_unknown(job, tmp_path: Path) 
         assert time.monotonic() < deadline, "the job did not hang"
         time.sleep(0.2)
     os.kill(j.pids[stopped], signal.SIGSTOP)
-    for how in (("--pid", str(j.pids[hung - 1 if hung else 1]), "--cluster"),
+    [asked, *_] = sorted(set(range(WORLD)) - {hung, stopped})  # a rank that can answer
+    for how in (("--pid", str(j.pids[asked]), "--cluster"),
                 tuple(a for p in j.pids for a in ("--pid", str(p)))):  # fmt: skip
         out = diagnosed(*how, "--hang-after", f"{hang_s:g}s")
         [h, *_] = out["hangs"]
