@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -19,12 +20,15 @@ from probing.analyze import analyze
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze.diagnose import sql_tables
+from probing.cli.asking import diagnose
 from probing.cli.render import diagnosis as render
+from probing.errors import ProbingError
 from probing.guest import flight as guest
 from probing.node.sql import Engine
 from probing.node.store import Store
 from probing.node.tables import flight as tables
 from tests.conftest import REPO
+from tests.test_analyze import job
 
 FIXTURES = REPO / "tests" / "fixtures" / "flight"
 WORLD = 4
@@ -351,3 +355,73 @@ def test_gather_asks_the_rows_only_where_a_recorder_has_some() -> None:
     got = fl.gather(ask, remote=True)
     assert got == fl.Gathered([], [{"state": "off", "reason": "x", "records": 0, "rank": 0}])
     assert asked == ["SELECT state, reason, records, node, rank FROM comm.flight_status"]
+
+
+# -- a young hang, asked before --hang-after: watched until it lasts ---------------------
+
+
+class YoungHang:
+    """An untraced job asked over the cluster 4 s into a hang: rank 2 never
+    entered the world's 5th all-reduce (the fixtures' dumps, stamped as if
+    it was issued 4 s ago), its stack in its loader, the others' in the
+    all-reduce; no counts (a cluster query has no python.`expr`). With
+    ``moving``, the recorder's newest records move on at each ask: a step
+    caught mid-way."""
+
+    remote = True
+
+    def __init__(self, moving: bool = False) -> None:
+        self.rec = gathered()
+        shift = time.time_ns() - 4 * 10**9 - last_ts(self.rec)
+        self.rows = [{**r, "ts": r["ts"] + shift} for r in self.rec.rows]
+        self.moving = moving
+        self.flight_asked = 0
+
+    def ask(self, sql: str) -> pa.Table:
+        if sql.startswith("SELECT state, reason, records"):
+            return pa.Table.from_pylist(self.rec.status)
+        if "FROM comm.flight" in sql:
+            self.flight_asked += 1
+            rows = copy.deepcopy(self.rows)
+            if self.moving:  # rank 2 entered it, and each rank moved on since
+                rows += [{**r, "rank": 2} for r in rows if r["rank"] == 0 and r["seq"] == 5]
+                rows += [{**r, "seq": 5 + self.flight_asked} for r in rows if r["seq"] == 5]
+            return pa.Table.from_pylist(rows)
+        if "FROM process.stacks" in sql:
+            return pa.Table.from_pylist([self._frame(r) for r in range(WORLD)])
+        if "FROM comm.collectives" in sql and "GROUP BY" not in sql:  # never traced
+            return job(steps=1).slice(0, 0)
+        raise ProbingError("no such table here\n")
+
+    def _frame(self, rank: int) -> dict[str, Any]:
+        func, file = ("all_reduce", "torch/distributed/distributed_c10d.py")
+        if rank == 2:
+            func, file = ("load_batch", "train.py")
+        return {"tid": 1, "thread": "MainThread", "state": "S", "depth": 0, "func": func,
+                "file": file, "line": 1, "rank": rank, "node": "vm"}  # fmt: skip
+
+    def trace_starts_ns(self) -> list[int]:
+        return []
+
+
+def test_a_hang_younger_than_hang_after_is_watched_until_it_lasts() -> None:
+    j = YoungHang()
+    waits: list[float] = []
+    t0 = time.monotonic()
+    d, _ = diagnose(j, hang_after_s=5.0, on_wait=waits.append)
+    took = time.monotonic() - t0
+    [h] = d.hangs
+    assert (h.missing_ranks, h.evidence, h.seq) == ([2], "flight recorder", 5), d.verdict
+    assert h.age_s >= 5.0 and d.verdict.startswith("hang: ranks 0, 1, 3 wait in all_reduce #5")
+    # watched for what was left of --hang-after (the recorder dated the stall), not all of it
+    [left] = waits
+    assert 0.5 <= left <= 1.5 and took < 5.0 + 3, (left, took)
+    assert j.flight_asked >= 3  # asked again while it was watched
+
+
+def test_ranks_apart_that_move_on_are_no_hang_and_not_waited_for() -> None:
+    j = YoungHang(moving=True)
+    t0 = time.monotonic()
+    d, _ = diagnose(j, hang_after_s=30.0)
+    assert not d.hangs, d.verdict
+    assert time.monotonic() - t0 < 10  # the watch ended when the recorder moved

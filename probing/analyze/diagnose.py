@@ -217,19 +217,16 @@ def analyze(
     caller matched them already; ``coverage``: the span every rank traced in,
     which ``table`` was cut to (``judge``), said in the verdict; ``missing``:
     the ranks not heard from (any question's; else those ``table`` lacked);
-    ``unheard``: the ranks (numbers) ``table``'s answer lacked (else its own
-    note of them): a hang never says they never entered a collective."""
-    now_ns = now_ns or time.time_ns()
-    frames = frames or {}
+    ``unheard``: the ranks ``table``'s answer lacked (else its note; ``_heard``)."""
+    now_ns, frames = now_ns or time.time_ns(), frames or {}
     matched = coll.match(table) if matched is None else matched
     nodes = _nodes(table, states or [])
     ranks = sorted(set(nodes) | set(frames))
     rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
     trainers = issuers(table)
-    unknown = unheard_ranks(table) if unheard is None else set(unheard)
-    heard = [r for r in ranks if r not in unknown]  # a rank unheard never "never entered"
     hangs = _hangs(
-        matched, rows, heard, now_ns=now_ns, hang_after_s=hang_after_s, frames=frames,
+        matched, rows, _heard(ranks, table, unheard), now_ns=now_ns,
+        hang_after_s=hang_after_s, frames=frames,
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
         trainers=trainers,
     )  # fmt: skip
@@ -337,6 +334,14 @@ def _nodes(table: pa.Table, states: list[hg.RankState]) -> dict[int, str]:
     for s in states:
         nodes.setdefault(s.rank, s.node)
     return nodes
+
+
+def _heard(ranks: list[int], table: pa.Table, unheard: Collection[int] | None) -> list[int]:
+    """``ranks`` less those whose collectives went unheard (``unheard``, else
+    ``table``'s note of them): what they did is unknown, so a hang never says
+    they never entered its collective."""
+    unknown = unheard_ranks(table) if unheard is None else set(unheard)
+    return [r for r in ranks if r not in unknown]
 
 
 def _hangs(

@@ -68,9 +68,12 @@ def diagnose(
     rows) with the first questions, before the analysis says it is needed:
     the probes are waited on once, not three times, for a page that waits.
 
-    When the counts say some ranks are ahead but nothing has been traced to
-    date the stall, the counts are watched until they have stood still for
-    ``hang_after_s`` (``on_wait`` is told how long that will take) or move.
+    When the ranks stand apart (their counts, the Flight Recorder, or their
+    stacks: some in a collective, others not) but nothing traced dates the
+    stall as a hang, they are watched (``Stillness``) until they have stood
+    still for ``hang_after_s`` (what the recorder saw of it counted; ``on_wait``
+    is told how long that will take) or move: a hang asked about early is
+    named once it is one, not left for the user to ask again.
     """
     t0 = time.perf_counter()
     now = now_ns or time.time_ns()  # (given: a test's clock)
@@ -99,13 +102,16 @@ def diagnose(
     progressing = (
         traced_now and got.table.num_rows > 0 and stalled < 1.0
     )  # traced in the last second
-    if not d.hangs and not progressing and _counts_differ(got.states) and stalled < hang_after_s:
-        watched = _stood_still(ask, sql, got, stalled, hang_after_s, on_wait)
+    if not d.hangs and not progressing and stalled < hang_after_s and _apart(got, now):
+        stalled = max(stalled, _recorded_age(got.recorded, now))  # the recorder saw it begin
+        watch = Stillness(ask, sql, job.remote)
+        watched = watch.stood_still(got, stalled, hang_after_s, on_wait)
         if watched is not None:  # still all along: where each rank waits now
             got.frames = _frames_by_rank(ask(sql["stacks"]))
             got.states = [
                 dataclasses.replace(s, frames=got.frames.get(s.rank, [])) for s in got.states
             ]
+            got.recorded = watch.recorded or got.recorded
             d = analyzed(round(stalled + time.monotonic() - watched, 1), time.time_ns())
     if d.stragglers or (d.pipeline is not None and d.pipeline.slow is not None):
         ask = _explain(d, ask, sql, since, matched, got.coverage)
@@ -205,27 +211,68 @@ def _gather(
     return _Asked(table, frames, states, ranks_of, dead, recorded, cov, unheard)
 
 
-def _stood_still(
-    ask: Callable[[str], pa.Table],
-    sql: dict[str, str],
-    got: _Asked,
-    stalled_s: float,
-    hang_after_s: float,
-    on_wait: Callable[[float], None] | None,
-) -> float | None:
-    """Every rank's counts asked every ``POLL_S`` until they have stood still
-    ``hang_after_s`` in all (``stalled_s`` of it gone already): when the watch
-    began (``time.monotonic()``), or None where they moved. ``on_wait`` is
-    told how long that will take."""
-    watched = time.monotonic()
-    if on_wait is not None:
-        on_wait(hang_after_s - stalled_s)
-    while stalled_s + time.monotonic() - watched < hang_after_s:
-        time.sleep(POLL_S)
-        again = _states(ask, got.frames, sql)
-        if [s.counts for s in again] != [s.counts for s in got.states]:
-            return None
-    return watched
+def _apart(got: _Asked, now_ns: int) -> bool:
+    """Whether the ranks stand apart, however briefly, by any evidence: their
+    counts differ, the Flight Recorder has a group stalled (however young),
+    or their stacks put some in a collective and others not."""
+    if _counts_differ(got.states):
+        return True
+    recorded = got.recorded
+    if recorded is not None and fl.stalls(recorded.rows, recorded.status, now_ns, 0.0):
+        return True
+    inside = {hg.in_collective(s.frames) for s in got.states if s.frames}
+    return inside == {True, False}
+
+
+def _recorded_age(recorded: fl.Gathered | None, now_ns: int) -> float:
+    """How long the Flight Recorder's youngest stall has lasted (0: none)."""
+    if recorded is None:
+        return 0.0
+    ages = [s.age_s for s in fl.stalls(recorded.rows, recorded.status, now_ns, 0.0)]
+    return round(min(ages), 1) if ages else 0.0
+
+
+class Stillness:
+    """A stall watched until it has lasted ``--hang-after`` or moves: each
+    rank's counts, where each stands in the Flight Recorder, and which ranks
+    sit in a collective by their stacks, asked every ``POLL_S``."""
+
+    def __init__(self, ask: Callable[[str], pa.Table], sql: dict[str, str], remote: bool) -> None:
+        self.ask = ask
+        self.sql = sql
+        self.remote = remote
+        self.recorded: fl.Gathered | None = None  # the Flight Recorder as last asked
+
+    def _now(self, got: _Asked) -> tuple[Any, ...]:
+        """Where every rank stands now, by each evidence the probes give."""
+        counts = [s.counts for s in _states(self.ask, got.frames, self.sql)]
+        self.recorded = fl.gather(self.ask, self.remote) if got.recorded is not None else None
+        places = fl.places(self.recorded.rows) if self.recorded is not None else {}
+        frames = _frames_by_rank(self.ask(self.sql["stacks"]))
+        inside = sorted(r for r, f in frames.items() if hg.in_collective(f))
+        return counts, {g: {r: (p.entered, p.completed) for r, p in m.items()}
+                        for g, m in places.items()}, inside  # fmt: skip
+
+    def stood_still(
+        self,
+        got: _Asked,
+        stalled_s: float,
+        hang_after_s: float,
+        on_wait: Callable[[float], None] | None,
+    ) -> float | None:
+        """Asked every ``POLL_S`` until the ranks have stood still
+        ``hang_after_s`` in all (``stalled_s`` of it gone already): when the
+        watch began (``time.monotonic()``), or None where one moved. ``on_wait``
+        is told how long that will take."""
+        watched = time.monotonic()
+        if on_wait is not None:
+            on_wait(hang_after_s - stalled_s)
+        first = self._now(got)
+        while stalled_s + time.monotonic() - watched < hang_after_s:
+            time.sleep(POLL_S)
+            if self._now(got) != first:
+                return None
+        return watched
 
 
 def _explain(
