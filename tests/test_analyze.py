@@ -38,10 +38,12 @@ def job(
     behind_link: int | None = None,
     seed: int = 0,
     buckets: int = 1,
+    every: int = 1,
 ) -> pa.Table:
     """Rows as ``gather(queries()["collectives"])`` returns them for a synchronous
     DDP job: ``buckets`` all-reduces a step (of different sizes, back to back in
-    its backward pass), the straggler late by ``lag_ms`` before the first."""
+    its backward pass), the straggler late by ``lag_ms`` before the first (at
+    one step in ``every``)."""
     rng = np.random.default_rng(seed)
     skipped = rng.integers(0, 5, size=ranks)  # collectives before each rank's trace began
     comm_ptr = rng.integers(1 << 40, 1 << 44, size=ranks)  # a local pointer per process
@@ -51,7 +53,12 @@ def job(
         arrive = t + rng.normal(0, jitter_ms, size=ranks).clip(-3 * jitter_ms, 3 * jitter_ms) * 1e6
         first = k % buckets == 0
         arrive += 5e6 if first else 1e6  # compute: the forward pass, or the next bucket's
-        if straggler is not None and k >= slow_from * buckets and first:
+        if (
+            straggler is not None
+            and k >= slow_from * buckets
+            and first
+            and k // buckets % every == 0
+        ):
             arrive[straggler] += lag_ms * 1e6 * rng.uniform(0.8, 1.2)
         link = link_ms if k >= link_from * buckets else 0.4
         end = arrive.max() + link * 1e6 * rng.uniform(0.9, 1.1)
@@ -605,3 +612,31 @@ def test_a_small_lateness_with_nothing_of_its_own_is_noise_not_a_straggler() -> 
     whys = [why(1, wy.NOTHING), why(2, "function"), why(3, wy.NOTHING)]
     kept, said = explained(stragglers, whys)
     assert [s.rank for s in kept] == [2, 3] and [w.rank for w in said] == [2, 3]
+
+
+def test_a_rank_late_at_one_step_in_ten_is_named_with_how_often_and_its_mean() -> None:
+    # rank 2 is 60 ms late at every 10th 80 ms step (DDP's two buckets): its
+    # typical step is on time; what the job loses is 6 ms a step
+    t = job(steps=200, straggler=2, lag_ms=60.0, every=10, buckets=2, seed=3)
+    d = analyze(t, now_ns=T0)
+    [s] = d.stragglers
+    assert s.rank == 2 and 0.08 <= s.late_steps <= 0.12, s
+    assert 50 <= s.late_each_ms <= 70 and 5.0 <= s.late_ms <= 7.0, s
+    assert abs(s.share_of_step - s.late_ms / s.step_ms) < 0.01
+    assert "is 6" in d.verdict or "is 5" in d.verdict or "is 7" in d.verdict
+    assert "late at 1 in 10 of its " in d.verdict and "a step on average" in d.verdict, d.verdict
+    # the same rank late at every step is said as every step
+    every = analyze(job(steps=60, straggler=2, lag_ms=30.0, buckets=2, seed=3), now_ns=T0)
+    assert every.stragglers[0].late_steps == 1.0 and " late each " in every.verdict
+
+
+def test_noise_now_and_then_on_every_rank_names_none() -> None:
+    # every rank late now and then by chance (jitter with rare spikes on each): no straggler
+    rng = np.random.default_rng(4)
+    t = job(steps=200, buckets=2, jitter_ms=3.0, seed=4)
+    rows = t.to_pylist()
+    for r in rows:  # a 20 ms stall at a random rank, now and then
+        if rng.random() < 0.02:
+            r["ts"] += 20_000_000
+    d = analyze(pa.Table.from_pylist(rows, schema=t.schema), now_ns=T0)
+    assert not d.stragglers, d.verdict

@@ -118,6 +118,10 @@ class Straggler:
     late_ms: float = 0.0
     step_ms: float = 0.0
     period: int = 0
+    # late now and then (a slow step in ten): the share of steps it is late at
+    # (1.0: most), and how late each of those (``late_ms`` is its mean a step)
+    late_steps: float = 1.0
+    late_each_ms: float = 0.0
 
 
 @dataclasses.dataclass
@@ -554,6 +558,10 @@ class Evidence:
         # median excess is nothing, but the others wait for it alone that long
         if self.share_of_step >= SHARE_SPARSE and min(self.p_last, self.p_far) < P_LAST / n:
             return True
+        # late by a lot now and then (a slow step in ten): last by far there, its
+        # median excess nothing; that it is always this rank chance cannot explain
+        if self.p_far < P_STRONG / n and self.share_of_step >= SHARE_NAMED:
+            return True
         if self.p_excess >= P_LAST / n:
             return False
         # late by a tenth of a step at the typical collective, beyond chance: under noise
@@ -576,11 +584,12 @@ class Evidence:
 
 
 FAR_LEAD = 4.0  # last by this many times the typical last arrival's lead: last by far
+VERY_FAR = 4.0  # ... and this many times that: last by very far
 
 
-def far_last(cs: list[Collective], rank: int) -> tuple[int, int]:
+def far_last(cs: list[Collective], rank: int, lead: float = FAR_LEAD) -> tuple[int, int]:
     """How many collectives ``rank`` arrived last at by far, of how many any
-    rank did: by ``FAR_LEAD`` times the median lead of the last arrival over
+    rank did: by ``lead`` times the median lead of the last arrival over
     the next (and ``MIN_LAG_MS``). Late by a lot at a few collectives of each
     step (FSDP's gathers) is last by far at those, where chance spreads it."""
     leads, lasts = [], []
@@ -591,7 +600,7 @@ def far_last(cs: list[Collective], rank: int) -> tuple[int, int]:
             lasts.append(order[-1][0])
     if not leads:
         return 0, 0
-    bar = max(FAR_LEAD * float(np.median(leads)), MIN_LAG_MS)
+    bar = max(lead * float(np.median(leads)), MIN_LAG_MS)
     far = [who for who, lead in zip(lasts, leads, strict=True) if lead > bar]
     return sum(1 for who in far if who == rank), len(far)
 
@@ -614,7 +623,9 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
         if others and ts[rank] > max(others):
             last += 1
             lost += (ts[rank] - max(others)) / 1e6
-    mine, far = far_last(cs, rank)
+    # last by far (a slow step now and then), and by very far: the noise's far-last
+    # arrivals, spread over every rank, thin out there while a slow step's stay
+    lasts = [far_last(cs, rank), far_last(cs, rank, VERY_FAR * FAR_LEAD)]
     starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
     span_ms = (starts[-1] - starts[0]) / 1e6 if n > 1 else 0.0
     # the last collective's wait belongs to a step after the span: n-1 steps, n waits
@@ -626,7 +637,7 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
         collectives=n,
         last=last,
         p_last=binom_tail(last, n, 1.0 / max(len(ranks), 1)),
-        p_far=binom_tail(mine, far, 1.0 / max(len(ranks), 1)) if far else 1.0,
+        p_far=min(binom_tail(m, f, 1.0 / max(len(ranks), 1)) if f else 1.0 for m, f in lasts),
         p_excess=order_p(place, size),
         excess_ms_median=float(np.median(excess[rank])) if n else 0.0,
         noise_ms=noise,
@@ -769,19 +780,53 @@ def per_step(
     s.late_ms = round(max(0.0, late), 3)
     s.step_ms = job.ms
     s.period = mine.period
+    if len(own) >= MIN_COLLECTIVES:  # summed; its one delay where the next gives it back
+        _now_and_then(s, own, mine, lambda v: max(sum(v), max(v)))
+    else:
+        _now_and_then(s, arrivals, mine, max)
     # what the job would gain without it: its delay, not the others' waits summed
     # over a step's collectives (waits at back-to-back buckets are one wait)
     s.share_of_step = round(min(1.0, s.late_ms / job.ms), 4)
 
 
+NOW_AND_THEN = 2.0  # a mean delay a step this many times its typical one: late now and then
+
+
+def _now_and_then(
+    s: Straggler, delays: list[tuple[int, float]], mine: st.Step,
+    over: Callable[[list[float]], float],
+) -> None:  # fmt: skip
+    """Where ``s`` is late at some steps and on time at most (a slow step in
+    ten), its typical step says nothing: its lateness a step is its mean
+    (``late_ms``: what the job loses), with the share of steps it is late at
+    and how late each of those (``late_steps``, ``late_each_ms``). ``over``
+    makes one step's figure of its collectives' ``delays``."""
+    each: dict[int, list[float]] = defaultdict(list)
+    for seq, ms in delays:
+        each[mine.index(seq)].append(ms)
+    if len(each) < 2 * st.MIN_STEPS:
+        return
+    per = np.array([over(v) for v in each.values()])
+    mean = float(per.mean())
+    if mean < MIN_LAG_MS or mean < NOW_AND_THEN * max(s.late_ms, 0.0):
+        return
+    late = per > mean  # the slow steps stand above the mean; the others sit near 0
+    # its steady lateness (the typical other step: no noise's bias), and the slow steps' excess
+    base = max(0.0, float(np.median(per[~late])))
+    s.late_ms = round(base + float((per[late] - base).sum()) / len(per), 3)
+    s.late_steps = round(float(late.mean()), 4)
+    s.late_each_ms = round(float(per[late].mean()), 3)
+
+
 def _by_phase(
-    values: list[tuple[int, float]], step: st.Step, over: Callable[[list[float]], float]
-) -> float:
-    """``over`` the median ``(seq, value)`` of each of ``step``'s collectives."""
+    values: list[tuple[int, float]], step: st.Step, over: Callable[[list[float]], float],
+    typical: Callable[..., Any] = np.median,
+) -> float:  # fmt: skip
+    """``over`` the ``typical`` (median) ``(seq, value)`` of each of ``step``'s collectives."""
     by: dict[int, list[float]] = defaultdict(list)
     for seq, v in values:
         by[step.phase(seq)].append(v)
-    return float(over([float(np.median(v)) for v in by.values()])) if by else 0.0
+    return float(over([float(typical(v)) for v in by.values()])) if by else 0.0
 
 
 def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
@@ -865,8 +910,10 @@ def released_late(
         return False
     if step is None or step.period == 1:
         return float(typical([g for _, g in own])) < 0.5 * float(typical(excess))
-    late = _by_phase([(c.seq, e) for c, e in zip(cs, excess.tolist(), strict=True)], step, max)
-    return _by_phase(own, step, sum) < 0.5 * late
+    late = _by_phase(
+        [(c.seq, e) for c, e in zip(cs, excess.tolist(), strict=True)], step, max, typical
+    )
+    return _by_phase(own, step, sum, typical) < 0.5 * late
 
 
 # -- slow links -------------------------------------------------------------------------

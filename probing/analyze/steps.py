@@ -85,6 +85,10 @@ class Step:
         """Which collective of its step ``seq`` is (0: the first)."""
         return (seq - bisect.bisect_left(self.chores, seq) - self.start) % self.period
 
+    def index(self, seq: int) -> int:
+        """Which step ``seq`` belongs to (counted from any one: steps compare)."""
+        return (seq - bisect.bisect_left(self.chores, seq) - self.start) // self.period
+
 
 def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
     """The step of one communicator's collectives (any order; complete or not:
@@ -101,13 +105,14 @@ def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
         return None
     first = min(by_pos)
     n = max(by_pos) - first + 1  # dense by place: NaN (-1) where a collective was not seen
-    t = np.full(n, np.nan)
+    t, released = np.full(n, np.nan), np.full(n, np.nan)
     names: dict[str, int] = {}
     sig = np.full(n, -1, dtype=np.int64)
     for s, c in by_pos.items():
         t[s - first] = min(c.ts.values())
+        released[s - first] = _released(c)
         sig[s - first] = names.setdefault(f"{c.op}/{c.bytes}", len(names))
-    gap = np.r_[np.nan, np.diff(t)]  # the gap before each collective (NaN: a neighbour unseen)
+    gap = _gaps(t, released)
     typical = float(np.nanmedian(gap)) if np.isfinite(gap).any() else 0.0
     if not typical > 0:
         return None
@@ -135,6 +140,24 @@ def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
     fit = [d for d in divisors if error[d] <= DIVISOR_SLACK * error[period] + GAP_FLOOR]
     step = _step(comm, first, t, gap, min(fit, default=period))
     return dataclasses.replace(step, chores=chores) if step is not None else None
+
+
+def _released(c: Collective) -> float:
+    """When the last rank returned from ``c`` (NaN: one has not, or no returns kept)."""
+    ends = list(getattr(c, "end", {}).values())
+    return float(max(ends)) if ends and None not in ends and len(ends) >= len(c.ts) else np.nan
+
+
+def _gaps(t: np.ndarray, released: np.ndarray) -> np.ndarray:
+    """The gap before each collective (NaN: a neighbour unseen): from when the
+    one before released its ranks to the first arrival (none where it was
+    issued before then: DDP's buckets), where returns are known. Not from the
+    first arrival before: one rank late at a step now and then holds the
+    others in the collective it is late to, and a gap from arrival to arrival
+    would count that wait as the job's own pattern (a step ten steps long)."""
+    if np.isfinite(released).mean() < 0.5:  # returns not kept (transfers): arrival to arrival
+        return np.r_[np.nan, np.diff(t)]
+    return np.r_[np.nan, np.maximum(t[1:] - released[:-1], 0.0)]
 
 
 def _step(comm: str, first: int, t: np.ndarray, gap: np.ndarray, p: int) -> Step | None:

@@ -108,7 +108,12 @@ def straggler_text(s: coll.Straggler, why: Sequence[wy.Why]) -> str:
     groups = (f" in {', '.join(group_text(g) for g in s.groups)}" if len(s.groups) > 1
               else f" on {group_text(s.comm)}")  # fmt: skip
     cause = cause_text(wy.headline(why, s.rank)) or unexplained_text(why, s.rank)
-    if s.step_ms > 0:  # the job's step known: how late it makes each
+    if s.step_ms > 0 and s.late_steps < 0.5:  # late now and then: how often, how late
+        late = (
+            f"is {s.late_each_ms:.0f} ms late at {now_and_then(s.late_steps)} "
+            f"{s.step_ms:.0f} ms steps, {s.late_ms:.0f} ms a step on average (last at"
+        )
+    elif s.step_ms > 0:  # the job's step known: how late it makes each
         late = f"is {s.late_ms:.0f} ms late each {s.step_ms:.0f} ms step (last at"
     else:
         late = f"arrives {s.lag_ms_mean:.0f} ms late (last at"
@@ -116,6 +121,15 @@ def straggler_text(s: coll.Straggler, why: Sequence[wy.Why]) -> str:
         f"rank {s.rank}{node} {late} {100 * s.last_share:.0f} % of {s.op}s){groups} "
         f"{since}; the job loses ~{100 * s.share_of_step:.0f} % of its step time{cause}"
     )
+
+
+def now_and_then(share: float) -> str:
+    """How often, in words: "1 in 10 of its", "3 in 10 of its"."""
+    if share <= 0:
+        return "none of its"
+    if share < 0.1:
+        return f"1 in {round(1 / share)} of its"
+    return f"{round(10 * share)} in 10 of its"
 
 
 def group_text(comm: str) -> str:
