@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tools the test suite checks the deploy/ recipes with (not the demo's):
-# promtool (Debian's prometheus package) for the alert rules, systemd-analyze
+# promtool (Debian's prometheus package) for the alert rules and the
+# /metrics exposition (promtool check rules, check metrics), systemd-analyze
 # for the unit, a single-node Slurm (slurm-wlm: slurmctld, slurmd, srun; and
 # munge) for the Slurm prolog. Idempotent; as root.
 set -euo pipefail

@@ -121,6 +121,16 @@ def stat(pid: Pid, tid: int | None = None) -> list[str]:
     return text.rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
 
 
+def started(pid: Pid) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of
+    ``stat``, exactly as the kernel says it): with the pid, what tells it
+    from a later process given the same pid. None when it is gone."""
+    try:
+        return int(stat(pid)[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def task_stat(tid: int, pid: Pid = "self") -> tuple[str, int] | None:
     """(state letter, utime + stime in clock ticks) of one thread, or None."""
     try:

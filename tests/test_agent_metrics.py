@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from probing.analyze.findings import openmetrics
+from probing import proc
+from probing.analyze.findings import log_findings, openmetrics
 from probing.node.agent import Agent, Policy
 from probing.node.findings import Feed
-from probing.node.openmetrics import Exposition
+from probing.node.openmetrics import Exposition, text_format, wants_openmetrics
 from probing.node.webhook import Webhook
 from tests.conftest import require
 from tests.test_webhook import Receiver, _until
@@ -25,7 +28,7 @@ from tests.test_webhook import Receiver, _until
 def _finding(kind: str = "straggler", rank: int | None = 2, ts: int = 1, **kw: object) -> dict:  # type: ignore[type-arg]
     row = {"ts": ts, "kind": kind, "rank": rank, "node": "n1", "comm": "gloo/pg0",
            "text": f"{kind} {rank}", "since": None, "since_ns": None, "cleared_ns": None,
-           "pid": os.getpid(), "host": "n1"}  # fmt: skip
+           "pid": os.getpid(), "pid_started": proc.started(os.getpid()), "host": "n1"}  # fmt: skip
     row.update(kw)
     return row
 
@@ -82,8 +85,12 @@ def test_a_log_that_comes_later_is_read_from_its_start_and_a_dead_detector_is_fo
     gone.wait()
     log = _log(runtime_dir)
     _append(log, _finding(rank=1), _finding(rank=2, ts=2, pid=gone.pid))
-    assert _keys(feed.poll()) == [("straggler", 1, "new"), ("straggler", 2, "new")]
-    assert [r["rank"] for r in feed.active()] == [1]  # the dead detector's: not active
+    assert _keys(feed.poll()) == [
+        ("straggler", 1, "new"),
+        ("straggler", 2, "new"),
+        ("straggler", 2, "cleared"),  # the dead detector's: cleared at once
+    ]
+    assert [r["rank"] for r in feed.active()] == [1]
 
 
 def test_a_user_cannot_log_findings_about_another_users_process(runtime_dir: Path) -> None:
@@ -92,7 +99,10 @@ def test_a_user_cannot_log_findings_about_another_users_process(runtime_dir: Pat
     feed.poll()
     theirs = _log(runtime_dir, uid=65534)
     _append(theirs, _finding(rank=1), _finding(rank=2, pid=999_999_999))
-    assert _keys(feed.poll()) == [("straggler", 2, "new")]  # ours (root's) not believed
+    assert _keys(feed.poll()) == [  # ours (root's) not believed
+        ("straggler", 2, "new"),
+        ("straggler", 2, "cleared"),  # and theirs about no process: cleared at once
+    ]
 
 
 def test_the_node_exposition_labels_every_probe_and_dates_its_counters() -> None:
@@ -161,3 +171,220 @@ def test_the_agent_exports_findings_by_the_rank_they_blame_and_posts_them(
     finally:
         hook.close(0)
         server.close()
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_a_finding_whose_detector_is_gone_is_cleared_in_its_log_once_and_never_served(
+    runtime_dir: Path,
+) -> None:
+    """Found at the start (an agent started after the job died): a finding of
+    a process that exited, one whose pid another process has since
+    (``pid_started`` not its), and an older line (no ``pid_started``) about
+    a process that started after it: each cleared at the first look, in the
+    log ("job gone", the feed's clock), and a later feed serves none of them."""
+    log, me = _log(runtime_dir), os.getpid()
+    live, older_live = _finding(rank=0), _finding(rank=4, ts=time.time_ns(), pid_started=None)
+    dead = _finding(rank=1, ts=2, pid=_dead_pid())
+    reused = _finding(rank=2, ts=3, pid_started=(proc.started(me) or 0) - 1)
+    older = _finding(rank=3, ts=4, pid_started=None)  # 4 ns after 1970: before this process
+    _append(log, live, dead, reused, older, older_live)
+    feed = Feed(clock=lambda: 42)
+    cleared = feed.poll()
+    assert [(r["rank"], r["state"], r["reason"], r["cleared_ns"]) for r in cleared] == [
+        (1, "cleared", "job gone", 42),
+        (2, "cleared", "job gone", 42),
+        (3, "cleared", "job gone", 42),
+    ]
+    assert [r["rank"] for r in feed.active()] == [0, 4]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(x["rank"], x["pid"], x["cleared_ns"], x.get("reason")) for x in lines[5:]] == [
+        (1, dead["pid"], 42, "job gone"),
+        (2, me, 42, "job gone"),
+        (3, me, 42, "job gone"),
+    ]
+    assert all("state" not in x for x in lines)
+    assert feed.poll() == []  # its own lines read back: no news
+    later = Feed(clock=lambda: 43)
+    assert later.poll() == [] and [r["rank"] for r in later.active()] == [0, 4]
+    assert len(log.read_text().splitlines()) == len(lines)  # cleared once
+
+
+def test_a_cleared_line_goes_only_into_a_regular_file_of_the_logs_user(
+    runtime_dir: Path,
+) -> None:
+    """The feed appends to a user's log (as root, another user's): never
+    through a link put in its place, where the line would land elsewhere."""
+    feed = Feed()
+    feed.poll()
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        log = _log(runtime_dir)
+        _append(log, _finding(rank=1, pid=job.pid, pid_started=proc.started(job.pid)))
+        assert _keys(feed.poll()) == [("straggler", 1, "new")]
+        target = runtime_dir / "elsewhere"
+        target.write_text("")
+        log.unlink()
+        log.symlink_to(target)
+    finally:
+        job.kill()
+        job.wait()
+    assert _keys(feed.poll()) == [("straggler", 1, "cleared")]  # said, and not served
+    assert feed.active() == [] and target.read_text() == ""
+
+
+def test_each_logged_finding_names_its_detectors_process_and_its_start(
+    runtime_dir: Path,
+) -> None:
+    log = _log(runtime_dir)
+    log_findings([_finding(rank=1)], os.getpid())
+    [line] = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["pid"] == os.getpid() and line["pid_started"] == proc.started(os.getpid())
+    assert isinstance(line["pid_started"], int) and line["pid_started"] > 0
+
+
+def test_a_job_killed_during_a_finding_has_it_cleared_and_a_new_agent_never_serves_it(
+    runtime_dir: Path,
+) -> None:
+    server = Receiver()
+    hook = Webhook(server.url)
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        agent = Agent(Policy(attach=False), webhook=hook)
+        agent.follow()
+        log = _log(runtime_dir)
+        found = _finding(rank=1, comm="gloo/pg1", pid=job.pid, pid_started=proc.started(job.pid))
+        _append(log, found)
+        assert _keys(agent.follow()) == [("straggler", 1, "new")]
+        assert _active(agent) == {("straggler", "1")}
+        job.kill()
+        job.wait()
+        assert _active(agent) == set()  # gone at once from /metrics
+        [cleared] = agent.follow()
+        assert (cleared["state"], cleared["reason"]) == ("cleared", "job gone")
+        assert cleared["pid"] == job.pid
+        _until(lambda: hook.counts().sent == 2)
+        assert [(r["state"], r.get("reason")) for r in server.got] == [
+            ("new", None),
+            ("cleared", "job gone"),
+        ]
+        last = json.loads(log.read_text().splitlines()[-1])
+        assert last["reason"] == "job gone" and last["cleared_ns"] == cleared["cleared_ns"]
+        fresh = Agent(Policy(attach=False))
+        assert fresh.follow() == [] and _active(fresh) == set()
+        assert fresh.health()["findings_active"] == 0
+    finally:
+        job.kill()
+        job.wait()
+        hook.close(0)
+        server.close()
+
+
+def _active(agent: Agent) -> set[tuple[str, str]]:
+    """(kind, rank) of each ``probing_finding_active`` series of the agent's /metrics."""
+    families = {f.name: f for f in text_string_to_metric_families(agent.metrics())}
+    samples = families["probing_finding_active"].samples
+    return {(s.labels["kind"], s.labels["rank"]) for s in samples}
+
+
+# what Prometheus 2.42 asks a target for
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+def _detector() -> str:
+    """A job detector's OpenMetrics with every family it has: a straggler active."""
+    lateness = {(0, "n1"): 0.001, (2, "n2"): 0.06}
+    return openmetrics(0.11, lateness, {"straggler": 1}, {"gloo": 3}, 4, {2: ("n2", 0.06, 0.55)})
+
+
+def _promtool(text: str) -> tuple[int, str]:
+    """``promtool check metrics`` on ``text``: its exit status and all it said."""
+    promtool = shutil.which("promtool")
+    require(promtool is not None, "needs promtool (Debian's prometheus; make jobenvs installs it)")
+    assert promtool is not None
+    r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def _samples(families: object) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    return sorted(
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for f in families  # type: ignore[attr-defined]
+        for s in f.samples
+    )
+
+
+def test_promtool_passes_the_agents_metrics_as_curl_gets_them(runtime_dir: Path) -> None:
+    """The agent's /metrics with findings active and a webhook set: to
+    ``curl`` (``Accept: */*``) Prometheus' text format, which ``promtool
+    check metrics`` passes saying nothing; to Prometheus OpenMetrics; the
+    same samples both ways."""
+    from urllib.request import Request, urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    from probing.node.agent import serve
+
+    receiver = Receiver()
+    hook = Webhook(receiver.url)
+    agent = Agent(Policy(attach=False), webhook=hook)
+    agent.follow()
+    _append(_log(runtime_dir), _finding(rank=2), _finding("slow_link", rank=None, ts=2))
+    assert len(agent.follow()) == 2
+    _until(lambda: hook.counts().sent == 2)  # the two answers alike
+    http = serve(agent, "127.0.0.1", 0)
+    got = {}
+    try:
+        url = f"http://127.0.0.1:{http.server_address[1]}/metrics"
+        for accept in ("*/*", PROMETHEUS_ACCEPT):
+            with urlopen(Request(url, headers={"Accept": accept}), timeout=10) as r:
+                got[accept] = (r.headers["Content-Type"], r.read().decode())
+    finally:
+        http.shutdown()
+        http.server_close()
+        hook.close(0)
+        receiver.close()
+    (plain_type, plain), (om_type, om) = got["*/*"], got[PROMETHEUS_ACCEPT]
+    assert plain_type.startswith("text/plain; version=0.0.4"), plain_type
+    assert om_type.startswith("application/openmetrics-text"), om_type
+    assert _promtool(plain) == (0, ""), plain
+    assert "probing_finding_active{" in plain and "\nprobing_agent_webhook_sent_total " in plain
+    assert _samples(text_families(plain)) == _samples(text_string_to_metric_families(om))
+
+
+def test_promtool_passes_a_detectors_metrics_as_its_probe_serves_them_to_curl() -> None:
+    """A probe's GET /metrics: OpenMetrics to Prometheus and to the agent
+    (which names no format), the text format, clean for promtool, to curl."""
+    from types import SimpleNamespace
+
+    from probing.node.probe import api
+    from probing.node.probe.http import Request
+
+    detector = SimpleNamespace(metrics=_detector)
+    probe = SimpleNamespace(cluster=SimpleNamespace(ensure_watch=lambda start: detector))
+
+    def get(accept: str | None) -> tuple[str, str]:
+        headers = {"accept": accept} if accept is not None else {}
+        answer = api.metrics(probe, Request("GET", "/metrics", {}, b"", 0, headers=headers))  # type: ignore[arg-type]
+        assert answer.status == 200
+        return answer.content_type, answer.body.decode()
+
+    assert get(PROMETHEUS_ACCEPT) == get(None) == (api.openmetrics.OPENMETRICS, _detector())
+    ctype, plain = get("*/*")
+    assert ctype.startswith("text/plain; version=0.0.4") and plain == text_format(_detector())
+    assert _promtool(plain) == (0, ""), plain
+    assert _promtool(_detector())[0] != 0  # OpenMetrics is not what promtool 2.42 reads
+
+
+def test_a_scraper_gets_openmetrics_where_it_asks_or_names_no_format() -> None:
+    assert wants_openmetrics(PROMETHEUS_ACCEPT) and wants_openmetrics(None)
+    assert wants_openmetrics("Application/OpenMetrics-Text; version=1.0.0")
+    assert not wants_openmetrics("*/*")  # curl
+    assert not wants_openmetrics("text/plain;version=0.0.4")

@@ -69,6 +69,7 @@ def exported(runtime_dir: Path) -> dict[str, set[str]]:
     and a probe's, labelled as the agent labels them."""
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+    from probing import proc
     from probing.analyze.findings import openmetrics
     from probing.node.agent import Agent, Policy, ProbeLabels
     from probing.node.openmetrics import Exposition
@@ -77,7 +78,8 @@ def exported(runtime_dir: Path) -> dict[str, set[str]]:
     logs = runtime_dir / f"probing-{os.getuid()}"
     logs.mkdir(mode=0o700)
     finding = {"ts": 1, "kind": "straggler", "rank": 2, "node": "n", "comm": "gloo/pg0",
-               "text": "late", "cleared_ns": None, "pid": os.getpid(), "host": "n"}  # fmt: skip
+               "text": "late", "cleared_ns": None, "pid": os.getpid(),
+               "pid_started": proc.started(os.getpid()), "host": "n"}  # fmt: skip
     (logs / "findings.jsonl").write_text(json.dumps(finding) + "\n")
     hook = Webhook("http://127.0.0.1:9/")
     try:

@@ -157,15 +157,19 @@ KINDS = ("straggler", "slow_link", "hang", "rank_gone")
 
 def log_findings(rows: list[dict[str, Any]], pid: int | None) -> None:
     """Each new or cleared finding as one line of ``findings.jsonl``
-    (``probing.paths.findings_log``), one ``write`` each, appended. Never raises."""
+    (``probing.paths.findings_log``), one ``write`` each, appended, with
+    ``pid`` (the detector's process, whose stderr is told), ``pid_started``
+    (its start, ``proc.started``: a later process given the same pid is not
+    it) and ``host``. Never raises."""
     import os
     import socket
 
-    from probing import paths
+    from probing import paths, proc
 
     if not rows:
         return
     host = socket.gethostname()
+    started = proc.started(pid) if pid is not None else None
     try:
         fd = os.open(paths.findings_log(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                      0o600)  # fmt: skip
@@ -173,8 +177,8 @@ def log_findings(rows: list[dict[str, Any]], pid: int | None) -> None:
         return
     try:
         for row in rows:
-            line = json.dumps({**row, "pid": pid, "host": host}, default=str) + "\n"
-            os.write(fd, line.encode())
+            entry = {**row, "pid": pid, "pid_started": started, "host": host}
+            os.write(fd, (json.dumps(entry, default=str) + "\n").encode())
     except OSError:
         pass
     finally:

@@ -22,16 +22,19 @@ is outside of); where another process holds it all the same, the agent says
 who in one line and exits ``EX_CONFIG``. At start it compiles and load-tests
 the BPF programs it traces (``probing.node.service.warm``), so the first job
 it attaches to waits for no compile. ``/metrics`` is OpenMetrics (every
-counter with its ``_created``): the agent's own counters; every live probe
-of the node's metrics (asked over its unix socket at each scrape), each
-sample labelled with its process's ``pid``, ``job`` (``identity.job_label``:
-one a job, the same on every node of it), ``rank`` and ``node`` where it
-names none of its own (``probing_rank_lateness_seconds`` names the rank it
-measures); and ``probing_finding_active``, one series for each finding
-active now (``kind``, the ``rank`` it blames, ``node``, ``comm``, ``job``),
-read from the findings logs the jobs' detectors write
-(``probing.node.findings``). Each new or cleared finding also goes to the
-webhook, when one is set (``probing.node.webhook``). It logs to stderr, one
+counter with its ``_created``; Prometheus' text format 0.0.4 to a scraper
+that does not ask for OpenMetrics, ``curl``, ``promtool``): the agent's
+own counters; every live probe of the node's metrics (asked over its unix
+socket at each scrape), each sample labelled with its process's ``pid``,
+``job`` (``identity.job_label``: one a job, the same on every node of it),
+``rank`` and ``node`` where it names none of its own
+(``probing_rank_lateness_seconds`` names the rank it measures); and
+``probing_finding_active``, one series for each finding active now
+(``kind``, the ``rank`` it blames, ``node``, ``comm``, ``job``), read from
+the findings logs the jobs' detectors write (``probing.node.findings``),
+a finding whose detector's process is gone cleared there ("job gone"),
+never served. Each new or cleared finding also goes to the webhook, when
+one is set (``probing.node.webhook``). It logs to stderr, one
 line an event. SIGTERM stops it; the engines and their probes go on.
 """
 
@@ -55,7 +58,8 @@ import psutil
 
 from probing import paths, proc
 from probing.guest import place, wire
-from probing.node.findings import Feed
+from probing.node import openmetrics
+from probing.node.findings import JOB_GONE, Feed
 from probing.node.openmetrics import Exposition
 from probing.node.service import warm
 from probing.node.webhook import Webhook
@@ -207,16 +211,29 @@ class Agent:
 
     def follow(self) -> list[dict[str, Any]]:
         """The findings the node's detectors logged since the last look, each
-        with its job; queued for the webhook, never waited for."""
+        with its job, and those it cleared, their detector's process gone
+        (``Feed.poll``); queued for the webhook, never waited for."""
         with self._feed_lock:
-            rows = self.feed.poll()
+            rows = self.feed.poll(self._gone_reason)
         for row in rows:
             row["job"] = self._job_of(row.get("pid"))
-            _say(f"finding {row['state']}: {row.get('kind')} rank {row.get('rank')} "
+            why = f": {row['reason']}" if row.get("reason") else ""
+            _say(f"finding {row['state']}{why}: {row.get('kind')} rank {row.get('rank')} "
                  f"(pid {row.get('pid')}, job {row['job']})")  # fmt: skip
             if self.webhook is not None:
                 self.webhook.put(row)
         return rows
+
+    def _gone_reason(self, row: dict[str, Any]) -> str:
+        """Why a finding whose detector's process is gone is cleared: its job
+        is gone, unless a live process the agent knows is of that job."""
+        job = self._job_of(row.get("pid"))
+        with self._lock:
+            known = [(a.pid, a.job) for a in self.seen.values()] + list(self._jobs.items())
+        others = [p for p, j in known if j == job and p != row.get("pid")]
+        if job != "?" and any(psutil.pid_exists(p) for p in others):
+            return "its detector's process is gone (the job goes on)"
+        return JOB_GONE
 
     def _job_of(self, pid: Any) -> str:
         if not isinstance(pid, int):
@@ -428,7 +445,9 @@ def _get(sock_path: str, path: str) -> str:
 
 
 def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
-    """``GET /health`` and ``GET /metrics``, read-only, in a thread of its own.
+    """``GET /health`` and ``GET /metrics`` (OpenMetrics to a scraper that
+    asks for it, as Prometheus does; Prometheus' text format 0.0.4 to one
+    that does not, ``curl`` or ``promtool``), read-only, in a thread of its own.
     A port another process holds is a ``PortHeld`` naming it (the command
     line's one line and ``EX_CONFIG``), never a traceback."""
 
@@ -436,9 +455,11 @@ def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path == "/health":
                 body, ctype = json.dumps(agent.health()).encode(), "application/json"
-            elif self.path == "/metrics":
-                body = agent.metrics().encode()
-                ctype = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+            elif self.path == "/metrics":  # OpenMetrics where asked (Prometheus), else text 0.0.4
+                text, ctype = agent.metrics(), openmetrics.OPENMETRICS
+                if not openmetrics.wants_openmetrics(self.headers.get("Accept")):
+                    text, ctype = openmetrics.text_format(text), openmetrics.TEXT_FORMAT
+                body = text.encode()
             else:
                 self.send_error(404, "GET /health or GET /metrics")
                 return

@@ -2,12 +2,16 @@
 second while a 4-rank Gloo job nobody probed runs, one rank 60 ms slower a
 step: PromQL over its HTTP API names the slowed rank, the straggler alert
 of deploy/prometheus/ goes off for that rank, every query of the Grafana
-dashboard (deploy/grafana/) has data, and the finding reaches the agent's
-webhook."""
+dashboard (deploy/grafana/) has data, the finding reaches the agent's
+webhook, and ``promtool check metrics`` passes the agent's /metrics as curl
+gets it; then the job is killed: its finding is cleared ("job gone", in
+findings.jsonl and to the webhook), /metrics no longer has it, and an agent
+started after serves none of it."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -21,8 +25,10 @@ import pytest
 import yaml
 
 from probing.cli.demo import free_port
+from probing.node.agent import Agent, Policy
 from tests.conftest import SLOWDOWN, require, require_bpf
-from tests.privileged.test_agent import SLOW, wait_traced, watched_job
+from tests.privileged.test_agent import SLOW, active_findings, wait_traced, watched_job
+from tests.test_agent_metrics import PROMETHEUS_ACCEPT
 from tests.test_deploy import SCRAPE, as_promql, dashboard_queries
 from tests.test_webhook import Receiver
 
@@ -104,6 +110,13 @@ def _until(
         time.sleep(0.5)
 
 
+def _metrics(url: str, accept: str) -> str:
+    """The agent's ``GET /metrics``, asked with ``Accept: accept``."""
+    req = urllib.request.Request(f"{url}/metrics", headers={"Accept": accept})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return str(r.read().decode())
+
+
 def test_prometheus_scrapes_the_agent_and_promql_names_the_slowed_rank(  # type: ignore[no-untyped-def]
     runtime_dir, prometheus
 ) -> None:
@@ -183,6 +196,37 @@ def test_prometheus_scrapes_the_agent_and_promql_names_the_slowed_rank(  # type:
 
             [sent, *_] = _until("the straggler POSTed", posted, deadline)
             assert sent["state"] == "new" and sent["job"] == w.job and sent["pid"] > 0, sent
+            plain = _metrics(w.url, "*/*")  # as curl gets it: Prometheus' text format
+            assert "probing_detections_total{" in plain and "probing_finding_active{" in plain
+            checked = subprocess.run(
+                ["promtool", "check", "metrics"], input=plain, capture_output=True, text=True
+            )
+            assert (checked.returncode, checked.stdout + checked.stderr) == (0, ""), plain
+            # the job killed during its finding: the finding cleared, "job gone", by the agent
+            before = len([r for r in posted() if r["state"] == "cleared"])
+            for p in w.ranks:
+                p.kill()
+            for p in w.ranks:
+                p.wait()
+            t1 = time.monotonic()
+            [*_, gone] = _until(
+                "the straggler cleared",
+                lambda: [r for r in posted() if r["state"] == "cleared"][before:],
+                time.monotonic() + 30 * SLOWDOWN,
+            )
+            print(f"cleared {time.monotonic() - t1:.1f} s after the job was killed")
+            assert gone["reason"] == "job gone" and gone["job"] == w.job, gone
+            assert active_findings(_metrics(w.url, PROMETHEUS_ACCEPT)) == set()
+            log = runtime_dir / f"probing-{os.getuid()}" / "findings.jsonl"
+            said = [json.loads(x) for x in log.read_text().splitlines()]
+            assert any(x.get("reason") == "job gone" and x["kind"] == "straggler"
+                       and x["rank"] == SLOW and x["cleared_ns"] for x in said), said  # fmt: skip
+            # an agent started later serves none of it (what the job's engine wrote since,
+            # of a process gone, it clears at its first look)
+            fresh = Agent(Policy(attach=False))
+            late = fresh.follow()
+            assert all((r["state"], r["reason"]) == ("cleared", "job gone") for r in late), late
+            assert active_findings(fresh.metrics()) == set()
             [took] = prom.query('max_over_time(scrape_duration_seconds{job="probing-agent"}[1m])')
             ms = 1e3 * float(took["value"][1])
             print(

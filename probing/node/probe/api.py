@@ -20,6 +20,7 @@ from probing.errors import (
     log_unexpected,
     wire_type,
 )
+from probing.node import openmetrics
 from probing.node.probe.http import INSTALL, Request, Response
 from probing.node.probe.imports import quick_gil_handoff, settle
 
@@ -376,13 +377,12 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
     return Response.json(sorted(out, key=lambda r: r["rank"]))
 
 
-OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-
-
 def metrics(probe: Probe, req: Request) -> Response:
     """GET /metrics: OpenMetrics for Prometheus (on the peer port: the token
     as bearer): the step, each rank's lateness, the findings active, the
-    events dropped, from this probe's always-on detector."""
+    events dropped, from this probe's always-on detector; Prometheus' text
+    format 0.0.4 to a scraper whose ``Accept`` does not name OpenMetrics
+    (``curl ... | promtool check metrics``)."""
     node = probe.cluster  # before any trace: no detection yet, the counters at 0
     detector = node.ensure_watch(start=False) if node is not None else None
     if detector is None:
@@ -390,7 +390,10 @@ def metrics(probe: Probe, req: Request) -> Response:
             "no detector here: /metrics is served in cluster mode",
             hint="a rank of a multi-process job, or PROBING_PEERS",
         )
-    return Response(200, OPENMETRICS, detector.metrics().encode())
+    text = detector.metrics()
+    if openmetrics.wants_openmetrics((req.headers or {}).get("accept")):
+        return Response(200, openmetrics.OPENMETRICS, text.encode())
+    return Response(200, openmetrics.TEXT_FORMAT, openmetrics.text_format(text).encode())
 
 
 def _code_allowed(req: Request) -> bool:
