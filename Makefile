@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # number tries another order (`make test PYTEST_SEED=7`)
 PYTEST_SEED ?= 20261205
 
-.PHONY: setup jobenvs demo test bench accuracy lint clean vm-test
+.PHONY: setup jobenvs demo test bench accuracy lint clean vm-test image
 
 setup:
 	@bash .ci/setup.sh
@@ -44,6 +44,11 @@ lint: setup
 VM_TESTS ?= paths
 vm-test:
 	@bash vagrant/vm-test.sh $(VM_TESTS)
+
+# the agent's image, localhost/probing-agent:<version> (root, ~3 min; docs/deploy.md):
+# a Debian root filesystem made with mmdebstrap, no image pulled; not part of make test
+image:
+	@bash deploy/container/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache build dist *.egg-info

@@ -86,6 +86,11 @@ stamp="$VENV/.probing-setup"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VENV/bin/python" -c 'import probing, datafusion, pytest' 2>/dev/null; then
   say "installing probing (editable) and its test extras"
+  # a distribution named `probing` (ours before it was `probing-trace`, or PyPI's
+  # other project) owns the same `probing` command and package: removed first
+  if "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("probing")' 2>/dev/null; then
+    "$VENV/bin/python" -m pip uninstall -y -q --disable-pip-version-check probing
+  fi
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | { grep -v "^WARNING: Location" || true; }
   echo "$want" > "$stamp"
 fi
