@@ -171,10 +171,12 @@ def agent(
     ] = None,
 ) -> None:
     """The node's agent, in the foreground (a service's main process): it
-    attaches to every training process of the node that a launcher started
-    (torchrun, srun, mpirun; not one with PROBING=0), traces its collectives
-    and watches its job, and serves GET /health and /metrics. Logs go to
-    stderr; SIGTERM stops it (the probes go on)."""
+    attaches to every training process of the node, whatever started it (a
+    launcher's variables: torchrun, srun, mpirun; or a torch process group
+    formed: mp.spawn, Lightning's own launcher; not one with PROBING=0, nor
+    a launcher), traces its collectives and watches its job, and serves
+    GET /health and /metrics. Logs go to stderr; SIGTERM stops it (the
+    probes go on)."""
     import os
 
     from probing import config

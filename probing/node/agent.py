@@ -11,9 +11,15 @@ policy does not match.
 The policy (``Policy``): a process whose environment carries a launcher's
 variables (torchrun's ``TORCHELASTIC_RUN_ID``, ``MASTER_PORT`` with
 ``RANK``, Slurm's ``SLURM_PROCID``, Open MPI's ``OMPI_COMM_WORLD_RANK``,
-PMIx's ``PMIX_RANK``, MPICH's ``PMI_RANK``), or whose command line matches
-a pattern, or which runs in a cgroup whose path holds a given text; never
-a launcher itself (torchrun's agent, ``deepspeed``, ``accelerate``).
+PMIx's ``PMIX_RANK``, MPICH's ``PMI_RANK``); or which has formed a torch
+process group, whatever started it (its backend's threads,
+``probing.node.torchgroup``: ``mp.spawn``'s ranks, Lightning's own
+launcher's, a framework's that sets the rank in code), looked at again each
+scan until it has; or whose command line matches a pattern, or which runs
+in a cgroup whose path holds a given text; never a launcher itself
+(torchrun's agent, ``deepspeed``, ``accelerate``; ``mp.spawn``'s parent,
+which forms no group). A process no launcher named gets its ``job`` from
+its probe once attached: the rendezvous its process group's store is on.
 
 It serves ``GET /health`` (what it attached, what failed and why) and
 ``GET /metrics`` on ``127.0.0.1:<port>``, read-only: one scrape target per node.
@@ -50,7 +56,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -90,14 +96,23 @@ class Policy:
     """Which processes the agent attaches to, and what it traces in them."""
 
     launchers: bool = True  # a launcher's variables in the environment
+    groups: bool = True  # a torch process group formed (torchgroup.formed)
     pattern: str = ""  # a regular expression the command line matches
     cgroup: str = ""  # a text the process's cgroup path holds
     families: tuple[str, ...] = ("gloo", "nccl")  # traced once attached
     attach: bool = True  # False: watch and serve, attach nothing
     require: tuple[tuple[str, str], ...] = ()  # variables a process must carry, with these values
 
-    def why(self, environ: Mapping[str, str], argv: list[str], cgroup: str) -> str:
-        """Why a process matches ("" where it does not, or opts out)."""
+    def why(
+        self,
+        environ: Mapping[str, str],
+        argv: list[str],
+        cgroup: str,
+        formed: Callable[[], str] = lambda: "",
+    ) -> str:
+        """Why a process matches ("" where it does not, or opts out).
+        ``formed``: what shows it formed a torch process group ("" nothing),
+        asked only where its environment names no launcher."""
         if environ.get("PROBING", "").strip().lower() in ("0", "false", "no", "off"):
             return ""
         if any(environ.get(name) != value for name, value in self.require):
@@ -112,6 +127,8 @@ class Policy:
             for name in LAUNCHER_RANKS:
                 if environ.get(name):
                     return name
+        if self.groups and (group := formed()):
+            return group
         if self.pattern and re.search(self.pattern, " ".join(argv)):
             return f"command line ~ {self.pattern}"
         if self.cgroup and self.cgroup in cgroup:
@@ -176,6 +193,8 @@ class Agent:
 
     def scan(self) -> list[Attached]:
         """One look at the node: attach to what matches and is new; what was attached."""
+        from probing.node import torchgroup
+
         self.scans += 1
         new = []
         for found in psutil.process_iter(["pid", "cmdline", "create_time"]):
@@ -188,7 +207,8 @@ class Agent:
             if not argv or "python" not in os.path.basename(argv[0]):
                 continue
             environ = proc.environ(pid)
-            why = self.policy.why(environ, argv, _cgroup(pid)) if environ else ""
+            formed = functools.partial(torchgroup.formed, pid)
+            why = self.policy.why(environ, argv, _cgroup(pid), formed) if environ else ""
             if not why or not self.policy.attach:
                 continue
             age = max(0.0, time.time() - (found.info.get("create_time") or time.time()))
@@ -198,6 +218,7 @@ class Agent:
             with self._lock:
                 self.seen[pid] = got
             new.append(got)
+        self._name_jobs()
         with self._lock:  # processes gone: forgotten, their job kept for the findings they raise
             now = time.monotonic()
             for pid in [p for p in self.seen if not psutil.pid_exists(p)]:
@@ -234,6 +255,22 @@ class Agent:
         if job != "?" and any(psutil.pid_exists(p) for p in others):
             return "its detector's process is gone (the job goes on)"
         return JOB_GONE
+
+    def _name_jobs(self) -> None:
+        """The job of each process traced that no launcher named ("?"): the
+        rendezvous its probe learned from its process group, once it has."""
+        with self._lock:
+            unnamed = [a for a in self.seen.values() if a.job == "?" and a.state == "tracing"]
+        for known in unnamed:
+            try:
+                about = json.loads(_get(_socket(known.pid), "/health"))
+            except (OSError, ValueError, wire.WireError):
+                continue  # gone meanwhile: forgotten below
+            job = _rendezvous_job(about.get("cluster"))
+            if job is not None:
+                with self._lock:
+                    known.job = job
+                _say(f"pid {known.pid}: job {job} (its process group's store)")
 
     def _job_of(self, pid: Any) -> str:
         if not isinstance(pid, int):
@@ -355,12 +392,15 @@ class Agent:
         about = json.loads(_get(sock, "/health"))
         cluster = about.get("cluster") or {}
         rank = cluster.get("rank")
+        rank = rank if isinstance(rank, int) and rank >= 0 else None  # -1: still learning it
+        job = self._job_of(pid)
         probe = ProbeLabels(
-            job=self._job_of(pid),
-            rank=rank if isinstance(rank, int) else None,
+            job=_rendezvous_job(cluster) or job if job == "?" else job,
+            rank=rank,
             node=str(cluster.get("node") or socket.gethostname()),
             created=float(about.get("started_ns") or 0) / 1e9 or self.created,
-            final=int(cluster.get("world_size") or 1) > 1,  # a rank of a job: it stays
+            # a rank of a job: it stays (Lightning's ranks name their size before their rank)
+            final=rank is not None and int(cluster.get("world_size") or 1) > 1,
         )
         with self._lock:
             self._probes[pid] = probe
@@ -384,6 +424,20 @@ def _job(environ: Mapping[str, str]) -> str:
     from probing.node.cluster.identity import job_label
 
     return job_label(environ)
+
+
+def _rendezvous_job(cluster: Any) -> str | None:
+    """The ``job`` label of a probe's process from its process group's store
+    (its ``GET /health``'s ``cluster.store``, ``host:port``): the
+    rendezvous label ``identity.job_label`` gives ``MASTER_ADDR`` and
+    ``MASTER_PORT``; None where the probe knows no store yet."""
+    from probing.node.cluster.identity import job_label
+
+    store = cluster.get("store") if isinstance(cluster, dict) else None
+    if not isinstance(store, str) or ":" not in store:
+        return None
+    host, _, port = store.rpartition(":")
+    return job_label({"MASTER_ADDR": host, "MASTER_PORT": port})
 
 
 def _engine_of(sock: str) -> int | None:

@@ -104,6 +104,8 @@ class ClusterNode:
             "addr": self.addr,
             "published": self.published,  # the address is where the others read it
             "source": self.ident.source,
+            # the job's rendezvous (its process group's store), "host:port"; None: not known
+            "store": "{}:{}".format(*self.ident.master) if self.ident.master else None,
             "peers": len(self.registry.peers()),
             "error": self.error,
         }
