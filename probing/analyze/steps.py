@@ -155,9 +155,12 @@ def _gaps(t: np.ndarray, released: np.ndarray) -> np.ndarray:
     first arrival before: one rank late at a step now and then holds the
     others in the collective it is late to, and a gap from arrival to arrival
     would count that wait as the job's own pattern (a step ten steps long)."""
+    gap = np.full(len(t), np.nan)
     if np.isfinite(released).mean() < 0.5:  # returns not kept (transfers): arrival to arrival
-        return np.r_[np.nan, np.diff(t)]
-    return np.r_[np.nan, np.maximum(t[1:] - released[:-1], 0.0)]
+        gap[1:] = np.diff(t)
+    else:
+        gap[1:] = np.maximum(t[1:] - released[:-1], 0.0)
+    return gap
 
 
 def _step(comm: str, first: int, t: np.ndarray, gap: np.ndarray, p: int) -> Step | None:
