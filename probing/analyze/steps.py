@@ -113,7 +113,9 @@ def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
         released[s - first] = _released(c)
         sig[s - first] = names.setdefault(f"{c.op}/{c.bytes}", len(names))
     gap = _gaps(t, released)
-    typical = float(np.nanmedian(gap)) if np.isfinite(gap).any() else 0.0
+    # the typical gap between collectives issued apart (back to back ones: none)
+    apart = gap[np.isfinite(gap) & (gap > 0)]
+    typical = float(np.median(apart)) if len(apart) else 0.0
     if not typical > 0:
         return None
     fits: list[tuple[int, float, float]] = []  # (period, ops matched, gap error)
