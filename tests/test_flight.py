@@ -425,3 +425,21 @@ def test_ranks_apart_that_move_on_are_no_hang_and_not_waited_for() -> None:
     d, _ = diagnose(j, hang_after_s=30.0)
     assert not d.hangs, d.verdict
     assert time.monotonic() - t0 < 10  # the watch ended when the recorder moved
+
+
+def test_ranks_that_stop_answering_while_watched_are_no_hang() -> None:
+    # the stacks of ranks 1-3 time out once the watch begins: nothing says they stood still
+    j = YoungHang()
+    real = j.ask
+    asked = {"stacks": 0}
+
+    def ask(sql: str) -> pa.Table:
+        if "FROM process.stacks" in sql:
+            asked["stacks"] += 1
+            if asked["stacks"] > 1:
+                return pa.Table.from_pylist([j._frame(0)])
+        return real(sql)
+
+    j.ask = ask  # type: ignore[method-assign]
+    d, _ = diagnose(j, hang_after_s=5.0)
+    assert not d.hangs, d.verdict

@@ -10,9 +10,11 @@ Each rank appends to ``--truth PATH`` + ``.rank{r}`` (or ``$ACCURACY_TRUTH``):
 - on the faulty rank, when the fault first fires: ``{"fault", "rank",
   "onset": time.time(), "ms", "step"}``;
 - one line per optimizer step: ``{"rank", "step", "t0", "t1", "t_arrive",
-  "injected_ms", "runq_ms"}``: wall-clock ``time.time()`` at the step's
-  start and end and just before its first collective (the synchronised
-  backward for DDP, the last forward for FSDP2), the time this rank spent in
+  "t_collective", "injected_ms", "runq_ms"}``: wall-clock ``time.time()`` at
+  the step's start and end, just before its first collective (the synchronised
+  backward for DDP, the last forward for FSDP2), and when DDP launched the
+  step's first bucket (a comm hook: ``allreduce_hook``, stamped; None for
+  FSDP2, whose first all-gather starts with the forward), the time this rank spent in
   the injected fault during the step (measured, not the nominal figure), and
   the time the training thread waited for a CPU
   (``/proc/thread-self/schedstat``).
@@ -214,7 +216,27 @@ def build(shape: str) -> tuple[nn.Module, int]:
         return net, 64
     # ~2.4 MB of parameters: DDP's first bucket is capped at 1 MiB, so 2 buckets
     net = mlp([64, 1024, 512, 10])
-    return nn.parallel.DistributedDataParallel(net), 64
+    ddp = nn.parallel.DistributedDataParallel(net)
+    ddp.register_comm_hook(None, stamp_first_bucket)
+    return ddp, 64
+
+
+FIRST_BUCKET: list[float] = []  # when this rank launched its last step's first bucket (wall s)
+
+
+def stamp_first_bucket(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP's own all-reduce of ``bucket`` (``allreduce_hook``), the first
+    bucket's launch stamped: when this rank reached its first collective."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if bucket.index() == 0:
+        FIRST_BUCKET[:] = [time.time()]
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+# torch checks a hook's annotations as objects (this file's are strings: __future__)
+stamp_first_bucket.__annotations__.update(bucket=dist.GradBucket, state=object)
+stamp_first_bucket.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> None:
@@ -267,6 +289,7 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
                 "t0": t0,
                 "t1": t1,
                 "t_arrive": arrive,
+                "t_collective": FIRST_BUCKET[-1] if FIRST_BUCKET and not fsdp else None,
                 "injected_ms": round(fault.injected_ms, 3),
                 "runq_ms": round((runq_ns() - q0) / 1e6, 3),
             }

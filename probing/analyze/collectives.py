@@ -530,6 +530,7 @@ class Evidence:
     last: int  # collectives it arrived last at
     p_last: float  # chance (1/nranks each) explaining ``last``
     p_far: float  # chance explaining how many of the far-last arrivals (``far_last``) are its
+    far: int  # how many collectives it arrived last at by very far (``VERY_FAR``)
     p_excess: float  # its place in the arrival order is no later than chance
     excess_ms_median: float  # its arrival after the median of the others
     noise_ms: float  # the others' typical |excess| (median of their robust spreads)
@@ -560,7 +561,7 @@ class Evidence:
             return True
         # late by a lot now and then (a slow step in ten): last by far there, its
         # median excess nothing; that it is always this rank chance cannot explain
-        if self.p_far < P_STRONG / n and self.share_of_step >= SHARE_NAMED:
+        if self.far >= MIN_FAR and self.p_far < P_VALUE / n and self.share_of_step >= SHARE_NAMED:
             return True
         if self.p_excess >= P_LAST / n:
             return False
@@ -585,6 +586,7 @@ class Evidence:
 
 FAR_LEAD = 4.0  # last by this many times the typical last arrival's lead: last by far
 VERY_FAR = 4.0  # ... and this many times that: last by very far
+MIN_FAR = 5  # a rank last by very far at this many collectives, beyond chance, is late now and then
 
 
 def far_last(cs: list[Collective], rank: int, lead: float = FAR_LEAD) -> tuple[int, int]:
@@ -638,6 +640,7 @@ def evidence(cs: list[Collective], rank: int) -> Evidence:
         last=last,
         p_last=binom_tail(last, n, 1.0 / max(len(ranks), 1)),
         p_far=min(binom_tail(m, f, 1.0 / max(len(ranks), 1)) if f else 1.0 for m, f in lasts),
+        far=lasts[1][0],
         p_excess=order_p(place, size),
         excess_ms_median=float(np.median(excess[rank])) if n else 0.0,
         noise_ms=noise,
@@ -810,9 +813,11 @@ def _now_and_then(
     mean = float(per.mean())
     if mean < MIN_LAG_MS or mean < NOW_AND_THEN * max(s.late_ms, 0.0):
         return
-    late = per > mean  # the slow steps stand above the mean; the others sit near 0
-    # its steady lateness (the typical other step: no noise's bias), and the slow steps' excess
-    base = max(0.0, float(np.median(per[~late])))
+    # the slow steps stand above the mean, and nearer the slowest than 0 (a noisy
+    # step above the mean is not one of them)
+    late = per > max(mean, 0.5 * float(np.percentile(per, 98)))
+    # its steady lateness (its typical step's: no noise's bias), and the slow steps' excess
+    base = max(0.0, min(s.late_ms, float(np.median(per[~late]))))
     s.late_ms = round(base + float((per[late] - base).sum()) / len(per), 3)
     s.late_steps = round(float(late.mean()), 4)
     s.late_each_ms = round(float(per[late].mean()), 3)

@@ -86,7 +86,9 @@ def diagnose(
     # the trace tells how long nothing moved only while every rank traces; else
     # the counts are watched (below)
     traced_now = got.coverage is None or got.coverage.now
-    stalled = round(_stalled_s(got.table, now, job.trace_starts_ns), 1) if traced_now else 0.0
+    # how long nothing moved, by the trace; nothing said where a rank's trace went unheard
+    heard_all = traced_now and not missing_ranks(got.table)
+    stalled = round(_stalled_s(got.table, now, job.trace_starts_ns), 1) if heard_all else 0.0
     runq = functools.partial(optional, ask, sql["runq"].format(since_ns=since))
     matched = coll.match(got.table)  # once: each analyze below, and why a straggler is slow
 
@@ -235,7 +237,9 @@ def _recorded_age(recorded: fl.Gathered | None, now_ns: int) -> float:
 class Stillness:
     """A stall watched until it has lasted ``--hang-after`` or moves: each
     rank's counts, where each stands in the Flight Recorder, and which ranks
-    sit in a collective by their stacks, asked every ``POLL_S``."""
+    sit in a collective by their stacks, asked every ``POLL_S``. A rank whose
+    stacks stop answering ends the watch: still is never said of what was
+    not heard."""
 
     def __init__(self, ask: Callable[[str], pa.Table], sql: dict[str, str], remote: bool) -> None:
         self.ask = ask
@@ -249,6 +253,8 @@ class Stillness:
         self.recorded = fl.gather(self.ask, self.remote) if got.recorded is not None else None
         places = fl.places(self.recorded.rows) if self.recorded is not None else {}
         frames = _frames_by_rank(self.ask(self.sql["stacks"]))
+        if set(frames) != set(got.frames):  # a rank unheard: its stillness is unknown
+            return (None, time.monotonic())  # never the same twice: no hang by the watch
         inside = sorted(r for r, f in frames.items() if hg.in_collective(f))
         return counts, {g: {r: (p.entered, p.completed) for r, p in m.items()}
                         for g, m in places.items()}, inside  # fmt: skip
