@@ -741,3 +741,34 @@ def test_the_pace_drops_when_the_collectives_come_slower() -> None:
         + [steady[-1] + int(200e6 + k * 25e6) for k in range(1, 20)]
     )
     assert not slowed(steady[:15])  # too few to tell a pace
+
+
+def test_a_rank_late_now_and_then_stays_a_finding_while_it_is(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Rank 2 is 60 ms late at one step in ten: its typical arrival is on
+    time, so a detection that misses it must not take that for over (its
+    slow steps still show in its p99 lag); once they are gone, it clears."""
+    import dataclasses
+
+    from probing.analyze import diagnose
+
+    node = Node()
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+    slow = job(steps=200, straggler=2, lag_ms=60.0, every=10, buckets=2, seed=3)
+    node.answers = [(slow, _answered())]
+    [new] = w.once(now_ns=_now(slow))
+    assert new["rank"] == 2 and "late at 1 in 10 of its" in new["text"], new["text"]
+    real = diagnose.analyze
+
+    def unnamed(*args: Any, **kw: Any) -> Any:
+        return dataclasses.replace(real(*args, **kw), stragglers=[])
+
+    monkeypatch.setattr(diagnose, "analyze", unnamed)
+    node.answers = [(slow, _answered())] * (2 * CLEAR_AFTER)
+    for _ in range(2 * CLEAR_AFTER):  # its slow steps still there: not over
+        assert w.once(now_ns=_now(slow)) == []
+    assert w.table()["cleared_ns"].to_pylist() == [None]
+    healthy = later(job(steps=200, buckets=2, seed=3), 40)
+    node.answers = [(healthy, _answered())] * CLEAR_AFTER
+    for _ in range(CLEAR_AFTER):
+        w.once(now_ns=_now(healthy))
+    assert w.table()["cleared_ns"].to_pylist() == [_now(healthy)]

@@ -132,7 +132,9 @@ class Watch:
         self._seen: set[int] = set()  # the ranks that ever answered a full detection
         self._slow: dict[str, int] = {}  # comm -> full detections in a row that found it slow
         self._named: set[Key] = set()  # stragglers the last analysis named
-        self._late_ms: dict[int, float] = {}  # a straggler written -> its excess (ms) then
+        # a straggler written -> how late it was then (ms), by which figure of the
+        # rank's row: its median excess, or (late now and then) its p99 lag
+        self._late_ms: dict[int, tuple[str, float]] = {}
         self._confirm_ns: int | None = None  # when one named, not written, may have lasted
         self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
         self._window = Window()  # the full detections'
@@ -367,9 +369,10 @@ class Watch:
         if got.missing or rank not in {t.rank for t in got.peers} or not judged:
             return None
         mine = next((r for r in d.ranks if r["rank"] == rank and r["collectives"]), None)
-        if mine is None or mine["excess_ms_median"] is None:
+        figure, then = self._late_ms.get(rank, ("excess_ms_median", 0.0))
+        if mine is None or mine[figure] is None:
             return None
-        return bool(mine["excess_ms_median"] < HOLD * self._late_ms.get(rank, 0.0))
+        return bool(mine[figure] < HOLD * then)
 
     def table(self) -> pa.Table:
         """``analyze.findings``."""
@@ -397,7 +400,10 @@ class Watch:
                 due.append(s.since_ns + int((CONFIRM_S + DRAINED_S) * 1e9))
                 continue
             if self._writes(s, latest):  # written now: the lateness its end is told by
-                self._late_ms[s.rank] = s.excess_ms_median
+                self._late_ms[s.rank] = (
+                    ("excess_ms_median", s.excess_ms_median) if s.late_steps >= 0.5
+                    else ("lag_ms_p99", s.lag_ms_p99)  # its typical arrival is on time
+                )  # fmt: skip
             found[key] = row(
                 "straggler", s.rank, s.node, s.comm, s.since, s.since_ns,
                 straggler_text(s, d.why),
