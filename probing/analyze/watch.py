@@ -111,6 +111,15 @@ def detect_s() -> float:
         return 1.0
 
 
+def held_by(s: Any) -> tuple[str, float]:
+    """How late straggler ``s`` was when written, by the figure of its rank's
+    row its end is told by: its median excess; or, late now and then (on time
+    at most steps), its p99 lag."""
+    if s.late_steps >= 0.5:
+        return "excess_ms_median", s.excess_ms_median
+    return "lag_ms_p99", s.lag_ms_p99
+
+
 class Watch:
     """The detector of one probe (``start`` once; it detects only while
     ``tracing()`` and this probe is the job's detector)."""
@@ -132,9 +141,7 @@ class Watch:
         self._seen: set[int] = set()  # the ranks that ever answered a full detection
         self._slow: dict[str, int] = {}  # comm -> full detections in a row that found it slow
         self._named: set[Key] = set()  # stragglers the last analysis named
-        # a straggler written -> how late it was then (ms), by which figure of the
-        # rank's row: its median excess, or (late now and then) its p99 lag
-        self._late_ms: dict[int, tuple[str, float]] = {}
+        self._late_ms: dict[int, tuple[str, float]] = {}  # rank written -> held_by(it)
         self._confirm_ns: int | None = None  # when one named, not written, may have lasted
         self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
         self._window = Window()  # the full detections'
@@ -370,9 +377,7 @@ class Watch:
             return None
         mine = next((r for r in d.ranks if r["rank"] == rank and r["collectives"]), None)
         figure, then = self._late_ms.get(rank, ("excess_ms_median", 0.0))
-        if mine is None or mine[figure] is None:
-            return None
-        return bool(mine[figure] < HOLD * then)
+        return None if mine is None or mine[figure] is None else bool(mine[figure] < HOLD * then)
 
     def table(self) -> pa.Table:
         """``analyze.findings``."""
@@ -400,10 +405,7 @@ class Watch:
                 due.append(s.since_ns + int((CONFIRM_S + DRAINED_S) * 1e9))
                 continue
             if self._writes(s, latest):  # written now: the lateness its end is told by
-                self._late_ms[s.rank] = (
-                    ("excess_ms_median", s.excess_ms_median) if s.late_steps >= 0.5
-                    else ("lag_ms_p99", s.lag_ms_p99)  # its typical arrival is on time
-                )  # fmt: skip
+                self._late_ms[s.rank] = held_by(s)
             found[key] = row(
                 "straggler", s.rank, s.node, s.comm, s.since, s.since_ns,
                 straggler_text(s, d.why),

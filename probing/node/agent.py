@@ -77,6 +77,7 @@ LAUNCHERS = re.compile(
     r"(^|/)(torchrun|deepspeed|accelerate|srun|mpirun|mpiexec)$|torch\.distributed\.(run|launch)"
     r"|deepspeed\.launcher"
 )
+SAY_EACH = 3  # more findings than this cleared at one look are said in one line
 GONE_KEEP_S = 600.0  # how long a gone process's job names the findings about it
 # the exit status of an agent that cannot start as set up (its port held, a bad
 # setting): sysexits' EX_CONFIG, which the systemd unit does not restart on
@@ -236,13 +237,18 @@ class Agent:
         (``Feed.poll``); queued for the webhook, never waited for."""
         with self._feed_lock:
             rows = self.feed.poll(self._gone_reason)
+        ended = [r for r in rows if r["state"] == "cleared" and r.get("reason")]
+        many = len(ended) > SAY_EACH  # a node's old findings, cleared at once: one line
         for row in rows:
             row["job"] = self._job_of(row.get("pid"))
             why = f": {row['reason']}" if row.get("reason") else ""
-            _say(f"finding {row['state']}{why}: {row.get('kind')} rank {row.get('rank')} "
-                 f"(pid {row.get('pid')}, job {row['job']})")  # fmt: skip
+            if not (many and row in ended):
+                _say(f"finding {row['state']}{why}: {row.get('kind')} rank {row.get('rank')} "
+                     f"(pid {row.get('pid')}, job {row['job']})")  # fmt: skip
             if self.webhook is not None:
                 self.webhook.put(row)
+        if many:
+            _say(f"{len(ended)} findings cleared, their processes gone (findings.jsonl has each)")
         return rows
 
     def _gone_reason(self, row: dict[str, Any]) -> str:
