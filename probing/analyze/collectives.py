@@ -740,6 +740,8 @@ def _straggler_on(
     typical = np.mean if sparse else np.median
     if released_late(cs[k0:], r, excess[k0:], typical, step):
         return None
+    if sparse and _released_at_far(cs[k0:], r):  # late now and then, by the link before
+        return None
     lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
     return Straggler(
         rank=r,
@@ -757,6 +759,25 @@ def _straggler_on(
         collectives=ev.collectives,
         p_value=max(ev.p_last, ev.p_excess),
     )
+
+
+def _released_at_far(cs: list[Collective], rank: int) -> bool:
+    """Whether ``rank``, last by very far at a few collectives (late now and
+    then), was let go late there by the collective before (a rank behind a
+    slow link), not held by its own work: its own delay before those
+    (``own_delays``; or before the one just before) under half its lead there."""
+    own = dict(own_delays(cs, rank))
+    leads = [(c, (t[-1] - t[-2]) / 1e6) for c in cs if len(t := sorted(c.ts.values())) > 1]
+    if not leads:
+        return False
+    bar = max(VERY_FAR * FAR_LEAD * float(np.median([lead for _, lead in leads])), MIN_LAG_MS)
+    # its own delay there, or before the one just before (an asynchronous launch,
+    # DDP's next bucket, carries the delay it was late by to the first)
+    at = [(max(own[c.seq], own.get(c.seq - 1, own[c.seq])), lead) for c, lead in leads
+          if c.seq in own and lead > bar and max(c.ts, key=c.ts.__getitem__) == rank]  # fmt: skip
+    if len(at) < MIN_FAR:
+        return False
+    return float(np.mean([o for o, _ in at])) < 0.5 * float(np.mean([lead for _, lead in at]))
 
 
 def per_step(
