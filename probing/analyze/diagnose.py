@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -205,7 +205,6 @@ def analyze(
     matched: list[coll.Collective] | None = None,
     coverage: cv.Coverage | None = None,
     missing: list[str] | None = None,
-    unheard: Collection[int] | None = None,
 ) -> Diagnosis:
     """The whole diagnosis from gathered rows (pure: no probe is asked);
     ``samples`` (SAMPLES_SQL rows) and ``cuda`` (CUDA_SQL) say why a straggler is slow;
@@ -217,7 +216,7 @@ def analyze(
     caller matched them already; ``coverage``: the span every rank traced in,
     which ``table`` was cut to (``judge``), said in the verdict; ``missing``:
     the ranks not heard from (any question's; else those ``table`` lacked);
-    ``unheard``: the ranks ``table``'s answer lacked (else its note; ``_heard``)."""
+    a rank ``table``'s answer lacked is never one that never entered a hang (``_heard``)."""
     now_ns, frames = now_ns or time.time_ns(), frames or {}
     matched = coll.match(table) if matched is None else matched
     nodes = _nodes(table, states or [])
@@ -225,7 +224,7 @@ def analyze(
     rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
     trainers = issuers(table)
     hangs = _hangs(
-        matched, rows, _heard(ranks, table, unheard), now_ns=now_ns,
+        matched, rows, _heard(ranks, table), now_ns=now_ns,
         hang_after_s=hang_after_s, frames=frames,
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
         trainers=trainers,
@@ -336,11 +335,11 @@ def _nodes(table: pa.Table, states: list[hg.RankState]) -> dict[int, str]:
     return nodes
 
 
-def _heard(ranks: list[int], table: pa.Table, unheard: Collection[int] | None) -> list[int]:
-    """``ranks`` less those whose collectives went unheard (``unheard``, else
-    ``table``'s note of them): what they did is unknown, so a hang never says
-    they never entered its collective."""
-    unknown = unheard_ranks(table) if unheard is None else set(unheard)
+def _heard(ranks: list[int], table: pa.Table) -> list[int]:
+    """``ranks`` less those whose collectives went unheard (``table``'s note of
+    them, kept through every cut): what they did is unknown, so a hang never
+    says they never entered its collective."""
+    unknown = unheard_ranks(table)
     return [r for r in ranks if r not in unknown]
 
 

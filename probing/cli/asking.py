@@ -29,7 +29,7 @@ from probing.analyze.diagnose import (
     whole_verdict,
     with_groups,
 )
-from probing.analyze.gather import missing_ranks, unheard_ranks
+from probing.analyze.gather import missing_ranks
 from probing.analyze.queries import optional, queries
 from probing.errors import ProbingError
 
@@ -97,7 +97,7 @@ def diagnose(
             got.table, frames=got.frames, states=got.states, stalled_s=stalled_s, now_ns=at_ns,
             window_s=window_s, hang_after_s=hang_after_s, recorded=got.recorded,
             ranks_of=got.ranks_of, dead=got.dead, runq=runq, matched=matched,
-            coverage=got.coverage, missing=heard.missing(), unheard=got.unheard,
+            coverage=got.coverage, missing=heard.missing(),
         )  # fmt: skip
 
     d = analyzed(stalled, now)
@@ -156,7 +156,6 @@ class _Asked:
     dead: list[dict[str, Any]]  # DEAD_SQL's rows
     recorded: fl.Gathered | None  # torch's Flight Recorder, traced or not
     coverage: cv.Coverage | None  # the span every rank traced in (trace.intervals)
-    unheard: set[int]  # the ranks the collectives' answer lacked: what they did is unknown
 
 
 def _first_questions(
@@ -192,7 +191,6 @@ def _gather(
     left out."""
     table = ask(sql["collectives"].format(since_ns=since_ns))
     table = _with_history(table, ask, sql["collectives"], now_ns, window_s, hang_after_s)
-    unheard = unheard_ranks(table)
     ranks_of: dict[str, list[int]] = {}
     try:
         groups = ask(sql["groups"])
@@ -210,7 +208,7 @@ def _gather(
     answered = _ranks_of(table) | set(frames) | {s.rank for s in states}
     intervals = optional(ask, sql["intervals"])
     table, cov = judge(table, intervals, sorted(answered), dead, since_ns, now_ns)
-    return _Asked(table, frames, states, ranks_of, dead, recorded, cov, unheard)
+    return _Asked(table, frames, states, ranks_of, dead, recorded, cov)
 
 
 def _apart(got: _Asked, now_ns: int) -> bool:
