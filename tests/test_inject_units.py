@@ -288,3 +288,39 @@ def test_the_page_image_holds_stub_path_and_args() -> None:
     assert prep.image[injector.ARGS_AT :] == injector.boot_args_block(target, "pass")
     assert prep.size % injector.PAGE == 0 and prep.size >= len(prep.image)
     assert prep.boot_value == elf.Symbols(lib, ("probing_boot",)).values["probing_boot"]
+
+
+def test_a_probe_socket_gone_after_injection_is_waited_for_then_named(
+    monkeypatch, runtime_dir: Path
+) -> None:
+    """An engine that said it serves the probe, whose socket is not there:
+    one that appears meanwhile (the guest handed to the next engine) is
+    used; one that never does is an AttachError naming the engine's log."""
+    import socket
+    import threading
+
+    import probing.inject
+    from probing import paths
+    from probing.cli import client
+    from probing.inject.injector import InjectResult
+
+    pid = os.getpid()  # a live process of ours, with no probe socket yet
+    sock_path = paths.user_dir() + f"/{pid}.sock"
+    os.makedirs(paths.user_dir(), mode=0o700, exist_ok=True)
+    said = InjectResult(pid, False, sock_path, engine_pid=4321)  # ... by an engine
+    monkeypatch.setattr(probing.inject, "inject", lambda p, timeout: said)
+    with pytest.raises(client.AttachError) as err:
+        client.attach(pid, inject=True, timeout=0.3)
+    assert f"engine (pid 4321) took process {pid}" in str(err.value)
+    assert "engine-*.log" in (err.value.hint or "")
+
+    listener = socket.socket(socket.AF_UNIX)
+    late = threading.Timer(0.2, lambda: listener.bind(sock_path))
+    late.start()
+    try:
+        got = client.attach(pid, inject=True, timeout=5.0)
+        assert got.transport.path == sock_path
+    finally:
+        late.join()
+        listener.close()
+        os.unlink(sock_path)

@@ -160,7 +160,10 @@ def test_a_straggler_is_one_finding_until_it_is_gone() -> None:
     [new] = w.once(now_ns=_now(slow))
     assert new["kind"] == "straggler" and new["rank"] == 2 and new["node"] == "host1", new
     [s] = diagnosed(slow).stragglers
-    assert new["text"] == straggler_text(s, ()) and new["since_ns"] > 0, new["text"]
+    # its samples are empty here: the verdict's words, and why it names no cause
+    unread = "; its cause is not known: no stack samples of rank 2 in the window"
+    assert new["text"].startswith(straggler_text(s, ()) + unread), new["text"]
+    assert new["since_ns"] > 0
     assert f"is {s.late_ms:.0f} ms late each {s.step_ms:.0f} ms step" in new["text"]
     assert "FROM comm.collectives WHERE ts >= " in node.asked[0]
     assert w.once(now_ns=_now(slow)) == []  # still there: not written again

@@ -113,6 +113,31 @@ def test_why_names_the_slow_function_with_file_and_line() -> None:
     assert "why (time per step" in render(d) and "load_batch" in render(d)
 
 
+def test_a_straggler_whose_samples_were_not_read_is_said_so_not_left_blank() -> None:
+    """The verdict says why it names no cause: the rank's samples unanswered
+    (unheard in the gather), absent from the window, or not asked at all."""
+    from probing.analyze.gather import with_missing
+
+    span, steps = 60 / STEPS_PER_S, 60
+    per = {r: [("off", "/job/train.py", "load_batch", 41, (80.0 if r == 2 else 0.3) * steps)]
+           for r in range(4)}  # fmt: skip
+    table = job(straggler=2, lag_ms=30, seed=2)
+    others = _samples({r: v for r, v in per.items() if r != 2}, span)
+    unheard = with_missing(others, ["rank 2 (host1): timeout"], [2])
+    cases = {
+        "rank 2 did not answer in time for its stack samples": unheard,
+        "no stack samples of rank 2 in the window": others,
+        "its stack samples could not be read": None,
+    }
+    for said, samples in cases.items():
+        d = analyze(table, now_ns=T0, samples=samples)
+        [s] = d.stragglers
+        assert s.rank == 2, d.verdict
+        assert f"its step time; its cause is not known: {said}" in d.verdict, d.verdict
+    d = analyze(table, now_ns=T0, samples=_samples(per, span))  # read: the cause, no excuse
+    assert "load_batch" in d.verdict and "not known" not in d.verdict, d.verdict
+
+
 def test_why_tells_cpu_starvation_from_a_slow_function() -> None:
     span, steps = 60 / STEPS_PER_S, 60
     per = {}

@@ -480,14 +480,20 @@ def explain_stragglers(
     cpu: pa.Table | None = None,
 ) -> list[wy.Why]:
     """What makes each straggler slow (``why.explain``), from SAMPLES_SQL,
-    CUDA_SQL, NVML_SQL and CPU_SQL rows (None: that part is left out)."""
+    CUDA_SQL, NVML_SQL and CPU_SQL rows (None: that part is left out); where
+    nothing is found, why not (``why.unread``: its samples not answered...)."""
     rows = samples.to_pylist() if samples is not None else []
     calls = cuda.to_pylist() if cuda is not None else []
     gpus = nvml.to_pylist() if nvml is not None else []
     cpus = cpu.to_pylist() if cpu is not None else []
-    return [
-        w for s in stragglers for w in wy.explain(s, rows, matched, calls, gpus=gpus, cpus=cpus)
-    ]
+    unheard = unheard_ranks(samples) if samples is not None else set()
+    out = []
+    for s in stragglers:
+        mine = wy.explain(s, rows, matched, calls, gpus=gpus, cpus=cpus)
+        if not any(w.kind in (*wy.CAUSES, wy.NOTHING) for w in mine):  # say why not
+            mine.insert(0, wy.unread(s, rows if samples is not None else None, unheard))
+        out += mine
+    return out
 
 
 def _rank_rows(

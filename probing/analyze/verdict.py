@@ -205,8 +205,9 @@ def summary_text(
 
 
 def unexplained_text(why: Sequence[wy.Why], rank: int) -> str:
-    """Where ``rank``'s samples show nothing of its own that makes it late, that."""
-    w = next((w for w in why if w.rank == rank and w.kind == wy.NOTHING), None)
+    """Where ``rank``'s samples show nothing of its own that makes it late,
+    or were not read, that."""
+    w = next((w for w in why if w.rank == rank and w.kind in (wy.NOTHING, wy.UNREAD)), None)
     return f"; {w.text.split(': ', 1)[-1]}" if w is not None else ""
 
 

@@ -35,6 +35,7 @@ STARVED_NOISE = 2.0  # ... and this many times the spread of the others' waits
 CAUSES = ("function", "cpu_starvation", "cuda", "gpu", "cpu")  # what a verdict may blame
 HARDWARE = ("gpu", "cpu")  # causes told by their figures, not by time per step
 NOTHING = "unexplained"  # sampled, and no cause of its own found
+UNREAD = "unread"  # its samples (or the others', to compare with) were not read
 
 
 @dataclasses.dataclass
@@ -212,6 +213,34 @@ def explain(
             "CPU, its CUDA calls and its hardware are as the others' (another process "
             "on its CPU, or its network?)")))  # fmt: skip
     return by_share(out) + _collectives(s, collectives, step)
+
+
+def unread(s: Straggler, samples: list[dict[str, Any]] | None, unheard: set[int]) -> Why:
+    """Why ``s.rank``'s cause is not known, where nothing was found: what of
+    its samples (SAMPLES_SQL rows; None: not asked or not answered) is
+    missing, and what to do about it."""
+    r = s.rank
+    mine = [row for row in samples or [] if row.get("rank", r) == r]
+    theirs = [row for row in samples or [] if row.get("rank", r) != r]
+    if samples is None:
+        why = "its stack samples could not be read (diagnose again, or with a longer --timeout)"
+    elif r in unheard:
+        why = (
+            f"rank {r} did not answer in time for its stack samples (diagnose again, "
+            "or with a longer --timeout)"
+        )
+    elif not mine:
+        why = (
+            f"no stack samples of rank {r} in the window: trace it with stacks "
+            "(probing trace, without --no-stacks)"
+        )
+    elif not theirs:
+        why = "no stack samples of the other ranks to compare it with"
+    else:
+        why = "its samples were too few to compare with the others'"
+    return Why(
+        r, UNREAD, "not read", None, None, 0.0, 0.0, text=f"rank {r}: its cause is not known: {why}"
+    )
 
 
 def _waited(w: Why) -> bool:

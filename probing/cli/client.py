@@ -18,6 +18,7 @@ from typing import Any
 from probing import config, paths, proc
 from probing.errors import (
     AccessDenied,
+    AttachError,
     NoProbe,
     NoSuchProcess,
     PeerUnreachable,
@@ -514,7 +515,27 @@ def attach(
     res = do_inject(pid, timeout=timeout)
     if not res.already and note is not None:
         note(f"probing: injected a probe into pid {pid} ({res.total_s:.2f} s)")
-    return ProbeClient.for_pid(pid, timeout=timeout)
+    return _served(pid, res.socket, res.engine_pid, timeout)
+
+
+def _served(pid: int, socket_path: str, engine_pid: int, timeout: float) -> ProbeClient:
+    """The client of the probe an engine just said it serves for ``pid``. Its
+    socket may be gone for a moment (that engine stopped, and the guest hands
+    the process to the next one): waited for ``timeout``, then a clear error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ProbeClient.for_pid(pid, timeout=timeout)
+        except NoProbe as err:
+            if time.monotonic() > deadline:
+                log = os.path.join(os.path.dirname(socket_path) or "?", "engine-*.log")
+                raise AttachError(
+                    f"the engine (pid {engine_pid}) took process {pid}, but its probe "
+                    f"socket {socket_path or '?'} is gone",
+                    pid=pid,
+                    hint=f"what the engine did is in {log}; try again",
+                ) from err
+        time.sleep(0.05)
 
 
 INFO_SQL = "SELECT pid, cmdline, python, python_executable FROM process.info"

@@ -191,8 +191,10 @@ class Slowed:
 
     * ``off_cpu``: the user's function sleeps (a slow collate, a slow read);
     * ``cpu``: the user's function computes that long more;
-    * ``loader_worker``: the collate sleeps 4x that in the DataLoader's 2
-      worker processes of that rank (HF; they prefetch, so it must be longer);
+    * ``loader_worker``: the collate sleeps 8x that in the DataLoader's 2
+      worker processes of that rank (HF): they prefetch, so the rank waits
+      only where they make a batch slower than the others step (4x left it
+      a few ms late on a loaded node, where the others' step is ~100 ms);
     * ``cpu_hog``: ``HOGS`` busy processes on the rank's core (``starve``), in a
       Lightning job that computes 10 ms and waits 60 ms a step (CPUs to spare);
     * ``gpu``: every rank's GPU is the stand-in NVML's (``FAKE_NVML_PROCS``
@@ -210,7 +212,7 @@ class Slowed:
         env = {"SLOW_MS": str(ms), "SLOW_KIND": "cpu" if cause == "cpu" else "sleep"}
         self.blamed = FUNCTION[framework]
         if cause == "loader_worker":
-            env.update(WORKERS="2", SLOW_MS=str(4 * ms))
+            env.update(WORKERS="2", SLOW_MS=str(8 * ms))
             self.blamed = "its DataLoader's worker processes"
         elif cause == "cpu_hog":
             env.update(SLOW_MS="0", PACE_MS="60", WORK_MS="10")

@@ -24,7 +24,11 @@ from tests.conftest import SLOWDOWN, cli, require, require_bpf
 from tests.jobs.framework import ENV, FUNCTION, JOBS, WORLD, Job, Slowed, start, torchrun
 from tests.test_cluster import wait_ready
 
-pytestmark = pytest.mark.privileged
+# a failed test runs once more (never twice): four ranks of a real framework
+# on 2 cores pace themselves by the load, and one run in many is slowed past
+# what a verdict can tell; a test that fails twice in a row fails CI, and
+# each rerun is listed in the summary (R)
+pytestmark = [pytest.mark.privileged, pytest.mark.flaky(reruns=1)]
 
 ALL_RANKS = "SELECT rank FROM process.info ORDER BY rank"
 
