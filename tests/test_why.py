@@ -584,10 +584,11 @@ def test_a_rank_waiting_for_a_slow_dataloader_worker_says_so() -> None:
     assert "its DataLoader's worker processes" in d.verdict
 
 
-def _cpus(rank: int, **mine: float) -> pa.Table:
-    """CPU_SQL rows: every rank's CPU at 2.1 GHz, its node 2 % stolen."""
+def _cpus(rank: int, one_node: bool = False, **mine: float) -> pa.Table:
+    """CPU_SQL rows: every rank's CPU at 2.1 GHz, its node 2 % stolen; each
+    rank on a node of its own, or all on one (``one_node``)."""
     rows = [{"cpu": r % 2, "mhz": 2100.0, "max_mhz": None, "steal_pct": 2.0, "busy_pct": 90.0,
-             "rank": r} for r in range(4)]  # fmt: skip
+             "rank": r, "node": "n0" if one_node else f"n{r}"} for r in range(4)]  # fmt: skip
     rows[rank].update(mine)
     return pa.Table.from_pylist(rows)
 
@@ -605,7 +606,11 @@ def test_a_hypervisors_steal_heads_the_starvation_it_causes() -> None:
     d = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples,
                 cpu=_cpus(1, steal_pct=31.0))  # fmt: skip
     assert [w.kind for w in d.why][:2] == ["cpu_starvation", "cpu"], d.why
-    assert "a hypervisor takes 31 % of its node's CPU time (2 % on the others'), " in d.verdict
+    assert "a hypervisor takes 31 % of its node's CPU time (2 % on the other nodes'), " in d.verdict
+    # ranks of one node read its steal at other instants: a difference is no cause
+    same = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples,
+                   cpu=_cpus(1, one_node=True, steal_pct=31.0))  # fmt: skip
+    assert "hypervisor" not in same.verdict and "CPU starvation, it waits" in same.verdict
     # the same wait for a CPU with nothing stolen is starvation, said as such
     plain = analyze(job(straggler=1, lag_ms=30, seed=5), now_ns=T0, samples=samples,
                     cpu=_cpus(1))  # fmt: skip

@@ -338,11 +338,22 @@ def _cpu(s: Straggler, rows: list[dict[str, Any]]) -> list[Why]:
         said.append(
             f"its CPU runs at {me['mhz'] / 1000:.2f} GHz vs {mhz / 1000:.2f} GHz on the others"
         )
-    steal = theirs("steal_pct")
-    if me.get("steal_pct") is not None and me["steal_pct"] >= (steal or 0.0) + STEAL_MORE:
+    # steal is the node's: ranks of one node differ only by the instant each
+    # read it (0.1 s of a noisy figure), so it is told against other nodes only
+    elsewhere = [
+        float(o["steal_pct"])
+        for o in others
+        if o.get("node") != me.get("node") and o.get("steal_pct") is not None
+    ]
+    steal = _median(elsewhere) if elsewhere else None
+    if (
+        steal is not None
+        and me.get("steal_pct") is not None
+        and me["steal_pct"] >= steal + STEAL_MORE
+    ):
         said.append(
             f"a hypervisor takes {me['steal_pct']:.0f} % of its node's CPU time "
-            f"({steal or 0.0:.0f} % on the others')"
+            f"({steal:.0f} % on the other nodes')"
         )
     if not said:
         return []
