@@ -36,6 +36,36 @@ from probing.errors import ProbingError, log_unexpected
 DEFAULT_JOIN_S = 10.0  # how long stop() waits for the thread to end
 
 
+_PR_SET_NAME = 15
+_prctl = None
+
+
+def os_name(name: str) -> None:
+    """Give the calling thread ``name`` in the kernel too (its first 15 bytes,
+    ``PR_SET_NAME``): ``top -H``, ``ps -L``, py-spy and ``/proc/PID/task/*/comm``
+    then tell which of the engine's loops spends its CPU. A thread of ours
+    only (never the process's main thread: that would rename the process)."""
+    global _prctl
+    try:
+        if _prctl is None:
+            import ctypes
+
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        _prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl (not Linux): the name stays Python's
+        pass
+
+
+def named(name: str, target: Callable[..., object]) -> Callable[..., None]:
+    """``target``, run under ``name`` in the kernel (``os_name``): a thread's target."""
+
+    def run(*args: object) -> None:
+        os_name(name)
+        target(*args)
+
+    return run
+
+
 def error_text(err: BaseException) -> str:
     """How a status says ``err``: a ``ProbingError`` by its text (written to
     be read), anything else (a bug) with its type."""
@@ -121,7 +151,9 @@ class Worker:
                 return
             if self._own_event:
                 self._stop.clear()
-            self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+            self._thread = threading.Thread(
+                target=named(self.name, self.run), name=self.name, daemon=True
+            )
             self._thread.start()
 
     def stop(self, timeout: float | None = DEFAULT_JOIN_S) -> None:

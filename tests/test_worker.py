@@ -265,3 +265,27 @@ def test_a_signal_stops_a_loop_whose_thread_waits_in_the_lock_stop_takes(attempt
     finally:
         p.kill()
     assert p.returncode == 0 and out.strip() == "stopped"
+
+
+def test_a_worker_thread_is_named_in_the_kernel_too() -> None:
+    """``top -H``, py-spy and the engine-cost benchmark tell the loops apart
+    by the kernel's name of each thread."""
+    import os
+    import threading
+
+    seen: list[str] = []
+    stepped = threading.Event()
+
+    def step() -> None:
+        tid = threading.get_native_id()
+        with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
+            seen.append(f.read().strip())
+        stepped.set()
+
+    w = Worker("probing-test-loop-long-name", step, None)
+    w.start()
+    assert stepped.wait(10)
+    w.stop()
+    assert seen == ["probing-test-lo"]  # the kernel keeps 15 bytes
+    with open(f"/proc/{os.getpid()}/comm") as f:
+        assert f.read().strip() != "probing-test-lo"  # the process keeps its name

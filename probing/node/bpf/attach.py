@@ -29,7 +29,7 @@ from probing.node.bpf.symbols import (
     exported_matching,
     file_offsets,
 )
-from probing.proc import Mapping
+from probing.proc import Mapping, parse_maps
 from probing.schema import schema_of, table_of
 
 if TYPE_CHECKING:
@@ -160,6 +160,18 @@ class Uprobes:
         self.pid = pid
         self.probes: list[Probe] = []
         self._seen_files: set[tuple[int, int]] = set()
+        self._known_paths: set[str] = set()  # every file path a scan handed over
+
+    def news(self, text: str) -> list[Mapping] | None:
+        """The file mappings of ``text`` (``/proc/PID/maps``), or None where it
+        maps no file path it did not map at the last look: most looks (a job
+        maps its libraries as it starts), which then cost a read and a split."""
+        paths = {line[i + 1 :] for line in text.splitlines() if (i := line.find(" /")) >= 0}
+        if paths <= self._known_paths:
+            return None
+        self._known_paths |= paths
+        return [m for m in parse_maps(text)
+                if m.path.startswith("/") and not m.path.endswith(" (deleted)")]  # fmt: skip
 
     def attach_new(self, maps: list[Mapping], live: list[Live]) -> None:
         """Attach the ``live`` families to every matching file of ``maps``

@@ -36,6 +36,7 @@ from probing.node.cluster.exchange import Exchange, PeerFailure, PeerLate, Reply
 from probing.node.cluster.identity import Identity, split_addr
 from probing.node.cluster.wire import MissingPeer, PeerTiming, clock_offset, unpack
 from probing.node.probe.http import request_bytes
+from probing.worker import named
 
 if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe starts
     import pyarrow as pa
@@ -365,7 +366,8 @@ def _run(
 
 
 def _start(target: Callable[..., None], *args: Any) -> threading.Thread:
-    t = threading.Thread(target=target, args=args, name="probing-cluster", daemon=True)
+    t = threading.Thread(target=named("probing-cluster", target), args=args,
+                         name="probing-cluster", daemon=True)  # fmt: skip
     t.start()
     return t
 

@@ -51,6 +51,7 @@ from probing.node.cluster.identity import (
     token_from_env,
 )
 from probing.node.cluster.share import Share
+from probing.worker import named
 
 
 class ClusterNode:
@@ -114,7 +115,8 @@ class ClusterNode:
     def start(self, server: Any) -> None:
         """Join in the background; the host never waits on the network."""
         self._server = server
-        threading.Thread(target=join.run, args=(self,), name="probing-cluster", daemon=True).start()
+        threading.Thread(target=named("probing-cluster", join.run), args=(self,),
+                         name="probing-cluster", daemon=True).start()  # fmt: skip
 
     @property
     def learning(self) -> bool:

@@ -31,6 +31,7 @@ from probing.errors import log_unexpected
 from probing.node.probe.access import Access
 from probing.node.probe.http import App, Response, response_bytes
 from probing.node.probe.request import MAX_BODY, Head, HttpError, answer, head_end, parse_head
+from probing.worker import named
 
 EVICT_AFTER_S = 1.0  # at the connection cap, a connection this old without its request makes room
 WRITE_TIMEOUT_S = 30.0
@@ -121,7 +122,8 @@ class Workers:
                 return  # a thread takes it when it is done with its own
             self._threads += 1
         try:
-            threading.Thread(target=self._run, name="probing-request", daemon=True).start()
+            threading.Thread(target=named("probing-request", self._run), name="probing-request",
+                             daemon=True).start()  # fmt: skip
         except RuntimeError:  # "can't start new thread": a running one takes it
             with self._cond:
                 self._threads -= 1

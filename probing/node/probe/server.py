@@ -52,6 +52,7 @@ from probing.node.probe.access import Access, Token
 from probing.node.probe.connections import Connections, Listener
 from probing.node.probe.http import App
 from probing.node.probe.imports import SWITCH
+from probing.worker import named
 
 BUSY_SWITCH_S = 0.0005  # the GIL switch interval while connections are in flight
 
@@ -103,7 +104,9 @@ class UnixHTTPServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._acceptor.start(self._sel)
-        self._thread = threading.Thread(target=self._loop, name="probing-server", daemon=True)
+        self._thread = threading.Thread(
+            target=named("probing-server", self._loop), name="probing-server", daemon=True
+        )
         self._thread.start()
 
     @staticmethod

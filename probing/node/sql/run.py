@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from probing.errors import QueryError
 from probing.node.sql.limits import LimitExceeded, Limits
+from probing.worker import named
 
 T = TypeVar("T")
 
@@ -232,7 +233,8 @@ def _start_thread(target: Callable[[], None], stack_bytes: int) -> None:
         except (ValueError, RuntimeError):  # a platform that refuses: its default
             pass
         try:
-            threading.Thread(target=target, name="probing-query", daemon=True).start()
+            threading.Thread(target=named("probing-query", target), name="probing-query",
+                             daemon=True).start()  # fmt: skip
         finally:
             threading.stack_size(old)
 

@@ -17,6 +17,7 @@ from probing import config, proc
 from probing.guest.place import ensure_private_dir
 from probing.node.store.codec import DEFAULT_CODEC, get_codec
 from probing.node.store.table import EventTable, TableStats
+from probing.worker import named
 
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_CHUNK_ROWS = 1 << 16
@@ -146,7 +147,9 @@ class Store:
                 return False
             if self._sealer is None or self._sealer_pid != os.getpid():
                 self._sealer = threading.Thread(
-                    target=self._seal_forever, name="probing-seal", daemon=True
+                    target=named("probing-seal", self._seal_forever),
+                    name="probing-seal",
+                    daemon=True,
                 )
                 self._sealer_pid = os.getpid()
                 self._sealer.start()

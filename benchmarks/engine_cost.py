@@ -1,0 +1,249 @@
+"""The node engine's own cost while it traces a job; prints JSON, one object a case.
+
+For each case (a shape, a number of ranks, a pace): ``engine_cost_job.py``
+is started the srun/mpirun way (one process a rank, Gloo on CPU,
+``OMP_NUM_THREADS=1``), in a runtime directory of its own (so a fresh
+engine). Over ``--window`` seconds untraced, then over the same span once
+``probing trace --pid R0 --cluster --background`` traces every rank (stacks
+and the job's watch on, as a user starts it) and ``--settle`` s have passed:
+
+- the job's CPU (every rank's, CPU s/s), untraced and traced;
+- the engine's CPU (CPU s/s), its share of the job's untraced CPU, and per
+  traced collective (µs; the collectives ``comm.collectives`` holds for the
+  window, every rank's);
+- its RSS (MB) and threads at the end;
+- a breakdown of its CPU by part, from the kernel's name of each of its
+  threads (``probing.worker.os_name``): ``drain`` (``probing-trace``),
+  ``sampler``, ``detector`` (``probing-watch``, ``probing-detect``),
+  ``sql`` (``probing-query``, ``probing-request``, ``probing-server``, and
+  threads that exited in the window: each request's), ``cluster``,
+  ``seal``, ``nvml``, ``main`` (the engine's own loop), ``other``.
+
+Shapes: ``ddp`` (DDP, each of ``--layers`` layers its own bucket: that many
+all-reduces a step), ``fsdp2`` (``fully_shard`` per layer: ~3 collectives a
+layer a step). A case's pace (``--rates``) is the collectives a second per
+rank it asks for; the step is paced to it (``--step-ms`` = per step / rate),
+and what it got is printed (a 2-CPU machine cannot give 4 ranks 1,000).
+
+    python benchmarks/engine_cost.py [--cases ddp:4,fsdp2:4,ddp:8] [--rates 10,100,1000]
+        [--window 20] [--settle 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = Path(__file__).resolve().parent / "engine_cost_job.py"
+LAYERS = 4
+PER_STEP = {"ddp": LAYERS, "fsdp2": 3 * LAYERS + 2}  # the pacing's guess; the trace counts
+PARTS = {
+    "probing-trace": "drain",
+    "probing-sampler": "sampler",
+    "probing-watch": "detector",
+    "probing-detect": "detector",
+    "probing-query": "sql",
+    "probing-request": "sql",
+    "probing-server": "sql",
+    "probing-cluster": "cluster",
+    "probing-seal": "seal",
+    "probing-nvml": "nvml",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def probing(
+    env: dict[str, str], *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "probing", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+class Job:
+    def __init__(self, shape: str, world: int, step_ms: float, env: dict[str, str], tmp: str):
+        port = free_port()
+        self.status = os.path.join(tmp, "status")
+        self.procs = []
+        for r in range(world):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                     LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     OMP_NUM_THREADS="1")  # fmt: skip
+            cmd = [sys.executable, str(JOB), "--shape", shape, "--layers", str(LAYERS),
+                   "--step-ms", f"{step_ms:.3f}", "--status", self.status]  # fmt: skip
+            self.procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, text=True,
+                                               start_new_session=True))  # fmt: skip
+        self.pids = []
+        for p in self.procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if not line.startswith("ready"):
+                raise RuntimeError(f"a rank did not start: {line!r} (exit {p.poll()})")
+            self.pids.append(p.pid)
+
+    def cpu(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+        return total
+
+    def counted(self) -> int:
+        n = 0
+        for path in glob.glob(self.status + ".rank*"):
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                n += max(0, int(json.load(f)["collectives"]))
+        return n
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+def engine_pid(rt: str) -> int:
+    for lock in glob.glob(os.path.join(rt, "probing-*", "engine-*.lock")):
+        with contextlib.suppress(OSError, ValueError), open(lock) as f:
+            pid = int(f.read().split()[0])
+            if psutil.pid_exists(pid):
+                return pid
+    return 0
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (its kernel name, its CPU seconds)."""
+    out = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            comm = Path(task, "comm").read_text().strip()
+            fields = Path(task, "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(os.path.basename(task))] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
+    return out
+
+
+def breakdown(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+              total: float, main_tid: int, span: float) -> dict[str, float]:  # fmt: skip
+    parts: dict[str, float] = {}
+    seen = 0.0
+    for tid, (comm, cpu) in after.items():
+        used = cpu - before.get(tid, (comm, 0.0))[1]
+        part = "main" if tid == main_tid else PARTS.get(comm, "other")
+        parts[part] = parts.get(part, 0.0) + used
+        seen += used
+    parts["sql"] = parts.get("sql", 0.0) + max(0.0, total - seen)  # threads gone meanwhile
+    return {k: round(v / span, 4) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+
+
+def traced_collectives(env: dict[str, str], pid: int, t0: float, t1: float) -> int:
+    sql = (f"SELECT count(*) AS n FROM comm.collectives WHERE ts >= {int(t0 * 1e9)} "
+           f"AND ts < {int(t1 * 1e9)}")  # fmt: skip
+    r = probing(env, "query", "--pid", str(pid), "--cluster", "--format", "json",
+                "--timeout", "30", sql)  # fmt: skip
+    if r.returncode != 0:
+        raise RuntimeError(f"query failed: {r.stderr.strip()}")
+    return sum(int(row["n"]) for row in json.loads(r.stdout))
+
+
+def case(
+    shape: str, world: int, rate: float, window: float, settle: float, detect: bool = True
+) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="probing-cost-")
+    rt = os.path.join(tmp, "rt")
+    os.mkdir(rt, 0o700)
+    env = dict(os.environ, PROBING_RUNTIME_DIR=rt)
+    env.pop("PROBING", None)
+    if not detect:  # the job's watch off: what the detector costs, by difference
+        env["PROBING_DETECT_S"] = "0"
+    step_ms = 1e3 * PER_STEP[shape] / rate
+    job = Job(shape, world, step_ms, env, tmp)
+    out: dict[str, Any] = {"shape": shape, "ranks": world, "rate_asked": rate, "detect": detect}
+    try:
+        time.sleep(settle)
+        c0, n0, t0 = job.cpu(), job.counted(), time.monotonic()
+        time.sleep(window)
+        c1, n1, t1 = job.cpu(), job.counted(), time.monotonic()
+        out["job_cpu_untraced"] = round((c1 - c0) / (t1 - t0), 4)
+        if shape == "ddp":
+            out["rate_untraced"] = round((n1 - n0) / world / (t1 - t0), 1)
+        r = probing(env, "trace", "--pid", str(job.pids[0]), "--cluster", "--background")
+        if r.returncode != 0:
+            raise RuntimeError(f"trace failed: {r.stderr.strip()}")
+        engine = engine_pid(rt)
+        proc = psutil.Process(engine)
+        time.sleep(settle)
+        e0, th0 = sum(proc.cpu_times()[:2]), threads_cpu(engine)
+        c0, w0, t0 = job.cpu(), time.time(), time.monotonic()
+        time.sleep(window)
+        e1, th1 = sum(proc.cpu_times()[:2]), threads_cpu(engine)
+        c1, w1, t1 = job.cpu(), time.time(), time.monotonic()
+        span = t1 - t0
+        n = traced_collectives(env, job.pids[0], w0, w1)
+        engine_cpu = (e1 - e0) / span
+        out.update(
+            job_cpu_traced=round((c1 - c0) / span, 4),
+            rate_traced=round(n / world / span, 1),
+            engine_cpu=round(engine_cpu, 4),
+            engine_pct_of_job=round(100 * engine_cpu / max(out["job_cpu_untraced"], 1e-9), 1),
+            engine_us_per_collective=round(1e6 * (e1 - e0) / max(n, 1), 1),
+            engine_rss_mb=round(proc.memory_info().rss / 2**20, 1),
+            engine_threads=proc.num_threads(),
+            parts=breakdown(th0, th1, e1 - e0, engine, span),
+        )
+    finally:
+        job.stop()
+        engine = engine_pid(rt)
+        if engine:
+            os.kill(engine, signal.SIGTERM)
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(engine).wait(timeout=30)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--cases", default="ddp:4,fsdp2:4,ddp:8", help="shape:ranks, comma-separated")
+    p.add_argument("--rates", default="10,100,1000", help="collectives a second per rank asked")
+    p.add_argument("--window", type=float, default=20.0, help="seconds measured, each way")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds before each window")
+    p.add_argument("--detect-off", action="store_true", help="PROBING_DETECT_S=0: no watch")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("engine_cost: needs root (BPF)")
+    for spec in args.cases.split(","):
+        shape, world = spec.split(":")
+        for rate in args.rates.split(","):
+            try:
+                got = case(shape, int(world), float(rate), args.window, args.settle,
+                           detect=not args.detect_off)  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - one case's failure is its row
+                got = {"shape": shape, "ranks": int(world), "rate_asked": float(rate),
+                       "error": str(err)}  # fmt: skip
+            print(json.dumps(got), flush=True)
+
+
+if __name__ == "__main__":
+    main()
