@@ -305,13 +305,15 @@ def test_a_bad_cluster_setting_is_one_line_a_bug_has_its_traceback(capfd) -> Non
 
 
 def test_the_join_loop_stays_local_on_a_bug_and_logs_it(capfd) -> None:
-    from probing.node.cluster.node import ClusterNode
+    from probing.node.cluster import join
 
     def try_join(budget: float) -> bool:
         raise IndexError("a bug in joining")
 
-    node = types.SimpleNamespace(try_join=try_join, ready=threading.Event(), error=None)
-    ClusterNode._join_store(node)  # type: ignore[arg-type]  # the rank is known: the store
+    node = types.SimpleNamespace(
+        learn=None, try_join=try_join, ready=threading.Event(), error=None, pid=os.getpid()
+    )
+    join.run(node)  # the node's thread; the rank is known: the store
     assert node.ready.is_set() and node.error == "IndexError: a bug in joining"
     assert "Traceback" in capfd.readouterr().err
 
