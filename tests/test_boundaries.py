@@ -28,7 +28,7 @@ from probing.node.store import Store
 def _raised(err: BaseException) -> BaseException:
     try:
         raise err
-    except BaseException as caught:  # noqa: BLE001 - the test wants it with a traceback
+    except BaseException as caught:  # the test wants it with a traceback
         return caught
 
 
@@ -336,7 +336,7 @@ def test_torch_groups_skip_what_torch_refuses(monkeypatch) -> None:
     class MeshGroup(Group):
         group_desc = "mesh_dp"
 
-    ProcessGroupGloo = type("ProcessGroupGloo", (), {})  # noqa: N806 - the name torch gives it
+    ProcessGroupGloo = type("ProcessGroupGloo", (), {})  # the name torch gives it
     gloo, nccl, mesh = Group(ProcessGroupGloo()), Group(None), MeshGroup(ProcessGroupGloo())
     world = types.SimpleNamespace(
         pg_names={gloo: "gloo", nccl: "nccl", mesh: "3"},
