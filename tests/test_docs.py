@@ -82,6 +82,28 @@ def test_the_benchmarks_the_measurements_cite_exist() -> None:
     assert not [c for c in cited if not (bench / c).exists()]
 
 
+def test_every_benchmark_has_its_entry_and_the_sections_it_names_exist() -> None:
+    """benchmarks/README.md: an entry (### `path`) for each script, none for
+    a script gone, and each section it points to (`[page.md § Heading]`) a
+    heading of that page; docs/measurements.md's introduction links it."""
+    bench = DOCS.parent / "benchmarks"
+    text = (bench / "README.md").read_text()
+    entries = set(re.findall(r"^### `([\w/.]+)`$", text, re.M))
+    scripts = {p.relative_to(bench).as_posix() for p in bench.rglob("*.py")}
+    assert not scripts - entries, f"add an entry to benchmarks/README.md: {scripts - entries}"
+    assert not entries - scripts, f"benchmarks/README.md: no such script {entries - scripts}"
+    named = re.findall(r"\[(\w+\.md) § ([^\]]+)\]\(\.\./docs/(\w+\.md)\)", text)
+    assert len(named) >= len(scripts)
+    wrong = []
+    for page, heading, target in named:
+        lines = (DOCS / page).read_text().splitlines()
+        if page != target or heading not in {h.lstrip("#").strip() for h in lines if h[:1] == "#"}:
+            wrong.append(f"{page} § {heading}")
+    assert not wrong, f"benchmarks/README.md names sections its pages lack: {wrong}"
+    intro = (DOCS / "measurements.md").read_text().split("\n## ", 1)[0]
+    assert "](../benchmarks/README.md)" in intro
+
+
 def test_the_docs_state_the_python_versions_whose_frames_probing_reads() -> None:
     """One source: ``pyframes.SUPPORTED`` (the generated offsets table); every
     span of versions a page states, and the refusal cli.md quotes, are it."""
