@@ -33,8 +33,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from probing.cli.client import ProbeClient  # noqa: E402
-from tests.stall_host import SCRIPT, StallHost, other_threads_cpu_s  # noqa: E402
+from probing.cli.client import ProbeClient
+from tests.stall_host import SCRIPT, StallHost, other_threads_cpu_s
 
 TOKEN = "attack-bench-token"
 QUIET_S = float(os.environ.get("BENCH_QUIET_S", 2))

@@ -136,7 +136,7 @@ class Job:
                     for p in self.pids
                 ):
                     return
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:  # not up yet
                 pass
             if time.monotonic() > deadline:
                 raise SystemExit("the job's probes never joined\n")

@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probing.cli.demo import trace_all  # noqa: E402 - after the path for tests.jobs
-from tests.jobs.framework import CAUSES, ENV, FUNCTION, WORLD, Slowed, applies  # noqa: E402
+from probing.cli.demo import trace_all  # after the path for tests.jobs
+from tests.jobs.framework import CAUSES, ENV, FUNCTION, WORLD, Slowed, applies
 
 SIZES_MS = (30, 60, 100)
 

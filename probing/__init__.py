@@ -27,7 +27,7 @@ from probing.guest.place import VERSION as __version__
 
 if TYPE_CHECKING:
     from probing.node.probe.context import ProbeContext
-    from probing.node.tables.external import ExternalTable  # noqa: F401
+    from probing.node.tables.external import ExternalTable
 
 
 def context() -> ProbeContext:
@@ -61,7 +61,7 @@ def __getattr__(name: str) -> Any:
         guest = sys.modules.get("_probing_guest")
         if guest is not None and guest.current() is not None:
             # this process's probe is its guest: rows go to the engine through it
-            return guest.outbox.Table  # noqa: F821 - loaded with the guest
+            return guest.outbox.Table  # loaded with the guest
         from probing.node.tables import external
 
         class ExternalTable(external.ExternalTable):

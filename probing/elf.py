@@ -114,7 +114,7 @@ class ElfFile:
         from elftools.elf.elffile import ELFFile
 
         self.path = path
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._file = open(path, "rb")  # closed by close()
         try:
             self._elf = ELFFile(self._file)
             self.machine: str = self._elf["e_machine"]  # "EM_X86_64"

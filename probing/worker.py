@@ -192,7 +192,7 @@ class Worker:
     def _step(self) -> None:
         try:
             self.step()
-        except Exception as err:  # noqa: BLE001 - the top of a loop: counted, kept, goes on
+        except Exception as err:  # the top of a loop: counted, kept, goes on
             self._failed(err)
         finally:
             self.steps += 1
@@ -204,7 +204,7 @@ class Worker:
             return wait
         try:
             due = self.sooner()
-        except Exception as err:  # noqa: BLE001 - a bug in the pace: the period, and said
+        except Exception as err:  # a bug in the pace: the period, and said
             self._failed(err)
             return wait
         return wait if due is None else max(0.0, min(wait, due))

@@ -28,7 +28,7 @@ from probing.node.store import Store
 def _raised(err: BaseException) -> BaseException:
     try:
         raise err
-    except BaseException as caught:  # noqa: BLE001 - the test wants it with a traceback
+    except BaseException as caught:  # the test wants it with a traceback
         return caught
 
 
@@ -305,13 +305,15 @@ def test_a_bad_cluster_setting_is_one_line_a_bug_has_its_traceback(capfd) -> Non
 
 
 def test_the_join_loop_stays_local_on_a_bug_and_logs_it(capfd) -> None:
-    from probing.node.cluster.node import ClusterNode
+    from probing.node.cluster import join
 
     def try_join(budget: float) -> bool:
         raise IndexError("a bug in joining")
 
-    node = types.SimpleNamespace(try_join=try_join, ready=threading.Event(), error=None)
-    ClusterNode._join_store(node)  # type: ignore[arg-type]  # the rank is known: the store
+    node = types.SimpleNamespace(
+        learn=None, try_join=try_join, ready=threading.Event(), error=None, pid=os.getpid()
+    )
+    join.run(node)  # the node's thread; the rank is known: the store
     assert node.ready.is_set() and node.error == "IndexError: a bug in joining"
     assert "Traceback" in capfd.readouterr().err
 
@@ -334,7 +336,7 @@ def test_torch_groups_skip_what_torch_refuses(monkeypatch) -> None:
     class MeshGroup(Group):
         group_desc = "mesh_dp"
 
-    ProcessGroupGloo = type("ProcessGroupGloo", (), {})  # noqa: N806 - the name torch gives it
+    ProcessGroupGloo = type("ProcessGroupGloo", (), {})  # the name torch gives it
     gloo, nccl, mesh = Group(ProcessGroupGloo()), Group(None), MeshGroup(ProcessGroupGloo())
     world = types.SimpleNamespace(
         pg_names={gloo: "gloo", nccl: "nccl", mesh: "3"},

@@ -90,7 +90,7 @@ def _run(*args: str, typer: bool = False) -> subprocess.CompletedProcess[str]:
 
 def _split(r: subprocess.CompletedProcess[str]) -> tuple[int, str, str, list[str]]:
     err, _, modules = r.stderr.rpartition("MODULES ")
-    return r.returncode, r.stdout, err, eval(modules)  # noqa: S307 - our own list
+    return r.returncode, r.stdout, err, eval(modules)  # our own list
 
 
 ODD_VALUES = (

@@ -56,7 +56,7 @@ def wait_rows(pid: int, table: str, rows: int, timeout: float = 15.0) -> None:
         try:
             if client.query(f"SELECT count(*) AS n FROM {table}").to_pylist()[0]["n"] >= rows:
                 return
-        except Exception:  # noqa: BLE001 - no such table yet
+        except Exception:  # no such table yet
             pass
         time.sleep(0.05)
     raise AssertionError(f"pid {pid} never had {rows} rows in {table}")

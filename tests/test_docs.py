@@ -59,12 +59,49 @@ def test_the_readme_is_short_and_its_links_resolve() -> None:
         assert (README.parent / link).exists(), link
 
 
+def test_the_readme_says_where_mypy_is_strict() -> None:
+    """The packages the README calls strict are the strict override of
+    pyproject.toml's mypy config, no more and no fewer."""
+    import tomllib
+
+    config = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())
+    overrides = config["tool"]["mypy"]["overrides"]
+    strict = [o for o in overrides if o.get("disallow_untyped_defs")]
+    assert len(strict) == 1
+    modules = {m.removeprefix("probing.").removesuffix(".*") for m in strict[0]["module"]}
+    said = re.search(r"`mypy` \(([^)]*)\)", README.read_text())
+    assert said is not None, "README.md: `mypy` (what it checks)"
+    assert set(re.findall(r"`([\w.]+)`", said.group(1))) == modules
+
+
 def test_the_benchmarks_the_measurements_cite_exist() -> None:
     text = (DOCS / "measurements.md").read_text()
     cited = set(re.findall(r"benchmarks/(\w+\.py)", text))
     assert cited, "docs/measurements.md cites no benchmark"
     bench = DOCS.parent / "benchmarks"
     assert not [c for c in cited if not (bench / c).exists()]
+
+
+def test_every_benchmark_has_its_entry_and_the_sections_it_names_exist() -> None:
+    """benchmarks/README.md: an entry (### `path`) for each script, none for
+    a script gone, and each section it points to (`[page.md § Heading]`) a
+    heading of that page; docs/measurements.md's introduction links it."""
+    bench = DOCS.parent / "benchmarks"
+    text = (bench / "README.md").read_text()
+    entries = set(re.findall(r"^### `([\w/.]+)`$", text, re.M))
+    scripts = {p.relative_to(bench).as_posix() for p in bench.rglob("*.py")}
+    assert not scripts - entries, f"add an entry to benchmarks/README.md: {scripts - entries}"
+    assert not entries - scripts, f"benchmarks/README.md: no such script {entries - scripts}"
+    named = re.findall(r"\[(\w+\.md) § ([^\]]+)\]\(\.\./docs/(\w+\.md)\)", text)
+    assert len(named) >= len(scripts)
+    wrong = []
+    for page, heading, target in named:
+        lines = (DOCS / page).read_text().splitlines()
+        if page != target or heading not in {h.lstrip("#").strip() for h in lines if h[:1] == "#"}:
+            wrong.append(f"{page} § {heading}")
+    assert not wrong, f"benchmarks/README.md names sections its pages lack: {wrong}"
+    intro = (DOCS / "measurements.md").read_text().split("\n## ", 1)[0]
+    assert "](../benchmarks/README.md)" in intro
 
 
 def test_the_docs_state_the_python_versions_whose_frames_probing_reads() -> None:
@@ -87,30 +124,59 @@ def test_the_docs_state_the_python_versions_whose_frames_probing_reads() -> None
     assert refusal.group(1).split() == ", ".join(SUPPORTED).split()
 
 
-def _layout_entries() -> dict[str, str]:
-    """docs/design.md's layout block, by folder: "node/bpf" -> its lines,
-    "" -> the lines of probing/'s own files. A folder's entry starts where
-    its name stands at its depth's indent (2 spaces a level under probing/)."""
+def _layout_segments() -> list[tuple[str, str, str]]:
+    """docs/design.md's layout block cut where each name stands: (folder,
+    kind, text), kind "folder" (a package's own lines: what it holds),
+    "file" (a module's line and its description) or "note" (a line of prose
+    at a name's indent, as "SHARED by ..."). A name stands at its depth's
+    indent (2 spaces a level under probing/); the lines indented deeper
+    continue the segment above. Folders are "node/bpf", "" is probing/."""
     text = (DOCS / "design.md").read_text()
     block = text.split("## Layout", 1)[1].split("```")[1]
     block = block.split("probing/\n", 1)[1]
-    entries: dict[str, str] = {"": ""}
+    segments: list[tuple[str, str, str]] = []
     stack: list[str] = []  # the folders open at each depth
-    current = ""
     for line in block.splitlines():
         indent = len(line) - len(line.lstrip(" "))
         token = line.split()[0] if line.strip() else ""
         if indent == 0:
             break  # bpf/, tests/: out of probing/
-        if indent % 2 == 0 and indent <= 2 * (len(stack) + 1) and token.endswith("/"):
-            depth = indent // 2 - 1
-            stack = stack[:depth] + [token.rstrip("/")]
-            current = "/".join(stack)
-        elif indent % 2 == 0 and indent <= 2 * (len(stack) + 1) and token.endswith(".py"):
+        at_a_name = indent % 2 == 0 and indent <= 2 * (len(stack) + 1)
+        if at_a_name and token.endswith("/"):
+            stack = stack[: indent // 2 - 1] + [token.rstrip("/")]
+            segments.append(("/".join(stack), "folder", line))
+        elif at_a_name and token.endswith(".py"):
             stack = stack[: indent // 2 - 1]
-            current = "/".join(stack)
-        entries[current] = entries.get(current, "") + line + "\n"
+            segments.append(("/".join(stack), "file", line))
+        elif at_a_name or not segments:
+            segments.append(("/".join(stack), "note", line))
+        else:
+            folder, kind, seen = segments[-1]
+            segments[-1] = (folder, kind, seen + "\n" + line)
+    return segments
+
+
+def _layout_entries() -> dict[str, str]:
+    """Each folder's lines in the layout, its modules' and notes' with them:
+    "node/bpf" -> its lines, "" -> the lines of probing/'s own files."""
+    entries: dict[str, str] = {"": ""}
+    for folder, _kind, text in _layout_segments():
+        entries[folder] = entries.get(folder, "") + text + "\n"
     return entries
+
+
+def _names_listed(text: str) -> list[str]:
+    """The modules a folder's lines list: what follows the folder's name (and
+    a label ending in ":"), with `code` and (asides) dropped, cut at ",", ";",
+    "+", " with " and " over "; the items of one lowercase word are names,
+    longer ones prose ("a probe per process its guests hand it")."""
+    rest = text.strip().split(None, 1)[1:]
+    text = re.sub(r"`[^`]*`", "", rest[0] if rest else "")
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    text = text.split(":", 1)[-1]
+    items = (item.strip() for item in re.split(r"[,;+]| with | over ", text))
+    return [item for item in items if re.fullmatch(r"[a-z_][a-z0-9_]*", item)]
 
 
 def test_the_design_layout_names_every_folder_and_module() -> None:
@@ -131,9 +197,95 @@ def test_the_design_layout_names_every_folder_and_module() -> None:
             rf"\b{re.escape(path.stem)}\b", entries.get(where, "")
         ):
             missing.append(str(rel))
-    stale = [d for d in entries if d and not (pkg / d / "__init__.py").exists()]
     assert not missing, f"name each in docs/design.md's layout: {sorted(set(missing))}"
-    assert not stale, f"docs/design.md's layout names folders the tree lacks: {stale}"
+
+
+def test_the_design_layout_names_only_folders_and_modules_that_exist() -> None:
+    """The other way round: each folder and module file the layout names is
+    in the tree, and so is each module a folder's lines list; a module
+    removed or renamed leaves no name behind it."""
+    pkg = Path(__file__).resolve().parent.parent / "probing"
+    stale = []
+    for folder, kind, text in _layout_segments():
+        here = pkg / folder
+        if kind == "folder" and not (here / "__init__.py").exists():
+            stale.append(f"{folder}/")
+        elif kind == "folder":
+            stale += [
+                f"{folder}/{name}"
+                for name in _names_listed(text)
+                if not (here / f"{name}.py").exists() and not (here / name).is_dir()
+            ]
+        elif kind == "file" and not (here / text.split()[0]).exists():
+            stale.append(f"{folder}/{text.split()[0]}".lstrip("/"))
+    assert not stale, f"docs/design.md's layout names what the tree lacks: {stale}"
+
+
+def _resolves(name: str) -> bool:
+    """A dotted name is a module of probing, or an attribute of one."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(found, attr):
+                return False
+            found = getattr(found, attr)
+        return True
+    return False
+
+
+def test_the_design_prose_names_only_code_that_exists() -> None:
+    """Paths in docs/design.md (`cluster/port.py`, `probing/node/store/`)
+    are files of the repository, from its root or inside probing/; dotted
+    names (`probing.node.probe.context.ProbeContext`) are modules or their
+    attributes, but for the SQL tables of the `probing` schema (sql.md)."""
+    root = DOCS.parent
+    text = (DOCS / "design.md").read_text()
+    modules = [p.relative_to(root).as_posix() for p in (root / "probing").rglob("*.py")]
+    paths = set(re.findall(r"(?<![\w/.-])((?:\w+/)+\w+\.py|probing/(?:\w+/)*)", text))
+    assert {"analyze/watch.py", "probing/node/store/"} <= paths
+    inside = [p for p in paths if any(m.endswith(f"/{p}") for m in modules)]
+    missing = [p for p in paths if not (root / p).exists() and p not in inside]
+    tables = set(re.findall(r"`(probing\.\w+)`", (DOCS / "sql.md").read_text()))
+    dotted = set(re.findall(r"\bprobing(?:\.\w+)+", text)) - tables - {"probing.pth"}
+    assert "probing.node.probe.context.ProbeContext" in dotted
+    missing += [name for name in dotted if not _resolves(name)]
+    assert not missing, f"docs/design.md names what the tree lacks: {sorted(missing)}"
+
+
+def test_the_design_layers_table_is_the_processes_contract() -> None:
+    """docs/design.md's table of layers names the modules of the processes
+    contract, no more and no fewer; a package's (list) is its own contract's
+    layers where it has one, else modules it holds."""
+    import tomllib
+
+    config = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())
+    contracts = {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
+
+    def layered(contract: str) -> set[str]:
+        layers = ":".join(contracts[contract]["layers"])
+        return {m.strip(" ()") for m in layers.split(":")}
+
+    text = (DOCS / "design.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in text.splitlines() if line.lstrip().startswith("| ")]
+    named: set[str] = set()
+    for row in rows[1:]:  # the header out
+        for name, listed in re.findall(r"`(\w+)`(?: \(([^)]*)\))?", row):
+            named.add(name)
+            pkg = DOCS.parent / "probing" / name
+            if not pkg.is_dir() or not listed:
+                continue
+            items = {item.strip() for item in listed.split(",")}
+            if name in contracts:
+                assert items == layered(name), f"{name}: {items ^ layered(name)}"
+            else:
+                assert all((pkg / f"{i}.py").exists() or (pkg / i).is_dir() for i in items)
+    assert named == layered("processes"), f"the table and pyproject: {named ^ layered('processes')}"
 
 
 def test_the_design_names_every_import_contract() -> None:

@@ -221,7 +221,7 @@ def test_concurrent_queries_keep_their_own_snapshots(engine: Engine) -> None:
         try:
             for i in range(60):
                 engine.sql(queries[(i + k) % len(queries)])
-        except Exception as err:  # noqa: BLE001 - collected and asserted below
+        except Exception as err:  # collected and asserted below
             errors.append(f"{type(err).__name__}: {err}")
 
     def writer() -> None:

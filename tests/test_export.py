@@ -433,7 +433,7 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
     ))  # fmt: skip
     w.flush()
     got = written_events(f.getvalue())
-    B, E = 1, 2  # noqa: N806  (TYPE_SLICE_BEGIN, TYPE_SLICE_END)
+    B, E = 1, 2  # TYPE_SLICE_BEGIN, TYPE_SLICE_END
     assert got == [
         (5, B, track, "a", ["x"], [], {"u": big, "i": neg, "f": 0.5, "b": True, "l": "4x1x1",
                                        "s": "α" * 300}),

@@ -19,8 +19,8 @@ from probing.node.bpf import families as fam
 from probing.node.bpf.output import OutputWriter
 from probing.node.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, record_size, take_records
 from probing.node.bpf.symbols import RuntimeNames, Symbolizer, demangle, exported, exported_matching
-from probing.node.bpf.tracer import installed_libraries
 from probing.node.tables.trace import COLLECTIVES_SQL
+from tests.jobs.lib_loop import installed_libraries
 
 SAMPLE = np.dtype([("a", "<u8"), ("b", "<u4"), ("c", "<u4")])  # 16 bytes
 

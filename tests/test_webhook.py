@@ -26,7 +26,7 @@ class Receiver:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 code = outer.codes.pop(0) if outer.codes else 200
                 if code == 200:

@@ -70,7 +70,7 @@ class Truth:
     """This rank's truth file, one JSON object a line, flushed each line."""
 
     def __init__(self, path: str, rank: int) -> None:
-        self.f = open(f"{path}.rank{rank}", "a", buffering=1)  # noqa: SIM115
+        self.f = open(f"{path}.rank{rank}", "a", buffering=1)
         self.lock = threading.Lock()
 
     def write(self, obj: dict) -> None:  # type: ignore[type-arg]

@@ -568,7 +568,7 @@ def stacks(
         def ask_info() -> None:
             try:
                 got.append(client.query_raw(INFO_SQL, "json"))
-            except Exception as err:  # noqa: BLE001 - handed on: raised below, in the caller's thread
+            except Exception as err:  # handed on: raised below, in the caller's thread
                 got.append(err)
 
         asked = threading.Thread(target=ask_info)

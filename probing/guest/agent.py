@@ -118,7 +118,7 @@ class Guest:
             _say(f"the node's engine (pid {engine_pid}) stopped; starting a new one")
             try:
                 self.register()
-            except Exception as err:  # noqa: BLE001 - a daemon thread in the host: said, not raised
+            except Exception as err:  # a daemon thread in the host: said, not raised
                 _say(f"no new engine for pid {self.pid}: {err}")
 
         threading.Thread(target=wait, name="probing-guest-engine", daemon=True).start()
@@ -278,7 +278,7 @@ def _after_fork_in_child() -> None:
     if os.environ.get("PROBING_FORK", "").strip().lower() == "child":
         try:
             start(parent.engine_python, wait=False)
-        except Exception as err:  # noqa: BLE001 - a fork handler in the host's child
+        except Exception as err:  # a fork handler in the host's child
             _say(f"no probe in forked child {os.getpid()}: {err}")
 
 

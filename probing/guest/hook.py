@@ -48,7 +48,7 @@ def boot(directory: str, engine_python: str) -> None:
         return
     try:
         load(directory).start(engine_python, wait=False)
-    except Exception as err:  # noqa: BLE001 - never break the host's start-up
+    except Exception as err:  # never break the host's start-up
         try:
             print(f"probing: probe not started: {type(err).__name__}: {err}", file=sys.stderr)
         except (OSError, ValueError, AttributeError):

@@ -94,7 +94,7 @@ def distributed() -> dict[str, Any] | None:
                 break
             store = getattr(store, "underlying_store", None)
         return out
-    except Exception:  # noqa: BLE001 - torch internals moved, or not initialised yet
+    except Exception:  # torch internals moved, or not initialised yet
         return None
 
 
@@ -162,7 +162,7 @@ def hook_threads(tell: Any) -> None:
         original(thread)
         try:
             tell(threading.get_native_id(), get())
-        except Exception:  # noqa: BLE001 - in the user's new thread: never raise there
+        except Exception:  # in the user's new thread: never raise there
             pass
 
     _set_native_id.__probing_original__ = original  # type: ignore[attr-defined]
@@ -245,7 +245,7 @@ def eval_with_imports(expr: str) -> Any:
     namespace.setdefault("__builtins__", __builtins__)
     for _ in range(MAX_AUTO_IMPORTS):
         try:
-            return eval(expr, namespace)  # noqa: S307 - local socket only
+            return eval(expr, namespace)  # local socket only
         except NameError as err:
             name = getattr(err, "name", None)
             if not name or name in namespace:
@@ -270,7 +270,7 @@ def expr(text: str) -> dict[str, list[Any]]:
     try:
         value = eval_with_imports(text)
         return {k: [plain(v) for v in col] for k, col in columns(value).items()}
-    except Exception as err:  # noqa: BLE001 - the user's expression may raise anything
+    except Exception as err:  # the user's expression may raise anything
         raise GuestError(f"python.`{text}`: {type(err).__name__}: {err}") from None
 
 
@@ -380,9 +380,9 @@ def run(code: str) -> dict[str, Any]:
                 result: str | None = repr(eval_with_imports(code))
             else:
                 main = sys.modules["__main__"]
-                exec(compiled, vars(main))  # noqa: S102 - local socket only
+                exec(compiled, vars(main))  # local socket only
                 result = None
-        except Exception as err:  # noqa: BLE001 - the user's code may raise anything: the answer
+        except Exception as err:  # the user's code may raise anything: the answer
             detail = out.getvalue() + _user_traceback(err)
             raise GuestError(f"{type(err).__name__}: {err}", "EvalError", detail) from None
     return {"result": result, "output": out.getvalue()}

@@ -219,7 +219,7 @@ class Server:
             except GuestError as err:
                 _answer(conn, 400, {"error": str(err), "type": err.kind, "detail": err.detail})
                 return
-            except Exception as err:  # noqa: BLE001 - answered, never raised into the host
+            except Exception as err:  # answered, never raised into the host
                 _answer(conn, 500, {"error": f"{type(err).__name__}: {err}"})
                 return
             _answer(conn, 200, result)

@@ -182,11 +182,11 @@ class Agent:
         fails, and the other done all the same."""
         try:
             self.scan()
-        except Exception as err:  # noqa: BLE001 - a service's loop: said, and on
+        except Exception as err:  # a service's loop: said, and on
             _say(f"scan failed: {type(err).__name__}: {err}")
         try:
             self.follow()
-        except Exception as err:  # noqa: BLE001 - as above
+        except Exception as err:  # as above
             _say(f"reading the findings failed: {type(err).__name__}: {err}")
 
     def stop(self) -> None:
@@ -512,7 +512,7 @@ def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
     line's one line and ``EX_CONFIG``), never a traceback."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             if self.path == "/health":
                 body, ctype = json.dumps(agent.health()).encode(), "application/json"
             elif self.path == "/metrics":  # OpenMetrics where asked (Prometheus), else text 0.0.4

@@ -67,7 +67,7 @@ def main() -> None:
         sys.stdout.flush()
         while args.linger:
             time.sleep(1)
-    except Exception as err:  # noqa: BLE001 - the job's own failure, reported
+    except Exception as err:  # the job's own failure, reported
         sys.stdout.write(f"rank {os.environ['RANK']} failed: {type(err).__name__}\n")
         sys.stdout.flush()
         if args.on_error == "exit":

@@ -5,18 +5,33 @@ fire all the same): a target to trace, stop, and kill.
     python lib_loop.py [--calls N] [--sleep S]
 
 Prints ``ready`` once both libraries are mapped, ``done`` after N calls
-(default: forever). Imports nothing from probing but the list of installed
-libraries.
+(default: forever). Imports nothing from probing. ``installed_libraries`` is
+the tests' and benchmarks' look-up of those libraries.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import os
+import sys
 import time
 
-from probing.node.bpf.tracer import installed_libraries
+
+def installed_libraries() -> list[str]:
+    """The NVIDIA wheels' and torch's libraries on ``sys.path``, mapped or not
+    (the tracer attaches to what is mapped; this finds what to map)."""
+    found = []
+    for entry in sys.path:
+        for pattern in (
+            "nvidia/nccl/lib/libnccl.so*",
+            "nvidia/cuda_runtime/lib/libcudart.so*",  # CUDA 12 wheels
+            "nvidia/cu[0-9]*/lib/libcudart.so*",  # CUDA 13 wheels: nvidia/cu13/lib
+            "torch/lib/libtorch_cpu.so",
+        ):
+            found.extend(glob.glob(os.path.join(entry, pattern)))
+    return found
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from probing.node.bpf.kernel import uprobe_links
-from probing.node.bpf.tracer import installed_libraries
 from tests.conftest import require, require_bpf
+from tests.jobs.lib_loop import installed_libraries
 
 
 def require_privileged() -> None:

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from probing.node.bpf import drain as drain_mod
-from probing.node.bpf.tracer import Tracer, installed_libraries
+from probing.node.bpf.tracer import Tracer
 from probing.node.sql import Engine
 from probing.node.store import Store
 from tests.conftest import require_bpf
+from tests.jobs.lib_loop import installed_libraries
 
 pytestmark = pytest.mark.privileged
 

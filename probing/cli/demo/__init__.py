@@ -110,10 +110,6 @@ class DemoJob:
                 gone.append(f"rank {r} (pid {p.pid}) exited {p.returncode}: {err.strip()[-400:]}")
         return "; ".join(gone) or "every rank is still running"
 
-    def target_pids(self) -> list[int]:
-        """The Python processes (a ``taskset``/``ip netns exec`` prefix execs into them)."""
-        return self.pids
-
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:

@@ -111,7 +111,7 @@ def train(model: nn.Module, device: torch.device, args: argparse.Namespace) -> N
     """The training loop: ``--steps`` steps (0: until killed), each timed into
     ``--truth`` where given."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    truth = open(args.truth, "a", buffering=1) if args.truth else None  # noqa: SIM115
+    truth = open(args.truth, "a", buffering=1) if args.truth else None
     step = 0
     while args.steps <= 0 or step < args.steps:
         t0 = time.time()

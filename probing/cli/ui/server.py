@@ -88,7 +88,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- plumbing ---------------------------------------------------------------------
     def _send(
         self, status: int, body: bytes, ctype: str, headers: dict[str, str] | None = None
-    ) -> None:  # noqa: E501
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -216,6 +216,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._json({"error": str(err)}, 502)
         except ValueError as err:
             self._json({"error": str(err)}, 400)
-        except Exception as err:  # noqa: BLE001 - a bug: logged, said on the page, not a dropped request
+        except Exception as err:  # a bug: logged, said on the page, not a dropped request
             traceback.print_exc()
             self._json({"error": f"{type(err).__name__}: {err}"}, 500)

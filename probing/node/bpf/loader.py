@@ -264,7 +264,7 @@ def _compile(source: str, family_h: str | None, cflags: list[str], key: str) -> 
         try:
             with BCC_LOCK:
                 bpf = BPF(text=text.encode(), cflags=[*flags, *cflags])
-        except Exception as err:  # noqa: BLE001 - BCC raises plain Exception
+        except Exception as err:  # BCC raises plain Exception
             raise BPFUnavailable(
                 f"BCC could not compile {source}: {err}",
                 hint="run `probing doctor` to see what is missing",

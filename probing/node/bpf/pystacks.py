@@ -120,7 +120,7 @@ class PyStacks:
             return {}
         try:
             return {t["ident"]: t["tid"] for t in self.target.threads()}
-        except Exception:  # noqa: BLE001 - a process gone or not answering: no names this tick
+        except Exception:  # a process gone or not answering: no names this tick
             return {}
 
     def hook_threads(self, bpfs: Any) -> None:
@@ -135,7 +135,7 @@ class PyStacks:
             original(thread)
             try:
                 collector.register_current(bpfs())
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 # this runs in the user's new thread, before its target: a
                 # failure of ours (a map closed by a stop meanwhile, or a bug)
                 # must not kill it; counted, and the thread is picked up by

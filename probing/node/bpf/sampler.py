@@ -242,7 +242,7 @@ class Sampler:
             return {t.native_id: t.name for t in threading.enumerate() if t.native_id}
         try:
             return {t["tid"]: t["name"] for t in self.target.threads()}
-        except Exception:  # noqa: BLE001 - a process gone or not answering: no names this read
+        except Exception:  # a process gone or not answering: no names this read
             return {}
 
     def _comm(self, tid: int) -> str | None:

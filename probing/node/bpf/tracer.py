@@ -24,9 +24,7 @@ that cannot be sent, a tick of the timer) is kept in ``last_error``.
 
 from __future__ import annotations
 
-import glob
 import os
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -82,21 +80,6 @@ def clock_offset_ns() -> int:
             best = (b - a, w - (a + b) // 2)
     assert best is not None
     return best[1]
-
-
-def installed_libraries() -> list[str]:
-    """The NVIDIA wheels' and torch's libraries on ``sys.path``, mapped or not
-    (the tests' and benchmarks' own look-up: the tracer attaches to what is mapped)."""
-    found = []
-    for entry in sys.path:
-        for pattern in (
-            "nvidia/nccl/lib/libnccl.so*",
-            "nvidia/cuda_runtime/lib/libcudart.so*",  # CUDA 12 wheels
-            "nvidia/cu[0-9]*/lib/libcudart.so*",  # CUDA 13 wheels: nvidia/cu13/lib
-            "torch/lib/libtorch_cpu.so",
-        ):
-            found.extend(glob.glob(os.path.join(entry, pattern)))
-    return found
 
 
 class Tracer:

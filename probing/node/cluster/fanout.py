@@ -332,7 +332,7 @@ def _run(
     if len(local) > 1:
         try:
             together = Together.prepare([n.share.owner for n in local], work.for_member())
-        except Exception:  # noqa: BLE001 - rank by rank: each says what is wrong with its own
+        except Exception:  # rank by rank: each says what is wrong with its own
             together = None
     threads: list[threading.Thread | None] = [None] * len(local)  # None: done on this thread
     if together is not None and not asking_others:
@@ -378,7 +378,7 @@ def _together(together: Any, local: list[Peer], slots: list[Any]) -> None:
     t0 = time.perf_counter()
     try:
         tables = together.run()
-    except BaseException as err:  # noqa: BLE001 - the shares run again one by one
+    except BaseException as err:  # the shares run again one by one
         slots[:] = [err] * len(slots)
         return
     ms = (time.perf_counter() - t0) * 1e3
@@ -399,7 +399,7 @@ def _share(node: Peer, work: planner.Work, slots: list[Any], i: int) -> None:
         ms = (time.perf_counter() - t0) * 1e3
         got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
         slots[i] = got
-    except BaseException as err:  # noqa: BLE001 - said again by the asking thread
+    except BaseException as err:  # said again by the asking thread
         slots[i] = err
 
 

@@ -55,7 +55,7 @@ def run(node: Joiner) -> None:
     """The background thread: learn the rank if need be, then join."""
     try:
         rank_known = learn_rank(node)
-    except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+    except Exception as err:  # the top of a probe thread: a bug is logged
         node.error = f"{type(err).__name__}: {err}"
         log_unexpected("cluster mode off (local socket only)", err)
         rank_known = False
@@ -102,7 +102,7 @@ def keep_trying(node: Joiner) -> None:
             node.error = str(err)
             tell(f"cluster mode off: {err}; this probe answers on its local socket only", node.pid)
             return
-        except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+        except Exception as err:  # the top of a probe thread: a bug is logged
             node.error = f"{type(err).__name__}: {err}"
             log_unexpected("cluster mode off (local socket only)", err)
             return

@@ -132,10 +132,6 @@ class ClusterNode:
             self.directory = StoreDirectory(self.ident)
         self.learn = None
 
-    def _join_store(self) -> None:
-        """Try to join until it works (``join.keep_trying``)."""
-        join.keep_trying(self)
-
     def setup(self, server: Any) -> None:
         """Join now (blocking; tests and the benchmark call it directly)."""
         self._server = server

@@ -347,7 +347,7 @@ def run_final(
             return run.collect(ctx.sql_with_options(sql, READ_ONLY), limits)
         except QueryError:
             raise
-        except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception; sorted here
+        except Exception as err:  # DataFusion raises plain Exception; sorted here
             if not run.datafusion_error(err):
                 raise  # a bug of probing's, not the SQL's: 500, its traceback logged
             msg = _message(err)
@@ -482,7 +482,7 @@ def plan(sql: str, schemas: dict[str, pa.Schema | None], known_schemas: set[str]
             ctx = planning_context({refs[0].name: schemas[refs[0].name]})
             try:
                 out = ctx.sql(sql).schema().names
-            except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception
+            except Exception as err:  # DataFusion raises plain Exception
                 if not run.datafusion_error(err):
                     raise
                 raise QueryError(_message(err)) from err
@@ -509,7 +509,7 @@ def _scan_plan(sql: str, names: list[str], schemas: dict[str, pa.Schema | None])
         ctx = planning_context(known)
         try:
             logical = ctx.sql(sql).optimized_logical_plan()
-        except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception
+        except Exception as err:  # DataFusion raises plain Exception
             if not run.datafusion_error(err):
                 raise
             raise QueryError(_message(err)) from err

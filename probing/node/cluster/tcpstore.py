@@ -103,10 +103,6 @@ class TCPStoreClient:
         self._send(bytes([Cmd.GET]) + _key(key))
         return self._recv_blob()
 
-    def num_keys(self) -> int:
-        self._send(bytes([Cmd.GETNUMKEYS]))
-        return int(struct.unpack("=q", self._recv(8))[0])
-
     # -- the socket --------------------------------------------------------------
     def _send(self, data: bytes) -> None:
         try:

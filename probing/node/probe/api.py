@@ -360,7 +360,7 @@ def cluster_trace(probe: Probe, req: Request) -> Response:
             mine = ROUTES[("POST", path)](probe, req._replace(path=path, body=body))
         except ProbingError as err:  # this process could not: said in its row, the peers go on
             mine = Response.error(http_status(err), str(err), wire_type(err))
-        except Exception as err:  # noqa: BLE001 - a bug: logged, said in its row, peers go on
+        except Exception as err:  # a bug: logged, said in its row, peers go on
             log_unexpected("trace control", err)
             mine = Response.error(500, f"{type(err).__name__}: {err}")
         try:

@@ -143,7 +143,7 @@ class Workers:
                 job = self._jobs.popleft()
             try:
                 self._serve(*job)
-            except BaseException as err:  # noqa: BLE001 - a worker never dies (its count would lie)
+            except BaseException as err:  # a worker never dies (its count would lie)
                 log_unexpected("a request worker failed", err, self._logged)
 
 

@@ -136,7 +136,7 @@ class ProbeContext:
                         # DataFusion's first plan sets up what every later one
                         # reuses: 30 ms for the first query, 3 ms after this
                         engine.sql("SELECT 1")
-            except Exception as err:  # noqa: BLE001 - the top of a probe thread; the query says it too
+            except Exception as err:  # the top of a probe thread; the query says it too
                 log_unexpected("SQL engine not preloaded", err)
 
         # not a daemon: an exit waits for its imports rather than cutting them short
@@ -285,7 +285,7 @@ class ProbeContext:
         except (ProbingError, ValueError, OSError) as err:  # a bad PROBING_PEERS, no port
             tell(f"cluster mode off: {err}", self.pid)
             return None
-        except Exception as err:  # noqa: BLE001 - in the host's enable(): a bug is logged, not raised
+        except Exception as err:  # in the host's enable(): a bug is logged, not raised
             log_unexpected("cluster mode off", err)
             return None
 
@@ -297,7 +297,7 @@ class ProbeContext:
             self.nvml.start(parse_interval(interval))
         except ValueError as err:  # a bad PROBING_NVML_INTERVAL (NVML's own errors: nvml.status)
             tell(f"NVML sampling not started: {err}", self.pid)
-        except Exception as err:  # noqa: BLE001 - the top of a probe thread: a bug is logged
+        except Exception as err:  # the top of a probe thread: a bug is logged
             log_unexpected("NVML sampling not started", err)
 
     # -- fork ---------------------------------------------------------------------------

@@ -135,6 +135,6 @@ def answer(
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         req = Request(head.method, url.path, query, body, peer_uid, remote, head.headers, gone)
         return app(req)
-    except BaseException as err:  # noqa: BLE001 - nothing escapes into the host: a bug answers 500
+    except BaseException as err:  # nothing escapes into the host: a bug answers 500
         log_unexpected(f"{head.method} {head.target} failed", err)
         return Response.error(500, f"{type(err).__name__}: {err}")

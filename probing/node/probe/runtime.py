@@ -66,7 +66,7 @@ def _after_fork_in_child() -> None:
         return
     try:
         ctx.after_fork()
-    except Exception as err:  # noqa: BLE001 - a fork handler in the host's child: never break it
+    except Exception as err:  # a fork handler in the host's child: never break it
         log_unexpected(f"no probe in forked child {os.getpid()}", err)
 
 

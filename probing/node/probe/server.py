@@ -199,7 +199,7 @@ class UnixHTTPServer:
         while not self._stopping:
             try:
                 self._once()
-            except BaseException as err:  # noqa: BLE001 - the loop never dies: rest and go on
+            except BaseException as err:  # the loop never dies: rest and go on
                 self.stats["loop_errors"] += 1
                 log_unexpected("the server loop failed", err, self._logged)
                 self._acceptor.rest()

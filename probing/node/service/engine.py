@@ -235,7 +235,7 @@ class Service:
         # no thread works for it meanwhile (its detector's, its store's sealer)
         try:
             _quiet(entry)
-        except Exception as err:  # noqa: BLE001 - one process's death never ends the engine
+        except Exception as err:  # one process's death never ends the engine
             log_unexpected(f"tracing of pid {pid} not stopped", err)
 
     def _free_ports(self) -> None:
@@ -322,7 +322,7 @@ class Service:
             if pid in live:
                 try:
                     self.entries[pid].ctx.keep()
-                except Exception as err:  # noqa: BLE001 - the others are kept still
+                except Exception as err:  # the others are kept still
                     log_unexpected(f"data of pid {pid} not kept", err)
             self._retire(pid)
 
@@ -362,7 +362,7 @@ def _resume(ctx: ProbeContext, traced: dict[str, Any]) -> None:
         if ctx.cluster is not None:
             ctx.cluster.ensure_watch()
         _say(f"pid {ctx.pid}: tracing resumed ({', '.join(traced['families'])})")
-    except Exception as err:  # noqa: BLE001 - one process's resume never ends the engine
+    except Exception as err:  # one process's resume never ends the engine
         _say(f"pid {ctx.pid}: tracing not resumed: {err}")
 
 
@@ -403,7 +403,7 @@ def _quiet(entry: Entry) -> None:
 def _stop_tracing(entry: Entry) -> None:
     try:
         entry.ctx.stop_trace()
-    except Exception as err:  # noqa: BLE001 - one process's stop never ends the engine
+    except Exception as err:  # one process's stop never ends the engine
         log_unexpected(f"tracing of pid {entry.target.pid} not stopped", err)
 
 
@@ -433,7 +433,7 @@ def _preload() -> None:
         from probing.node.store import Store
 
         Engine(Store()).sql("SELECT 1")
-    except Exception as err:  # noqa: BLE001 - the first query says it again
+    except Exception as err:  # the first query says it again
         log_unexpected("SQL engine not preloaded", err)
 
 
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--daemon" in args and os.fork() != 0:
         os._exit(0)  # the guest that started us reaps this parent at once
     key = place.engine_key(dict(os.environ))  # the guest gave us the settings it hashed
-    lock = open(place.engine_path(directory, key, "lock"), "a")  # noqa: SIM115 - held for life
+    lock = open(place.engine_path(directory, key, "lock"), "a")  # held for life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def stop(*_: Any) -> None:  # stopped on purpose: its guests do not start another
         with contextlib.suppress(OSError):
-            open(stopped, "w").close()  # noqa: SIM115 - a marker, empty
+            open(stopped, "w").close()  # a marker, empty
         service.stop()
 
     stop_on_signals(stop, (signal.SIGTERM,))  # never a lock in the handler itself

@@ -217,7 +217,7 @@ def wait_out(
     def run() -> None:
         try:
             got.append(call())
-        except BaseException as err:  # noqa: BLE001 - raised again on the caller's thread
+        except BaseException as err:  # raised again on the caller's thread
             failed.append(err)
 
     thread = threading.Thread(target=run, name="probing-answer", daemon=True)

@@ -50,7 +50,7 @@ def produce(schema: str, name: str, producer: Producer) -> TableData:
         return producer()
     except (ProbingError, PermissionError):
         raise
-    except Exception as err:  # noqa: BLE001 - a provider is any code: its bug is logged, answered 500
+    except Exception as err:  # a provider is any code: its bug is logged, answered 500
         failure = ProviderError(f"the table {schema}.{name} failed: {type(err).__name__}: {err}")
         log_unexpected(f"the table {schema}.{name} failed", err)
         _failed.error = failure
@@ -201,7 +201,7 @@ class ProbeSchema(SchemaProvider):
                 install = self._deferred.pop(0)
                 try:
                     install()
-                except Exception as err:  # noqa: BLE001 - its tables are missing; the rest answer
+                except Exception as err:  # its tables are missing; the rest answer
                     log_unexpected(f"the tables of {self.name} were not installed", err)
             self._pending = False
 

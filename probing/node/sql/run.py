@@ -184,7 +184,7 @@ class QueryThreads:
         _local.job = job
         try:
             job.result = job.fn()
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
+        except BaseException as err:  # handed to the caller
             # its frames would keep the DataFusion stream (and so the query)
             # alive as long as the error lives: only the lines are kept
             traceback.clear_frames(err.__traceback__)
@@ -271,4 +271,4 @@ def collect(df: Any, limits: Limits, schema: pa.Schema | None = None) -> pa.Tabl
             schema = batches[0].schema if batches else df.schema()
         return pa.Table.from_batches(batches, schema=schema)
     finally:
-        stream = None  # noqa: F841 - the traceback must not keep the query alive
+        stream = None  # the traceback must not keep the query alive

@@ -156,7 +156,7 @@ class Engine:
                 return run.collect(df, self.limits)
             except QueryError:
                 raise
-            except Exception as err:  # noqa: BLE001 - DataFusion raises plain Exception; sorted here
+            except Exception as err:  # DataFusion raises plain Exception; sorted here
                 failure = provider_failure()
                 if failure is not None:  # a provider's bug, not the SQL's
                     raise failure from err

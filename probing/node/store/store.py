@@ -274,9 +274,6 @@ class Store:
     def stats(self) -> list[TableStats]:
         return [t.stats() for t in self.tables()]
 
-    def total_bytes(self) -> int:
-        return sum(t.stored_bytes() for t in self.tables())
-
     def enforce_retention(self) -> None:
         """Retire the oldest chunks until the store fits its byte and age limits."""
         with self._lock:

@@ -229,7 +229,7 @@ class EventTable:
         table = pa.Table.from_batches(batches, schema=self._schema)
         try:
             chunk = chunks.write(self.chunk_dir, chunk_id, table, self._store.codec)
-        except Exception as err:  # noqa: BLE001 - never into the writer (an external table's is the host)
+        except Exception as err:  # never into the writer (an external table's is the host)
             if not isinstance(err, (OSError, pa.ArrowException)):  # not disk full, not the encoder
                 log_unexpected(f"{self.qualified_name}: sealing", err)
             with self._lock:
@@ -351,7 +351,7 @@ class EventTable:
         for hook in list(self._before_read):
             try:
                 hook()
-            except Exception as err:  # noqa: BLE001 - a collector's drain: counted, logged once; reads go on
+            except Exception as err:  # a collector's drain: counted, logged once; reads go on
                 with self._lock:
                     self.read_errors += 1
                     self.last_read_error = f"{type(err).__name__}: {err}"

@@ -71,7 +71,7 @@ class LossFile(TrainerCallback):
         keep = name and ("{rank}" in name or rank == 0)
         self.out = open(name.replace("{rank}", str(rank)), "w", buffering=1) if keep else None
 
-    def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # noqa: ANN001
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         if self.out and logs and "loss" in logs:
             self.out.write(f"step {state.global_step} loss {logs['loss']!r}\n")
 

@@ -65,7 +65,7 @@ def train(failed: list[BaseException]) -> None:
             opt.step()
             if out:
                 out.write(f"step {step} loss {loss.item()!r}\n")
-    except BaseException as err:  # noqa: BLE001 - said by the main thread, which exits with it
+    except BaseException as err:  # said by the main thread, which exits with it
         failed.append(err)
 
 
