@@ -1,6 +1,6 @@
 """The node engine's own cost while it traces a job; prints JSON, one object a case.
 
-For each case (a shape, a number of ranks, a pace): ``engine_cost_job.py``
+For each case (a shape, a number of ranks, a pace): ``jobs/paced.py``
 is started the srun/mpirun way (one process a rank, Gloo on CPU,
 ``OMP_NUM_THREADS=1``), in a runtime directory of its own (so a fresh
 engine). Over ``--window`` seconds untraced, then over the same span once
@@ -26,7 +26,10 @@ rank it asks for; the step is paced to it (``--step-ms`` = per step / rate),
 and what it got is printed (a 2-CPU machine cannot give 4 ranks 1,000).
 
     python benchmarks/engine_cost.py [--cases ddp:4,fsdp2:4,ddp:8] [--rates 10,100,1000]
-        [--window 20] [--settle 5]
+        [--window 20] [--settle 5] [--detect-off] [--baseline REV]
+
+``--baseline REV`` (or ``BENCH_BASELINE``) runs each case on that revision's
+tree first (a temporary worktree: its CLI, guest and engine), then on this one.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-JOB = Path(__file__).resolve().parent / "engine_cost_job.py"
+JOB = Path(__file__).resolve().parent / "jobs" / "paced.py"
 LAYERS = 4
 PER_STEP = {"ddp": LAYERS, "fsdp2": 3 * LAYERS + 2}  # the pacing's guess; the trace counts
 PARTS = {
@@ -74,8 +77,10 @@ def free_port() -> int:
 def probing(
     env: dict[str, str], *args: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "probing", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    # from the tree's root (PYTHONPATH: this one, or the baseline's worktree)
+    return subprocess.run([sys.executable, "-m", "probing", *args], env=env,
+                          cwd=env.get("PYTHONPATH", REPO), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
 
 
 class Job:
@@ -158,6 +163,23 @@ def breakdown(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return {k: round(v / span, 4) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
+def detections(pids: list[int]) -> int:
+    """Detections run so far (full ones and the asks between them), by every
+    rank's probe (one is the job's detector): ``probing_detections_total``."""
+    from probing.cli.client import ProbeClient
+
+    n = 0
+    for pid in pids:
+        try:
+            _, body = ProbeClient.for_pid(pid, timeout=10)._call("GET", "/metrics")
+        except Exception:  # noqa: BLE001 - a rank without a detector: none of its own
+            continue
+        for line in body.decode().splitlines():
+            if line.startswith("probing_detections_total "):
+                n += int(float(line.split()[1]))
+    return n
+
+
 def traced_collectives(env: dict[str, str], pid: int, t0: float, t1: float) -> int:
     sql = (f"SELECT count(*) AS n FROM comm.collectives WHERE ts >= {int(t0 * 1e9)} "
            f"AND ts < {int(t1 * 1e9)}")  # fmt: skip
@@ -169,18 +191,27 @@ def traced_collectives(env: dict[str, str], pid: int, t0: float, t1: float) -> i
 
 
 def case(
-    shape: str, world: int, rate: float, window: float, settle: float, detect: bool = True
+    shape: str,
+    world: int,
+    rate: float,
+    window: float,
+    settle: float,
+    detect: bool = True,
+    tree: Path = REPO,
 ) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="probing-cost-")
     rt = os.path.join(tmp, "rt")
     os.mkdir(rt, 0o700)
-    env = dict(os.environ, PROBING_RUNTIME_DIR=rt)
+    os.environ["PROBING_RUNTIME_DIR"] = rt  # the probes this process asks (detections)
+    # the tree's probing for the CLI, the guest it injects and the engine
+    env = dict(os.environ, PYTHONPATH=str(tree), PROBING_ENGINE_ENV="PYTHONPATH")
     env.pop("PROBING", None)
     if not detect:  # the job's watch off: what the detector costs, by difference
         env["PROBING_DETECT_S"] = "0"
     step_ms = 1e3 * PER_STEP[shape] / rate
     job = Job(shape, world, step_ms, env, tmp)
-    out: dict[str, Any] = {"shape": shape, "ranks": world, "rate_asked": rate, "detect": detect}
+    out: dict[str, Any] = {"tree": "this" if tree == REPO else "baseline", "shape": shape,
+                           "ranks": world, "rate_asked": rate, "detect": detect}  # fmt: skip
     try:
         time.sleep(settle)
         c0, n0, t0 = job.cpu(), job.counted(), time.monotonic()
@@ -195,10 +226,10 @@ def case(
         engine = engine_pid(rt)
         proc = psutil.Process(engine)
         time.sleep(settle)
-        e0, th0 = sum(proc.cpu_times()[:2]), threads_cpu(engine)
+        e0, th0, d0 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
         c0, w0, t0 = job.cpu(), time.time(), time.monotonic()
         time.sleep(window)
-        e1, th1 = sum(proc.cpu_times()[:2]), threads_cpu(engine)
+        e1, th1, d1 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
         c1, w1, t1 = job.cpu(), time.time(), time.monotonic()
         span = t1 - t0
         n = traced_collectives(env, job.pids[0], w0, w1)
@@ -211,6 +242,7 @@ def case(
             engine_us_per_collective=round(1e6 * (e1 - e0) / max(n, 1), 1),
             engine_rss_mb=round(proc.memory_info().rss / 2**20, 1),
             engine_threads=proc.num_threads(),
+            detections_per_s=round((d1 - d0) / span, 2),
             parts=breakdown(th0, th1, e1 - e0, engine, span),
         )
     finally:
@@ -230,19 +262,33 @@ def main() -> None:
     p.add_argument("--window", type=float, default=20.0, help="seconds measured, each way")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before each window")
     p.add_argument("--detect-off", action="store_true", help="PROBING_DETECT_S=0: no watch")
+    p.add_argument("--baseline", default=os.environ.get("BENCH_BASELINE"),
+                   help="a git revision: each case on its tree too, first")  # fmt: skip
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("engine_cost: needs root (BPF)")
-    for spec in args.cases.split(","):
-        shape, world = spec.split(":")
-        for rate in args.rates.split(","):
-            try:
-                got = case(shape, int(world), float(rate), args.window, args.settle,
-                           detect=not args.detect_off)  # fmt: skip
-            except Exception as err:  # noqa: BLE001 - one case's failure is its row
-                got = {"shape": shape, "ranks": int(world), "rate_asked": float(rate),
-                       "error": str(err)}  # fmt: skip
-            print(json.dumps(got), flush=True)
+    trees = [REPO]
+    base = Path(tempfile.mkdtemp(prefix="probing-cost-base-")) / "tree"
+    if args.baseline:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base),
+                        args.baseline], check=True, capture_output=True)  # fmt: skip
+        trees = [base, REPO]
+    try:
+        for spec in args.cases.split(","):
+            shape, world = spec.split(":")
+            for rate in args.rates.split(","):
+                for tree in trees:
+                    try:
+                        got = case(shape, int(world), float(rate), args.window, args.settle,
+                                   detect=not args.detect_off, tree=tree)  # fmt: skip
+                    except Exception as err:  # noqa: BLE001 - one case's failure is its row
+                        got = {"tree": str(tree), "shape": shape, "ranks": int(world),
+                               "rate_asked": float(rate), "error": str(err)}  # fmt: skip
+                    print(json.dumps(got), flush=True)
+    finally:
+        if args.baseline:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
+                           capture_output=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing.analyze import watch
@@ -144,6 +145,32 @@ def diagnosed(table: pa.Table) -> Any:
     from probing.analyze import analyze
 
     return analyze(table, now_ns=_now(table), window_s=watch.WINDOW_S)
+
+
+def test_a_small_straggler_its_samples_show_nothing_of_its_own_for_is_not_written() -> None:
+    """The watch drops what diagnose drops (``diagnose.explained``): a rank a
+    few ms late (under SMALL_SHARE of the step) whose samples are the
+    others' is the machine's noise, not a finding; with a function of its
+    own that explains it, it is one."""
+    from probing.analyze.diagnose import SMALL_SHARE
+    from tests.test_why import _samples
+
+    slow = job(straggler=2, lag_ms=6, seed=1)
+    [s] = diagnosed(slow).stragglers
+    assert s.rank == 2 and s.share_of_step < SMALL_SHARE, s
+    span = 60 * (80 + 5 + 6) / 1e3
+    alike = {r: [("off", "/job/train.py", "load_batch", 41, 20.0 * 60)] for r in range(4)}
+    own = {r: [("off", "/job/train.py", "load_batch", 41, (26.0 if r == 2 else 20.0) * 60)]
+           for r in range(4)}  # fmt: skip
+    for per, written in ((alike, []), (own, [2])):
+        node = Node()
+        node.samples = _samples(per, span)
+        w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
+        node.answers = [(slow, _answered())] * 2
+        w.once(now_ns=_now(slow))
+        found = w.once(now_ns=_now(slow))  # confirmed: it lasted CONFIRM_S
+        rows = w.table().to_pylist()
+        assert [r["rank"] for r in rows if r["kind"] == "straggler"] == written, (found, rows)
 
 
 def test_a_straggler_is_one_finding_until_it_is_gone() -> None:
@@ -744,6 +771,50 @@ def test_the_pace_drops_when_the_collectives_come_slower() -> None:
         + [steady[-1] + int(200e6 + k * 25e6) for k in range(1, 20)]
     )
     assert not slowed(steady[:15])  # too few to tell a pace
+
+
+def test_a_look_reads_its_tracers_arrivals_and_asks_no_sql() -> None:
+    """With the tracer's drained arrivals (``arrivals(since_ns)``), a look
+    plans no query: each reads the arrivals since the last (less LAG_S),
+    and a pace that drops is seen as from its tables."""
+    from probing.analyze.watch import LAG_S, Pace
+
+    every = np.arange(400, dtype=np.int64) * int(25e6)  # every 25 ms for 10 s
+    later = every[-1] + np.arange(1, 6, dtype=np.int64) * int(85e6)  # then every 85 ms
+    served = [every]
+    asked: list[int] = []
+
+    def arrivals(since_ns: int) -> np.ndarray:
+        asked.append(since_ns)
+        got = np.concatenate(served)
+        return got[got >= since_ns][::-1]  # unsorted, as drained
+
+    no_sql = SimpleNamespace(engine=lambda: pytest.fail("a look planned SQL"))
+    pace = Pace(arrivals)
+    now = int(every[-1]) + 1
+    assert not pace.look(no_sql, now) and pace.ts == every.tolist()
+    served.append(later)
+    assert pace.look(no_sql, int(later[-1]) + 1)
+    assert asked[1] == now - int(LAG_S * 1e9) and pace.ts[-5:] == later.tolist()
+
+
+def test_the_drain_keeps_the_arrivals_of_collectives_only_and_not_for_ever() -> None:
+    """``Drainer.arrivals``: the entries of calls with an op (a collective or
+    a transfer), not the others' (a wait), the last ARRIVALS_S at most."""
+    from probing.node.bpf.drain import ARRIVALS_S, Drainer
+
+    d = Drainer(store=None, decoded=None)  # no family loaded: its drain is a no-op
+    s = int(1e9)
+
+    def batch(ts: list[int], op: list[str | None]) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pydict({"ts": pa.array(ts, pa.int64()), "op": op})
+
+    d._arrived(batch([1 * s, 2 * s, 3 * s], ["allreduce", None, "send"]))
+    assert sorted(d.arrivals(0).tolist()) == [1 * s, 3 * s]
+    assert d.arrivals(2 * s).tolist() == [3 * s]
+    late = int(3 * s + ARRIVALS_S * s + s)
+    d._arrived(batch([late], ["allgather"]))  # the first slice is older than ARRIVALS_S now
+    assert d.arrivals(0).tolist() == [late]
 
 
 def test_a_rank_late_now_and_then_stays_a_finding_while_it_is(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -74,7 +74,7 @@ ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the p
 GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes) ...
 GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)
 GROUPS_KEEP = 65536  # contexts whose group is kept (past it, only the last answer's)
-# a call reaches its rank's store within this of its end (drained every 50 ms):
+# a call reaches its rank's store within this of its end (drained every 0.2 s):
 # the calls that ended this long before the last ask are asked again
 LAG_S = 2.0
 RESYNC_S = 60.0  # the whole window asked again this often, and after a rank missed an ask
@@ -130,6 +130,7 @@ class Watch:
         tracing: Callable[[], bool],
         dropped: Callable[[], dict[str, int]],
         every_s: float | None = None,
+        arrivals: Callable[[int], Any] | None = None,
     ) -> None:
         self.node = node
         self.tracing = tracing
@@ -146,7 +147,7 @@ class Watch:
         self._elected: tuple[float, bool] | None = None  # (when, whether I detect)
         self._window = Window()  # the full detections'
         self._asked = Window()  # the asks' between them
-        self._pace = Pace()
+        self._pace = Pace(arrivals)
         self.analyst = Analyst(node)  # a window's analysis, as diagnose's
         self.groups = self.analyst.groups  # torch's names for the job's groups
         self._full_ns: int | None = None  # wall ns of the last full detection
@@ -486,7 +487,7 @@ class Analyst:
         finding says its cause as the verdict does. Asked only when a
         straggler is written (a few queries, not at every detection)."""
         from probing.analyze import collectives as coll
-        from probing.analyze.diagnose import explain_stragglers
+        from probing.analyze.diagnose import explain_stragglers, explained
         from probing.analyze.queries import optional, queries
 
         sql = queries(remote=True)
@@ -497,6 +498,9 @@ class Analyst:
         d.why = explain_stragglers(
             d.stragglers, coll.match(table), got["samples"], got["cuda"], got["nvml"], got["cpu"]
         )
+        # a small straggler its samples show nothing of its own for is noise
+        # here as in diagnose (``explained``): never written
+        d.stragglers, d.why = explained(d.stragglers, d.why)
 
 
 class Groups:
@@ -597,12 +601,14 @@ def _screen(table: pa.Table, now: int) -> set[int]:
 class Pace:
     """The arrivals of the detector's own rank at its collectives, kept
     ``PACE_S``: whether the last ``RECENT_S`` ran slower than the time before
-    (each look asks its own tables for the arrivals since the last, less
-    ``LAG_S``)."""
+    (each look reads the arrivals since the last, less ``LAG_S``: from
+    ``arrivals(since_ns)``, its tracer's drained calls, where it has them;
+    else from its own tables, a query of 25 ms a second)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrivals: Callable[[int], Any] | None = None) -> None:
         self.ts: list[int] = []  # arrivals, in order
         self.looked_ns = 0
+        self.arrivals = arrivals
 
     def forget(self) -> None:
         self.ts = []
@@ -613,11 +619,15 @@ class Pace:
         lo = now - int(PACE_S * 1e9)
         if self.looked_ns:
             lo = max(lo, self.looked_ns - int(LAG_S * 1e9))
-        sql = f"SELECT ts FROM comm.collectives WHERE ts >= {lo}"
-        try:
-            fresh = sorted(t for t in node.engine().sql(sql, allow_code=False)["ts"].to_pylist())
-        except ProbingError:  # no such table yet: nothing traced
-            fresh = []
+        got = self.arrivals(lo) if self.arrivals is not None else None
+        if got is not None:
+            fresh = sorted(got.tolist())
+        else:
+            sql = f"SELECT ts FROM comm.collectives WHERE ts >= {lo}"
+            try:
+                fresh = sorted(node.engine().sql(sql, allow_code=False)["ts"].to_pylist())
+            except ProbingError:  # no such table yet: nothing traced
+                fresh = []
         keep = now - int(PACE_S * 1e9)
         self.ts = [t for t in self.ts if keep <= t < lo] + fresh
         self.looked_ns = now

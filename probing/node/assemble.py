@@ -70,7 +70,11 @@ def _detector(ctx: ProbeContext, node: Any) -> Any:
         families = tracer.status().get("families", {}) if tracer is not None else {}
         return {f: int(v.get("dropped") or 0) for f, v in families.items()}
 
-    return Watch(node, tracing, dropped)
+    def arrivals(since_ns: int) -> Any:
+        tracer = ctx.tracer
+        return tracer.arrivals(since_ns) if tracer is not None else None
+
+    return Watch(node, tracing, dropped, arrivals=arrivals)
 
 
 def context() -> ProbeContext:

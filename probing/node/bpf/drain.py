@@ -20,6 +20,7 @@ hands that to ``report`` and goes on.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import threading
@@ -39,6 +40,7 @@ from probing.node.bpf.ringbuf import RingReader, unstage
 
 DRAIN_SLICE = 16384  # events decoded at a time; the GIL is let go between slices
 FLUSH_EVERY_S = 0.5  # the timer's drain sends every CPU's staged events this often
+ARRIVALS_S = 15.0  # the collectives' arrivals kept for the detector's looks (its PACE_S, and more)
 
 
 def compile_family(f: fam.Family, extra_cflags: list[str]) -> tuple[Any, bool]:
@@ -154,6 +156,9 @@ class Drainer:
         self._report = report
         self._lock = threading.Lock()  # the timer thread, stop() and callers
         self._flushed = 0.0  # when the timer's drain last sent every CPU's stage
+        # the collectives' arrivals (ts, wall ns) of the last ARRIVALS_S, as
+        # drained: (newest, ts) a slice; the detector's looks read them
+        self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque()
 
     def add(self, live: Live) -> None:
         self.live.append(live)
@@ -221,11 +226,33 @@ class Drainer:
         batch = fam.to_batch(live.family, ev, self.decoded, live.next_id)
         live.next_id += len(ev)
         live.events += len(ev)
+        if "op" in batch.schema.names:  # a collective's family: its arrivals kept
+            self._arrived(batch)
         # a chunk this completes is compressed by the store's sealer thread
         table.append_batch(batch, defer_seal=True)
         if self.writer is not None:
             self.writer.write(f"{live.family.table}.calls", batch)
         return len(ev)
+
+    def _arrived(self, batch: pa.RecordBatch) -> None:
+        valid = batch.column("op").is_valid().to_numpy(zero_copy_only=False)
+        ts = batch.column("ts").to_numpy(zero_copy_only=False)[valid]
+        if not len(ts):
+            return
+        newest = int(ts.max())
+        self._arrivals.append((newest, ts))
+        while self._arrivals and self._arrivals[0][0] < newest - ARRIVALS_S * 1e9:
+            self._arrivals.popleft()
+
+    def arrivals(self, since_ns: int) -> np.ndarray:
+        """The collectives entered from ``since_ns`` (wall ns) to now, by
+        the calls drained (the rings drained first; calls still in flight
+        are not in it), unsorted; the last ``ARRIVALS_S`` at most. No SQL:
+        the detector looks at them every second."""
+        self.drain()
+        with self._lock:
+            parts = [ts[ts >= since_ns] for newest, ts in self._arrivals if newest >= since_ns]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def resolve_stacks(self) -> None:
         """Before python.stacks is read: every event drained, and the stacks

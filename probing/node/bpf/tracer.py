@@ -342,6 +342,13 @@ class Tracer:
         returns how many."""
         return self._drainer.drain()
 
+    def arrivals(self, since_ns: int) -> Any:
+        """The collectives this process entered since ``since_ns`` (wall ns),
+        as drained (``Drainer.arrivals``); None when it does not trace."""
+        if self.state is not TracerState.TRACING:
+            return None
+        return self._drainer.arrivals(since_ns)
+
     def inflight(self, family: str) -> pa.Table:
         """Calls entered and not returned yet (from the pairing map), as rows
         of ``<family>.calls`` with a NULL ``dur_ns``."""
