@@ -94,7 +94,10 @@ class Job:
                      OMP_NUM_THREADS="1")  # fmt: skip
             cmd = [sys.executable, str(JOB), "--shape", shape, "--layers", str(LAYERS),
                    "--step-ms", f"{step_ms:.3f}", "--status", self.status]  # fmt: skip
+            # from the tree's root: the engine a guest starts runs there, and
+            # `-m` puts its working directory first on sys.path
             self.procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, text=True,
+                                               cwd=env.get("PYTHONPATH"),
                                                start_new_session=True))  # fmt: skip
         self.pids = []
         for p in self.procs:
