@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from probing import checks, proc
+from probing import checks
 from probing.errors import BPFUnavailable, ProbingError
 from probing.node.bpf import families as fam
 from probing.node.bpf import loader
@@ -127,7 +127,6 @@ class Tracer:
         )  # fmt: skip
         self._next_s: float | None = None  # the wait a fast-filling ring asks for
         self._last_drain = self._last_scan = 0.0  # monotonic s
-        self._vsize = ""  # the process's vsize at the last look at its maps
         self._lock = threading.Lock()
         # the helper process that holds this tracer's links and perf events
         self.holder = loader.Holder(self.pid)
@@ -319,16 +318,9 @@ class Tracer:
             self._py.sync(self._drainer.programs())
 
     def attach_new_libraries(self, *, always: bool = True) -> None:
-        """Attach to every matching library not attached yet (by inode); a
-        look that finds no file mapped since the last does nothing more.
-        Not ``always``: only where the process's address space changed size
-        (its ``vsize``, 50 µs to read) since the last look; a ``dlopen``
-        does (the maps, 0.7 ms to read for torch's, are read then)."""
-        vsize = proc.stat(self.pid)[20]  # field 23
-        if not always and vsize == self._vsize:
-            return
-        self._vsize = vsize
-        maps = self._uprobes.news(proc.read(self.pid, "maps"))
+        """Attach to every matching library not attached yet (by inode),
+        where the process maps a file it did not (``Uprobes.look``)."""
+        maps = self._uprobes.look(self.pid, always=always)
         if maps is None:
             return
         self._kernel_names.mark_runtime_text(maps, self._drainer.live)
