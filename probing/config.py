@@ -65,6 +65,13 @@ class Config:
     engine_idle_s: float = _setting(
         "PROBING_ENGINE_IDLE_S", 60.0, "the engine exits this long after its last process"
     )
+    log: str = _setting(
+        "PROBING_LOG",
+        "info",
+        "`debug`, `info`, `warning` or `error`: the least level the engine, the agent and "
+        "the commands log (stderr; the engine's `engine-<key>.log`); another value: `info`, "
+        "said once",
+    )
     version_override: str = _setting(
         "PROBING_VERSION_OVERRIDE",
         "",
@@ -229,7 +236,7 @@ def _parse(f: dataclasses.Field[Any], raw: str, strict: bool) -> Any:
     if kind == "bool":
         return raw.strip().lower() in TRUTHY
     if kind == "str":
-        return raw.strip().lower() if f.name in ("fork", "cluster") else raw
+        return raw.strip().lower() if f.name in ("fork", "cluster", "log") else raw
     if kind in ("int", "int | None"):
         try:
             value = int(raw)

@@ -6,7 +6,12 @@ carry the pid or node they are about, so the CLI can print one clear line.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from probing.log import ROOT
+
+_log = logging.getLogger(ROOT)
 
 
 class ProbingError(Exception):
@@ -182,26 +187,24 @@ def outcome_of(err: ProbingError) -> dict[str, Any]:
 _LOGGED_AT_MOST = 64  # distinct errors a ``seen`` set remembers; past it, they are only counted
 
 
-def tell(msg: str, pid: int | None = None) -> None:
-    """One ``probing: msg`` line where the process ``pid`` writes its errors
-    when that is a terminal or a pipe (its stderr, through ``/proc/PID/fd/2``:
-    a probe served beside the job speaks where the job's user looks), else
-    on our own stderr (the engine's log). Never into a file: a job run with
-    ``> train.log 2>&1`` writes at its own offset, and a line of ours, opened
-    a second time, was overwritten by its lines and garbled them. Never raises."""
+def tell(msg: str, pid: int | None = None, level: int = logging.WARNING) -> None:
+    """``msg`` where the process ``pid`` writes its errors when that is a
+    terminal or a pipe (its stderr, through ``/proc/PID/fd/2``: a probe served
+    beside the job speaks where the job's user looks), one ``probing: msg``
+    line; else logged at ``level`` (this process's stderr: the engine's log).
+    Never into a file: a job run with ``> train.log 2>&1`` writes at its own
+    offset, and a line of ours, opened a second time, was overwritten by its
+    lines and garbled them. Nothing below ``PROBING_LOG``'s level. Never raises."""
     import os
-    import sys
 
     from probing import proc
 
+    if not _log.isEnabledFor(level):
+        return
     line = f"probing: {msg}\n"
     if pid is not None and pid != os.getpid() and _told_to(proc.path(pid, "fd/2"), line):
         return
-    try:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
-        pass
+    _log.log(level, msg)  # its handler swallows a stderr closed or gone
 
 
 def _told_to(stderr: str, line: str) -> bool:
@@ -233,23 +236,15 @@ def _told_to(stderr: str, line: str) -> bool:
 
 
 def log_unexpected(what: str, err: BaseException, seen: set[str] | None = None) -> None:
-    """Write ``what``, ``err`` and its traceback to the probe's log (the host's
-    stderr): for the boundaries that must catch everything (a probe thread's
-    loop, a handler running in someone else's process), so a bug there is seen,
-    not swallowed. With ``seen`` (the caller's set), an error already written
-    (same type and message) is not written again: a loop that fails every turn
-    says it once. Never raises."""
+    """Log ``what``, ``err`` and its traceback as an error (the probe's log,
+    the host's stderr): for the boundaries that must catch everything (a
+    probe thread's loop, a handler running in someone else's process), so a
+    bug there is seen, not swallowed. With ``seen`` (the caller's set), an
+    error already logged (same type and message) is not logged again: a loop
+    that fails every turn says it once. Never raises."""
     key = f"{type(err).__name__}: {err}"
     if seen is not None:
         if key in seen or len(seen) >= _LOGGED_AT_MOST:
             return
         seen.add(key)
-    import sys
-    import traceback
-
-    try:
-        sys.stderr.write(f"probing: {what}: {key}\n")
-        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nothing to tell
-        pass
+    _log.error("%s: %s", what, key, exc_info=(type(err), err, err.__traceback__))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from logging import INFO
 from typing import TYPE_CHECKING, Any
 
 from probing.errors import tell
@@ -119,7 +120,7 @@ class Book:
         for row in new:
             tell(f"finding: {row['text']}", pid)
         for key in cleared:
-            tell(f"finding cleared: {key[0]} {', '.join(str(k) for k in key[1:])}", pid)
+            tell(f"finding cleared: {key[0]} {', '.join(str(k) for k in key[1:])}", pid, INFO)
         gone = [f for f in self.findings if f["cleared_ns"] == now] if cleared else []
         log_findings([*new, *gone], pid)
         return new

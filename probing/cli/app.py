@@ -179,7 +179,7 @@ def agent(
     probes go on)."""
     import os
 
-    from probing import config
+    from probing import config, log
     from probing.node import agent as node_agent
     from probing.node.cluster.port import port_range
 
@@ -188,6 +188,7 @@ def agent(
         env.update(_env_file(config_file))
     try:  # what a restart cannot fix: one line, and the status the unit does not restart on
         s = config.from_env(env, strict=True)
+        log.setup("agent", s.log)  # a service's lines: who wrote each, and when
         policy = node_agent.Policy(
             pattern=s.agent_match if match is None else match,
             cgroup=s.agent_cgroup if cgroup is None else cgroup,
@@ -820,6 +821,9 @@ def mcp_cmd(
 
 
 def main() -> None:
+    from probing import config, log
+
+    log.setup(None, config.load().log)  # a command's warnings: `probing: ...` on stderr
     app()
 
 

@@ -49,11 +49,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -90,6 +90,8 @@ TRACE_START_S = 120.0
 # the request's own timeout: warm.wait_out gives up first; no compile takes an hour,
 # and a thread left waiting on a probe that never answered ends then
 LONGEST_ANSWER_S = 3600.0
+
+_log = logging.getLogger("probing.agent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +185,11 @@ class Agent:
         try:
             self.scan()
         except Exception as err:  # a service's loop: said, and on
-            _say(f"scan failed: {type(err).__name__}: {err}")
+            _log.warning(f"scan failed: {type(err).__name__}: {err}")
         try:
             self.follow()
         except Exception as err:  # as above
-            _say(f"reading the findings failed: {type(err).__name__}: {err}")
+            _log.warning(f"reading the findings failed: {type(err).__name__}: {err}")
 
     def stop(self) -> None:
         self._loop.stop()
@@ -243,12 +245,14 @@ class Agent:
             row["job"] = self._job_of(row.get("pid"))
             why = f": {row['reason']}" if row.get("reason") else ""
             if not (many and row in ended):
-                _say(f"finding {row['state']}{why}: {row.get('kind')} rank {row.get('rank')} "
-                     f"(pid {row.get('pid')}, job {row['job']})")  # fmt: skip
+                _log.info(f"finding {row['state']}{why}: {row.get('kind')} rank {row.get('rank')} "
+                          f"(pid {row.get('pid')}, job {row['job']})")  # fmt: skip
             if self.webhook is not None:
                 self.webhook.put(row)
         if many:
-            _say(f"{len(ended)} findings cleared, their processes gone (findings.jsonl has each)")
+            _log.info(
+                f"{len(ended)} findings cleared, their processes gone (findings.jsonl has each)"
+            )
         return rows
 
     def _gone_reason(self, row: dict[str, Any]) -> str:
@@ -276,7 +280,7 @@ class Agent:
             if job is not None:
                 with self._lock:
                     known.job = job
-                _say(f"pid {known.pid}: job {job} (its process group's store)")
+                _log.info(f"pid {known.pid}: job {job} (its process group's store)")
 
     def _job_of(self, pid: Any) -> str:
         if not isinstance(pid, int):
@@ -297,6 +301,8 @@ class Agent:
         from probing.inject.injector import inject
 
         t0 = time.monotonic()
+        _log.debug("pid %d (%s; job %s): injecting, then tracing %s", pid, why, job,
+                   ",".join(self.policy.families))  # fmt: skip
         try:
             result = inject(pid)
             traced = {"families": list(self.policy.families)}
@@ -306,7 +312,7 @@ class Agent:
             )
             answer = warm.wait_out(
                 start, _engine_of(sock), TRACE_START_S,
-                lambda msg: _say(f"pid {pid}: {msg.removeprefix('probing: ')}"),
+                lambda msg: _log.info(f"pid {pid}: {msg.removeprefix('probing: ')}"),
             )  # fmt: skip
             state = str(answer.get("state", "tracing"))
         except TimeoutError:
@@ -316,7 +322,8 @@ class Agent:
             self.failures += 1
             state = f"failed: {err}"
         took = time.monotonic() - t0
-        _say(f"pid {pid} ({why}; job {job}): {state} in {took:.1f} s")
+        level = logging.WARNING if state.startswith("failed") else logging.INFO
+        _log.log(level, f"pid {pid} ({why}; job {job}): {state} in {took:.1f} s")
         return Attached(pid, why, job, round(age, 2), round(took, 2), state)
 
     # -- what it serves -----------------------------------------------------------------
@@ -559,13 +566,13 @@ def main(
     agent = Agent(policy, every_s, webhook=hook)
     server = serve(agent, host, port)
     what = f"{'on' if policy.attach else 'off'} ({', '.join(policy.families)})"
-    _say(
+    _log.info(
         f"serving GET /health and /metrics on {host}:{server.server_address[1]}; attaching: {what}"
     )
     # compiled now, not at the first job's trace (which would wait for it)
-    warming = warm.warm_up(policy.families, _say) if policy.attach else None
+    warming = warm.warm_up(policy.families, _log.info) if policy.attach else None
     if hook is not None:
-        _say(f"findings go to the webhook {hook.health()['url']} too")
+        _log.info(f"findings go to the webhook {hook.health()['url']} too")
     stop_on_signals(agent.stop, (signal.SIGTERM, signal.SIGINT))  # no lock in a handler
     try:
         agent.run()
@@ -578,10 +585,5 @@ def main(
             hook.close()
             left = hook.counts().queued
             if left:
-                _say(f"{left} finding(s) not delivered to the webhook: {hook.last_error}")
-        _say("stopped")
-
-
-def _say(msg: str) -> None:
-    print(f"probing agent {os.getpid()}: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr,
-          flush=True)  # fmt: skip
+                _log.warning(f"{left} finding(s) not delivered to the webhook: {hook.last_error}")
+        _log.info("stopped")

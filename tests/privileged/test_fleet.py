@@ -180,7 +180,8 @@ def test_a_finding_leaves_a_jobs_log_as_it_wrote_it(runtime_dir: Path, tmp_path:
 
         assert _until(straggler, 120), log.read_text()[-2000:]
         engine_log = "".join(p.read_text() for p in user_dir.glob("engine-*.log"))
-        assert "probing: finding: " in engine_log, engine_log[-2000:]  # our own log has it
+        ours = re.search(r"^probing engine \d+: \d\d:\d\d:\d\d finding: ", engine_log, re.M)
+        assert ours, engine_log[-2000:]  # our own log has it
     finally:
         for p in ranks:
             p.kill()

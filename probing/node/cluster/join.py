@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from logging import INFO
 from typing import Any, Protocol
 
 from probing.errors import ProbingError, log_unexpected, tell
@@ -96,7 +97,11 @@ def keep_trying(node: Joiner) -> None:
         try:
             if node.try_join(STORE_TIMEOUT_S):
                 if said:
-                    tell(f"cluster: joined the job as rank {node.rank} at {node.addr}", node.pid)
+                    tell(
+                        f"cluster: joined the job as rank {node.rank} at {node.addr}",
+                        node.pid,
+                        INFO,
+                    )
                 return
         except (ProbingError, ValueError, OSError) as err:  # no token, no address to bind
             node.error = str(err)

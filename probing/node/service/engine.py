@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from probing import config, proc
+from probing import config, log, proc
 from probing.errors import ProbingError, log_unexpected
 from probing.guest import place, wire
 from probing.node.cluster.port import NodePort
@@ -25,6 +26,8 @@ from probing.target import Guest
 from probing.worker import Worker, stop_on_signals
 
 TICK_S = 1.0
+
+_log = logging.getLogger("probing.engine")
 
 
 @dataclass
@@ -109,10 +112,11 @@ class Service:
         if old is not None and old.died_at is None and old.target.socket == guest:
             return {"engine_pid": os.getpid(), "socket": old.ctx.socket_path, "already": True}
         if old is not None:  # a pid reused, or a guest started again: the old probe goes
+            _log.debug("pid %d: its old probe retired first (%s)", pid, old.target.socket)
             self._retire(pid)
         self._free_ports()
         pidfd = os.pidfd_open(pid)
-        _say(f"attach pid {pid} ({guest})")
+        _log.info(f"attach pid {pid} ({guest})")
         target = Guest(pid, guest)
         ctx = ProbeContext(installers=(install_tables,), cluster=self._cluster, target=target)
         state = place.trace_path(pid, self.directory)
@@ -122,10 +126,12 @@ class Service:
         except BaseException:
             os.close(pidfd)
             raise
+        _log.debug("pid %d: serving %s", pid, ctx.socket_path)
         with self._lock:
             self.entries[pid] = Entry(ctx, target, pidfd)
         self._wake()
         resumed = _traced(state)
+        _log.debug("pid %d: watched; %s", pid, f"resuming {state}" if resumed else "no trace kept")
         if resumed is not None:  # an engine before this one traced it: go on tracing
             threading.Thread(
                 target=_resume, args=(ctx, resumed), name="probing-resume", daemon=True
@@ -156,7 +162,7 @@ class Service:
             try:
                 self.attach(pid, os.path.join(self.directory, name))
             except (ProbingError, OSError) as err:  # gone meanwhile, or not ours
-                _say(f"guest of pid {pid} not adopted: {err}")
+                _log.warning(f"guest of pid {pid} not adopted: {err}")
 
     def clean(self) -> None:
         """Remove what an engine of this user that was killed left behind: the
@@ -176,7 +182,7 @@ class Service:
         for base in {chunk_base(0), tempfile.gettempdir()}:
             remove_stale_roots(os.path.join(base, f"probing-{os.getuid()}"))
         if gone:
-            _say(f"removed {gone} sockets of processes that no longer exist")
+            _log.info(f"removed {gone} sockets of processes that no longer exist")
 
     def _ours(self, pid: int, guest: str) -> bool:
         """Whether the guest of ``pid`` is of this engine: the same install of
@@ -229,7 +235,9 @@ class Service:
             return
         entry.died_at = time.monotonic()
         entry.target.died_ns = time.time_ns()
-        _say(f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s")
+        _log.info(
+            f"pid {pid} exited: its tracing stops, what it left is kept {self.keep_dead_s:g} s"
+        )
         # its peers still reach it through the engine's port: a cluster query gets
         # what it did last, marked dead (process.info.died_ns), until it is retired;
         # no thread works for it meanwhile (its detector's, its store's sealer)
@@ -269,6 +277,9 @@ class Service:
             if self.entries:
                 self._empty_since = now
             elif now - self._empty_since > self.idle_s:
+                idle = now - self._empty_since
+                _log.debug("no process for %.0f s (PROBING_ENGINE_IDLE_S %g): stopping",
+                           idle, self.idle_s)  # fmt: skip
                 self._watch.stop()  # after this turn (its own thread: no wait)
 
     def _retire(self, pid: int) -> Entry | None:
@@ -278,11 +289,13 @@ class Service:
             entry = self.entries.pop(pid, None)
         if entry is None:
             return None
+        t0 = time.monotonic()
         _stop_tracing(entry)
         entry.ctx.close()
         with contextlib.suppress(OSError):
             os.close(entry.pidfd)
         _give_back()
+        _log.debug("pid %d: retired in %.2f s", pid, time.monotonic() - t0)
         return entry
 
     def stop(self) -> None:
@@ -303,7 +316,7 @@ class Service:
         self.clean()
         self.adopt()
         threading.Thread(target=_preload, name="probing-engine-load", daemon=True).start()
-        warming = warm.warm_up(warm.FAMILIES, _say)  # the first trace finds them compiled
+        warming = warm.warm_up(warm.FAMILIES, _log.info)  # the first trace finds them compiled
         try:
             self.watch()
         finally:
@@ -341,7 +354,7 @@ def _keep(path: str, traced: dict[str, Any] | None) -> None:
             json.dump(keep, f)
         os.replace(tmp, path)
     except OSError as err:  # tracing goes on; only a restart would not resume it
-        _say(f"trace state not kept at {path}: {err}")
+        _log.warning(f"trace state not kept at {path}: {err}")
 
 
 def _traced(path: str) -> dict[str, Any] | None:
@@ -361,9 +374,9 @@ def _resume(ctx: ProbeContext, traced: dict[str, Any]) -> None:
         ctx.start_trace([str(f) for f in traced["families"]], **options)
         if ctx.cluster is not None:
             ctx.cluster.ensure_watch()
-        _say(f"pid {ctx.pid}: tracing resumed ({', '.join(traced['families'])})")
+        _log.info(f"pid {ctx.pid}: tracing resumed ({', '.join(traced['families'])})")
     except Exception as err:  # one process's resume never ends the engine
-        _say(f"pid {ctx.pid}: tracing not resumed: {err}")
+        _log.warning(f"pid {ctx.pid}: tracing not resumed: {err}")
 
 
 def _give_back() -> None:
@@ -407,11 +420,6 @@ def _stop_tracing(entry: Entry) -> None:
         log_unexpected(f"tracing of pid {entry.target.pid} not stopped", err)
 
 
-def _say(msg: str) -> None:
-    print(f"probing engine {os.getpid()}: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr,
-          flush=True)  # fmt: skip
-
-
 def _unpin() -> None:
     """Run on any CPU the node lets us use, not on the core of the rank whose
     guest started us (a job that pins each rank to its cores would otherwise
@@ -442,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     environment's settings unless one runs already (``engine-<key>.lock``);
     ``--daemon`` detaches first."""
     args = sys.argv[1:] if argv is None else argv
-    directory = place.user_dir(root=config.load().runtime_dir)
+    settings = config.load()
+    log.setup("engine", settings.log)
+    directory = place.user_dir(root=settings.runtime_dir)
     place.ensure_private_dir(directory)
     if "--daemon" in args and os.fork() != 0:
         os._exit(0)  # the guest that started us reaps this parent at once
