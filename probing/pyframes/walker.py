@@ -134,6 +134,10 @@ class Resolver:
         self.mem = mem
         self.off = off
         self._codes: dict[int, CodeInfo | None] = {}
+        # (code, offset) -> line: a new stack shares most of its frames with
+        # stacks resolved before, and a line table is decoded from its start
+        # (half a sampler's CPU on FSDP2, whose stacks are many)
+        self._lines: dict[tuple[int, int], int] = {}
 
     def code(self, addr: int) -> CodeInfo | None:
         if addr in self._codes:
@@ -151,6 +155,7 @@ class Resolver:
             info = None
         if len(self._codes) > 1 << 16:
             self._codes.clear()
+            self._lines.clear()
         self._codes[addr] = info
         return info
 
@@ -158,7 +163,13 @@ class Resolver:
         info = self.code(raw.code)
         if info is None:
             return Frame("?", f"<code {raw.code:#x}>", 0)
-        line = line_of(self.off.linetable_format, info.linetable, info.firstlineno, raw.offset)
+        key = (raw.code, raw.offset)
+        line = self._lines.get(key)
+        if line is None:
+            line = line_of(self.off.linetable_format, info.linetable, info.firstlineno, raw.offset)
+            if len(self._lines) > 1 << 18:
+                self._lines.clear()
+            self._lines[key] = line
         return Frame(info.file, info.func, line)
 
     def frames(self, raws: Iterable[RawFrame]) -> list[Frame]:

@@ -36,6 +36,7 @@ from probing.worker import Worker, error_text
 
 SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
 DEFAULT_INTERVAL_S = 0.5
+NAMES_S = 2.0  # a traced process's thread names, asked of its guest this often at most
 KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
 SAMPLES_MAX = 16384
 # threads the probe's query engine (DataFusion's tokio runtime) starts in the host:
@@ -94,6 +95,7 @@ class Sampler:
         self._last_read = 0
         self._ours: set[int] = set()  # the probe's own threads, left out
         self._comms: dict[int, str | None] = {}  # threads without Python: the kernel's name
+        self._named: tuple[float, dict[int, str | None]] = (0.0, {})  # (when, a guest's names)
         self._lock = threading.Lock()
         self._worker = Worker(
             "probing-sampler", self.read, interval_s, on_error=self._read_failed
@@ -237,13 +239,20 @@ class Sampler:
         return len(rows["ts"])
 
     def _names(self) -> dict[int, str | None]:
-        """native tid -> ``threading`` name of the sampled process's threads."""
+        """native tid -> ``threading`` name of the sampled process's threads;
+        a guest's answer is kept NAMES_S (each ask wakes a thread in the job;
+        a thread started meanwhile has its kernel name until then)."""
         if self.target is None or self.target.local:
             return {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+        at, names = self._named
+        if time.monotonic() - at < NAMES_S:
+            return dict(names)
         try:
-            return {t["tid"]: t["name"] for t in self.target.threads()}
+            names = {t["tid"]: t["name"] for t in self.target.threads()}
         except Exception:  # a process gone or not answering: no names this read
             return {}
+        self._named = (time.monotonic(), names)
+        return dict(names)
 
     def _comm(self, tid: int) -> str | None:
         """The kernel's name of thread ``tid`` of this process (``pt_gloo_runloop``,
