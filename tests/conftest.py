@@ -55,15 +55,23 @@ os.environ.setdefault("PROBING_KEEP_DEAD_S", "30")
 os.environ.setdefault("PROBING_ENGINE_IDLE_S", "5")
 
 
-def stop_engine(runtime_dir: Path) -> None:
-    """Stop the engines serving ``runtime_dir`` (their pids are in their locks)."""
+def live_engines(runtime_dir: Path) -> list[int]:
+    """The pids of the engines serving ``runtime_dir`` now (from their locks)."""
+    pids = []
     for lock in (runtime_dir / f"probing-{os.getuid()}").glob("engine-*.lock"):
         try:
             pid = int(lock.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue
         if place.is_engine(pid):
-            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
+    return pids
+
+
+def stop_engine(runtime_dir: Path) -> None:
+    """Stop the engines serving ``runtime_dir``."""
+    for pid in live_engines(runtime_dir):
+        os.kill(pid, signal.SIGTERM)
 
 
 @pytest.fixture

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from probing.guest import place
-from tests.conftest import SLOWDOWN, require_bpf
+from tests.conftest import SLOWDOWN, live_engines, require_bpf
 
 pytestmark = pytest.mark.privileged
 
@@ -40,19 +39,15 @@ while True:
 EXIT_BOUND_S = 10.0  # the target is 2 s; a hang never exits (a 10x regression fails)
 
 
-def _engine(directory: Path, timeout: float) -> int:
-    """The pid of the live engine serving ``directory`` (waited for)."""
+def _engine(runtime_dir: Path, timeout: float) -> int:
+    """The pid of the live engine serving ``runtime_dir`` (waited for)."""
     deadline = time.monotonic() + timeout * SLOWDOWN
     while time.monotonic() < deadline:
-        for lock in directory.glob("engine-*.lock"):
-            try:
-                pid = int(lock.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
-            if place.is_engine(pid):
-                return pid
+        pids = live_engines(runtime_dir)
+        if pids:
+            return pids[0]
         time.sleep(0.01)
-    raise AssertionError(f"no engine in {directory} after {timeout} s")
+    raise AssertionError(f"no engine in {runtime_dir} after {timeout} s")
 
 
 def _exit_s(pid: int) -> float:
@@ -89,7 +84,7 @@ def test_sigterm_at_random_instants_always_stops_the_engine(runtime_dir: Path) -
                 time.sleep(rng.uniform(0, 0.5))
             else:  # at any instant of its start: imports, attach, the trace's load
                 time.sleep(rng.uniform(0, 1.5))
-            engine = _engine(directory, 60)
+            engine = _engine(runtime_dir, 60)
             took = _exit_s(engine)
             exits.append(took)
             assert took < EXIT_BOUND_S * SLOWDOWN, f"run {k}: engine {engine} never exited"
