@@ -131,6 +131,15 @@ def started(pid: Pid) -> int | None:
         return None
 
 
+def running(pid: Pid) -> bool:
+    """Whether process ``pid`` runs: it exists and is no zombie (a killed
+    process's pid stays until its parent reaps it)."""
+    try:
+        return stat(pid)[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def task_stat(tid: int, pid: Pid = "self") -> tuple[str, int] | None:
     """(state letter, utime + stime in clock ticks) of one thread, or None."""
     try:

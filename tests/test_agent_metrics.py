@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing import proc
 from probing.analyze.findings import log_findings, openmetrics
+from probing.node import agent as agent_module
 from probing.node.agent import Agent, Policy
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition, text_format, wants_openmetrics
@@ -282,6 +284,52 @@ def test_a_job_killed_during_a_finding_has_it_cleared_and_a_new_agent_never_serv
         job.wait()
         hook.close(0)
         server.close()
+
+
+def test_a_job_stopped_rank_by_rank_is_gone_and_a_lone_detectors_death_says_the_job_goes_on(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its detector's rank killed first, the rest a moment later (a job's
+    ranks end one by one, and a killed rank is a zombie until reaped): the
+    finding waits for the rest and is cleared "job gone". With its detector
+    alone gone for ``ENDING_S``: "the job goes on"."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571"}
+    sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
+    ranks = [subprocess.Popen(sleep, env=env) for _ in range(3)]
+    try:
+        agent = Agent(Policy(attach=False))
+        agent.follow()
+        for r in ranks[1:]:
+            agent._job_of(r.pid)  # the agent knows the job's other ranks
+        log = _log(runtime_dir)
+        found = _finding(pid=ranks[0].pid, pid_started=proc.started(ranks[0].pid))
+        _append(log, found)
+        assert _keys(agent.follow()) == [("straggler", 2, "new")]
+        ranks[0].kill()
+        ranks[0].wait()
+        assert agent.follow() == []  # the rest of its job runs: not said yet
+        ranks[1].kill()
+        ranks[1].wait()
+        ranks[2].kill()  # a zombie, never reaped here: gone all the same
+        _until(lambda: not proc.running(ranks[2].pid))
+        [cleared] = agent.follow()
+        assert (cleared["state"], cleared["reason"]) == ("cleared", "job gone")
+
+        lone = [subprocess.Popen(sleep, env=env) for _ in range(2)]
+        ranks += lone
+        agent._job_of(lone[1].pid)
+        _append(log, _finding(pid=lone[0].pid, pid_started=proc.started(lone[0].pid)))
+        assert _keys(agent.follow()) == [("straggler", 2, "new")]
+        lone[0].kill()
+        lone[0].wait()
+        assert agent.follow() == []
+        monkeypatch.setattr(agent_module, "ENDING_S", 0.0)
+        [cleared] = agent.follow()
+        assert cleared["reason"] == "its detector's process is gone (the job goes on)"
+    finally:
+        for r in ranks:
+            r.kill()
+            r.wait()
 
 
 def _active(agent: Agent) -> set[tuple[str, str]]:

@@ -79,6 +79,9 @@ LAUNCHERS = re.compile(
 )
 SAY_EACH = 3  # more findings than this cleared at one look are said in one line
 GONE_KEEP_S = 600.0  # how long a gone process's job names the findings about it
+# a job being stopped loses its ranks one by one: how long the rest of the
+# job is given to go too before a gone detector's finding says "the job goes on"
+ENDING_S = 5.0
 # the exit status of an agent that cannot start as set up (its port held, a bad
 # setting): sysexits' EX_CONFIG, which the systemd unit does not restart on
 # (RestartPreventExitStatus): a restart every 2 s would meet the same holder
@@ -168,6 +171,7 @@ class Agent:
         self._jobs: dict[int, str] = {}  # pid -> job, for the processes it did not attach
         # pid -> (job, when it went): a gone process's findings (rank gone) still name its job
         self._gone: dict[int, tuple[str, float]] = {}
+        self._ending: dict[Any, float] = {}  # a gone detector's pid: when its job still ran
         self._lock = threading.Lock()
         self._feed_lock = threading.Lock()
         # the loop, on the caller's thread (run): a look at once, then every every_s
@@ -255,16 +259,22 @@ class Agent:
             )
         return rows
 
-    def _gone_reason(self, row: dict[str, Any]) -> str:
+    def _gone_reason(self, row: dict[str, Any]) -> str | None:
         """Why a finding whose detector's process is gone is cleared: its job
-        is gone, unless a live process the agent knows is of that job."""
+        is gone, unless a live process the agent knows is of that job for
+        ``ENDING_S`` (None meanwhile: asked again at the next look)."""
         job = self._job_of(row.get("pid"))
         with self._lock:
             known = [(a.pid, a.job) for a in self.seen.values()] + list(self._jobs.items())
         others = [p for p, j in known if j == job and p != row.get("pid")]
-        if job != "?" and any(psutil.pid_exists(p) for p in others):
-            return "its detector's process is gone (the job goes on)"
-        return JOB_GONE
+        if job == "?" or not any(proc.running(p) for p in others):
+            self._ending.pop(row.get("pid"), None)
+            return JOB_GONE
+        since = self._ending.setdefault(row.get("pid"), time.monotonic())
+        if time.monotonic() - since < ENDING_S:
+            return None
+        del self._ending[row.get("pid")]
+        return "its detector's process is gone (the job goes on)"
 
     def _name_jobs(self) -> None:
         """The job of each process traced that no launcher named ("?"): the

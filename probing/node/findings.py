@@ -83,10 +83,12 @@ class Feed:
         self._started = False
         self._clock = clock
 
-    def poll(self, reason: Callable[[dict[str, Any]], str] | None = None) -> list[dict[str, Any]]:
+    def poll(
+        self, reason: Callable[[dict[str, Any]], str | None] | None = None
+    ) -> list[dict[str, Any]]:
         """The findings logged since the last look, new and cleared, in order;
         then those it cleared itself, their process gone (``reason``: why, for
-        a row; ``JOB_GONE`` without it)."""
+        a row, None to decide at a later look; ``JOB_GONE`` without it)."""
         pattern = os.path.join(paths.runtime_root(), "probing-*", "findings.jsonl")
         first, self._started = not self._started, True
         out: list[dict[str, Any]] = []
@@ -111,15 +113,19 @@ class Feed:
         process is gone waits for the next ``poll`` to be cleared, unserved)."""
         return [a.row for a in self._active.values() if _alive(a.row)]
 
-    def _end_gone(self, reason: Callable[[dict[str, Any]], str] | None) -> list[dict[str, Any]]:
+    def _end_gone(
+        self, reason: Callable[[dict[str, Any]], str | None] | None
+    ) -> list[dict[str, Any]]:
         """Clear each active finding whose detector's process is gone: its
         ``cleared`` line appended to its log, and returned."""
         out = []
         for key, active in list(self._active.items()):
             if _alive(active.row):
                 continue
-            del self._active[key]
             why = reason(active.row) if reason is not None else JOB_GONE
+            if why is None:
+                continue
+            del self._active[key]
             row = {k: v for k, v in active.row.items() if k != "state"}
             row.update(cleared_ns=self._clock(), reason=why)
             _append(active.path, active.uid, json.dumps(row, default=str) + "\n")
