@@ -23,6 +23,9 @@ rank, ``HANG_RANK`` stops in it for good once the file ``HANG_FILE`` exists,
 or from every rank where the name holds ``{rank}``). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its engine is built (ZeRO-3 partitions
 the model there: seconds of broadcasts), before its first step.
+``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
+``ONSET_STEP`` (0: from the start).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
+from truth import TRUTH
 
 STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
@@ -52,13 +56,15 @@ def mix_features(x: torch.Tensor) -> torch.Tensor:
     """The user's feature code: slowed by SLOW_MS on SLOW_RANK."""
     while RANK == HANG_RANK and HANG_FILE and os.path.exists(HANG_FILE):
         time.sleep(0.05)  # stopped for good once the file exists: the others wait
-    if RANK == SLOW_RANK and SLOW_MS > 0:
+    if RANK == SLOW_RANK and SLOW_MS > 0 and TRUTH.slowing():
+        began = time.perf_counter()
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000
             while time.perf_counter() < end:
                 pass
         else:
             time.sleep(SLOW_MS / 1000)
+        TRUTH.spent(began)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
@@ -102,6 +108,7 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     sys.stdout.write(f"ready rank={RANK} pid={os.getpid()}\n")
     sys.stdout.flush()
+    TRUTH.start(RANK)
     name = os.environ.get("LOSS_FILE", "")
     keep = name and ("{rank}" in name or RANK == 0)
     out = open(name.replace("{rank}", str(RANK)), "w", buffering=1) if keep else None
@@ -112,6 +119,7 @@ def main() -> None:
         loss = nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         engine.step()
+        TRUTH.step_end()
         if out:
             out.write(f"step {step} loss {loss.item()!r}\n")
     dist.destroy_process_group()

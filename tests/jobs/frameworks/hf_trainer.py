@@ -10,6 +10,9 @@ on one rank, ``LOSS_FILE`` gets ``step <n> loss <mean over ranks>`` lines
 (from rank 0, or from every rank where the name holds ``{rank}``). Each rank
 prints ``ready rank=<r> pid=<pid>`` once its process group is up. The model is
 built from a config and the tokens are seeded: nothing is downloaded.
+``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
+``ONSET_STEP`` (0: from the start).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+from truth import TRUTH
 
 STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
@@ -52,13 +56,15 @@ class RandomTokens(Dataset):
 
 def collate_tokens(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The user's collator: stack a batch, labels are the inputs (the model shifts)."""
-    if RANK == SLOW_RANK and SLOW_MS > 0:
+    if RANK == SLOW_RANK and SLOW_MS > 0 and TRUTH.slowing():
+        began = time.perf_counter()
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000
             while time.perf_counter() < end:
                 pass
         else:
             time.sleep(SLOW_MS / 1000)
+        TRUTH.spent(began)
     ids = torch.stack([e["input_ids"] for e in examples])
     return {"input_ids": ids, "labels": ids.clone()}
 
@@ -74,6 +80,13 @@ class LossFile(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         if self.out and logs and "loss" in logs:
             self.out.write(f"step {state.global_step} loss {logs['loss']!r}\n")
+
+
+class Steps(TrainerCallback):
+    """Each optimizer step's end, for the accuracy truth (``truth.py``)."""
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        TRUTH.step_end()
 
 
 def main() -> None:
@@ -96,6 +109,7 @@ def main() -> None:
     assert dist.is_initialized() or args.world_size == 1
     sys.stdout.write(f"ready rank={rank} pid={os.getpid()}\n")
     sys.stdout.flush()
+    TRUTH.start(rank)
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
@@ -106,7 +120,7 @@ def main() -> None:
         args=args,
         train_dataset=RandomTokens(),
         data_collator=collate_tokens,
-        callbacks=[LossFile(rank)],
+        callbacks=[LossFile(rank), Steps()],
     )
     trainer.remove_callback(PrinterCallback)
     trainer.train()

@@ -17,6 +17,9 @@ stops in it for good once the file ``HANG_FILE`` exists, ``LOSS_FILE``
 gets ``step <n> loss <loss>`` lines from the last stage's TP rank 0
 (``{rank}`` in the name becomes its rank). Each rank prints ``ready rank=<r>
 pid=<pid>`` once its groups are up.
+``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
+``ONSET_STEP`` (0: from the start).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
+from truth import TRUTH
 
 STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
@@ -46,13 +50,15 @@ def attention_block(x: torch.Tensor) -> torch.Tensor:
     """The user's code: slowed by SLOW_MS on SLOW_RANK."""
     while RANK == HANG_RANK and HANG_FILE and os.path.exists(HANG_FILE):
         time.sleep(0.05)  # stopped for good once the file exists: the others wait
-    if RANK == SLOW_RANK and SLOW_MS > 0:
+    if RANK == SLOW_RANK and SLOW_MS > 0 and TRUTH.slowing():
+        began = time.perf_counter()
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000
             while time.perf_counter() < end:
                 pass
         else:
             time.sleep(SLOW_MS / 1000)
+        TRUTH.spent(began)
     return torch.relu(x)
 
 
@@ -81,6 +87,7 @@ def main() -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     sys.stdout.write(f"ready rank={RANK} pid={os.getpid()}\n")
     sys.stdout.flush()
+    TRUTH.start(RANK)
     config = ModelParallelConfig(
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
@@ -123,6 +130,7 @@ def main() -> None:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=dp_group)
         opt.step()
+        TRUTH.step_end()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -13,6 +13,9 @@ stage (by 4 x SLOW_MS a step: once per microbatch), ``LOSS_FILE`` gets
 only one with a loss (``{rank}`` in the name becomes 3). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its process group is up. ``HANG_RANK``
 stops for good in ``stage_work`` once the file ``HANG_FILE`` exists.
+``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
+``ONSET_STEP`` (0: from the start).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from truth import TRUTH
 
 STEPS = int(os.environ.get("STEPS", "20"))
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
@@ -42,13 +46,15 @@ def stage_work(x: torch.Tensor) -> torch.Tensor:
     good on HANG_RANK once the file HANG_FILE exists (its neighbours wait)."""
     while RANK == HANG_RANK and HANG_FILE and os.path.exists(HANG_FILE):
         time.sleep(1)
-    if RANK == SLOW_RANK and SLOW_MS > 0:
+    if RANK == SLOW_RANK and SLOW_MS > 0 and TRUTH.slowing():
+        began = time.perf_counter()
         if SLOW_KIND == "cpu":
             end = time.perf_counter() + SLOW_MS / 1000
             while time.perf_counter() < end:
                 pass
         else:
             time.sleep(SLOW_MS / 1000)
+        TRUTH.spent(began)
     return torch.relu(x)
 
 
@@ -67,6 +73,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     sys.stdout.write(f"ready rank={RANK} pid={os.getpid()}\n")
     sys.stdout.flush()
+    TRUTH.start(RANK)
     last = RANK == STAGES - 1
     name = os.environ.get("LOSS_FILE", "")
     out = open(name.replace("{rank}", str(RANK)), "w", buffering=1) if name and last else None
@@ -89,6 +96,7 @@ def main() -> None:
         else:
             schedule.step()
         opt.step()
+        TRUTH.step_end()
     dist.destroy_process_group()
 
 
