@@ -23,7 +23,7 @@ rank, ``HANG_RANK`` stops in it for good once the file ``HANG_FILE`` exists,
 or from every rank where the name holds ``{rank}``). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its engine is built (ZeRO-3 partitions
 the model there: seconds of broadcasts), before its first step.
-``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+With ``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
 slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
 ``ONSET_STEP`` (0: from the start).
 """

@@ -10,7 +10,7 @@ on one rank, ``LOSS_FILE`` gets ``step <n> loss <mean over ranks>`` lines
 (from rank 0, or from every rank where the name holds ``{rank}``). Each rank
 prints ``ready rank=<r> pid=<pid>`` once its process group is up. The model is
 built from a config and the tokens are seeded: nothing is downloaded.
-``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+With ``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
 slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
 ``ONSET_STEP`` (0: from the start).
 """

@@ -17,7 +17,7 @@ stops in it for good once the file ``HANG_FILE`` exists, ``LOSS_FILE``
 gets ``step <n> loss <loss>`` lines from the last stage's TP rank 0
 (``{rank}`` in the name becomes its rank). Each rank prints ``ready rank=<r>
 pid=<pid>`` once its groups are up.
-``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+With ``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
 slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
 ``ONSET_STEP`` (0: from the start).
 """

@@ -13,7 +13,7 @@ stage (by 4 x SLOW_MS a step: once per microbatch), ``LOSS_FILE`` gets
 only one with a loss (``{rank}`` in the name becomes 3). Each rank prints
 ``ready rank=<r> pid=<pid>`` once its process group is up. ``HANG_RANK``
 stops for good in ``stage_work`` once the file ``HANG_FILE`` exists.
-``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
+With ``ACCURACY_TRUTH`` set, each rank records its steps and the time it spent
 slowed for ``benchmarks/accuracy.py`` (``truth.py``), slowed from step
 ``ONSET_STEP`` (0: from the start).
 """

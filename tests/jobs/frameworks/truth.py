@@ -20,6 +20,8 @@ Each rank appends to ``$ACCURACY_TRUTH`` + ``.rank{r}`` the lines
 
 The slowdown acts from step ``ONSET_STEP`` (default 0: from the start, as
 the tests run these jobs). Without ``ACCURACY_TRUTH`` nothing is written.
+A slowdown in a DataLoader worker process (HF's ``WORKERS``) counts its steps
+and spends its time in that process: the truth holds the training process's.
 """
 
 from __future__ import annotations
