@@ -3,6 +3,7 @@
     python benchmarks/accuracy.py                          # every case
     python benchmarks/accuracy.py --quick                  # 3 cases, ~2 min
     python benchmarks/accuracy.py --cases 'ddp_buckets/*' --cases fsdp2/hang
+    python benchmarks/accuracy.py --cases 'megatron/*,hf_trainer/loader'
     python benchmarks/accuracy.py --out docs/accuracy.md   # `make accuracy`
 
 Each case is a real 4-rank Gloo job on CPU (``benchmarks/accuracy_jobs/train.py``
@@ -10,9 +11,18 @@ under ``torchrun --nproc-per-node 4``, ``OMP_NUM_THREADS=1``) of one shape
 (DDP with 2 buckets, gradient accumulation, a training loop in a thread,
 FSDP2) with one fault injected on one rank from step ``--onset`` (a slow
 loader, extra Python work, a slow 10th step, a hang, CPU contention, garbage
-collection) or none (healthy, also under background load). Every rank
-writes its steps (wall-clock start and end), the time it spent in the fault
-and its wait for a CPU to its own truth file. The runner waits until every
+collection) or none (healthy, also under background load). And real
+frameworks' jobs (``tests/jobs/frameworks/``, started as
+``tests/jobs/framework.py`` starts them for the tests, in the job environment
+``.venv-jobs/frameworks``): ``torch.distributed.pipelining`` (``pipeline``),
+Megatron-Core TP 2 x PP 2 (``megatron``), DeepSpeed ZeRO-2 under the
+``deepspeed`` launcher (``deepspeed_z2``) and the HF ``Trainer``
+(``hf_trainer``), each with one rank's own function slowed from step
+``--onset`` (``loader``: 40 ms asleep a step; ``python_work``: 30 ms of busy
+loop) or none (``healthy``); no first collective stamped there, a rank's
+lateness is scored against the time it spent slowed. Every rank writes its
+steps (wall-clock start and end), the time it spent in the fault and its
+wait for a CPU to its own truth file. The runner waits until every
 rank is a few steps past the onset, runs the command a user would,
 ``probing diagnose --pid <rank 0> --cluster --record 12s --format json``
 (a hang: ``probing diagnose --pid <rank 0> --cluster --format json``, 5 s
@@ -21,8 +31,10 @@ the recorded window: the rank, the cause, the step, the share of the step
 lost, the lateness per step, how long from the onset to the verdict. One
 JSON object a case on stdout as it ends, then a markdown table; ``--out``
 writes the table into that page between its markers, with the date and
-the commit. Needs root (the tracing is BPF). Imports nothing from probing:
-it measures the command line.
+the commit. Needs root (the tracing is BPF). Imports nothing from probing's
+analysis: it measures the command line (the framework cases import
+``tests/jobs/framework.py``'s launch commands, which take probing's
+``free_port``).
 """
 
 from __future__ import annotations
@@ -60,6 +72,12 @@ CAUSE = {
     "gc": "make_garbage",
     "cpu_contention": "cpu_starvation",  # a kind, not a function
 }
+# real frameworks' jobs (tests/jobs/frameworks/, started as tests/jobs/framework.py
+# starts them, in the job environment .venv-jobs/frameworks): shape -> how many
+# times a step the slowed function runs (pipeline's stage_work: once per microbatch)
+FRAMEWORKS = {"pipeline": 4, "megatron": 1, "deepspeed_z2": 1, "hf_trainer": 1}
+FRAMEWORK_FAULTS = ["loader", "python_work", "healthy"]
+SLOW = {"loader": ("sleep", 40.0), "python_work": ("cpu", 30.0)}  # SLOW_KIND, ms a step
 QUICK = ["ddp_buckets/loader", "ddp_buckets/healthy", "thread_loop/loader"]
 TARGETS = {"rank": 0.99, "cause": 0.95, "numbers_pct": 10.0, "share_pts": 10.0}
 BEGIN, END = "<!-- accuracy:begin -->", "<!-- accuracy:end -->"
@@ -76,6 +94,10 @@ class Case:
         return f"{self.shape}/{self.fault}" + ("_load" if self.load else "")
 
     @property
+    def framework(self) -> bool:
+        return self.shape in FRAMEWORKS
+
+    @property
     def rank(self) -> int | None:
         """The rank the fault is injected on: drawn per case, reproducibly."""
         if self.fault == "healthy":
@@ -86,7 +108,25 @@ class Case:
 def all_cases() -> list[Case]:
     cases = [Case(s, f) for s in SHAPES for f in FAULTS]
     cases += [Case("ddp_buckets", "healthy", load=2), Case("grad_accum", "healthy", load=2)]
+    cases += [Case(s, f) for s in FRAMEWORKS for f in FRAMEWORK_FAULTS]
     return cases
+
+
+def framework() -> Any:
+    """``tests/jobs/framework.py``, whose launch commands start the framework
+    jobs (it imports probing's ``free_port``: imported for those cases only)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    # its Job hands the jobs this; diagnose finds their engines under the same
+    os.environ.setdefault("PROBING_RUNTIME_DIR", "/tmp")
+    import tests.jobs.framework as fw
+
+    return fw
+
+
+def cause_of(case: Case) -> str:
+    """The function the headline cause must name."""
+    return framework().FUNCTION[case.shape] if case.framework else CAUSE[case.fault]
 
 
 # --------------------------------------------------------------------------- the job
@@ -332,14 +372,10 @@ def truth_window(
     # each rank's arrival at its first collective after the others' (median of
     # them), mean over the window: how late it makes the step; and its wait
     # for a CPU beyond theirs
-    arrive = {r: [1e3 * (s["t_arrive"] - s["t0"]) for s in ss] for r, ss in win.items() if ss}
+    arrive = stamped(win, "t_arrive")
     # the first collective itself (DDP's first bucket, stamped by a comm hook;
     # FSDP2's first all-gather starts with the forward: t_arrive)
-    reach = {
-        r: [1e3 * ((s.get("t_collective") or s["t_arrive"]) - s["t0"]) for s in ss]
-        for r, ss in win.items()
-        if ss
-    }
+    reach = stamped(win, "t_collective", "t_arrive")
     runq = {r: [s["runq_ms"] for s in ss] for r, ss in win.items() if ss}
 
     def excess(per: dict[int, list[float]]) -> dict[int, float]:
@@ -359,14 +395,44 @@ def truth_window(
     if case.fault != "cpu_contention" and mine:  # no injected figure for contention
         out["injected_ms"] = round(statistics.fmean(s["injected_ms"] for s in mine), 2)
     late = out["collective_excess_ms"].get(case.rank)
+    if late is None and out.get("injected_ms") is not None:
+        # no first collective stamped (the framework jobs): the time spent in the fault
+        late = out["injected_ms"]
+        out["late_from"] = "spent"
     if late is not None:
         out["late_ms"] = late
         out["share"] = round(late / step, 4)
     return out
 
 
+def stamped(win: dict[int, list[dict[str, Any]]], *keys: str) -> dict[int, list[float]]:
+    """Per rank, ms from each step's start to its first of ``keys`` stamped;
+    only the ranks that stamped every step of the window (none: {})."""
+    out = {}
+    for r, ss in win.items():
+        ts = [next((s[k] for k in keys if s.get(k)), None) for s in ss]
+        if ss and all(x is not None for x in ts):
+            out[r] = [1e3 * (x - s["t0"]) for x, s in zip(ts, ss, strict=True)]  # type: ignore[operator]
+    return out
+
+
 def words(x: Any) -> str:
     return json.dumps(x, default=str).lower()
+
+
+def named_of(case: Case, d: dict[str, Any]) -> tuple[list[int], str | None]:
+    """The ranks the diagnosis ``d`` blames, and as what: a hang's missing
+    ranks, else (a pipeline) the slow stage, else the first straggler."""
+    hangs = d.get("hangs") or []
+    if hangs:
+        return sorted({int(r) for h in hangs for r in (h.get("missing_ranks") or [])}), "hang"
+    slow = (d.get("pipeline") or {}).get("slow")
+    if case.shape == "pipeline" and slow is not None:  # its neighbours wait: victims
+        return [int(slow)], "slow stage"
+    stragglers = d.get("stragglers") or []
+    if stragglers:
+        return [int(stragglers[0]["rank"])], "straggler"
+    return [], None
 
 
 def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any]:
@@ -377,24 +443,22 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
     hangs = d.get("hangs") or []
     links = d.get("slow_links") or []
     s0 = stragglers[0] if stragglers else {}
-    named: list[int] = []
-    if hangs:
-        named = sorted({int(r) for h in hangs for r in (h.get("missing_ranks") or [])})
-    elif stragglers:
-        named = [int(s0["rank"])]
+    named, kind = named_of(case, d)
     out: dict[str, Any] = {
         "verdict": verdict,
         "healthy": d.get("healthy"),
         "named": named,
-        "kind": "hang" if hangs else "straggler" if stragglers else "slow link" if links else None,
+        "kind": kind or ("slow link" if links else None),
         "abstained": "no verdict" in verdict.lower(),
     }
     if rank is None:
-        out["rank_right"] = not stragglers and not hangs
-        out["false_alarm"] = bool(stragglers or hangs)
+        out["rank_right"] = not named
+        out["false_alarm"] = bool(named)
         out["slow_link_named"] = bool(links)
         out["cause_right"] = None
     elif case.fault == "hang":
+        out["rank_right"] = named == [rank]
+    elif kind == "slow stage":
         out["rank_right"] = named == [rank]
     else:
         out["rank_right"] = bool(stragglers) and int(s0["rank"]) == rank
@@ -411,7 +475,7 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
             )
             out["named_excess_ms"] = (truth.get("collective_excess_ms") or {}).get(int(s0["rank"]))
         return out
-    expect = CAUSE[case.fault]
+    expect = cause_of(case)
     if case.fault == "hang":
         h = next((h for h in hangs if rank in (h.get("missing_ranks") or [])), None)
         stacks = (h or {}).get("stacks") or {}
@@ -419,7 +483,7 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
         out["cause"] = expect if stack and expect in words(stack) else None
         out["cause_right"] = out["cause"] == expect
         return out
-    why = [w for w in d.get("why") or [] if w.get("rank") == (s0.get("rank") if s0 else rank)]
+    why = [w for w in d.get("why") or [] if w.get("rank") == (named[0] if named else rank)]
     head = max(why, key=lambda w: w.get("share") or 0.0, default=None)
     if head is not None:
         name = " ".join(str(head.get(k) or "") for k in ("what", "name", "func", "file"))
@@ -447,13 +511,13 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
 # --------------------------------------------------------------------------- a case
 
 
-def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    """Start the job, inject, diagnose, stop it; the outcome, scored."""
-    t_case = time.monotonic()
-    rec: dict[str, Any] = {"case": case.name, "shape": case.shape, "fault": case.fault}
-    rec["fault_rank"] = case.rank
-    tmp = Path(tempfile.mkdtemp(prefix="probing-accuracy-"))
-    path, log = tmp / "truth.jsonl", tmp / "job.log"
+def launch(
+    case: Case, args: argparse.Namespace, path: Path, tmp: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start the case's job in a session of its own: its launcher, its log."""
+    if case.framework:
+        return launch_framework(case, args, path, tmp)
+    log = tmp / "job.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
         *torchrun(), "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
@@ -461,6 +525,60 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         "--fault", case.fault, "--fault-rank", str(-1 if case.rank is None else case.rank),
         "--onset-step", str(args.onset), "--truth", str(path),
     ]  # fmt: skip
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
+    return proc, log
+
+
+def launch_framework(
+    case: Case, args: argparse.Namespace, path: Path, tmp: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A framework's job as ``tests/jobs/framework.py`` starts it (``start``),
+    slowed by ``SLOW`` a step on the case's rank, recording its truth
+    (``ACCURACY_TRUTH``) and slowed from step ``--onset`` (``ONSET_STEP``)."""
+    fw = framework()
+    py = fw.ENV / "bin" / "python"
+    if not py.exists():
+        raise Failure(f"no job environment {fw.ENV}: make jobenvs (or PROBING_JOB_ENVS=DIR)")
+    kind, ms = SLOW.get(case.fault, ("sleep", 0.0))
+    more = {
+        "ACCURACY_TRUTH": str(path), "ACCURACY_FAULT": case.fault,
+        "ACCURACY_SHAPE": case.shape, "ONSET_STEP": str(args.onset),
+        "SLOW_KIND": kind, "SLOW_MS": f"{ms / FRAMEWORKS[case.shape]:g}",
+        # as train.py's cases (torchrun's default; the deepspeed launcher sets none)
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    }  # fmt: skip
+    job = fw.start(case.shape, str(py), tmp, False, -1 if case.rank is None else case.rank, **more)
+    return job.proc, job.out
+
+
+def retry_hang(
+    case: Case, args: argparse.Namespace, pid: int, t_onset: float, truth: dict[str, Any]
+) -> dict[str, Any]:
+    """A hang not named 5 s in: diagnosed again once it is older than
+    ``--hang-after`` (``--hang-retry`` after it began), scored the same way."""
+    time.sleep(max(0.0, t_onset + args.hang_retry - time.time()))
+    again: dict[str, Any] = {"after_s": args.hang_retry}
+    try:
+        run = run_diagnose(pid, None, args.diagnose_timeout)
+        r2 = score(case, diagnosis(run, args), truth)
+        again.update({k: r2.get(k) for k in ("verdict", "named", "kind", "rank_right")})
+        again.update(cause_right=r2.get("cause_right"), abstained=r2.get("abstained"))
+        again["latency_s"] = round(run.ended - t_onset, 1)
+    except Failure as e:
+        again["error"] = str(e)
+    return again
+
+
+def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """Start the job, inject, diagnose, stop it; the outcome, scored."""
+    t_case = time.monotonic()
+    rec: dict[str, Any] = {"case": case.name, "shape": case.shape, "fault": case.fault}
+    rec["fault_rank"] = case.rank
+    tmp = Path(tempfile.mkdtemp(prefix="probing-accuracy-"))
+    path, log = tmp / "truth.jsonl", tmp / "job.log"
     hogs = [
         subprocess.Popen(["yes"], stdout=subprocess.DEVNULL, start_new_session=True)
         for _ in range(case.load)
@@ -468,10 +586,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     proc: subprocess.Popen[bytes] | None = None
     pids: list[int] = []
     try:
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
-            )
+        proc, log = launch(case, args, path, tmp)
         job = proc
 
         def running() -> bool:
@@ -482,7 +597,9 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             hs = [header_of(t[r]) for r in range(WORLD)]
             return [int(h["pid"]) for h in hs] if all(hs) else None  # type: ignore[index]
 
-        pids = wait_for(headers, args.start_timeout, "every rank to start", running, log)
+        # a framework's job imports it first (HF, DeepSpeed: ~30 s on 2 loaded CPUs)
+        start_s = args.start_timeout * (2 if case.framework else 1)
+        pids = wait_for(headers, start_s, "every rank to start", running, log)
         onset = args.onset + args.settle
 
         def past_onset() -> bool:
@@ -514,18 +631,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         if rec.get("abstained") or not rec.get("rank_right"):
             rec["stderr_tail"] = tail(run.stderr, 600)
         if case.fault == "hang" and not rec["rank_right"] and t_onset and args.hang_retry:
-            # not named 5 s in: again once the hang is older than --hang-after
-            time.sleep(max(0.0, t_onset + args.hang_retry - time.time()))
-            again: dict[str, Any] = {"after_s": args.hang_retry}
-            try:
-                run = run_diagnose(pids[0], None, args.diagnose_timeout)
-                r2 = score(case, diagnosis(run, args), rec["truth"])
-                again.update({k: r2.get(k) for k in ("verdict", "named", "kind", "rank_right")})
-                again.update(cause_right=r2.get("cause_right"), abstained=r2.get("abstained"))
-                again["latency_s"] = round(run.ended - t_onset, 1)
-            except Failure as e:
-                again["error"] = str(e)
-            rec["retry"] = again
+            rec["retry"] = retry_hang(case, args, pids[0], t_onset, rec["truth"])
         rec["outcome"] = "verdict"
     except Failure as e:
         rec["outcome"] = "failed"
@@ -609,7 +715,9 @@ def table(recs: list[dict[str, Any]]) -> str:
         share = trio(share_t, share_d, r.get("share_err_pts"), " %", " pts")
         late_t = t.get("late_ms") if r["fault_rank"] is not None else r.get("named_excess_ms")
         late = trio(late_t, r.get("late_ms"), r.get("late_err_pct"), "", " %")
-        if t.get("injected_ms") is not None and r["fault"] != "hang":
+        if t.get("late_from") == "spent":  # no collective stamped: the truth is the time spent
+            late = late.replace(" / ", " (spent) / ", 1)
+        elif t.get("injected_ms") is not None and r["fault"] != "hang":
             late = late.replace(" / ", f" (spent {t['injected_ms']:.0f}) / ", 1)
         rows.append(
             f"| {r['case']} | {fmt(r['fault_rank'])} | {named} | {fmt(r.get('rank_right'))} "
