@@ -178,6 +178,33 @@ def job_pids(pid: int) -> list[int]:
     return sorted(ranks) or [pid]  # a launcher's pid (torchrun's agent): its ranks
 
 
+# why a rank is not heard from when its launcher started it on this machine and
+# no process of the job has its rank here any more
+NO_PROCESS = "no process left on its node (it exited or was killed)"
+
+
+def exited_ranks(pid: int) -> list[int]:
+    """The ranks the launcher of ``pid``'s job started on this machine (its
+    ``LOCAL_WORLD_SIZE`` ranks from ``RANK - LOCAL_RANK``, as torchrun and a
+    launcher that sets them number them) of which no process of the job is
+    left here: exited or killed. Nothing where the variables do not say
+    (ranks set in code, ``mp.spawn``'s, Lightning's)."""
+    try:
+        env = environ(pid)
+        rank, local, size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    except (OSError, KeyError, ValueError):
+        return []
+    if not _job_key(pid) or not 0 <= local < size:
+        return []
+    here = set()
+    for p in job_pids(pid):
+        try:
+            here.add(int(environ(p).get("RANK", "")))
+        except (OSError, ValueError):
+            continue
+    return [r for r in range(rank - local, rank - local + size) if r not in here]
+
+
 def _ppid(proc: psutil.Process) -> int | None:
     try:
         return proc.ppid()

@@ -483,6 +483,28 @@ def test_a_hang_with_a_peer_unheard_blames_no_network() -> None:
     assert "not heard from rank 3 (host1)" in d.verdict and "unknown" in d.verdict
 
 
+def test_a_rank_with_no_process_left_is_said_dead_and_the_hang_names_it() -> None:
+    """Rank 3 was killed before any probe saw it (its node's launcher started
+    it there, and no process of the job has its rank): the others wait in
+    #25. It is the hang's missing rank and said dead first, not "unknown"."""
+    from probing.analyze.gather import with_missing
+    from probing.procs import NO_PROCESS
+
+    t = job(steps=30, hang_rank=3, hang_step=25, seed=5)
+    t = with_missing(_only(t, {0, 1, 2}), [f"rank 3 (vm): {NO_PROCESS}"], [3])
+    last = max(t.column("ts").to_pylist())
+    d = analyze(t, now_ns=last + 12 * 10**9)
+    [h] = d.hangs
+    assert h.missing_ranks == [3] and d.missing == [] and list(d.dead) == [3], d.verdict
+    assert d.verdict.startswith(f"rank 3: {NO_PROCESS}; hang: ranks 0, 1, 2 wait in "), d.verdict
+    assert "rank 3 never entered it" in d.verdict and "unknown" not in d.verdict
+    assert "network" not in d.verdict and not d.healthy
+    # one not heard from for another reason stays unknown
+    t2 = with_missing(_only(job(steps=30, hang_rank=3, hang_step=25, seed=5), {0, 1, 2}),
+                      ["rank 3 (vm): timeout after 5 s"], [3])  # fmt: skip
+    assert "unknown" in analyze(t2, now_ns=last + 12 * 10**9).verdict
+
+
 def test_a_rank_unheard_in_the_collectives_never_is_said_to_have_not_entered() -> None:
     from probing.analyze.gather import with_missing
 

@@ -106,3 +106,29 @@ def test_a_process_of_no_job_is_alone(tmp_path: Path, started) -> None:  # type:
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], text=True)
     started.append(p)
     assert job_pids(p.pid) == [p.pid]
+
+
+def test_a_rank_whose_process_is_gone_from_its_node_is_said_exited(started) -> None:  # type: ignore[no-untyped-def]
+    """4 ranks started with ``LOCAL_WORLD_SIZE`` 4 (torchrun's variables); rank 1
+    killed: it is the one exited, whichever rank is asked. Without the local
+    variables (ranks set in code), nothing is claimed."""
+    from probing.procs import exited_ranks
+
+    code = "import time; print(flush=True); time.sleep(600)"
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT="29504", LOCAL_WORLD_SIZE="4")
+    for r in range(4):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))  # fmt: skip
+        started.append(p)
+        assert p.stdout is not None and p.stdout.readline() == "\n"
+    assert [exited_ranks(p.pid) for p in started] == [[]] * 4
+    started[1].kill()
+    started[1].wait()
+    assert exited_ranks(started[0].pid) == [1] and exited_ranks(started[3].pid) == [1]
+    alone = dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT="29505")
+    plain = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env=alone)  # fmt: skip
+    started.append(plain)
+    assert plain.stdout is not None and plain.stdout.readline() == "\n"
+    assert exited_ranks(plain.pid) == []

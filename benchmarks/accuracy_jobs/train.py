@@ -31,7 +31,10 @@ in ``load_batch``), ``python_work`` (+30 ms of pure-Python busy loop in
 10th step), ``hang`` (``load_batch`` never returns), ``cpu_contention`` (the
 rank pins itself to the last CPU and starts a busy process pinned there with
 ``taskset``), ``gc`` (``make_garbage``: a big object graph and
-``gc.collect()`` each step), ``healthy`` (nothing).
+``gc.collect()`` each step), ``killed`` (the rank kills itself with
+SIGKILL in ``load_batch``, a forked child holding its connections open, as
+NCCL's peers see a dead rank: they wait; started without torchrun, which
+would stop the job), ``healthy`` (nothing).
 
 This file imports nothing from probing: it is the job, not the tool.
 """
@@ -43,6 +46,7 @@ import gc
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -61,6 +65,7 @@ FAULT_MS = {
     "cpu_contention": 0.0,
     "gc": 0.0,
     "healthy": 0.0,
+    "killed": 0.0,
 }
 GC_OBJECTS = 40_000  # the gc fault's object graph (dicts in one cycle)
 ACCUM = 4  # grad_accum: micro-batches per optimizer step
@@ -131,8 +136,12 @@ def load_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read and decode one batch: storage latency, then a little CPU work.
     (The sleeps are here, not in a helper: the function that waits is this one.)"""
-    if fault.active() and fault.kind in ("loader", "every_10th", "hang"):
+    if fault.active() and fault.kind in ("loader", "every_10th", "hang", "killed"):
         t0 = time.perf_counter()
+        if fault.kind == "killed":  # kill -9 (the OOM killer, a node's watchdog)
+            fault.fire()
+            hold_connections()
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "hang":
             fault.fire()
             threading.Event().wait()  # a read that never returns
@@ -146,6 +155,21 @@ def load_batch(
     for _ in range(3):  # decode / augment
         a = torch.tanh(a @ a * 0.01)
     return x + a.mean() * 0, torch.randint(0, 10, (batch,))
+
+
+def hold_connections() -> None:
+    """Keep this rank's sockets open past its death, as NCCL's peers see a
+    dead rank (they wait in their collective until its timeout; Gloo's would
+    see the connection closed and fail at once): a forked child gives every
+    descriptor to ``sleep``, which holds them with no environment (no rank
+    variable: it is no rank of the job) until the job is killed."""
+    if os.fork() == 0:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                os.set_inheritable(int(fd), True)
+            except OSError:
+                pass
+        os.execve("/bin/sleep", ["sleep", "3600"], {})
 
 
 def extra_work(ms: float) -> int:

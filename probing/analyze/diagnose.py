@@ -12,6 +12,7 @@ put together once in ``whole_verdict``); the asking and polling
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -89,9 +90,13 @@ def death_text(dead: dict[int, Death]) -> str:
     """``rank 3 (pid 1234) died at 14:05:01 UTC in allreduce #41 of gloo/pg0``,
     the first to die first (a killed Gloo rank takes the others with it)."""
     first = sorted(dead.items(), key=lambda rx: (rx[1].died_ns or 0, rx[0]))
+    from probing.procs import NO_PROCESS
+
     return "; ".join(
         f"rank {r} (pid {x.pid}) died{f' at {hms(x.died_ns)}' if x.died_ns else ''}"
         f"{f' {x.where}' if x.where else ''}"
+        if x.pid
+        else f"rank {r}: {NO_PROCESS}"
         for r, x in first
     )
 
@@ -218,17 +223,18 @@ def analyze(
     the ranks not heard from (any question's; else those ``table`` lacked);
     a rank ``table``'s answer lacked is never one that never entered a hang (``_heard``)."""
     now_ns, frames = now_ns or time.time_ns(), frames or {}
+    missing, dead, gone = _exited(missing_ranks(table) if missing is None else missing, dead or [])
     matched = coll.match(table) if matched is None else matched
     nodes = _nodes(table, states or [])
     ranks = sorted(set(nodes) | set(frames))
     rows = pp.p2p_rows(_p2p_only(table).to_pylist()) if "peer" in table.column_names else []
     trainers = issuers(table)
-    hangs = _hangs(
-        matched, rows, _heard(ranks, table), now_ns=now_ns,
+    hangs = _never_entered(gone, ranks_of or {}, *_hangs(
+        matched, rows, sorted({*_heard(ranks, table), *gone}), now_ns=now_ns,
         hang_after_s=hang_after_s, frames=frames,
         ranks_of=ranks_of or {}, recorded=recorded, states=states or [], stalled_s=stalled_s,
         trainers=trainers,
-    )  # fmt: skip
+    ))  # fmt: skip
     steps = job_steps(matched, rows)  # the job's step: every figure per step is of it
     strag = [] if hangs else coll.stragglers(matched, nodes, steps)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
@@ -257,13 +263,51 @@ def analyze(
         flight=fl.off_note(recorded.status) if recorded is not None else "",
         pipeline=pipe,
         transfers=pp.match_transfers(rows, ranks_of),
-        dead=deaths(dead or [], matched),
+        dead=deaths(dead, matched),
         untraced=coverage.untraced if coverage is not None else [],
-        missing=missing_ranks(table) if missing is None else missing,
+        missing=missing,
     )
     d.verdict = whole_verdict(d, coverage, traced=bool(matched) or bool(rows))
     d.healthy = healthy(d)
     return d
+
+
+SAID_RANK = re.compile(r"rank (\d+) \([^)]*\): (.*)")
+
+
+def _exited(
+    missing: list[str], dead: list[dict[str, Any]]
+) -> tuple[list[str], list[dict[str, Any]], list[int]]:
+    """The ranks not heard from because no process of theirs is left on their
+    node (``procs.NO_PROCESS``: exited or killed, before any probe saw them
+    die) said as deaths: ``missing`` less them, ``dead`` with them, and them."""
+    from probing.procs import NO_PROCESS
+
+    gone = []
+    for said in missing:
+        m = SAID_RANK.match(said)
+        if m is not None and m.group(2) == NO_PROCESS:
+            gone.append(int(m.group(1)))
+    if not gone:
+        return missing, dead, []
+    known = {int(r["rank"]) for r in dead if r.get("rank") is not None and r.get("alive") is False}
+    rows = [{"rank": r, "alive": False, "pid": 0, "died_ns": None} for r in gone if r not in known]
+    left = [s for s in missing if not ((m := SAID_RANK.match(s)) and int(m.group(1)) in gone)]
+    return left, [*dead, *rows], sorted(gone)
+
+
+def _never_entered(
+    gone: list[int], ranks_of: dict[str, list[int]], *hangs: hg.Hang
+) -> list[hg.Hang]:
+    """``hangs``, where the ranks of ``gone`` (no process left) never entered
+    one of their group that names no one (one known by stacks or the Flight
+    Recorder)."""
+    for h in hangs:
+        members = ranks_of.get(h.comm)
+        lost = [r for r in gone if members is None or r in members]
+        if lost and not h.missing_ranks:
+            h.missing_ranks = lost
+    return list(hangs)
 
 
 def healthy(d: Diagnosis) -> bool:

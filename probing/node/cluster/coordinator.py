@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from probing import procs
 from probing.errors import PeerUnreachable, QueryError
 from probing.node.cluster import fanout as asking  # "fanout" names a kind of fan-out here
 from probing.node.cluster.discovery import PeerInfo, Registry, StoreDirectory
@@ -40,6 +41,7 @@ class Asker(asking.Peer, Protocol):
 
     ident: Identity
     rank: int
+    pid: int
     engine: Callable[[], Any]
     registry: Registry
     directory: StoreDirectory | None
@@ -95,12 +97,18 @@ def _schemas(sql: str, eng: Any, known: set[str]) -> dict[str, pa.Schema | None]
 
 
 def _undiscovered(node: Asker, got: Gathered) -> None:
-    """torchrun: the ranks never discovered are missing too."""
+    """torchrun: the ranks never discovered are missing too; one its launcher
+    started on this node with no process left here, as exited
+    (``procs.NO_PROCESS``)."""
     if node.directory is None:
         return
     answered = {t.rank for t in got.peers} | {m.rank for m in got.missing}
-    for rank in range(node.ident.world_size):
-        if rank not in answered:
+    never = [r for r in range(node.ident.world_size) if r not in answered]
+    exited = set(procs.exited_ranks(node.pid)) if never else set()
+    for rank in never:
+        if rank in exited:
+            got.missing.append(MissingPeer(rank, node.ident.node, "", procs.NO_PROCESS))
+        else:
             got.missing.append(MissingPeer(rank, "?", "", "not discovered"))
 
 
