@@ -10,7 +10,7 @@ Each case is a real 4-rank Gloo job on CPU (``benchmarks/accuracy_jobs/train.py`
 under ``torchrun --nproc-per-node 4``, ``OMP_NUM_THREADS=1``) of one shape
 (DDP with 2 buckets, gradient accumulation, a training loop in a thread,
 FSDP2) with one fault injected on one rank from step ``--onset`` (a slow
-loader, extra Python work, a slow 10th step, a hang, CPU contention, garbage
+loader, extra Python work, a slow 10th step, a hang, a rank killed, CPU contention, garbage
 collection) or none (healthy, also under background load). And real
 frameworks' jobs (``tests/jobs/frameworks/``, started as
 ``tests/jobs/framework.py`` starts them for the tests, in the job environment
@@ -46,6 +46,7 @@ import fnmatch
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -62,13 +63,24 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "benchmarks" / "accuracy_jobs" / "train.py"
 WORLD = 4
 SHAPES = ["ddp_buckets", "grad_accum", "thread_loop", "fsdp2"]
-FAULTS = ["loader", "python_work", "every_10th", "hang", "cpu_contention", "gc", "healthy"]
+FAULTS = [
+    "loader",
+    "python_work",
+    "every_10th",
+    "hang",
+    "killed",
+    "cpu_contention",
+    "gc",
+    "healthy",
+]
+STOPS = ("hang", "killed")  # the faults that stop the job: diagnosed once it stands still
 # the function each fault runs in (what the headline cause must name)
 CAUSE = {
     "loader": "load_batch",
     "python_work": "extra_work",
     "every_10th": "load_batch",
     "hang": "load_batch",
+    "killed": "died",  # the verdict says it died (``dead``), not a function
     "gc": "make_garbage",
     "cpu_contention": "cpu_starvation",  # a kind, not a function
 }
@@ -361,7 +373,7 @@ def truth_window(
             for s in steps_of(lines)
             if s["t0"] >= lo
             and s["t1"] <= hi
-            and (case.rank is None or case.fault == "hang" or s["step"] >= onset_step)
+            and (case.rank is None or case.fault in STOPS or s["step"] >= onset_step)
         ]
         for r, lines in truth.items()
     }
@@ -389,7 +401,7 @@ def truth_window(
     out["arrival_excess_ms"] = excess(arrive)
     out["collective_excess_ms"] = excess(reach)
     out["runq_excess_ms"] = excess(runq)
-    if case.rank is None or step is None or case.fault == "hang":
+    if case.rank is None or step is None or case.fault in STOPS:
         return out
     mine = win.get(case.rank, [])
     if case.fault != "cpu_contention" and mine:  # no injected figure for contention
@@ -456,7 +468,7 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
         out["false_alarm"] = bool(named)
         out["slow_link_named"] = bool(links)
         out["cause_right"] = None
-    elif case.fault == "hang":
+    elif case.fault in STOPS:
         out["rank_right"] = named == [rank]
     elif kind == "slow stage":
         out["rank_right"] = named == [rank]
@@ -476,6 +488,10 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
             out["named_excess_ms"] = (truth.get("collective_excess_ms") or {}).get(int(s0["rank"]))
         return out
     expect = cause_of(case)
+    if case.fault == "killed":  # said dead, by its rank
+        out["cause"] = expect if str(rank) in (d.get("dead") or {}) else None
+        out["cause_right"] = out["cause"] == expect and out["rank_right"]
+        return out
     if case.fault == "hang":
         h = next((h for h in hangs if rank in (h.get("missing_ranks") or [])), None)
         stacks = (h or {}).get("stacks") or {}
@@ -519,12 +535,19 @@ def launch(
         return launch_framework(case, args, path, tmp)
     log = tmp / "job.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        *torchrun(), "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), str(JOB), "--shape", case.shape,
-        "--fault", case.fault, "--fault-rank", str(-1 if case.rank is None else case.rank),
+    job = [
+        str(JOB), "--shape", case.shape, "--fault", case.fault,
+        "--fault-rank", str(-1 if case.rank is None else case.rank),
         "--onset-step", str(args.onset), "--truth", str(path),
     ]  # fmt: skip
+    cmd = [*torchrun(), "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *job]  # fmt: skip
+    if case.fault == "killed":  # torchrun would stop the job: the srun way, a process a rank
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
+        each = " ".join(map(shlex.quote, [sys.executable, *job]))
+        cmd = ["sh", "-c", f"for r in $(seq 0 {WORLD - 1}); do RANK=$r LOCAL_RANK=$r "
+               f"{each} & done; wait"]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
@@ -609,8 +632,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         def hung() -> float | None:
             return onset_of(read_truth(path)[case.rank]) if case.rank is not None else None
 
-        if case.fault == "hang":
-            wait_for(hung, args.start_timeout, "the hang", running, log)
+        if case.fault in STOPS:
+            wait_for(hung, args.start_timeout, f"the {case.fault} rank", running, log)
             time.sleep(args.hang_wait)  # no condition: the job is hung
             run = run_diagnose(pids[0], None, args.diagnose_timeout)
         else:
@@ -630,7 +653,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         rec.update(score(case, d, rec["truth"]))
         if rec.get("abstained") or not rec.get("rank_right"):
             rec["stderr_tail"] = tail(run.stderr, 600)
-        if case.fault == "hang" and not rec["rank_right"] and t_onset and args.hang_retry:
+        if case.fault in STOPS and not rec["rank_right"] and t_onset and args.hang_retry:
             rec["retry"] = retry_hang(case, args, pids[0], t_onset, rec["truth"])
         rec["outcome"] = "verdict"
     except Failure as e:
@@ -717,7 +740,7 @@ def table(recs: list[dict[str, Any]]) -> str:
         late = trio(late_t, r.get("late_ms"), r.get("late_err_pct"), "", " %")
         if t.get("late_from") == "spent":  # no collective stamped: the truth is the time spent
             late = late.replace(" / ", " (spent) / ", 1)
-        elif t.get("injected_ms") is not None and r["fault"] != "hang":
+        elif t.get("injected_ms") is not None and r["fault"] not in STOPS:
             late = late.replace(" / ", f" (spent {t['injected_ms']:.0f}) / ", 1)
         rows.append(
             f"| {r['case']} | {fmt(r['fault_rank'])} | {named} | {fmt(r.get('rank_right'))} "
