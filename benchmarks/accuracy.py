@@ -624,6 +624,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         start_s = args.start_timeout * (2 if case.framework else 1)
         pids = wait_for(headers, start_s, "every rank to start", running, log)
         onset = args.onset + args.settle
+        # the pid a user gives: rank 0's, or a live rank's where rank 0 is the one killed
+        asked = pids[1] if case.fault == "killed" and case.rank == 0 else pids[0]
 
         def past_onset() -> bool:
             t = read_truth(path)
@@ -635,10 +637,10 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         if case.fault in STOPS:
             wait_for(hung, args.start_timeout, f"the {case.fault} rank", running, log)
             time.sleep(args.hang_wait)  # no condition: the job is hung
-            run = run_diagnose(pids[0], None, args.diagnose_timeout)
+            run = run_diagnose(asked, None, args.diagnose_timeout)
         else:
             wait_for(past_onset, args.start_timeout, f"{onset} steps on every rank", running, log)
-            run = run_diagnose(pids[0], args.record, args.diagnose_timeout)
+            run = run_diagnose(asked, args.record, args.diagnose_timeout)
         truth = read_truth(path)
         t_onset = onset_of(truth[case.rank]) if case.rank is not None else None
         d = diagnosis(run, args)
@@ -654,7 +656,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         if rec.get("abstained") or not rec.get("rank_right"):
             rec["stderr_tail"] = tail(run.stderr, 600)
         if case.fault in STOPS and not rec["rank_right"] and t_onset and args.hang_retry:
-            rec["retry"] = retry_hang(case, args, pids[0], t_onset, rec["truth"])
+            rec["retry"] = retry_hang(case, args, asked, t_onset, rec["truth"])
         rec["outcome"] = "verdict"
     except Failure as e:
         rec["outcome"] = "failed"

@@ -703,3 +703,48 @@ def test_a_query_the_ranks_cannot_run_together_runs_rank_by_rank(monkeypatch) ->
         assert table.to_pydict() == {"rank": [0, 1], "n": [1, 4]} and not got.missing
     finally:
         nodes[0].stop_port()
+
+
+def test_the_ranks_an_engine_serves_answer_without_the_jobs_store() -> None:
+    """The job's store is gone (rank 0 held it and was killed) before the
+    other ranks joined: the ranks one engine serves still find each other
+    through it (``NodePort.kin``) and answer together; a dead process's node
+    (an earlier job's on the same address) and another job's do not."""
+    import subprocess
+    import sys
+
+    from probing.node.cluster import coordinator
+    from probing.node.cluster.node import ClusterNode
+    from probing.node.cluster.port import NodePort
+    from probing.node.sql import Engine
+    from probing.node.store import Store
+
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(4)]  # fmt: skip
+    port, nodes = NodePort(first=0), []
+    try:
+        for rank, sleeper in enumerate(sleepers):
+            eng = Engine(Store())
+            eng.register_table("live", "t", lambda rank=rank: pa.table({"x": [rank]}))
+            master = ("127.0.0.1", 1 if rank < 3 else 2)  # nothing listens on port 1 or 2
+            ident = identity.Identity(
+                rank=rank + 1 if rank < 3 else 1, world_size=4, local_rank=rank, node="n0",
+                group_rank=0, master=master, run_id="none", peers=(), port=0,
+            )  # fmt: skip
+            # no token: the store had it
+            node = ClusterNode(ident, lambda eng=eng: eng, pid=sleeper.pid)
+            port.keep(node)
+            nodes.append(node)
+        sleepers[2].kill()
+        sleepers[2].wait()  # rank 3's process is gone: what it left is not asked this way
+        table, got, _ = coordinator.coordinate(nodes[0], "SELECT rank, x FROM live.t", timeout=3)
+        assert sorted(table.column("x").to_pylist()) == [0, 1], table  # ranks 1 and 2
+        assert sorted(t.rank for t in got.peers) == [1, 2]
+        assert sorted((m.rank, m.reason) for m in got.missing) == [
+            (0, "not discovered"),
+            (3, "not discovered"),
+        ]  # the other job's rank 1 (another store) is not this job's
+    finally:
+        for s in sleepers:
+            s.kill()
+            s.wait()

@@ -42,11 +42,13 @@ This file imports nothing from probing: it is the job, not the tool.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -158,18 +160,34 @@ def load_batch(
 
 
 def hold_connections() -> None:
-    """Keep this rank's sockets open past its death, as NCCL's peers see a
-    dead rank (they wait in their collective until its timeout; Gloo's would
-    see the connection closed and fail at once): a forked child gives every
-    descriptor to ``sleep``, which holds them with no environment (no rank
-    variable: it is no rank of the job) until the job is killed."""
-    if os.fork() == 0:
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                os.set_inheritable(int(fd), True)
-            except OSError:
-                pass
-        os.execve("/bin/sleep", ["sleep", "3600"], {})
+    """Keep this rank's connections to its peers open past its death, as
+    NCCL's peers see a dead rank (they wait in their collective until its
+    timeout; Gloo's would see the connection closed and fail at once): a
+    forked child gives those descriptors to ``sleep``, which holds them with
+    no environment (no rank variable: it is no rank of the job) until the job
+    is killed. The job's store, which rank 0 serves, goes with it as it
+    would (its listening socket and the connections on its port closed)."""
+    if os.fork() != 0:
+        return
+    store = int(os.environ.get("MASTER_PORT", "0"))
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:  # not a socket: kept, inheritable
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, True)
+            continue
+        try:
+            listens = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            port = s.getsockname()[1] if s.family in (socket.AF_INET, socket.AF_INET6) else 0
+        except OSError:
+            listens, port = 0, 0
+        if listens or port == store:
+            s.close()
+        else:
+            s.detach()
+            os.set_inheritable(fd, True)
+    os.execve("/bin/sleep", ["sleep", "3600"], {})
 
 
 def extra_work(ms: float) -> int:

@@ -30,7 +30,7 @@ from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
 from probing.analyze import why as wy
 from probing.analyze.gather import missing_ranks, unheard_ranks
-from probing.analyze.verdict import covered_text, hms, ranks_text, verdict
+from probing.analyze.verdict import covered_text, hms, ranks_text, verdict, who_wait
 
 
 def runq_rates(table: pa.Table | None) -> dict[int, float] | None:
@@ -185,7 +185,7 @@ def stacks_text(ranks: list[dict[str, Any]]) -> str:
     if not inside or not outside:
         return ""
     return (
-        f"; by their stacks {ranks_text(inside)} wait in a collective and "
+        f"; by their stacks {who_wait(inside)} in a collective and "
         f"{ranks_text(outside)} not: a hang once that lasts --hang-after (diagnose again then)"
     )
 

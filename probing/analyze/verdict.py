@@ -39,7 +39,7 @@ def verdict(
     if hangs and unheard and not hangs[0].missing_ranks:  # "every rank" is not known
         h = hangs[0]
         return (
-            f"hang: {ranks_text(h.waiting_ranks)} wait in {_where(h)} for {h.age_s:g}+ s; "
+            f"hang: {who_wait(h.waiting_ranks)} in {_where(h)} for {h.age_s:g}+ s; "
             f"{unheard}: whether they entered it is unknown, so no cause is named ({ASK_AGAIN})"
         )
     said = _worst(stragglers, slow_links, hangs, summary, window_s, why, pipe, answered)
@@ -82,7 +82,7 @@ def hang_text(h: hg.Hang) -> str:
     sent or received what the others wait for)."""
     if h.op == "recv" and h.missing_ranks:  # a pipeline's
         return (
-            f"hang: {ranks_text(h.waiting_ranks)} wait in send/recv for {h.age_s:g}+ s; "
+            f"hang: {who_wait(h.waiting_ranks)} in send/recv for {h.age_s:g}+ s; "
             f"{ranks_text(h.missing_ranks)} never sent or received what they wait for "
             f"({h.detail})"
         )
@@ -95,7 +95,7 @@ def hang_text(h: hg.Hang) -> str:
             f"is stuck (network, or a peer's transport){said}"
         )
     return (
-        f"hang: {ranks_text(h.waiting_ranks)} wait in {where} for "
+        f"hang: {who_wait(h.waiting_ranks)} in {where} for "
         f"{h.age_s:g}+ s; {ranks_text(h.missing_ranks)} never entered it{said}"
     )
 
@@ -253,6 +253,11 @@ def covered_text(said: str, cov: cv.Coverage, hang: bool, window_s: float) -> st
 def hms(ns: int) -> str:
     """``14:05:01 UTC``: the time of day of ``ns`` (ns since the epoch)."""
     return coll.iso(ns)[11:19] + " UTC"
+
+
+def who_wait(ranks: Sequence[int]) -> str:
+    """``rank 3 waits`` or ``ranks 1, 3 wait``."""
+    return f"{ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

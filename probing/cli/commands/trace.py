@@ -170,6 +170,10 @@ def still_tracing(pid: int) -> list[int]:
     return out
 
 
+STORE = "rendezvous store:"  # a probe's cluster error when its job's store does not answer
+STORE_S = 3.0  # how long a job's ranks are waited for while their store does not answer
+
+
 def probe_job(pid: int, timeout: float) -> int:
     """Every rank of ``pid``'s job on this machine with a probe (injected where
     it has none: a job started without probing), each in its job (joined
@@ -186,7 +190,8 @@ def probe_job(pid: int, timeout: float) -> int:
             probe_client(p, True)
         except ProbingError:  # said for that rank by the trace below
             continue
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     for p in ranks:
         while time.monotonic() < deadline:
             try:
@@ -195,6 +200,9 @@ def probe_job(pid: int, timeout: float) -> int:
                 break
             if not cluster or cluster.get("published"):
                 break  # in its job, or not a rank (one that cannot join is said below)
+            gone = (cluster.get("error") or "").startswith(STORE)
+            if gone and time.monotonic() > began + STORE_S:
+                break  # its store does not answer (gone with the rank that held it)
             time.sleep(0.1)
     return pid if pid in ranks else ranks[0]
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 STORE_TIMEOUT_S = 2.0
+ENGINE = "engine"  # a peer's source: a rank its engine serves too, found there (not the store)
 T = TypeVar("T")
 
 

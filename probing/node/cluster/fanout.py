@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from probing.errors import ProbingError
-from probing.node.cluster.discovery import PeerInfo, Registry
+from probing.node.cluster.discovery import ENGINE, PeerInfo, Registry
 from probing.node.cluster.exchange import Exchange, PeerFailure, PeerLate, Reply
 from probing.node.cluster.identity import Identity, split_addr
 from probing.node.cluster.wire import MissingPeer, PeerTiming, clock_offset, unpack
@@ -254,12 +254,13 @@ def _siblings(node: Peer, members: list[PeerInfo]) -> tuple[list[Peer], list[Pee
     """The members my engine serves too (their cluster nodes: they answer
     in-process), and the others."""
     port = getattr(node, "port", None)
-    if port is None or not node.addr:
+    if port is None:
         return [], members
     near: list[Peer] = []
     far: list[PeerInfo] = []
     for p in members:
-        sib = port.sibling(p.pid) if p.addr == node.addr and p.pid else None
+        mine = p.source == ENGINE or (node.addr and p.addr == node.addr)
+        sib = port.sibling(p.pid) if mine and p.pid else None
         if sib is not None and sib.rank == p.rank:
             near.append(sib)
         else:

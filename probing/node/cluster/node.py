@@ -36,6 +36,7 @@ from probing.errors import ProbingError
 from probing.node.cluster import coordinator, endpoints, join
 from probing.node.cluster import fanout as asking  # "fanout" names a kind of fan-out here
 from probing.node.cluster.discovery import (
+    ENGINE,
     STORE_TIMEOUT_S,
     PeerInfo,
     Registry,
@@ -233,7 +234,14 @@ class ClusterNode:
             self.error = f"rendezvous store: {err}"
 
     def others(self) -> list[PeerInfo]:
-        return [p for p in self.registry.peers() if p.rank != self.rank]
+        """The job's other ranks: those the store listed, and those of its
+        ranks this engine serves that it did not (``NodePort.kin``)."""
+        known = [p for p in self.registry.peers() if p.rank != self.rank]
+        if self.port is not None:
+            have = {p.rank for p in known} | {self.rank}
+            known += [PeerInfo(k.rank, k.ident.node, k.addr or "", k.pid, ENGINE)
+                      for k in self.port.kin(self) if k.rank not in have]  # fmt: skip
+        return known
 
     # -- the always-on detector -----------------------------------------------------
     def ensure_watch(self, start: bool = True) -> Any:

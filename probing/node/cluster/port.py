@@ -187,6 +187,7 @@ class NodePort:
         self.first = first  # 0: any free one at once (tests)
         self._bound: dict[str, tuple[str, int]] = {}  # host -> where it listens
         self._served: dict[int, Served] = {}
+        self._kin: dict[int, Any] = {}  # pid -> the cluster node of each process, joined or not
         self._lock = threading.Lock()
 
     def serve(self, node: Any, app: App, host: str) -> str:
@@ -216,16 +217,39 @@ class NodePort:
         hint = "set PROBING_PORT to a free port, or leave it out for one of PROBING_PORT_RANGE"
         raise cannot_bind("the engine (its peers' port)", host, *failed, hint)
 
+    def keep(self, node: Any) -> None:
+        """``node``'s process is served by this engine, joined to its job or not
+        (``kin``: its job's other ranks here find it without the job's store);
+        its peers reach it through this port."""
+        node.port = self
+        with self._lock:
+            self._kin[node.pid] = node
+
     def forget(self, pid: int) -> None:
         """``pid``'s probe is retired: nothing of it is reached any more."""
         with self._lock:
             self._served.pop(pid, None)
+            self._kin.pop(pid, None)
 
     def sibling(self, pid: int) -> Any:
         """The cluster node of ``pid`` when this engine serves it, else None."""
         with self._lock:
             served = self._served.get(pid)
-        return None if served is None else served.node
+            return self._kin.get(pid) if served is None else served.node
+
+    def kin(self, node: Any) -> list[Any]:
+        """The cluster nodes of the other live ranks of ``node``'s job this
+        engine serves (the same store, run and size; a dead process's may be
+        an earlier job's on the same address): found where the job's store is
+        not (gone with the rank that held it, or never reached)."""
+        ident = node.ident
+        if ident.master is None:
+            return []
+        with self._lock:
+            nodes = list(self._kin.values())
+        job = (ident.master, ident.run_id, ident.world_size)
+        return [k for k in nodes if k is not node and k.rank >= 0 and proc.running(k.pid)
+                and (k.ident.master, k.ident.run_id, k.ident.world_size) == job]  # fmt: skip
 
     def addresses(self) -> list[str]:
         with self._lock:

@@ -145,7 +145,7 @@ class Service:
 
         node = cluster_node(ctx)
         if node is not None:
-            node.port = self.port
+            self.port.keep(node)
         return node
 
     def adopt(self) -> None:
