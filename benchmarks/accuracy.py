@@ -10,7 +10,8 @@ Each case is a real 4-rank Gloo job on CPU (``benchmarks/accuracy_jobs/train.py`
 under ``torchrun --nproc-per-node 4``, ``OMP_NUM_THREADS=1``) of one shape
 (DDP with 2 buckets, gradient accumulation, a training loop in a thread,
 FSDP2) with one fault injected on one rank from step ``--onset`` (a slow
-loader, extra Python work, a slow 10th step, a hang, a rank killed, CPU contention, garbage
+loader, extra Python work, a slow 10th step, a hang, a rank killed, a slow
+link (DDP shapes), CPU contention, garbage
 collection) or none (healthy, also under background load). And real
 frameworks' jobs (``tests/jobs/frameworks/``, started as
 ``tests/jobs/framework.py`` starts them for the tests, in the job environment
@@ -74,13 +75,19 @@ FAULTS = [
     "healthy",
 ]
 STOPS = ("hang", "killed")  # the faults that stop the job: diagnosed once it stands still
+# one rank in a network namespace of its own behind a slow link (``slow_link``):
+# the job's other ranks and its store on the host's side of a veth pair
+LINK_SHAPES = ["ddp_buckets", "thread_loop"]  # DDP's 2.4 MB a step: FSDP2's small model barely
+# feels a link that slows DDP by half
+NETNS, HOST_IF, NS_IF, HOST_IP, NS_IP = "p9acc", "p9h", "p9v", "10.79.0.1", "10.79.0.2"
 # the function each fault runs in (what the headline cause must name)
 CAUSE = {
     "loader": "load_batch",
     "python_work": "extra_work",
     "every_10th": "load_batch",
     "hang": "load_batch",
-    "killed": "died",  # the verdict says it died (``dead``), not a function
+    "killed": "died",
+    "slow_link": "slow link",  # the verdict says it died (``dead``), not a function
     "gc": "make_garbage",
     "cpu_contention": "cpu_starvation",  # a kind, not a function
 }
@@ -114,6 +121,8 @@ class Case:
         """The rank the fault is injected on: drawn per case, reproducibly."""
         if self.fault == "healthy":
             return None
+        if self.fault == "slow_link":  # rank 0 serves the job's store on the host's side
+            return 1 + random.Random(self.name).randrange(WORLD - 1)
         return random.Random(self.name).randrange(WORLD)
 
 
@@ -121,6 +130,7 @@ def all_cases() -> list[Case]:
     cases = [Case(s, f) for s in SHAPES for f in FAULTS]
     cases += [Case("ddp_buckets", "healthy", load=2), Case("grad_accum", "healthy", load=2)]
     cases += [Case(s, f) for s in FRAMEWORKS for f in FRAMEWORK_FAULTS]
+    cases += [Case(s, "slow_link") for s in LINK_SHAPES]
     return cases
 
 
@@ -401,7 +411,7 @@ def truth_window(
     out["arrival_excess_ms"] = excess(arrive)
     out["collective_excess_ms"] = excess(reach)
     out["runq_excess_ms"] = excess(runq)
-    if case.rank is None or step is None or case.fault in STOPS:
+    if case.rank is None or step is None or case.fault in (*STOPS, "slow_link"):
         return out
     mine = win.get(case.rank, [])
     if case.fault != "cpu_contention" and mine:  # no injected figure for contention
@@ -463,6 +473,11 @@ def score(case: Case, d: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
         "kind": kind or ("slow link" if links else None),
         "abstained": "no verdict" in verdict.lower(),
     }
+    if case.fault == "slow_link":  # a link is no rank's: named as the slow link, nothing else
+        out["rank_right"] = bool(links) and not named
+        out["cause"] = "slow link" if links else None
+        out["cause_right"] = out["rank_right"]
+        return out
     if rank is None:
         out["rank_right"] = not named
         out["false_alarm"] = bool(named)
@@ -542,6 +557,8 @@ def launch(
     ]  # fmt: skip
     cmd = [*torchrun(), "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), *job]  # fmt: skip
+    if case.fault == "slow_link":
+        return launch_apart(case, env, job, log), log
     if case.fault == "killed":  # torchrun would stop the job: the srun way, a process a rank
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
@@ -553,6 +570,56 @@ def launch(
             cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
         )
     return proc, log
+
+
+def launch_apart(
+    case: Case, env: dict[str, str], job: list[str], log: Path
+) -> subprocess.Popen[bytes]:
+    """The job the srun way, the case's rank in the namespace ``NETNS`` behind
+    a slow link (``slow_net``), the others on the host's side of it; Gloo
+    over the veth pair's addresses."""
+    slow_net()
+    env = dict(env, MASTER_ADDR=HOST_IP, MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
+               LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
+    each = " ".join(map(shlex.quote, [sys.executable, *job]))
+    lines = []
+    for r in range(WORLD):
+        where = f"ip netns exec {NETNS} env GLOO_SOCKET_IFNAME={NS_IF}" if r == case.rank else (
+            f"env GLOO_SOCKET_IFNAME={HOST_IF}")  # fmt: skip
+        lines.append(f"RANK={r} LOCAL_RANK={r} {where} {each} &")
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            ["sh", "-c", "\n".join([*lines, "wait"])], stdout=f, stderr=subprocess.STDOUT,
+            env=env, cwd=REPO, start_new_session=True,
+        )  # fmt: skip
+
+
+def slow_net() -> None:
+    """The namespace ``NETNS`` joined to the host by a veth pair whose
+    namespace side is slowed: ``tc netem delay 15ms``, or where the kernel has
+    no netem, a thin pipe (``tbf rate 400mbit``: DDP's 2.4 MB of gradients a
+    step take ~60 ms more through it, a degraded link, not a broken one)."""
+    unslow_net()
+
+    def run(*args: str) -> None:
+        subprocess.run(args, check=True, capture_output=True)
+
+    run("ip", "netns", "add", NETNS)
+    run("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+    run("ip", "link", "set", NS_IF, "netns", NETNS)
+    run("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
+    run("ip", "link", "set", HOST_IF, "up")
+    run("ip", "-n", NETNS, "addr", "add", f"{NS_IP}/24", "dev", NS_IF)
+    run("ip", "-n", NETNS, "link", "set", NS_IF, "up")
+    run("ip", "-n", NETNS, "link", "set", "lo", "up")
+    tc = ["ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, "root"]
+    if subprocess.run([*tc, "netem", "delay", "15ms"], capture_output=True).returncode:
+        run(*tc, "tbf", "rate", "400mbit", "burst", "64kb", "latency", "200ms")
+
+
+def unslow_net() -> None:
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+    subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
 
 
 def launch_framework(
@@ -672,6 +739,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         for h in hogs:
             h.kill()
             h.wait()
+        if case.fault == "slow_link":
+            unslow_net()
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -34,7 +34,8 @@ rank pins itself to the last CPU and starts a busy process pinned there with
 ``gc.collect()`` each step), ``killed`` (the rank kills itself with
 SIGKILL in ``load_batch``, a forked child holding its connections open, as
 NCCL's peers see a dead rank: they wait; started without torchrun, which
-would stop the job), ``healthy`` (nothing).
+would stop the job), ``slow_link`` (nothing here: the runner puts the rank behind a slow link;
+its onset is said at ``--onset-step``), ``healthy`` (nothing).
 
 This file imports nothing from probing: it is the job, not the tool.
 """
@@ -68,6 +69,7 @@ FAULT_MS = {
     "gc": 0.0,
     "healthy": 0.0,
     "killed": 0.0,
+    "slow_link": 0.0,  # the runner slows this rank's link; the job only says when it counts
 }
 GC_OBJECTS = 40_000  # the gc fault's object graph (dicts in one cycle)
 ACCUM = 4  # grad_accum: micro-batches per optimizer step
@@ -223,7 +225,7 @@ def on_cpu_faults(fault: Fault) -> None:
         t0 = time.perf_counter()
         make_garbage(int(GC_OBJECTS * fault.scale))
         fault.add(t0)
-    elif fault.kind == "cpu_contention":
+    elif fault.kind in ("cpu_contention", "slow_link"):
         fault.fire()
 
 
