@@ -296,7 +296,13 @@ def test_a_job_stopped_rank_by_rank_is_gone_and_a_lone_detectors_death_says_the_
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571"}
     sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
     ranks = [subprocess.Popen(sleep, env=env) for _ in range(3)]
+
+    def started(p: subprocess.Popen[bytes]) -> None:  # exec'd with its variables, not forked
+        _until(lambda: proc.environ(p.pid).get("MASTER_PORT") == "29571")
+
     try:
+        for r in ranks:
+            started(r)
         agent = Agent(Policy(attach=False))
         agent.follow()
         for r in ranks[1:]:
@@ -317,6 +323,8 @@ def test_a_job_stopped_rank_by_rank_is_gone_and_a_lone_detectors_death_says_the_
 
         lone = [subprocess.Popen(sleep, env=env) for _ in range(2)]
         ranks += lone
+        for r in lone:
+            started(r)
         agent._job_of(lone[1].pid)
         _append(log, _finding(pid=lone[0].pid, pid_started=proc.started(lone[0].pid)))
         assert _keys(agent.follow()) == [("straggler", 2, "new")]

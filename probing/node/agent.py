@@ -302,8 +302,9 @@ class Agent:
                 job = self._gone[pid][0]
         if job is None:
             job = _job(proc.environ(pid))
-            with self._lock:
-                self._jobs[pid] = job
+            if job != "?":  # a process not exec'd yet has its parent's variables: read again
+                with self._lock:
+                    self._jobs[pid] = job
         return job
 
     def _attach(self, pid: int, why: str, job: str, age: float) -> Attached:
