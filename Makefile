@@ -31,7 +31,7 @@ bench: jobenvs
 	@for b in benchmarks/*.py; do case $$b in */accuracy.py|*/surface_diff.py) continue ;; esac; echo "== $$b" >&2; $(PY) $$b || exit 1; done
 
 # how right `probing diagnose` is against jobs that record their own truth
-# (root; ~20 min): writes its table into docs/accuracy.md
+# (root; 48 cases, ~21 min): writes its table into docs/accuracy.md
 accuracy: jobenvs
 	$(PY) benchmarks/accuracy.py --out docs/accuracy.md
 
