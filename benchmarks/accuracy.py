@@ -103,6 +103,23 @@ BEGIN, END = "<!-- accuracy:begin -->", "<!-- accuracy:end -->"
 
 
 @dataclasses.dataclass
+class Tree:
+    """The probing a case's ``diagnose`` runs: this checkout, or a baseline
+    revision's worktree (``--baseline``: its CLI, guest and engine, an install
+    of its own so that its engine is its own)."""
+
+    name: str
+    path: Path
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def environ(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
+
+
+THIS = Tree("this", REPO)
+
+
+@dataclasses.dataclass
 class Case:
     shape: str
     fault: str
@@ -293,16 +310,16 @@ class Run:
     ended: float
 
 
-def run_diagnose(pid: int, record_s: float | None, timeout: float) -> Run:
-    """``probing diagnose`` as a user runs it; its stderr lines timestamped."""
+def run_diagnose(pid: int, record_s: float | None, timeout: float, tree: Tree = THIS) -> Run:
+    """``probing diagnose`` as a user runs it (``tree``'s); its stderr lines timestamped."""
     cmd = [sys.executable, "-m", "probing", "diagnose", "--pid", str(pid), "--cluster"]
     if record_s is not None:
         cmd += ["--record", f"{record_s:g}s"]
     cmd += ["--format", "json"]
     started = time.time()
     p = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        cmd, cwd=tree.path, env=tree.environ(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     err: list[str] = []
     out: list[str] = []
@@ -398,6 +415,9 @@ def truth_window(
     # the first collective itself (DDP's first bucket, stamped by a comm hook;
     # FSDP2's first all-gather starts with the forward: t_arrive)
     reach = stamped(win, "t_collective", "t_arrive")
+    # and its last (DDP's last bucket: the others wait at the end of backward
+    # until it is launched; None where not stamped)
+    last = stamped(win, "t_last_collective")
     runq = {r: [s["runq_ms"] for s in ss] for r, ss in win.items() if ss}
 
     def excess(per: dict[int, list[float]]) -> dict[int, float]:
@@ -410,6 +430,7 @@ def truth_window(
 
     out["arrival_excess_ms"] = excess(arrive)
     out["collective_excess_ms"] = excess(reach)
+    out["last_collective_excess_ms"] = excess(last)
     out["runq_excess_ms"] = excess(runq)
     if case.rank is None or step is None or case.fault in (*STOPS, "slow_link"):
         return out
@@ -434,7 +455,7 @@ def stamped(win: dict[int, list[dict[str, Any]]], *keys: str) -> dict[int, list[
     for r, ss in win.items():
         ts = [next((s[k] for k in keys if s.get(k)), None) for s in ss]
         if ss and all(x is not None for x in ts):
-            out[r] = [1e3 * (x - s["t0"]) for x, s in zip(ts, ss, strict=True)]  # type: ignore[operator]
+            out[r] = [1e3 * (x - s["t0"]) for x, s in zip(ts, ss, strict=True)]
     return out
 
 
@@ -645,14 +666,15 @@ def launch_framework(
 
 
 def retry_hang(
-    case: Case, args: argparse.Namespace, pid: int, t_onset: float, truth: dict[str, Any]
-) -> dict[str, Any]:
+    case: Case, args: argparse.Namespace, pid: int, t_onset: float, truth: dict[str, Any],
+    tree: Tree = THIS,
+) -> dict[str, Any]:  # fmt: skip
     """A hang not named 5 s in: diagnosed again once it is older than
     ``--hang-after`` (``--hang-retry`` after it began), scored the same way."""
     time.sleep(max(0.0, t_onset + args.hang_retry - time.time()))
     again: dict[str, Any] = {"after_s": args.hang_retry}
     try:
-        run = run_diagnose(pid, None, args.diagnose_timeout)
+        run = run_diagnose(pid, None, args.diagnose_timeout, tree)
         r2 = score(case, diagnosis(run, args), truth)
         again.update({k: r2.get(k) for k in ("verdict", "named", "kind", "rank_right")})
         again.update(cause_right=r2.get("cause_right"), abstained=r2.get("abstained"))
@@ -662,10 +684,11 @@ def retry_hang(
     return again
 
 
-def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    """Start the job, inject, diagnose, stop it; the outcome, scored."""
+def run_case(case: Case, args: argparse.Namespace, tree: Tree = THIS) -> dict[str, Any]:
+    """Start the job, inject, diagnose (``tree``'s probing), stop it; the outcome, scored."""
     t_case = time.monotonic()
     rec: dict[str, Any] = {"case": case.name, "shape": case.shape, "fault": case.fault}
+    rec["tree"] = tree.name
     rec["fault_rank"] = case.rank
     tmp = Path(tempfile.mkdtemp(prefix="probing-accuracy-"))
     path, log = tmp / "truth.jsonl", tmp / "job.log"
@@ -704,10 +727,10 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         if case.fault in STOPS:
             wait_for(hung, args.start_timeout, f"the {case.fault} rank", running, log)
             time.sleep(args.hang_wait)  # no condition: the job is hung
-            run = run_diagnose(asked, None, args.diagnose_timeout)
+            run = run_diagnose(asked, None, args.diagnose_timeout, tree)
         else:
             wait_for(past_onset, args.start_timeout, f"{onset} steps on every rank", running, log)
-            run = run_diagnose(asked, args.record, args.diagnose_timeout)
+            run = run_diagnose(asked, args.record, args.diagnose_timeout, tree)
         truth = read_truth(path)
         t_onset = onset_of(truth[case.rank]) if case.rank is not None else None
         d = diagnosis(run, args)
@@ -723,7 +746,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         if rec.get("abstained") or not rec.get("rank_right"):
             rec["stderr_tail"] = tail(run.stderr, 600)
         if case.fault in STOPS and not rec["rank_right"] and t_onset and args.hang_retry:
-            rec["retry"] = retry_hang(case, args, asked, t_onset, rec["truth"])
+            rec["retry"] = retry_hang(case, args, asked, t_onset, rec["truth"], tree)
         rec["outcome"] = "verdict"
     except Failure as e:
         rec["outcome"] = "failed"
@@ -821,7 +844,8 @@ def table(recs: list[dict[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def totals(recs: list[dict[str, Any]]) -> str:
+def measures(recs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """``(measure, result, target)`` over ``recs``."""
     ok = [r for r in recs if r.get("outcome") == "verdict"]
     faulty = [r for r in recs if r["fault_rank"] is not None]
     healthy = [r for r in recs if r["fault_rank"] is None]
@@ -832,36 +856,66 @@ def totals(recs: list[dict[str, Any]]) -> str:
         have = [r[key] for r in ok if r.get(key) is not None]
         return pct(sum(1 for v in have if v <= lim), len(have))
 
-    alarms = [r["case"] for r in healthy if r.get("false_alarm")]
-    links = [r["case"] for r in healthy if r.get("slow_link_named")]
-    abst = [r["case"] for r in ok if r.get("abstained")]
-    failed = [r["case"] for r in recs if r.get("outcome") != "verdict"]
+    def of(cases: list[str], out_of: int | None = None) -> str:
+        n = f"{len(cases)} of {out_of}" if out_of is not None else str(len(cases))
+        return n + (f": {', '.join(cases)}" if cases else "")
+
     retried = [r for r in recs if r.get("retry")]
     lat = [r["latency_s"] for r in ok if r.get("latency_s") is not None and r.get("rank_right")]
-    lines = [
-        "| measure | result | target |",
-        "|---|---|---|",
-        f"| rank right (cases run, failures count as wrong) | {pct(rank_ok, len(recs))} | ≥ 99 % |",
-        f"| cause right (faulty cases) | {pct(cause_ok, len(faulty))} | ≥ 95 % |",
-        f"| step within 10 % | {within('step_err_pct', 10)} | all |",
-        f"| lost share within 10 points | {within('share_err_pts', 10)} | all |",
-        f"| lateness within 10 % | {within('late_err_pct', 10)} | all |",
-        f"| false alarms (healthy runs) | {len(alarms)} of {len(healthy)}"
-        + (f": {', '.join(alarms)}" if alarms else "")
-        + " | 0 |",
-        f"| slow link named on a healthy run | {len(links)} of {len(healthy)}"
-        + (f": {', '.join(links)}" if links else "")
-        + " | 0 |",
-        f'| abstained ("no verdict") | {len(abst)}'
-        + (f": {', '.join(abst)}" if abst else "")
-        + " | – |",
-        f"| failed (no diagnosis) | {len(failed)}"
-        + (f": {', '.join(failed)}" if failed else "")
-        + " | 0 |",
-        f"| hangs not named at first, named right on the retry | "
-        f"{pct(sum(1 for r in retried if r['retry'].get('rank_right')), len(retried))} | – |",
-        f"| latency, onset to verdict (right ones), median | {fmt(median(lat), ' s', 0)} | – |",
+    return [
+        ("rank right (cases run, failures count as wrong)", pct(rank_ok, len(recs)), "≥ 99 %"),
+        ("cause right (faulty cases)", pct(cause_ok, len(faulty)), "≥ 95 %"),
+        ("step within 10 %", within("step_err_pct", 10), "all"),
+        ("lost share within 10 points", within("share_err_pts", 10), "all"),
+        ("lateness within 10 %", within("late_err_pct", 10), "all"),
+        ("false alarms (healthy runs)",
+         of([r["case"] for r in healthy if r.get("false_alarm")], len(healthy)), "0"),
+        ("slow link named on a healthy run",
+         of([r["case"] for r in healthy if r.get("slow_link_named")], len(healthy)), "0"),
+        ('abstained ("no verdict")', of([r["case"] for r in ok if r.get("abstained")]), "–"),
+        ("failed (no diagnosis)",
+         of([r["case"] for r in recs if r.get("outcome") != "verdict"]), "0"),
+        ("hangs not named at first, named right on the retry",
+         pct(sum(1 for r in retried if r["retry"].get("rank_right")), len(retried)), "–"),
+        ("latency, onset to verdict (right ones), median", fmt(median(lat), " s", 0), "–"),
+    ]  # fmt: skip
+
+
+def totals(recs: list[dict[str, Any]]) -> str:
+    lines = ["| measure | result | target |", "|---|---|---|"]
+    lines += [f"| {m} | {v} | {t} |" for m, v, t in measures(recs)]
+    return "\n".join(lines) + "\n"
+
+
+def compared(base: list[dict[str, Any]], this: list[dict[str, Any]], rev: str) -> str:
+    """The baseline's figures beside this tree's, case by case (the same
+    cases, run one after the other) and in total."""
+    lines = [f"| measure | baseline `{rev}` | this tree | target |", "|---|---|---|---|"]
+    lines += [
+        f"| {m} | {b} | {t} | {target} |"
+        for (m, b, target), (_, t, _) in zip(measures(base), measures(this), strict=True)
     ]
+    lines += ["", f"| case | baseline `{rev}`: named, errors | this tree: named, errors |",
+              "|---|---|---|"]  # fmt: skip
+
+    def said(r: dict[str, Any]) -> str:
+        if r.get("outcome") != "verdict":
+            return "failed"
+        named = ",".join(map(str, r.get("named") or [])) or "none"
+        named += f" ({r['kind']})" if r.get("kind") else ""
+        errs = [
+            f"{label} {fmt(r.get(key), unit)}"
+            for label, key, unit in (("step", "step_err_pct", " %"),
+                                     ("share", "share_err_pts", " pts"),
+                                     ("late", "late_err_pct", " %"))
+            if r.get(key) is not None
+        ]  # fmt: skip
+        marks = f"rank {fmt(r.get('rank_right'))}"
+        if r["fault_rank"] is not None:
+            marks += f", cause {fmt(r.get('cause_right'))}"
+        return f"{named}: {marks}" + (f"; {', '.join(errs)}" if errs else "")
+
+    lines += [f"| {t['case']} | {said(b)} | {said(t)} |" for b, t in zip(base, this, strict=True)]
     return "\n".join(lines) + "\n"
 
 
@@ -941,6 +995,27 @@ def interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def baseline_tree(rev: str) -> Tree:
+    """A worktree of ``rev`` whose ``python -m probing`` (its CLI, the guest it
+    injects, the engine it starts) states an install of its own."""
+    where = Path(tempfile.mkdtemp(prefix="probing-accuracy-base-")) / "tree"
+    got = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), rev],
+                         capture_output=True, text=True)  # fmt: skip
+    if got.returncode != 0:
+        sys.exit(f"accuracy: --baseline {rev}: {got.stderr.strip()} (give a commit of this repo)")
+    env = {"PYTHONPATH": str(where), "PROBING_VERSION_OVERRIDE": f"0.0.0+baseline.{rev}"}
+    return Tree(f"baseline {rev}", where, env)
+
+
+def drop_tree(tree: Tree) -> None:
+    """Stop the baseline's engine, remove its worktree."""
+    cmd = [sys.executable, "-m", "probing", "engine", "stop"]
+    subprocess.run(cmd, cwd=tree.path, env=tree.environ(), capture_output=True, timeout=60)
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree.path)],
+                   capture_output=True)  # fmt: skip
+    shutil.rmtree(tree.path.parent, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -969,6 +1044,11 @@ def main() -> None:
     p.add_argument("--diagnose-timeout", type=float, default=120.0)
     p.add_argument("--keep", action="store_true", help="keep each case's truth files and job log")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="each case also run first with that revision's probing (a worktree), side by side",
+    )
     args = p.parse_args()
     cases = all_cases()
     pats = [c for arg in args.cases for c in arg.split(",") if c]
@@ -986,25 +1066,34 @@ def main() -> None:
         print("accuracy: not root: tracing needs BPF; the cases will fail", file=sys.stderr)
     first = head()
     signal.signal(signal.SIGTERM, interrupted)  # a case's job is stopped on the way out
+    base = baseline_tree(args.baseline) if args.baseline else None
     t0 = time.monotonic()
-    recs = []
+    recs: list[dict[str, Any]] = []
+    was: list[dict[str, Any]] = []  # the baseline's
     try:
         for i, case in enumerate(cases, 1):
-            load = os.getloadavg()[0]
-            print(
-                f"accuracy: [{i}/{len(cases)}] {case.name} (load average {load:.1f})",
-                file=sys.stderr,
-                flush=True,
-            )
-            rec = run_case(case, args)
-            recs.append(rec)
-            print(json.dumps(rec, default=str), flush=True)
+            for tree in [base, THIS] if base else [THIS]:
+                now = os.getloadavg()[0]
+                print(
+                    f"accuracy: [{i}/{len(cases)}] {case.name} ({tree.name}, "
+                    f"load average {now:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                rec = run_case(case, args, tree)
+                (recs if tree is THIS else was).append(rec)
+                print(json.dumps(rec, default=str), flush=True)
     except KeyboardInterrupt:
         print(f"\naccuracy: interrupted after {len(recs)} cases", file=sys.stderr)
         if recs:
             print("\n" + report(recs, time.monotonic() - t0))
         sys.exit(130)
+    finally:
+        if base:
+            drop_tree(base)
     body = report(recs, time.monotonic() - t0)
+    if base:
+        print("\n" + compared(was[: len(recs)], recs, args.baseline))
     print("\n" + body)
     if args.out:
         loads = [r["loadavg"] for r in recs if "loadavg" in r]

@@ -10,11 +10,12 @@ Each rank appends to ``--truth PATH`` + ``.rank{r}`` (or ``$ACCURACY_TRUTH``):
 - on the faulty rank, when the fault first fires: ``{"fault", "rank",
   "onset": time.time(), "ms", "step"}``;
 - one line per optimizer step: ``{"rank", "step", "t0", "t1", "t_arrive",
-  "t_collective", "injected_ms", "runq_ms"}``: wall-clock ``time.time()`` at
-  the step's start and end, just before its first collective (the synchronised
-  backward for DDP, the last forward for FSDP2), and when DDP launched the
-  step's first bucket (a comm hook: ``allreduce_hook``, stamped; None for
-  FSDP2, whose first all-gather starts with the forward), the time this rank spent in
+  "t_collective", "t_last_collective", "injected_ms", "runq_ms"}``: wall-clock
+  ``time.time()`` at the step's start and end, just before its first
+  collective (the synchronised backward for DDP, the last forward for FSDP2),
+  and when DDP launched the step's first bucket and its last (a comm hook:
+  ``allreduce_hook``, stamped; None for FSDP2, whose first all-gather starts
+  with the forward), the time this rank spent in
   the injected fault during the step (measured, not the nominal figure), and
   the time the training thread waited for a CPU
   (``/proc/thread-self/schedstat``).
@@ -265,16 +266,16 @@ def build(shape: str) -> tuple[nn.Module, int]:
     return ddp, 64
 
 
-FIRST_BUCKET: list[float] = []  # when this rank launched its last step's first bucket (wall s)
+# when this rank launched each bucket of its last step (wall s), by bucket index
+BUCKETS: dict[int, float] = {}
 
 
 def stamp_first_bucket(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP's own all-reduce of ``bucket`` (``allreduce_hook``), the first
-    bucket's launch stamped: when this rank reached its first collective."""
+    """DDP's own all-reduce of ``bucket`` (``allreduce_hook``), each bucket's
+    launch stamped: when this rank reached its first collective, and its last."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    if bucket.index() == 0:
-        FIRST_BUCKET[:] = [time.time()]
+    BUCKETS[bucket.index()] = time.time()
     return default_hooks.allreduce_hook(None, bucket)
 
 
@@ -309,6 +310,7 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
         fault.step = step
         fault.injected_ms = 0.0
         q0 = runq_ns()
+        BUCKETS.clear()
         t0 = time.time()
         for m in range(micro):
             x, y = load_batch(step, fault, batch, width)
@@ -333,7 +335,8 @@ def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> No
                 "t0": t0,
                 "t1": t1,
                 "t_arrive": arrive,
-                "t_collective": FIRST_BUCKET[-1] if FIRST_BUCKET and not fsdp else None,
+                "t_collective": BUCKETS.get(0),
+                "t_last_collective": max(BUCKETS.values(), default=None),
                 "injected_ms": round(fault.injected_ms, 3),
                 "runq_ms": round((runq_ns() - q0) / 1e6, 3),
             }

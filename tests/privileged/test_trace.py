@@ -415,14 +415,16 @@ def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> No
     assert "--stop" in started.stdout
     status = ProbeClient.for_pid(t.pid).trace_status()
     assert status["state"] == "tracing" and str(copy) not in status["families"]["cuda"]["libraries"]
+    # no CUDA library mapped: its program (and its 64 MiB ring) not loaded yet
+    assert status["families"]["cuda"]["loaded"] is False, status["families"]
     go.touch()
     wait_line(t, "done")
     stopped = cli("trace", "--pid", str(t.pid), "--stop")
     assert stopped.returncode == 0, stopped.stderr
     assert "every uprobe detached" in stopped.stdout
     no_uprobes_left(t.pid)
-    libs = ProbeClient.for_pid(t.pid).trace_status()["families"]["cuda"]["libraries"]
-    assert str(copy) in libs
+    cuda = ProbeClient.for_pid(t.pid).trace_status()["families"]["cuda"]
+    assert str(copy) in cuda["libraries"] and cuda["loaded"], cuda
     q = cli("query", "--pid", str(t.pid), "-f", "json", "SELECT bytes FROM cuda.calls ORDER BY 1")
     assert [r["bytes"] for r in json.loads(q.stdout)] == [5000, 5001, 5002, 5003]
     again = cli("trace", "--pid", str(t.pid), "--stop")

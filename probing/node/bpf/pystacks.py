@@ -165,6 +165,12 @@ class PyStacks:
             m = bpf["py_threads"]
             m[m.Key(tid)] = m.Leaf(tstate)
 
+    def fill(self, bpf: Any) -> None:
+        """A program loaded after the threads were synced: every one known into its map."""
+        m = bpf["py_threads"]
+        for tid, addr in self.threads.items():
+            m[m.Key(tid)] = m.Leaf(addr)
+
     def sync(self, bpfs: Iterable[Any]) -> None:
         try:
             now = self.current_threads()

@@ -132,6 +132,10 @@ class Tracer:
         self.holder = loader.Holder(self.pid)
         # how start() went: compiled or from the cache, seconds to load and to be ready
         self.load_info: dict[str, Any] = {"cached": {}}
+        # families compiled and not loaded: none of their libraries is mapped yet
+        # (a CPU job's cuda: its 64 MiB ring is never made), loaded with the first
+        self._pending: dict[str, tuple[fam.Family, Any]] = {}
+        self._multi = False
         for f in self.families:
             self.store.table(f.table, "calls", f.schema)
 
@@ -163,12 +167,12 @@ class Tracer:
         started = False
         try:
             self.holder.start()  # its interpreter starts while the programs load
-            multi = loader.has_uprobe_multi()
-            for f in self.families:
+            self._multi = loader.has_uprobe_multi()
+            for f in self.families:  # compiled now (or cached), loaded where a library is
                 compiled, cached = compile_family(f, py_flags)
                 self.load_info["cached"][f.name] = cached
-                self._load(Live.load(f, compiled, multi=multi, holder=self.holder))
-            self.load_info["uprobe_multi"] = multi
+                self._pending[f.name] = (f, compiled)
+            self.load_info["uprobe_multi"] = self._multi
             self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
             if self._py is not None:
@@ -273,6 +277,7 @@ class Tracer:
             self.stopped_ns = time.time_ns()
 
     def _detach(self) -> None:
+        self._pending.clear()
         if self._py is not None:
             self._unhook_threads()
         live_families = self._drainer.release()
@@ -323,10 +328,25 @@ class Tracer:
         maps = self._uprobes.look(self.pid, always=always)
         if maps is None:
             return
+        self._load_wanted(maps)
         self._kernel_names.mark_runtime_text(maps, self._drainer.live)
         # what the process has: a library it maps later is found by the next
         # scan (RESCAN_EVERY_S)
         self._uprobes.attach_new(maps, self._drainer.live)
+
+    def _load_wanted(self, maps: list[Any]) -> None:
+        """Load each family compiled and waiting whose library ``maps`` holds."""
+        names = {os.path.basename(m.path) for m in maps}
+        for name, (f, compiled) in list(self._pending.items()):
+            if not any(f.libraries.match(b) for b in names):
+                continue
+            try:
+                live = Live.load(f, compiled, multi=self._multi, holder=self.holder)
+                self._load(live)
+                if self._py is not None:  # the threads synced before it was there
+                    self._py.fill(live.bpf)
+            finally:  # tried once; status saw it waiting until now
+                self._pending.pop(name, None)
 
     # -- reading ---------------------------------------------------------------------
     def drain(self) -> int:
@@ -353,12 +373,16 @@ class Tracer:
         per = {}
         for live in self._drainer.loaded:
             per[live.family.name] = {
+                "loaded": True,
                 "events": live.events,
                 "dropped": live.drops_seen,
                 "saved": live.saved,
                 "libraries": sorted(live.libraries),
                 "uprobes": self._uprobes.attached(live.family.name),
             }
+        for name in list(self._pending):  # not loaded (no ring yet): no library of it mapped
+            per.setdefault(name, {"loaded": False, "events": 0, "dropped": 0, "saved": 0,
+                                  "libraries": [], "uprobes": 0})  # fmt: skip
         return {
             "state": self.state.value,
             "pid": self.pid,
