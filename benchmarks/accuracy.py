@@ -111,6 +111,7 @@ class Tree:
     name: str
     path: Path
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    python: str = sys.executable
 
     def environ(self) -> dict[str, str]:
         return {**os.environ, **self.env}
@@ -312,7 +313,7 @@ class Run:
 
 def run_diagnose(pid: int, record_s: float | None, timeout: float, tree: Tree = THIS) -> Run:
     """``probing diagnose`` as a user runs it (``tree``'s); its stderr lines timestamped."""
-    cmd = [sys.executable, "-m", "probing", "diagnose", "--pid", str(pid), "--cluster"]
+    cmd = [tree.python, "-m", "probing", "diagnose", "--pid", str(pid), "--cluster"]
     if record_s is not None:
         cmd += ["--record", f"{record_s:g}s"]
     cmd += ["--format", "json"]
@@ -997,19 +998,24 @@ def interrupted(signum: int, frame: Any) -> None:
 
 def baseline_tree(rev: str) -> Tree:
     """A worktree of ``rev`` whose ``python -m probing`` (its CLI, the guest it
-    injects, the engine it starts) states an install of its own."""
-    where = Path(tempfile.mkdtemp(prefix="probing-accuracy-base-")) / "tree"
+    injects, the engine it starts) is an install of its own: run by this venv's
+    Python through a link to the venv (an install is its version and where its
+    Python is: ``guest.place.install``), so that its engine is its own."""
+    top = Path(tempfile.mkdtemp(prefix="probing-accuracy-base-"))
+    where = top / "tree"
     got = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), rev],
                          capture_output=True, text=True)  # fmt: skip
     if got.returncode != 0:
         sys.exit(f"accuracy: --baseline {rev}: {got.stderr.strip()} (give a commit of this repo)")
-    env = {"PYTHONPATH": str(where), "PROBING_VERSION_OVERRIDE": f"0.0.0+baseline.{rev}"}
-    return Tree(f"baseline {rev}", where, env)
+    venv = Path(sys.executable).parent.parent
+    (top / "venv").symlink_to(venv, target_is_directory=True)
+    python = str(top / "venv" / "bin" / Path(sys.executable).name)
+    return Tree(f"baseline {rev}", where, {"PYTHONPATH": str(where)}, python)
 
 
 def drop_tree(tree: Tree) -> None:
     """Stop the baseline's engine, remove its worktree."""
-    cmd = [sys.executable, "-m", "probing", "engine", "stop"]
+    cmd = [tree.python, "-m", "probing", "engine", "stop"]
     subprocess.run(cmd, cwd=tree.path, env=tree.environ(), capture_output=True, timeout=60)
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree.path)],
                    capture_output=True)  # fmt: skip
