@@ -653,19 +653,39 @@ def looks(w: Watch, node: Node, start: int, seconds: float) -> dict[int, list[di
 
 def test_a_steady_pace_asks_the_ranks_only_at_full_detections() -> None:
     """Looks between full detections ask no rank while the detector's own
-    collectives keep their pace; the groups, the deaths and who traced are
-    asked at the full detections (torch's groups once in GROUPS_S)."""
+    collectives keep their pace; the collectives are asked at every full
+    detection, the deaths and who traced once in AUX_S (every rank answers
+    and moves), torch's groups once in GROUPS_S."""
+    node = Node()
+    node.live = synchronous(lambda k: 0.0, steps=520)
+    node.groups = groups_of(node.live)
+    w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
+    written = looks(w, node, ended(node.live, 0, 300), watch.AUX_S + 0.5)
+    assert not any(written.values())
+    assert [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked] == [
+        "comm.collectives", "comm.groups", "process.info", "trace.intervals",
+        "comm.collectives", "comm.collectives",
+        "comm.collectives", "process.info", "trace.intervals",
+    ]  # fmt: skip
+    assert w.book.detections == 4
+
+
+def test_a_rank_that_stands_still_has_the_deaths_asked_at_once() -> None:
+    """Between the AUX_S asks, a rank that began no collective for STILL_S
+    (it died, hangs or stopped tracing) has the deaths and spans asked again
+    at the next full detection."""
     node = Node()
     node.live = synchronous(lambda k: 0.0, steps=420)
     node.groups = groups_of(node.live)
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
-    written = looks(w, node, ended(node.live, 0, 300), watch.FULL_S + 0.5)
-    assert not any(written.values())
-    assert [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked] == [
-        "comm.collectives", "comm.groups", "process.info", "trace.intervals",
-        "comm.collectives", "process.info", "trace.intervals",
-    ]  # fmt: skip
-    assert w.book.detections == 2
+    start = ended(node.live, 0, 300)
+    looks(w, node, start, 0)
+    asked = len(node.asked)
+    node.live = node.live.filter(pc.invert(pc.and_(  # rank 1 stops at step 330
+        pc.equal(node.live["rank"], 1), pc.greater_equal(node.live["seq"], 330))))  # fmt: skip
+    looks(w, node, start + int(watch.FULL_S * 1e9), 0)
+    tables = [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked[asked:]]
+    assert tables == ["comm.collectives", "process.info", "trace.intervals"], tables
 
 
 def test_a_slowdown_asks_every_rank_at_once_and_is_written_once_it_lasted() -> None:

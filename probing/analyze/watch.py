@@ -71,6 +71,9 @@ ELECT_S = 30.0  # how often a rank above the detector checks that the ranks belo
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
 FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often
 ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
+AUX_S = 15.0  # the ranks' deaths and traced spans asked again this often, or at once
+# where who answered changed or a rank's newest collective began STILL_S ago
+STILL_S = 2.0
 GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes) ...
 GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)
 GROUPS_KEEP = 65536  # contexts whose group is kept (past it, only the last answer's)
@@ -284,7 +287,7 @@ class Watch:
         with self.book.lock:
             self.book.detections += 1
         if not self.analyst.aux:
-            self.analyst.ask_aux(now, table)
+            self.analyst.ask_aux(now, table, got)
         if not waiting and not _screen(table, now) - known:
             return []
         d, found = self._analyze(table, got, now, runq=False)
@@ -296,7 +299,7 @@ class Watch:
         table, got = self._window.fetch(self.node, now)
         with self.book.lock:
             self.book.detections += 1
-        self.analyst.ask_aux(now, table)
+        self.analyst.ask_aux(now, table, got)
         return self._detect(table, got, now)
 
     def _analyze(
@@ -432,11 +435,17 @@ class Analyst:
         self.node = node
         self.groups = Groups()  # torch's names for the job's groups
         self.aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
+        self._aux_ns = 0  # when they were asked, and who answered then
+        self._aux_who: set[int] = set()
 
-    def ask_aux(self, now: int, table: pa.Table) -> None:
+    def ask_aux(self, now: int, table: pa.Table, got: Any) -> None:
         """The ranks that died and who traced when, and torch's groups where
-        due for the window ``table`` (``Groups.due``): asked at full
-        detections, used by the analyses the screen starts between them."""
+        due for the window ``table`` (``Groups.due``) that ``got`` answered:
+        asked at full detections, used by the analyses the screen starts
+        between them. Deaths and spans change seldom: asked again every
+        ``AUX_S``, and at once where the ranks that answered changed, one
+        stood still (``_still``: it died, hangs, or stopped tracing) or the
+        spans said one was not tracing (it may trace again)."""
         from probing.analyze.queries import optional, queries
 
         sql = queries(remote=True)
@@ -446,6 +455,16 @@ class Analyst:
 
         if self.groups.due(table, now):  # torch's names, as diagnose says them
             self.learn_groups(now, table)
+        who = {t.rank for t in got.peers}
+        if (
+            self.aux
+            and now - self._aux_ns < AUX_S * 1e9
+            and who == self._aux_who
+            and not _still(table, who, now)
+            and _all_tracing(self.aux.get("intervals"))
+        ):
+            return
+        self._aux_ns, self._aux_who = now, who
         aux = dict(self.aux)  # the other thread reads them meanwhile: replaced at once
         aux["dead"] = ask(sql["dead"]).to_pylist()
         aux["intervals"] = optional(ask, sql["intervals"])
@@ -581,6 +600,25 @@ class Groups:
         picked = gloo.take(firsts)
         cols = [picked.column(c).to_pylist() for c in keys]
         return {k for k in zip(*cols, strict=True) if k not in self.rows}
+
+
+def _all_tracing(intervals: pa.Table | None) -> bool:
+    """Whether every rank's last span (``trace.intervals``) traces; True where unknown."""
+    if intervals is None or "state" not in intervals.column_names:
+        return True
+    return all(s == "tracing" for s in intervals.column("state").to_pylist())
+
+
+def _still(table: pa.Table, ranks: set[int], now: int) -> bool:
+    """Whether one of ``ranks`` began no collective of ``table`` in the last ``STILL_S``."""
+    import pyarrow.compute as pc
+
+    if not table.num_rows:
+        return True
+    newest = table.group_by("rank").aggregate([("ts", "max")])
+    fresh = pc.greater_equal(newest.column("ts_max"), now - int(STILL_S * 1e9))
+    moving = set(newest.filter(fresh).column("rank").to_pylist())
+    return bool(ranks - moving)
 
 
 def _screen(table: pa.Table, now: int) -> set[int]:
