@@ -389,8 +389,9 @@ def truth_window(
 ) -> dict[str, Any]:
     """The job's own figures over the steps that began after ``lo`` (and the
     onset) and ended before ``hi``: its median step; how late the faulty rank
-    reached its first collective each step after the others (mean; what the
-    others wait for it: its lateness), the share of the step that is; and the
+    reached the collective the others wait at each step (DDP's last bucket,
+    else its first collective) after the others (mean; its lateness), the
+    share of the step that is; and the
     time it spent in the fault (``injected_ms``, shown beside: on 2 CPUs for 4
     ranks the others go on computing meanwhile, and it reaches the collective
     less late than it spent)."""
@@ -415,10 +416,11 @@ def truth_window(
     arrive = stamped(win, "t_arrive")
     # the first collective itself (DDP's first bucket, stamped by a comm hook;
     # FSDP2's first all-gather starts with the forward: t_arrive)
-    reach = stamped(win, "t_collective", "t_arrive")
-    # and its last (DDP's last bucket: the others wait at the end of backward
-    # until it is launched; None where not stamped)
-    last = stamped(win, "t_last_collective")
+    first = stamped(win, "t_collective", "t_arrive")
+    # what the others wait for: DDP's last bucket (the others wait at the end of
+    # backward until it is launched: a rank slowed all through its backward, by
+    # CPU contention, is later there than at its first); else the first
+    reach = stamped(win, "t_last_collective", "t_collective", "t_arrive")
     runq = {r: [s["runq_ms"] for s in ss] for r, ss in win.items() if ss}
 
     def excess(per: dict[int, list[float]]) -> dict[int, float]:
@@ -430,8 +432,8 @@ def truth_window(
         }
 
     out["arrival_excess_ms"] = excess(arrive)
+    out["first_collective_excess_ms"] = excess(first)
     out["collective_excess_ms"] = excess(reach)
-    out["last_collective_excess_ms"] = excess(last)
     out["runq_excess_ms"] = excess(runq)
     if case.rank is None or step is None or case.fault in (*STOPS, "slow_link"):
         return out
