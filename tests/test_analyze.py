@@ -614,7 +614,7 @@ def test_a_rank_late_before_one_of_many_collectives_a_step_is_named() -> None:
     assert abs(s.late_ms - 30) < 4 and abs(s.share_of_step - 30 / s.step_ms) < 0.05
 
 
-def test_a_small_lateness_with_nothing_of_its_own_is_noise_not_a_straggler() -> None:
+def test_a_small_or_now_and_then_lateness_with_nothing_of_its_own_is_noise() -> None:
     from probing.analyze import why as wy
     from probing.analyze.diagnose import explained
 
@@ -633,6 +633,13 @@ def test_a_small_lateness_with_nothing_of_its_own_is_noise_not_a_straggler() -> 
     stragglers = [late(1, 0.04), late(2, 0.04), late(3, 0.30)]
     whys = [why(1, wy.NOTHING), why(2, "function"), why(3, wy.NOTHING)]
     kept, said = explained(stragglers, whys)
+    assert [s.rank for s in kept] == [2, 3] and [w.rank for w in said] == [2, 3]
+    # late at 2 steps in 10, 11 % of the step: with nothing of its own, noise of
+    # a loaded node; with a function of its own (a slow 10th step), named; late
+    # at every step, named whatever its samples say
+    sparse = [late(1, 0.11), late(2, 0.11), late(3, 0.11)]
+    sparse[0].late_steps = sparse[1].late_steps = 0.2
+    kept, said = explained(sparse, [why(1, wy.NOTHING), why(2, "function"), why(3, wy.NOTHING)])
     assert [s.rank for s in kept] == [2, 3] and [w.rank for w in said] == [2, 3]
 
 
