@@ -62,7 +62,7 @@ class _Stderr(logging.StreamHandler):
     def stream(self, _: object) -> None:  # StreamHandler sets it; sys.stderr wins
         pass
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+    def handleError(self, record: logging.LogRecord) -> None:
         pass  # stderr closed or gone: nothing to tell, and never a traceback of ours
 
 

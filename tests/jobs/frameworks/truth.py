@@ -64,7 +64,7 @@ class Truth:
         """The header, once this rank knows its rank; its first step starts now."""
         self.rank = rank
         if self.path:
-            self.f = open(f"{self.path}.rank{rank}", "a", buffering=1)  # noqa: SIM115
+            self.f = open(f"{self.path}.rank{rank}", "a", buffering=1)
         self.write(
             {
                 "fault": self.fault, "rank": self.slow_rank, "onset_step": self.onset,
