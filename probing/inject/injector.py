@@ -364,6 +364,7 @@ class Prepared(NamedTuple):
     image: bytes  # the page's contents, written in one go
     boot_value: int  # probing_boot's st_value in the library
     lib_min_vaddr: int  # where file offset 0 lands, relative to the load bias
+    lib_here: str = ""  # the library from here, where the target names it otherwise (stage)
 
 
 STUB_AT, PATH_AT, ARGS_AT = 0, 64, 512  # offsets in the private page
@@ -390,7 +391,9 @@ def prepare(target: Target, lib: str, source: str, lib_here: str = "") -> Prepar
     syms = elf.Symbols(os.path.realpath(lib_here or lib), ("probing_boot",))
     if "probing_boot" not in syms.values:
         raise AttachError(f"{lib} has no probing_boot", hint="rebuild it: make setup")
-    return Prepared(insn, size, bytes(image), syms.values["probing_boot"], syms.min_vaddr)
+    return Prepared(
+        insn, size, bytes(image), syms.values["probing_boot"], syms.min_vaddr, lib_here or lib
+    )
 
 
 def _boot_address(target: Target, mem: Memory, handle: int, prep: Prepared, lib: str) -> int:
@@ -406,10 +409,8 @@ def _boot_address(target: Target, mem: Memory, handle: int, prep: Prepared, lib:
     return _symbol_in(target.pid, lib, "probing_boot")
 
 
-def _run_in_target(
-    target: Target, tracee: Tracee, lib: str, source: str, lib_here: str = ""
-) -> None:
-    prep = target.prepared or prepare(target, lib, source, lib_here)
+def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> None:
+    prep = target.prepared or prepare(target, lib, source)
     mem = Memory(target.pid)
     state = tracee.save_state()
     saved = state[0]
@@ -437,7 +438,7 @@ def _run_in_target(
                 pid=target.pid,
                 hint="the target's user must be able to read probing's install",
             )
-        boot = _boot_address(target, mem, handle, prep, lib_here or lib)
+        boot = _boot_address(target, mem, handle, prep, prep.lib_here or lib)
         rc = tracee.call(saved, boot, (page + ARGS_AT,), stub, CALL_TIMEOUT_S)
         if rc != 0:
             raise AttachError(f"the boot thread did not start in {target.pid} (error {rc})")
@@ -584,7 +585,7 @@ def inject(pid: int, *, timeout: float = 30.0) -> InjectResult:
             tracee = _borrow(target)
             stopped = time.monotonic()
             try:
-                _run_in_target(target, tracee, lib, source, lib_here)
+                _run_in_target(target, tracee, lib, source)
             finally:
                 tracee.detach()
                 stopped = time.monotonic() - stopped
