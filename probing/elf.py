@@ -61,7 +61,7 @@ def loaded_objects(maps: Iterable[proc.Mapping]) -> dict[str, LoadedObject]:
     return out
 
 
-def host_path(pid: int, path: str) -> str:
+def host_path(pid: proc.Pid, path: str) -> str:
     """``path`` as seen from here: through the target's root when we can."""
     if path.endswith(" (deleted)"):
         path = path[: -len(" (deleted)")]

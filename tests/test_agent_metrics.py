@@ -18,6 +18,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing import proc
 from probing.analyze.findings import log_findings, openmetrics
+from probing.guest import wire
 from probing.node import agent as agent_module
 from probing.node.agent import Agent, Policy
 from probing.node.findings import Feed
@@ -444,3 +445,30 @@ def test_a_scraper_gets_openmetrics_where_it_asks_or_names_no_format() -> None:
     assert wants_openmetrics("Application/OpenMetrics-Text; version=1.0.0")
     assert not wants_openmetrics("*/*")  # curl
     assert not wants_openmetrics("text/plain;version=0.0.4")
+
+
+def test_a_process_its_engine_traces_already_is_tracing_not_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent started again (its container replaced, with the engine in it)
+    meets probes whose new engine resumed their trace: they are traced."""
+    from probing.inject import injector
+
+    monkeypatch.setattr(injector, "inject", lambda pid: injector.InjectResult(pid, True, "/x"))
+
+    def refuse(*args: object, **kw: object) -> None:
+        raise wire.WireError(
+            409, "pid 7 is already tracing (gloo); stop it first", "AlreadyTracing"
+        )
+
+    monkeypatch.setattr(wire, "request", refuse)
+    agent = Agent(Policy())
+    assert agent._attach(7, "RANK", "job", 1.0).state == "tracing"
+    assert agent.failures == 0
+
+    def other(*args: object, **kw: object) -> None:
+        raise wire.WireError(500, "the BPF programs did not load", "BPFUnavailable")
+
+    monkeypatch.setattr(wire, "request", other)
+    assert agent._attach(7, "RANK", "job", 1.0).state == "failed: the BPF programs did not load"
+    assert agent.failures == 1

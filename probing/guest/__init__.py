@@ -19,11 +19,11 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def start(engine_python: str, *, wait: bool = True) -> "Any":
+def start(engine_python: str, *, wait: bool = True, spawn: bool = True) -> "Any":
     """This process's guest, serving and handed to the engine (``agent.start``)."""
     from .agent import start as _start
 
-    return _start(engine_python, wait=wait)
+    return _start(engine_python, wait=wait, spawn=spawn)
 
 
 def current() -> "Any":

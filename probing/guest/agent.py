@@ -4,6 +4,9 @@
 (``probing.node.service``, run by probing's own Python), starting the engine when
 none answers: ``probing inject`` waits for its answer, a host starting up
 (``PROBING=1``) does not. The engine then serves the pid's probe socket.
+A guest injected from another mount namespace (a containerised agent,
+``probing.inject.stage``) never starts an engine: probing's Python is a
+path it cannot run; the injector starts it, and the guest waits for it.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ class Guest:
     """This process's guest: its socket (``serve``), its hand-over to the
     engine (``register``, waited for; ``announce``, not), its thread hook."""
 
-    def __init__(self, engine_python: str, environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, engine_python: str, environ: dict[str, str] | None = None, spawn: bool = True
+    ) -> None:
         self.engine_python = engine_python
+        self.spawn = spawn  # False: the engine is started by whoever injected (elsewhere)
         self.environ = dict(os.environ if environ is None else environ)
         self.directory = place.user_dir(root=place.runtime_root(self.environ))
         # the engine of this environment's settings and of probing's Python
@@ -115,6 +121,10 @@ class Guest:
             stopped = place.engine_path(self.directory, self.key, "stopped")
             if os.path.exists(stopped) or not threading.main_thread().is_alive():
                 return
+            if not self.spawn:  # probing's Python is not ours to run: its agent attaches again
+                _say(f"the node's engine (pid {engine_pid}) stopped; the agent that "
+                     f"injected pid {self.pid} hands it to the next")  # fmt: skip
+                return
             _say(f"the node's engine (pid {engine_pid}) stopped; starting a new one")
             try:
                 self.register()
@@ -140,7 +150,10 @@ class Guest:
         except wire.WireError as err:
             if err.status:
                 raise
-            answer = self._start_engine(sock, payload, timeout)
+            if self.spawn:
+                answer = self._start_engine(sock, payload, timeout)
+            else:
+                answer = self._wait_engine(sock, payload, timeout)
         self.engine = answer
         self._caller(int(answer.get("engine_pid", 0)))
         return answer
@@ -155,7 +168,8 @@ class Guest:
             wire.send(place.engine_path(self.directory, self.key), "POST", "/attach", payload)
             return
         except OSError:
-            pass
+            if not self.spawn:
+                return  # the engine is started by whoever injected us, and finds our socket
         pid = self._spawn_engine()
         threading.Thread(target=os.waitpid, args=(pid, 0), name="probing-guest-reap",
                          daemon=True).start()  # fmt: skip
@@ -213,6 +227,17 @@ class Guest:
         finally:
             os.close(fd)
 
+    def _wait_engine(self, sock: str, payload: dict[str, Any], timeout: float) -> Any:
+        """The engine's answer, once the injector that started it has it serve."""
+        deadline = time.monotonic() + timeout
+        while True:
+            time.sleep(0.02)
+            try:
+                return wire.request(sock, "POST", "/attach", payload, timeout=timeout)
+            except wire.WireError as err:
+                if err.status or time.monotonic() > deadline:
+                    raise
+
     def _engine_env(self) -> dict[str, str]:
         env = {k: v for k, v in self.environ.items() if k in KEEP_ENV}
         # a daemon that serves hundreds of jobs from many threads: glibc's
@@ -244,16 +269,17 @@ def current() -> Guest | None:
     return _guest
 
 
-def start(engine_python: str, *, wait: bool = True) -> Guest:
+def start(engine_python: str, *, wait: bool = True, spawn: bool = True) -> Guest:
     """The guest of this process, serving (idempotent); registered with the
     engine now (``wait``: the engine's answer is in ``guest.engine``) or
-    announced to it without waiting (a host starting up)."""
+    announced to it without waiting (a host starting up). ``spawn``: False
+    where the engine is started by the injector (``Guest.spawn``)."""
     global _guest
     with _lock:
         guest = _guest
         fresh = guest is None or guest.server is None
         if fresh:
-            guest = Guest(engine_python)
+            guest = Guest(engine_python, spawn=spawn)
             guest.serve()
             _guest = guest
     assert guest is not None
@@ -277,7 +303,7 @@ def _after_fork_in_child() -> None:
     parent.server.abandon()
     if os.environ.get("PROBING_FORK", "").strip().lower() == "child":
         try:
-            start(parent.engine_python, wait=False)
+            start(parent.engine_python, wait=False, spawn=parent.spawn)
         except Exception as err:  # a fork handler in the host's child
             _say(f"no probe in forked child {os.getpid()}: {err}")
 

@@ -6,7 +6,7 @@ thread that holds the GIL. It loads the guest (``probing/guest``) from its
 files under one private name, ``_probing_guest`` (never through
 ``sys.path``: the target imports what it imported before), starts it, has
 it hand the process to the node's engine (started by probing's own Python
-when none runs), and reports to a status file the injector waits on.
+when none runs, or by the injector: ``spawn``), and reports to a status file the injector waits on.
 Every exception is caught and reported; nothing is printed in the target.
 """
 
@@ -79,7 +79,8 @@ def start(args: "dict[str, Any]") -> "dict[str, Any]":
         sys.setswitchinterval((round(HOST_SWITCH * 1e6) + 0.25) / 1e6)
         _main_thread_fixed(had_threading)
     # the engine's start is waited for outside the short switch interval
-    answer = guest_pkg.start(args["engine_python"], wait=True).engine or {}
+    spawn = args.get("spawn", True)  # False: the injector started the engine (inject.stage)
+    answer = guest_pkg.start(args["engine_python"], wait=True, spawn=spawn).engine or {}
     return {
         "ok": True,
         "already": already,

@@ -13,6 +13,10 @@
    exactly (an interrupted syscall restarts) and detach.
 4. Wait for the bootstrap's status file and the probe's socket.
 
+A target in another mount namespace (a containerised agent's job) loads
+the library and the guest from a stage in its runtime root, and its engine
+is started here (``stage``).
+
 SIGINT/SIGTERM/SIGHUP are held while a thread is borrowed and delivered
 after it is given back, so an interrupted injector never leaves a thread
 stopped or running our code.
@@ -44,7 +48,7 @@ from probing.errors import (
     no_such_pid,
 )
 from probing.guest import place
-from probing.inject import build
+from probing.inject import build, stage
 from probing.inject.arch import Arch, native
 from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
 
@@ -360,12 +364,15 @@ class Prepared(NamedTuple):
     image: bytes  # the page's contents, written in one go
     boot_value: int  # probing_boot's st_value in the library
     lib_min_vaddr: int  # where file offset 0 lands, relative to the load bias
+    lib_here: str = ""  # the library from here, where the target names it otherwise (stage)
 
 
 STUB_AT, PATH_AT, ARGS_AT = 0, 64, 512  # offsets in the private page
 
 
-def prepare(target: Target, lib: str, source: str) -> Prepared:
+def prepare(target: Target, lib: str, source: str, lib_here: str = "") -> Prepared:
+    """The page's contents; ``lib`` is the library as the target names it
+    (``lib_here``: the same file from here, where that differs)."""
     arch = target.arch
     lib_bytes = lib.encode() + b"\0"
     if len(lib_bytes) > ARGS_AT - PATH_AT:
@@ -381,10 +388,12 @@ def prepare(target: Target, lib: str, source: str) -> Prepared:
         insn = _find_syscall_insn(target, mem)
     finally:
         mem.close()
-    syms = elf.Symbols(os.path.realpath(lib), ("probing_boot",))
+    syms = elf.Symbols(os.path.realpath(lib_here or lib), ("probing_boot",))
     if "probing_boot" not in syms.values:
         raise AttachError(f"{lib} has no probing_boot", hint="rebuild it: make setup")
-    return Prepared(insn, size, bytes(image), syms.values["probing_boot"], syms.min_vaddr)
+    return Prepared(
+        insn, size, bytes(image), syms.values["probing_boot"], syms.min_vaddr, lib_here or lib
+    )
 
 
 def _boot_address(target: Target, mem: Memory, handle: int, prep: Prepared, lib: str) -> int:
@@ -429,7 +438,7 @@ def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> Non
                 pid=target.pid,
                 hint="the target's user must be able to read probing's install",
             )
-        boot = _boot_address(target, mem, handle, prep, lib)
+        boot = _boot_address(target, mem, handle, prep, prep.lib_here or lib)
         rc = tracee.call(saved, boot, (page + ARGS_AT,), stub, CALL_TIMEOUT_S)
         if rc != 0:
             raise AttachError(f"the boot thread did not start in {target.pid} (error {rc})")
@@ -458,9 +467,15 @@ def _give_back(tracee: Tracee, state: RegState, mapping: tuple[int, int], insn: 
 
 
 def _symbol_in(pid: int, lib: str, name: str) -> int:
+    """``name`` of ``lib`` (a path from here) where ``pid`` mapped it (the same file)."""
     real = os.path.realpath(lib)
+    want = os.stat(real)
     for obj in elf.loaded_objects(proc.maps(pid)).values():
-        if os.path.realpath(elf.host_path(pid, obj.path)) == real or obj.path == real:
+        try:
+            st = os.stat(elf.host_path(pid, obj.path))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
             addr = elf.Symbols(real, (name,)).address(name, obj.base)
             if addr:
                 return addr
@@ -477,25 +492,30 @@ def guest_dir() -> str:
     return os.path.dirname(os.path.abspath(guest.__file__))
 
 
-def bootstrap_source(status: str) -> str:
+def bootstrap_source(status: str, guest: str = "", spawn: bool = True) -> str:
+    """The bootstrap with its ``ARGS``: the status file and the guest's
+    directory as the target names them; ``spawn``: whether the guest may
+    start the engine (with this Python) when none answers."""
     from probing.inject import bootstrap
 
     with open(bootstrap.__file__) as f:
         body = f.read()
     args = {
         "status": status,
-        "guest": guest_dir(),
-        "engine_python": sys.executable,
+        "guest": guest or guest_dir(),
+        "engine_python": sys.executable,  # the engine's key names it, started or not
+        "spawn": spawn,
     }
     namespace = f"{{'__name__': {bootstrap.NAME!r}, 'ARGS': {args!r}}}"
     return f"__import__('builtins').exec({body!r}, {namespace})\n"
 
 
-def _status_dir(target: Target) -> str:
-    d = tempfile.mkdtemp(prefix="probing-inject-")
+def _status_dir(target: Target, there: stage.Elsewhere | None) -> tuple[str, str]:
+    """A directory the target writes its report in: from here, and as it names it."""
+    d = tempfile.mkdtemp(prefix="probing-inject-", dir=there.here(there.root) if there else None)
     if os.geteuid() == 0 and target.uid != 0:
         os.chown(d, target.uid, -1)  # the target writes its report here
-    return d
+    return d, os.path.join(there.root, os.path.basename(d)) if there else d
 
 
 def _wait_report(target: Target, status: str, timeout: float) -> dict[str, Any]:
@@ -548,12 +568,19 @@ def inject(pid: int, *, timeout: float = 30.0) -> InjectResult:
     if found:
         return InjectResult(pid, True, found, total_s=time.monotonic() - t0)
     target = inspect(pid)
-    lib = build.library_path()
-    status_dir = _status_dir(target)
+    lib, lib_here, guest = build.library_path(), "", guest_dir()
+    environ = proc.environ(pid)
+    there = stage.elsewhere(pid, target.uid, environ)  # None: our mount namespace
+    if there is not None:  # the target loads a stage, and its engine is started here
+        lib, lib_here, guest = stage.stage(there, lib, guest)
+        stage.start_engine(there, environ)
+    status_dir, status_dir_there = _status_dir(target, there)
     status = os.path.join(status_dir, "status.json")
     try:
-        source = bootstrap_source(status)
-        target.prepared = prepare(target, lib, source)
+        source = bootstrap_source(
+            os.path.join(status_dir_there, "status.json"), guest, spawn=there is None
+        )
+        target.prepared = prepare(target, lib, source, lib_here)
         with held_signals():
             tracee = _borrow(target)
             stopped = time.monotonic()

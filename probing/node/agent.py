@@ -329,7 +329,13 @@ class Agent:
         except TimeoutError:
             self.failures += 1
             state = f"failed: its probe did not answer /trace/start in {TRACE_START_S:g} s"
-        except (ProbingError, wire.WireError, OSError) as err:
+        except wire.WireError as err:
+            if err.kind == "AlreadyTracing":  # its engine resumed the trace (the engine of a
+                state = "tracing"  # container replaced, from the probe's .trace), or a user's
+            else:
+                self.failures += 1
+                state = f"failed: {err}"
+        except (ProbingError, OSError) as err:
             self.failures += 1
             state = f"failed: {err}"
         took = time.monotonic() - t0

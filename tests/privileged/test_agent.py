@@ -65,10 +65,13 @@ class Watched:
 
 
 @contextlib.contextmanager
-def watched_job(runtime_dir: Path, **agent_env: str) -> Iterator[Watched]:
-    """``probing agent`` (``agent_env`` added to its environment), then a
-    4-rank Gloo job with no PROBING, rank ``SLOW`` 60 ms slower a step; every
-    process stopped at the end. The agent attaches to this test's processes only."""
+def watched_job(
+    runtime_dir: Path, *, wrap: tuple[str, ...] = (), **agent_env: str
+) -> Iterator[Watched]:
+    """``probing agent`` (``agent_env`` added to its environment; run by the
+    command ``wrap`` where given), then a 4-rank Gloo job with no PROBING,
+    rank ``SLOW`` 60 ms slower a step; every process stopped at the end. The
+    agent attaches to this test's processes only."""
     mark = {"PROBING_AGENT_TEST": uuid.uuid4().hex}  # this test's processes only
     base = {k: v for k, v in os.environ.items() if k != "PROBING"}
     base.update(PROBING_RUNTIME_DIR=str(runtime_dir), PROBING_TOKEN=TOKEN, **mark)
@@ -76,7 +79,7 @@ def watched_job(runtime_dir: Path, **agent_env: str) -> Iterator[Watched]:
     procs: list[subprocess.Popen[str]] = []
     try:
         agent = subprocess.Popen(
-            [sys.executable, "-m", "probing", "agent", "--every", "0.5", "--port", "0",
+            [*wrap, sys.executable, "-m", "probing", "agent", "--every", "0.5", "--port", "0",
              "--env", f"PROBING_AGENT_TEST={mark['PROBING_AGENT_TEST']}"],
             env={**base, **agent_env}, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from probing import proc
+from probing import elf, proc
 from probing.node.bpf import families as fam
 from probing.node.bpf.loader import Uprobe
 from probing.node.bpf.symbols import (
@@ -187,14 +187,17 @@ class Uprobes:
 
     def attach_new(self, maps: list[Mapping], live: list[Live]) -> None:
         """Attach the ``live`` families to every matching file of ``maps``
-        not attached yet (by inode)."""
+        not attached yet (by inode). Each file is read and probed through
+        the process's root (``elf.host_path``): the path it maps may not be
+        ours (an engine in a container, the job on the node)."""
         for path in dict.fromkeys(m.path for m in maps):
             base = os.path.basename(path)
             wanted = [x for x in live if x.family.libraries.match(base)]
             if not wanted:
                 continue
+            here = elf.host_path(self.pid, path)
             try:
-                st = os.stat(path)
+                st = os.stat(here)
             except OSError:
                 continue
             key = (st.st_dev, st.st_ino)
@@ -202,12 +205,14 @@ class Uprobes:
                 continue
             self._seen_files.add(key)
             for family in wanted:
-                self._attach_library(family, path)
+                self._attach_library(family, path, here)
 
-    def _attach_library(self, live: Live, path: str) -> None:
+    def _attach_library(self, live: Live, path: str, here: str) -> None:
+        """``live``'s uprobes on the library the process maps at ``path``
+        (``here``: the same file from this process)."""
         f = live.family
         try:
-            found = symbols(f, path)
+            found = symbols(f, here)
         except ELF_ERRORS as err:
             self.probes.append(Probe(f.name, path, "*", "entry", False, f"cannot read: {err}"))
             return
@@ -221,7 +226,7 @@ class Uprobes:
             wanted.append(Uprobe(fn.entry, sym, offset, False))
             if fn.ret is not None:
                 wanted.append(Uprobe(fn.ret, sym, offset, True))
-        for sym, kind, ok, why in live.bpf.attach(path, wanted, self.pid):
+        for sym, kind, ok, why in live.bpf.attach(here, wanted, self.pid):
             self.probes.append(Probe(f.name, path, sym, kind, ok, why))
         live.libraries.add(path)  # listed once its uprobes are in
 

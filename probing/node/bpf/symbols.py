@@ -169,7 +169,7 @@ class Symbolizer:
             m = self._mapping(addr)
         name = None
         if m is not None:
-            syms = self._symbols(m.path)
+            syms = self._symbols(elf.host_path(self.pid, m.path))  # the file, from here
             if syms is not None:
                 vaddr = syms.vaddr(addr - m.start + m.offset)
                 raw = syms.name_at(vaddr) if vaddr is not None else None
