@@ -82,6 +82,39 @@ def clock_offset_ns() -> int:
     return best[1]
 
 
+class Waiting:
+    """The families compiled and not loaded: none of their libraries is mapped
+    yet (a CPU job's ``cuda``: its 64 MiB ring is never made). Each is loaded
+    (``Tracer._load_wanted``) at the look that finds one of its libraries."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[str, tuple[fam.Family, Any]] = {}
+        self.multi = False  # the kernel attaches uprobes as one multi link
+
+    def due(self, maps: list[Any]) -> list[tuple[fam.Family, Any]]:
+        """The families waiting whose library ``maps`` holds."""
+        names = {os.path.basename(m.path) for m in maps}
+        return [(f, c) for f, c in list(self.compiled.values())
+                if any(f.libraries.match(b) for b in names)]  # fmt: skip
+
+
+def families_status(loaded: list[Live], uprobes: Uprobes, waiting: Waiting) -> dict[str, Any]:
+    """Each family's events, drops, libraries and uprobes; one waiting for a
+    library is ``loaded: False`` (no ring yet)."""
+    per = {
+        live.family.name: {
+            "loaded": True, "events": live.events, "dropped": live.drops_seen,
+            "saved": live.saved, "libraries": sorted(live.libraries),
+            "uprobes": uprobes.attached(live.family.name),
+        }
+        for live in loaded
+    }  # fmt: skip
+    for name in list(waiting.compiled):
+        per.setdefault(name, {"loaded": False, "events": 0, "dropped": 0, "saved": 0,
+                              "libraries": [], "uprobes": 0})  # fmt: skip
+    return per
+
+
 class Tracer:
     """Trace ``families`` of process ``target`` (this one by default) into
     ``store``: ``start()``, ``stop()``, ``status()``."""
@@ -128,14 +161,10 @@ class Tracer:
         self._next_s: float | None = None  # the wait a fast-filling ring asks for
         self._last_drain = self._last_scan = 0.0  # monotonic s
         self._lock = threading.Lock()
-        # the helper process that holds this tracer's links and perf events
-        self.holder = loader.Holder(self.pid)
+        self.holder = loader.Holder(self.pid)  # holds this tracer's links and perf events
         # how start() went: compiled or from the cache, seconds to load and to be ready
         self.load_info: dict[str, Any] = {"cached": {}}
-        # families compiled and not loaded: none of their libraries is mapped yet
-        # (a CPU job's cuda: its 64 MiB ring is never made), loaded with the first
-        self._pending: dict[str, tuple[fam.Family, Any]] = {}
-        self._multi = False
+        self._waiting = Waiting()  # families compiled, loaded once a library of theirs is
         for f in self.families:
             self.store.table(f.table, "calls", f.schema)
 
@@ -167,12 +196,12 @@ class Tracer:
         started = False
         try:
             self.holder.start()  # its interpreter starts while the programs load
-            self._multi = loader.has_uprobe_multi()
+            self._waiting.multi = loader.has_uprobe_multi()
             for f in self.families:  # compiled now (or cached), loaded where a library is
                 compiled, cached = compile_family(f, py_flags)
                 self.load_info["cached"][f.name] = cached
-                self._pending[f.name] = (f, compiled)
-            self.load_info["uprobe_multi"] = self._multi
+                self._waiting.compiled[f.name] = (f, compiled)
+            self.load_info["uprobe_multi"] = self._waiting.multi
             self.load_info["load_s"] = time.perf_counter() - t0
             self._sync_threads()
             if self._py is not None:
@@ -277,7 +306,7 @@ class Tracer:
             self.stopped_ns = time.time_ns()
 
     def _detach(self) -> None:
-        self._pending.clear()
+        self._waiting.compiled.clear()
         if self._py is not None:
             self._unhook_threads()
         live_families = self._drainer.release()
@@ -336,17 +365,14 @@ class Tracer:
 
     def _load_wanted(self, maps: list[Any]) -> None:
         """Load each family compiled and waiting whose library ``maps`` holds."""
-        names = {os.path.basename(m.path) for m in maps}
-        for name, (f, compiled) in list(self._pending.items()):
-            if not any(f.libraries.match(b) for b in names):
-                continue
+        for f, compiled in self._waiting.due(maps):
             try:
-                live = Live.load(f, compiled, multi=self._multi, holder=self.holder)
+                live = Live.load(f, compiled, multi=self._waiting.multi, holder=self.holder)
                 self._load(live)
                 if self._py is not None:  # the threads synced before it was there
                     self._py.fill(live.bpf)
             finally:  # tried once; status saw it waiting until now
-                self._pending.pop(name, None)
+                self._waiting.compiled.pop(f.name, None)
 
     # -- reading ---------------------------------------------------------------------
     def drain(self) -> int:
@@ -370,25 +396,12 @@ class Tracer:
 
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        per = {}
-        for live in self._drainer.loaded:
-            per[live.family.name] = {
-                "loaded": True,
-                "events": live.events,
-                "dropped": live.drops_seen,
-                "saved": live.saved,
-                "libraries": sorted(live.libraries),
-                "uprobes": self._uprobes.attached(live.family.name),
-            }
-        for name in list(self._pending):  # not loaded (no ring yet): no library of it mapped
-            per.setdefault(name, {"loaded": False, "events": 0, "dropped": 0, "saved": 0,
-                                  "libraries": [], "uprobes": 0})  # fmt: skip
         return {
             "state": self.state.value,
             "pid": self.pid,
             "started_ns": self.started_ns,
             "stopped_ns": self.stopped_ns or None,
-            "families": per,
+            "families": families_status(self._drainer.loaded, self._uprobes, self._waiting),
             "output": self._writer.path if self._writer else None,
             "stacks": self._py is not None,
             "launch_stacks": self._py is not None and self.launch_stacks,
