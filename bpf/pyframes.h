@@ -45,7 +45,9 @@ static __always_inline u64 py_top_frame(u64 tstate) {
 /* Walk tstate's frames into st; the stack's hash (never 0), 0 when empty.
  * One read per frame and no branch but the end of the chain, so the
  * verifier keeps few states. A frame a C caller owns (3.12+ shim
- * frames) is recorded with code 0, and userspace leaves it out. */
+ * frames) or the interpreter's entry frame (3.14) is recorded with code 0,
+ * and userspace leaves it out. 3.14's f_executable is a tagged pointer
+ * (_PyStackRef): its low PY_FRAME_CODE_TAG_BITS are cleared. */
 static __always_inline u32 py_walk(u64 tstate, struct py_stack *st) {
     u64 buf[PY_FRAME_READ / 8];
     u64 frame = py_top_frame(tstate);
@@ -54,14 +56,14 @@ static __always_inline u32 py_walk(u64 tstate, struct py_stack *st) {
     for (int i = 0; i < PY_MAX_FRAMES; i++) {
         if (!frame || bpf_probe_read_user(buf, sizeof(buf), (void *)frame) != 0)
             break;
-        u64 code = PY_FIELD(buf, PY_FRAME_CODE, u64);
+        u64 code = PY_FIELD(buf, PY_FRAME_CODE, u64) & ~(u64)PY_FRAME_CODE_TAG_BITS;
 #if PY_FRAME_INSTR >= 0
         s32 off = (s32)(PY_FIELD(buf, PY_FRAME_INSTR, u64) - code - PY_CODE_ADAPTIVE);
 #else
         s32 off = 2 * PY_FIELD(buf, PY_FRAME_LASTI, s32);
 #endif
 #if PY_FRAME_OWNER >= 0 && PY_FRAME_OWNED_BY_CSTACK >= 0
-        if (PY_FIELD(buf, PY_FRAME_OWNER, u8) == PY_FRAME_OWNED_BY_CSTACK)
+        if (PY_FIELD(buf, PY_FRAME_OWNER, u8) >= PY_FRAME_OWNED_BY_CSTACK)
             code = 0;
 #endif
         st->code[i] = code;

@@ -97,10 +97,13 @@ def _image(version: str, frames: list[tuple[str, str, int]]):  # type: ignore[no
         mem.put(code + off.code_firstlineno, struct.pack("<i", SAMPLE_FIRST))
         mem.q(code + off.code_linetable, _bytes(mem, off, table))
         addrs.append(code)
+    if off.frame_owned_by_cstack >= 0:  # the interpreter's entry frame: left out
+        prev = _entry_frame(mem, off)
     for i in reversed(range(len(frames))):  # outermost first, each links to the previous
         fr = mem.alloc(256)
         code, offset = addrs[i], frames[i][2]
-        mem.q(fr + off.frame_code, code)
+        # 3.14: a _PyStackRef, its low bit a tag (deferred reference counting)
+        mem.q(fr + off.frame_code, code | (1 if off.frame_code_tag_bits else 0))
         mem.q(fr + off.frame_previous, prev)
         if off.frame_instr >= 0:
             mem.q(fr + off.frame_instr, code + off.code_adaptive + offset)
@@ -115,15 +118,28 @@ def _image(version: str, frames: list[tuple[str, str, int]]):  # type: ignore[no
     return mem, off, runtime
 
 
-def _debug_offsets(mem: FakeMemory, runtime: int, base: pyframes.Offsets) -> pyframes.Offsets:
-    """A 3.13 _Py_DebugOffsets whose values differ from the static row, so
-    the test shows they are the ones used."""
+def _entry_frame(mem: FakeMemory, off: pyframes.Offsets) -> int:
+    """A frame no Python code runs in (3.12+: a C caller's shim; 3.14: the
+    entry frame, f_executable None): what the walk skips."""
+    fr = mem.alloc(256)
+    mem.q(fr + off.frame_code, mem.alloc(64) | (1 if off.frame_code_tag_bits else 0))
+    mem.put(fr + off.frame_owner, bytes([off.frame_owned_by_cstack]))
+    return fr
+
+
+def _debug_offsets(
+    mem: FakeMemory, runtime: int, base: pyframes.Offsets, free_threaded: int = 0
+) -> pyframes.Offsets:
+    """A 3.13+ _Py_DebugOffsets whose values differ from the static row, so
+    the test shows they are the ones used (3.14: two frame words more)."""
     words = [0] * 64
+    words[2] = free_threaded
     words[5], words[9] = 24, 40  # runtime interpreters_head, interp threads_head
     ts = 6 + 13  # header (3) + runtime (3) + interpreter section (13 words)
     words[ts : ts + 9] = [400, 0, 8, 16, 80, 160, 168, 0, 0]
-    words[ts + 9 : ts + 15] = [80, 16, 0, 56, 72, 70]
-    co = ts + 15
+    frame = [80, 16, 0, 56, 72, 70] + [88, 0][: base.debug_frame_words - 6]
+    words[ts + 9 : ts + 9 + len(frame)] = frame
+    co = ts + 9 + len(frame)
     words[co : co + 10] = [220, 120, 128, 136, 144, 76, 0, 0, 0, 208]
     blob = b"xdebugpy" + struct.pack("<63Q", *words[1:])
     mem.put(runtime + base.debug_offsets, blob)
@@ -153,6 +169,19 @@ def test_walk_canned_interpreter(version: str) -> None:
         assert [f.line for f in frames] == want and x_line in want
 
 
+def test_a_free_threaded_interpreter_is_refused_with_one_line() -> None:
+    base = pyframes.offsets_for("3.14")
+    mem = FakeMemory()
+    runtime = mem.alloc(4096)
+    _debug_offsets(mem, runtime, base, free_threaded=1)
+    assert remote.free_threaded(mem, runtime, base)
+    msg = remote.FREE_THREADED.format(version="3.14")
+    assert "\n" not in msg and "3.14t" in msg and "not support" in msg
+    _debug_offsets(mem, runtime, base, free_threaded=0)
+    assert not remote.free_threaded(mem, runtime, base)
+    assert not remote.free_threaded(mem, runtime, pyframes.offsets_for("3.12"))
+
+
 def line_at(offset: int) -> int:
     return next(ln for s, e, ln in sample.__code__.co_lines() if s <= offset < e)
 
@@ -161,7 +190,7 @@ def test_unsupported_version_lists_the_supported() -> None:
     with pytest.raises(
         UnsupportedPython,
         match=r"Unsupported version of Python: 3\.9 "
-        r"\(supported: 3\.10, 3\.11, 3\.12, 3\.13\)",
+        r"\(supported: 3\.10, 3\.11, 3\.12, 3\.13, 3\.14\)",
     ):
         pyframes.offsets_for((3, 9))
 

@@ -19,8 +19,19 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+FREE_THREADED = (
+    "free-threaded CPython ({}t) is not supported yet: no probe runs in it "
+    "(run the job on the GIL build of CPython)"
+)
+
+
 def start(engine_python: str, *, wait: bool = True, spawn: bool = True) -> "Any":
-    """This process's guest, serving and handed to the engine (``agent.start``)."""
+    """This process's guest, serving and handed to the engine (``agent.start``).
+    A free-threaded build is refused: the engine cannot read its frames."""
+    import sys
+
+    if "t" in getattr(sys, "abiflags", ""):
+        raise RuntimeError(FREE_THREADED.format("{}.{}".format(*sys.version_info[:2])))
     from .agent import start as _start
 
     return _start(engine_python, wait=wait, spawn=spawn)

@@ -45,6 +45,7 @@ from probing.errors import (
     AttachError,
     NoSuchProcess,
     ProbingError,
+    UnsupportedPython,
     no_such_pid,
 )
 from probing.guest import place
@@ -179,14 +180,16 @@ def inspect(pid: int) -> Target:
     objs = elf.loaded_objects(maps)
     py_api: dict[str, int] = {}
     python: tuple[int, int] | None = None
+    runtime: int | None = None
     for obj in elf.python_candidates(pid, objs):
-        syms = elf.symbols_of(pid, obj, (*PY_API, "Py_Version"))
+        syms = elf.symbols_of(pid, obj, (*PY_API, "Py_Version", "_PyRuntime"))
         if syms is None or "PyGILState_Ensure" not in syms.values:
             continue
         if syms.machine != arch.elf_machine:
             raise AttachError(f"{obj.path} is {syms.machine}, not {arch.name}", pid=pid)
         py_api = {name: syms.address(name, obj.base) or 0 for name in PY_API}
         python = _read_version(pid, syms, obj) or elf.version_from_name(obj.name)
+        runtime = syms.address("_PyRuntime", obj.base)
         break
     if not py_api:
         exe = _exe(pid)
@@ -208,11 +211,30 @@ def inspect(pid: int) -> Target:
             f"(supported: {', '.join(pyframes.SUPPORTED)})",
             pid=pid,
         )
+    _refuse_free_threaded(pid, version, runtime)
     libc = elf.find_libc(objs)
     if libc is None:
         raise AttachError(f"process {pid} ({comm}) maps no libc to call dlopen from", pid=pid)
     dlopen, dlerror = _find_dlopen(pid, libc, objs)
     return Target(pid, comm, uid, arch, python, py_api, dlopen, dlerror, libc, objs)
+
+
+def _refuse_free_threaded(pid: int, version: str, runtime: int | None) -> None:
+    """A free-threaded build (3.13t, 3.14t) is refused before anything is
+    done to it: its frames and objects are not laid out as the table says."""
+    if runtime is None:
+        return
+    from probing.pyframes import remote
+    from probing.pyframes.memory import ProcessMemory
+
+    try:
+        threaded = remote.free_threaded(ProcessMemory(pid), runtime, pyframes.offsets_for(version))
+    except (OSError, ProbingError):
+        return
+    if threaded:
+        raise UnsupportedPython(
+            f"process {pid} " + remote.FREE_THREADED.format(version=version), pid=pid
+        )
 
 
 def _exe(pid: int) -> str:

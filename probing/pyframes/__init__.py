@@ -39,7 +39,8 @@ class Offsets:
     frame_instr: int
     frame_lasti: int
     frame_owner: int
-    frame_owned_by_cstack: int
+    frame_owned_by_cstack: int  # frames owned by this value or above run no Python code
+    frame_code_tag_bits: int  # low bits of the frame's code pointer that tag it (3.14)
     code_filename: int
     code_name: int
     code_qualname: int
@@ -53,6 +54,7 @@ class Offsets:
     bytes_size: int
     bytes_data: int
     debug_offsets: int
+    debug_frame_words: int  # words of _Py_DebugOffsets' frame section
 
     @property
     def linetable_format(self) -> str:
@@ -71,6 +73,7 @@ class Offsets:
             "frame_lasti",
             "frame_owner",
             "frame_owned_by_cstack",
+            "frame_code_tag_bits",
             "code_adaptive",
         )
         return [f"-DPY_{n.upper()}={getattr(self, n)}" for n in names]

@@ -81,6 +81,13 @@ TSTATE = {  # PyThreadState up to native_thread_id
     + _ptrs("current_frame", "c_profilefunc", "c_tracefunc", "c_profileobj", "c_traceobj")
     + _ptrs("current_exception", "exc_info", "dict")
     + [("gilstate_counter", I), ("async_exc", P), ("thread_id", L), ("native_thread_id", L)],
+    (3, 14): _ptrs("prev", "next", "interp")
+    + [("eval_breaker", ctypes.c_uint64)]
+    + _ints("_status", "holds_gil", "_whence", "state", "py_recursion_remaining")
+    + _ints("py_recursion_limit", "recursion_headroom", "tracing", "what_event")
+    + _ptrs("current_frame", "c_profilefunc", "c_tracefunc", "c_profileobj", "c_traceobj")
+    + _ptrs("current_exception", "exc_info", "dict")
+    + [("gilstate_counter", I), ("async_exc", P), ("thread_id", L), ("native_thread_id", L)],
 }
 CFRAME = {  # _PyCFrame
     (3, 11): [("use_tracing", ctypes.c_uint8), ("current_frame", P)],
@@ -99,6 +106,13 @@ FRAME = {  # 3.10: PyFrameObject; 3.11+: _PyInterpreterFrame
     + [("stacktop", I), ("return_offset", ctypes.c_uint16), ("owner", ctypes.c_char)],
 }
 FRAME[(3, 13)] = FRAME[(3, 12)]  # f_executable and instr_ptr took their places
+# 3.14: f_executable is a _PyStackRef (a tagged pointer: FRAME_CODE_TAG_BITS),
+# and stackpointer (a pointer) takes stacktop's place
+FRAME[(3, 14)] = _ptrs("code", "previous", "f_funcobj", "f_globals", "f_builtins", "f_locals") + [
+    *_ptrs("frame_obj", "instr", "stackpointer"),
+    ("return_offset", ctypes.c_uint16),
+    ("owner", ctypes.c_char),
+]
 _CO_PTRS = ("co_localsplusnames", "co_localspluskinds", "filename", "name", "qualname")
 # 3.13 keeps 3.12's code object up to co_extra and adds co_executors
 _CODE_312 = (
@@ -126,6 +140,17 @@ CODE = {
     + [("_co_firsttraceable", I), ("co_extra", P), ("adaptive", ctypes.c_char)],
     (3, 12): _CODE_312 + [("adaptive", ctypes.c_char)],
     (3, 13): _CODE_312 + [("co_executors", P), ("adaptive", ctypes.c_char)],
+    # 3.14: co_executors moves up, _co_unique_id is new (and free-threaded
+    # builds add co_tlbc before co_code_adaptive: refused, see debug.py)
+    (3, 14): VARHEAD
+    + _ptrs("co_consts", "co_names", "co_exceptiontable")
+    + _ints("co_flags", "co_argcount", "co_posonly", "co_kwonly", "co_stacksize")
+    + _ints("firstlineno", "co_nlocalsplus", "co_framesize", "co_nlocals", "co_ncellvars")
+    + _ints("co_nfreevars", "co_version")
+    + _ptrs(*_CO_PTRS, "linetable", "co_weakreflist", "co_executors", "_co_cached")
+    + [("_co_instrumentation_version", U64), ("_co_monitoring", P)]
+    + [("_co_unique_id", ctypes.c_ssize_t), ("_co_firsttraceable", I), ("co_extra", P)]
+    + [("adaptive", ctypes.c_char)],
 }
 _ASCII = [*HEAD, ("length", ctypes.c_ssize_t), ("hash", ctypes.c_ssize_t), ("state", I)]
 _WSTR = [("wstr", P)]
@@ -138,10 +163,20 @@ BYTES = [*VARHEAD, ("ob_shash", ctypes.c_ssize_t), ("data", ctypes.c_char)]
 # 3.13+: _PyRuntime starts with _Py_DebugOffsets, which says where these are
 RUNTIME[(3, 13)] = None
 INTERP[(3, 13)] = None
-FRAME_OWNED_BY_CSTACK = {(3, 12): 3, (3, 13): 3}
+# the first value of _frameowner whose frames run no Python code (a C
+# caller's shim frame; 3.14: FRAME_OWNED_BY_INTERPRETER (3), the entry frame
+# whose f_executable is None, and FRAME_OWNED_BY_CSTACK (4)): such frames
+# are left out
+FRAME_OWNED_BY_CSTACK = {(3, 12): 3, (3, 13): 3, (3, 14): 3}
+# the low bits of f_executable that tag a _PyStackRef (3.14: Py_TAG_BITS, 1
+# with the GIL; 3 clears the free-threaded build's tags too)
+FRAME_CODE_TAG_BITS = {(3, 14): 3}
 LINETABLE = {(3, 10): "lnotab310", (3, 11): "locations"}
-DEBUG_OFFSETS = {(3, 13): 0}  # _Py_DebugOffsets at the start of _PyRuntime
-VERSIONS = [(3, 10), (3, 11), (3, 12), (3, 13)]
+DEBUG_OFFSETS = {(3, 13): 0, (3, 14): 0}  # _Py_DebugOffsets at the start of _PyRuntime
+# u64 words of _Py_DebugOffsets' interpreter_frame section (its size first):
+# 3.14 adds stackpointer and tlbc_index
+DEBUG_FRAME_WORDS = {(3, 13): 6, (3, 14): 8}
+VERSIONS = [(3, 10), (3, 11), (3, 12), (3, 13), (3, 14)]
 
 
 def _pick(table: Mapping[tuple[int, int], Any], v: tuple[int, int]) -> Any:
@@ -181,6 +216,7 @@ def offsets(v: tuple[int, int]) -> dict[str, int]:
         "frame_lasti": fr.get("lasti", -1),
         "frame_owner": fr.get("owner", -1),
         "frame_owned_by_cstack": _pick(FRAME_OWNED_BY_CSTACK, v) or -1,
+        "frame_code_tag_bits": FRAME_CODE_TAG_BITS.get(v, 0),
         "code_filename": co["filename"],
         "code_name": co["name"],
         "code_qualname": co.get("qualname", -1),
@@ -194,6 +230,7 @@ def offsets(v: tuple[int, int]) -> dict[str, int]:
         "bytes_size": by["ob_size"],
         "bytes_data": by["data"],
         "debug_offsets": DEBUG_OFFSETS.get(v, -1),
+        "debug_frame_words": DEBUG_FRAME_WORDS.get(v, -1),
     }
 
 

@@ -16,16 +16,30 @@ import struct
 import sys
 
 from probing import elf, proc
-from probing.errors import AccessDenied, NoSuchProcess, ProbingError
+from probing.errors import AccessDenied, NoSuchProcess, ProbingError, UnsupportedPython
 from probing.pyframes import Offsets, offsets_for, walker
 from probing.pyframes.memory import Memory, ProcessMemory
 
 DEBUG_COOKIE = b"xdebugpy"
-# _Py_DebugOffsets (3.13): cookie, version, free_threaded, then sections of
+# _Py_DebugOffsets (3.13+): cookie, version, free_threaded, then sections of
 # u64 offsets, each opening with the struct's size.
+_DBG_FREE_THREADED = 2  # word
 _DBG_INTERPRETERS_HEAD = 40
 _DBG_THREADS_HEAD = 72
 _DBG_SCAN = 1024  # bytes of the struct searched for the thread-state section
+FREE_THREADED = (
+    "runs a free-threaded CPython ({version}t), which probing does not support yet: "
+    "its frames and objects have another layout (run the job on the GIL build, python{version})"
+)
+
+
+def free_threaded(mem: Memory, runtime: int, base: Offsets) -> bool:
+    """Whether the 3.13+ interpreter at ``runtime`` is a free-threaded build
+    (``_Py_DebugOffsets.free_threaded``): its layouts are not the table's."""
+    if base.debug_offsets < 0:
+        return False
+    raw = mem.read(runtime + base.debug_offsets, 8 * (_DBG_FREE_THREADED + 1))
+    return raw[:8] == DEBUG_COOKIE and struct.unpack_from("<Q", raw, 8 * _DBG_FREE_THREADED)[0] != 0
 
 
 def apply_debug_offsets(mem: Memory, runtime: int, base: Offsets) -> Offsets:
@@ -41,7 +55,9 @@ def apply_debug_offsets(mem: Memory, runtime: int, base: Offsets) -> Offsets:
     ts = next((i for i in range(7, len(words) - 30) if words[i + 1 : i + 4] == (0, 8, 16)), None)
     if ts is None:
         return base
-    fr, co = ts + 9, ts + 15  # 9 thread-state words, 6 frame words, then the code object
+    # 9 thread-state words, the frame's (6 on 3.13, 8 on 3.14), then the code object's
+    fr = ts + 9
+    co = fr + base.debug_frame_words
     return dataclasses.replace(
         base,
         runtime_interpreters_head=words[_DBG_INTERPRETERS_HEAD // 8],
@@ -98,7 +114,11 @@ def locate(pid: int) -> Interpreter:
             version = ((hexversion >> 24) & 0xFF, (hexversion >> 16) & 0xFF)
         if version is None:
             continue
-        off = apply_debug_offsets(mem, runtime, offsets_for(version))
+        base = offsets_for(version)
+        if free_threaded(mem, runtime, base):
+            ver = f"{version[0]}.{version[1]}"
+            raise UnsupportedPython(f"process {pid} " + FREE_THREADED.format(version=ver), pid=pid)
+        off = apply_debug_offsets(mem, runtime, base)
         return Interpreter(pid, mem, off, runtime, f"{version[0]}.{version[1]}", obj.path)
     raise ProbingError(
         f"process {pid} is not a Python process: no mapped object exports _PyRuntime", pid=pid

@@ -79,10 +79,10 @@ def raw_frames(mem: Memory, off: Offsets, tstate: int, limit: int = MAX_DEPTH) -
     seen: set[int] = set()
     while frame and frame not in seen and len(out) < limit:
         seen.add(frame)
-        code = u64(mem, frame + off.frame_code)
+        code = u64(mem, frame + off.frame_code) & ~off.frame_code_tag_bits
         c_owned = off.frame_owner >= 0 and off.frame_owned_by_cstack >= 0
-        if c_owned and mem.read(frame + off.frame_owner, 1)[0] == off.frame_owned_by_cstack:
-            code = 0  # a shim frame of a C caller (3.12+)
+        if c_owned and mem.read(frame + off.frame_owner, 1)[0] >= off.frame_owned_by_cstack:
+            code = 0  # a shim frame of a C caller (3.12+), an entry frame (3.14)
         if code:
             if off.frame_instr >= 0:
                 instr = u64(mem, frame + off.frame_instr)
