@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Job environments that do not have probing (tests/privileged/test_guest_envs.py):
 # other numpy and pyarrow versions, other Python minors (pyenv's CPython
-# 3.10-3.13 where the machine has them), and real frameworks for the jobs in
-# tests/jobs/frameworks/ (versions pinned as pip resolved them). Idempotent:
-# each env once.
+# 3.10-3.13 where the machine has them; 3.14 in a chroot, .ci/py314.sh), and
+# real frameworks for the jobs in tests/jobs/frameworks/ (versions pinned as
+# pip resolved them). Idempotent: each env once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${PROBING_JOB_ENVS:-.venv-jobs}
@@ -39,3 +39,9 @@ make_env frameworks 3.11 "numpy==1.26.4" "torch==${PROBING_TORCH_VERSION:-2.13.0
   "accelerate==1.15.0" "pytorch-lightning==2.6.6" "lightning-utilities==0.15.3" "torchmetrics==1.9.0" \
   "megatron-core==0.16.1" \
   "deepspeed==0.19.8" "einops==0.8.2" "hjson==3.1.0" "msgpack==1.2.4" "ninja==1.13.2" "py-cpuinfo==9.0.0"
+# CPython 3.14 (Debian unstable's, with its torch) in a chroot: root only
+if [ "$(id -u)" = 0 ]; then
+  bash .ci/py314.sh "$ROOT/py314"
+else
+  say "not root: job env py314 (CPython 3.14 in a chroot, .ci/py314.sh) skipped"
+fi
