@@ -41,13 +41,26 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("version", pyframes.SUPPORTED)
-def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version) -> None:
+# CPython 3.14 is Debian unstable's, in a chroot (.ci/py314.sh: root only)
+CHROOTED = {"3.14": Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "py314"}
+
+
+def _python(version: str) -> str:
+    if version in CHROOTED:
+        python = CHROOTED[version] / "bin" / "python"
+        require(os.geteuid() == 0, f"CPython {version} runs in a chroot: needs root")
+        require(python.exists(), f"no CPython {version} job env at {python}: run .ci/jobenvs.sh")
+        return str(python)
     pythons = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python"))
     require(bool(pythons), f"no CPython {version} here (pyenv)")
+    return str(pythons[-1])
+
+
+@pytest.mark.parametrize("version", pyframes.SUPPORTED)
+def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version) -> None:
     code = f"GUEST_DIR = {str(GUEST_DIR)!r}\n" + LOAD_AND_LOOK
     out = subprocess.run(
-        [str(pythons[-1]), "-I", "-c", code], capture_output=True, text=True, timeout=60
+        [_python(version), "-I", "-c", code], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
@@ -110,3 +123,24 @@ def test_the_engine_is_named_by_the_settings_a_job_shares() -> None:
     assert place.engine_key({"PROBING_STORE_BYTES": "1"}) != place.engine_key({})
     passed = {"PROBING_ENGINE_ENV": "LD_LIBRARY_PATH", "LD_LIBRARY_PATH": "/x", "HOME": "/h"}
     assert place.engine_settings(passed) == {k: passed[k] for k in passed if k != "HOME"}
+
+
+def test_a_free_threaded_cpython_gets_one_line_and_no_probe(monkeypatch, capsys) -> None:
+    """3.14t: refused before the guest serves (its frames are not the table's);
+    ``PROBING=1`` says so in one line and the job goes on."""
+    ns: dict = {"__name__": "_probing_hook"}  # type: ignore[type-arg]
+    hook = GUEST_DIR / "hook.py"
+    exec(compile(hook.read_text(), str(hook), "exec"), ns)
+    monkeypatch.setattr(sys, "abiflags", "t", raising=False)
+    monkeypatch.setenv("PROBING", "1")
+    try:
+        ns["boot"](str(GUEST_DIR), sys.executable)
+    finally:  # the guest loaded under its private name, in this process: gone again
+        for name in [n for n in sys.modules if n.split(".")[0] == "_probing_guest"]:
+            del sys.modules[name]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "free-threaded CPython (3." in err, err
+    assert "not supported yet" in err
+    from probing.guest import agent
+
+    assert agent.current() is None
