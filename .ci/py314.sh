@@ -32,15 +32,28 @@ if [ "${1:-}" = --root ]; then echo "$root"; exit 0; fi
 [ $# = 1 ] || die "usage: $0 ENV_DIR | --root"
 envdir=$(mkdir -p "$1" && cd "$1" && pwd)
 
+# remove DIR...: a stopped build's or an older recipe's directories, unmounting
+# first what a stopped mmdebstrap may have left mounted in its chroot
+remove() {
+  local d m
+  for d in "$@"; do
+    [ -e "$d" ] || continue
+    for m in $(awk -v d="$d/" 'index($2, d) == 1 { print $2 }' /proc/mounts | sort -r); do
+      umount -l "$m" 2>/dev/null || true
+    done
+    rm -rf --one-file-system "$d"
+  done
+}
+
 build_root() {
-  local tmp="$cache/.build-$key.$$" t0=$SECONDS
+  local tmp="$cache/.build-$key.$$" t0=$SECONDS old
   mkdir -p "$cache"
   for old in "$cache"/.build-* "$cache"/sid-*; do  # stopped builds, older recipes
-    [ "$old" = "$cache/sid-$key" ] || [ ! -e "$old" ] || rm -rf --one-file-system "$old"
+    [ "$old" = "$cache/sid-$key" ] || remove "$old"
   done
   mkdir -p "$tmp"
   say "building Debian unstable's python3.14 and torch into $root (once; log: $tmp.log)"
-  trap 'rm -rf --one-file-system "$tmp"' EXIT
+  trap 'remove "$tmp"' EXIT
   mmdebstrap --variant=essential --mode=root --components=main \
     --include=python3.14,python3-torch \
     --dpkgopt=force-unsafe-io \
@@ -72,11 +85,11 @@ cat >"$envdir/bin/python" <<EOF
 # CPython 3.14 of $root, run in a chroot (.ci/py314.sh)
 exec unshare --mount --propagation private /bin/bash -c '
 set -e
-r=\$1; py=\$2; shift 2
+r=\$1; shift
 for d in /proc /sys /dev /tmp /run "$repo" "$envdir" \${PROBING_RUNTIME_DIR:+"\$PROBING_RUNTIME_DIR"}; do
   mkdir -p "\$r\$d" && mount --rbind "\$d" "\$r\$d"
 done
-exec chroot "\$r" /bin/sh -c "cd \"\\\$0\" 2>/dev/null || cd /; exec $envdir/venv/bin/python \"\\\$@\"" "\$PWD" "\$@"
+exec chroot "\$r" /bin/sh -c "cd \"\\\$0\" 2>/dev/null || cd /; exec \"\\\$@\"" "\$PWD" "\$@"
 ' py314 "$root" "$envdir/venv/bin/python" "\$@"
 EOF
 chmod 755 "$envdir/bin/python"
