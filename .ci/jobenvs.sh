@@ -40,8 +40,10 @@ make_env frameworks 3.11 "numpy==1.26.4" "torch==${PROBING_TORCH_VERSION:-2.13.0
   "megatron-core==0.16.1" \
   "deepspeed==0.19.8" "einops==0.8.2" "hjson==3.1.0" "msgpack==1.2.4" "ninja==1.13.2" "py-cpuinfo==9.0.0"
 # CPython 3.14 (Debian unstable's, with its torch) in a chroot: root only
-if [ "$(id -u)" = 0 ]; then
-  bash .ci/py314.sh "$ROOT/py314"
-else
+if [ "$(id -u)" != 0 ]; then
   say "not root: job env py314 (CPython 3.14 in a chroot, .ci/py314.sh) skipped"
+elif [ -n "${PROBING_PY314_BACKGROUND:-}" ]; then
+  say "job env py314: being built in the background (.ci/run; log: $ROOT/py314.log)"
+else
+  bash .ci/py314.sh "$ROOT/py314"
 fi

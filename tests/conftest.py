@@ -49,6 +49,37 @@ def require_bpf() -> None:
         require(check.ok, f"{check.name}: {check.detail}; fix: {check.fix}")
 
 
+# CPython 3.14: Debian unstable's, in a chroot (.ci/py314.sh, made by .ci/jobenvs.sh,
+# or built in the background by .ci/run while the suite runs)
+PY314_ENV = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "py314"
+PY314_BUILD_S = 1800  # the longest a background build is waited for (~4-6 min cold here)
+
+
+def _building(marker: Path) -> bool:
+    """Whether the background build ``marker`` names (its pid) still runs."""
+    try:
+        os.kill(int(marker.read_text().split()[0]), 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
+def py314_python() -> str:
+    """The CPython 3.14 job env's python, once ready: root only (its chroot);
+    a background build (.ci/run) is waited for, its failure shown."""
+    require(os.geteuid() == 0, "CPython 3.14 runs in a chroot (.ci/py314.sh): needs root")
+    ready, marker = PY314_ENV / ".ready", PY314_ENV.with_name("py314.building")
+    deadline = time.monotonic() + PY314_BUILD_S
+    while not ready.exists() and _building(marker) and time.monotonic() < deadline:
+        time.sleep(1)
+    log = PY314_ENV.with_name("py314.log")
+    if not ready.exists() and marker.exists() and log.exists():
+        pytest.fail(f"the CPython 3.14 env's background build did not finish: "
+                    f"{log.read_text()[-1500:]}")  # fmt: skip
+    require(ready.exists(), f"no CPython 3.14 job env at {PY314_ENV}: run .ci/jobenvs.sh as root")
+    return str(PY314_ENV / "bin" / "python")
+
+
 # the engines the tests start keep a dead process's probe 30 s, not 10 min,
 # and go 5 s after their last process (each test's runtime dir has its own)
 os.environ.setdefault("PROBING_KEEP_DEAD_S", "30")

@@ -16,7 +16,7 @@ from probing import pyframes
 from probing.errors import EvalError, QueryError
 from probing.guest import outbox, place
 from probing.target import Guest
-from tests.conftest import REPO, require
+from tests.conftest import REPO, py314_python, require
 
 GUEST_DIR = REPO / "probing" / "guest"
 
@@ -41,16 +41,9 @@ print(json.dumps({
 """
 
 
-# CPython 3.14 is Debian unstable's, in a chroot (.ci/py314.sh: root only)
-CHROOTED = {"3.14": Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "py314"}
-
-
 def _python(version: str) -> str:
-    if version in CHROOTED:
-        python = CHROOTED[version] / "bin" / "python"
-        require(os.geteuid() == 0, f"CPython {version} runs in a chroot: needs root")
-        require(python.exists(), f"no CPython {version} job env at {python}: run .ci/jobenvs.sh")
-        return str(python)
+    if version == "3.14":  # Debian unstable's, in a chroot (.ci/py314.sh: root only)
+        return py314_python()
     pythons = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python"))
     require(bool(pythons), f"no CPython {version} here (pyenv)")
     return str(pythons[-1])

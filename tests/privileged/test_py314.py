@@ -26,11 +26,10 @@ import pytest
 
 from probing.cli.demo import free_port, trace_all
 from probing.guest import place
-from tests.conftest import REPO, SLOWDOWN, cli, require, require_bpf, stop_engine
+from tests.conftest import REPO, SLOWDOWN, cli, py314_python, require_bpf, stop_engine
 
 pytestmark = pytest.mark.privileged
 WORLD = 4
-ENV = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs")) / "py314"
 LOOKED_FOR = ["typer", "rich", "pytest", "pyarrow", "datafusion", "psutil", "probing", "bcc",
               "elftools", "numpy"]  # fmt: skip
 
@@ -87,11 +86,11 @@ def _engine(env: dict[str, str], runtime: Path) -> None:
         time.sleep(0.05)
 
 
-def _ranks(env: dict[str, str], script: Path, runtime: Path) -> list[subprocess.Popen]:  # type: ignore[type-arg]
+def _ranks(python: str, env: dict[str, str], script: Path, runtime: Path) -> list[subprocess.Popen]:  # type: ignore[type-arg]
     port = free_port()
     return [
         subprocess.Popen(
-            [str(ENV / "bin" / "python"), str(script)],
+            [python, str(script)],
             env=dict(
                 env,
                 RANK=str(r),
@@ -112,10 +111,7 @@ def _ranks(env: dict[str, str], script: Path, runtime: Path) -> list[subprocess.
 @pytest.fixture(scope="module")
 def job() -> Iterator[Job]:
     require_bpf()
-    require(
-        (ENV / "bin" / "python").exists(), f"no CPython 3.14 job env at {ENV}: run .ci/jobenvs.sh"
-    )
-    python = str(ENV / "bin" / "python")
+    python = py314_python()
     hooked = cli("hook", "--python", python, timeout=120)
     assert hooked.returncode == 0, hooked.stderr
     runtime = Path(tempfile.mkdtemp(prefix="probing-py314-"))
@@ -128,7 +124,7 @@ def job() -> Iterator[Job]:
     script = runtime / "train.py"  # a file of the user's: its frames are user code
     script.write_text(JOB)
     _engine(env, runtime)
-    procs = _ranks(dict(env, PROBING="1"), script, runtime)
+    procs = _ranks(python, dict(env, PROBING="1"), script, runtime)
     old = os.environ.get("PROBING_RUNTIME_DIR")
     os.environ["PROBING_RUNTIME_DIR"] = str(runtime)  # cli() asks this job's engine
     try:
