@@ -227,3 +227,10 @@ def test_diagnose_names_the_slowed_rank_and_its_function(traced: Job) -> None:
     assert d["stragglers"] and d["stragglers"][0]["rank"] == job.slow, d["verdict"]
     assert fn and fn[0]["what"] == "load_batch", d["why"]
     assert f": load_batch ({job.script}:" in d["verdict"], d["verdict"]
+    # the sampler's stacks (python.samples): the slowed rank's time off CPU
+    # in load_batch's sleep, at its line
+    off = json.loads(ok("query", "--pid", str(job.pids[job.slow]), "--format", "json",
+                        "SELECT s.line, sum(p.dur_ns) AS ns FROM python.samples p "
+                        "JOIN python.stacks s USING (stack_id) WHERE p.kind = 'off' "
+                        "AND s.depth = 0 AND s.func = 'load_batch' GROUP BY s.line"))  # fmt: skip
+    assert off and max(off, key=lambda r: r["ns"])["line"] == line_of("LOAD"), off
