@@ -324,3 +324,18 @@ def test_a_probe_socket_gone_after_injection_is_waited_for_then_named(
         late.join()
         listener.close()
         os.unlink(sock_path)
+
+
+def test_a_free_threaded_target_is_refused_in_one_line_before_anything_is_done(
+    monkeypatch,
+) -> None:
+    from probing.errors import UnsupportedPython
+    from probing.pyframes import remote
+
+    runtime = remote.this_runtime()
+    injector._refuse_free_threaded(os.getpid(), "3.11", runtime)  # this GIL build: let be
+    monkeypatch.setattr(remote, "free_threaded", lambda mem, at, base: at == runtime)
+    with pytest.raises(UnsupportedPython) as err:
+        injector._refuse_free_threaded(os.getpid(), "3.14", runtime)
+    msg = str(err.value)
+    assert "\n" not in msg and f"process {os.getpid()} runs a free-threaded CPython (3.14t)" in msg
