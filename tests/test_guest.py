@@ -16,7 +16,7 @@ from probing import pyframes
 from probing.errors import EvalError, QueryError
 from probing.guest import outbox, place
 from probing.target import Guest
-from tests.conftest import REPO, py314_python, require
+from tests.conftest import PY314_BUILD_S, REPO, py314_python, require
 
 GUEST_DIR = REPO / "probing" / "guest"
 
@@ -49,6 +49,7 @@ def _python(version: str) -> str:
     return str(pythons[-1])
 
 
+@pytest.mark.timeout(PY314_BUILD_S + 300)  # 3.14 may wait for its env's background build
 @pytest.mark.parametrize("version", pyframes.SUPPORTED)
 def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version) -> None:
     code = f"GUEST_DIR = {str(GUEST_DIR)!r}\n" + LOAD_AND_LOOK

@@ -26,9 +26,18 @@ import pytest
 
 from probing.cli.demo import free_port, trace_all
 from probing.guest import place
-from tests.conftest import REPO, SLOWDOWN, cli, py314_python, require_bpf, stop_engine
+from tests.conftest import (
+    PY314_BUILD_S,
+    REPO,
+    SLOWDOWN,
+    cli,
+    py314_python,
+    require_bpf,
+    stop_engine,
+)
 
-pytestmark = pytest.mark.privileged
+# the first test may wait for the 3.14 root filesystem's background build (.ci/run)
+pytestmark = [pytest.mark.privileged, pytest.mark.timeout(PY314_BUILD_S + 300)]
 WORLD = 4
 LOOKED_FOR = ["typer", "rich", "pytest", "pyarrow", "datafusion", "psutil", "probing", "bcc",
               "elftools", "numpy"]  # fmt: skip
