@@ -31,6 +31,7 @@ from tests.conftest import (
     REPO,
     SLOWDOWN,
     cli,
+    live_engines,
     py314_python,
     require_bpf,
     stop_engine,
@@ -148,6 +149,9 @@ def job() -> Iterator[Job]:
             p.kill()
             p.wait(timeout=60)
         stop_engine(runtime)
+        gone = time.monotonic() + 30 * SLOWDOWN  # its last files written, then removed
+        while live_engines(runtime) and time.monotonic() < gone:
+            time.sleep(0.05)
         shutil.rmtree(runtime, ignore_errors=True)
         os.environ.pop("PROBING_RUNTIME_DIR")
         if old is not None:
