@@ -410,7 +410,10 @@ def prepare(target: Target, lib: str, source: str, lib_here: str = "") -> Prepar
         insn = _find_syscall_insn(target, mem)
     finally:
         mem.close()
-    syms = elf.Symbols(os.path.realpath(lib_here or lib), ("probing_boot",))
+    # opened as named, never through realpath: a path through /proc/P/root
+    # must keep the target's mounts (a chroot whose /tmp is a bind mount of
+    # ours resolves, by realpath, to the directory under the mount)
+    syms = elf.Symbols(lib_here or lib, ("probing_boot",))
     if "probing_boot" not in syms.values:
         raise AttachError(f"{lib} has no probing_boot", hint="rebuild it: make setup")
     return Prepared(
@@ -490,7 +493,7 @@ def _give_back(tracee: Tracee, state: RegState, mapping: tuple[int, int], insn: 
 
 def _symbol_in(pid: int, lib: str, name: str) -> int:
     """``name`` of ``lib`` (a path from here) where ``pid`` mapped it (the same file)."""
-    real = os.path.realpath(lib)
+    real = lib  # as named: see prepare
     want = os.stat(real)
     for obj in elf.loaded_objects(proc.maps(pid)).values():
         try:

@@ -247,3 +247,39 @@ def test_diagnose_names_the_slowed_rank_and_its_function(traced: Job) -> None:
                         "JOIN python.stacks s USING (stack_id) WHERE p.kind = 'off' "
                         "AND s.depth = 0 AND s.func = 'load_batch' GROUP BY s.line"))  # fmt: skip
     assert off and max(off, key=lambda r: r["ns"])["line"] == line_of("LOAD"), off
+
+
+IDLE = """
+import time
+
+
+def idle():
+    while True:
+        time.sleep(0.05)  # IDLE
+
+
+print("ready", flush=True)
+idle()
+"""
+
+
+def test_a_314_process_is_injected_in_its_chroot_and_answers(runtime_dir: Path) -> None:
+    """``probing inject`` of a 3.14 process that has no probe: the library and
+    the guest staged where its chroot sees them, the engine started here."""
+    require_bpf()
+    python = py314_python()
+    script = runtime_dir / "idle.py"
+    script.write_text(IDLE)
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    proc = subprocess.Popen([python, str(script)], env=env, stdout=subprocess.PIPE, text=True,
+                            cwd=runtime_dir)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert "Python 3.14" in ok("inject", "--pid", str(proc.pid))
+        assert ok("eval", "--pid", str(proc.pid), "sys.version").startswith("'3.14.")
+        stack = ok("stack", "--pid", str(proc.pid))
+        line = next(i for i, ln in enumerate(IDLE.splitlines(), 1) if ln.endswith("# IDLE"))
+        assert f"idle ({script}:{line})" in stack, stack
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
