@@ -262,7 +262,7 @@ def build(shape: str) -> tuple[nn.Module, int]:
     # ~2.4 MB of parameters: DDP's first bucket is capped at 1 MiB, so 2 buckets
     net = mlp([64, 1024, 512, 10])
     ddp = nn.parallel.DistributedDataParallel(net)
-    ddp.register_comm_hook(None, stamp_first_bucket)
+    ddp.register_comm_hook(None, stamp_buckets)
     return ddp, 64
 
 
@@ -270,7 +270,7 @@ def build(shape: str) -> tuple[nn.Module, int]:
 BUCKETS: dict[int, float] = {}
 
 
-def stamp_first_bucket(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+def stamp_buckets(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's own all-reduce of ``bucket`` (``allreduce_hook``), each bucket's
     launch stamped: when this rank reached its first collective, and its last."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -280,8 +280,8 @@ def stamp_first_bucket(state: object, bucket: dist.GradBucket) -> torch.futures.
 
 
 # torch checks a hook's annotations as objects (this file's are strings: __future__)
-stamp_first_bucket.__annotations__.update(bucket=dist.GradBucket, state=object)
-stamp_first_bucket.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+stamp_buckets.__annotations__.update(bucket=dist.GradBucket, state=object)
+stamp_buckets.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def train(args: argparse.Namespace, rank: int, truth: Truth, fault: Fault) -> None:

@@ -167,9 +167,8 @@ class PyStacks:
 
     def fill(self, bpf: Any) -> None:
         """A program loaded after the threads were synced: every one known into its map."""
-        m = bpf["py_threads"]
         for tid, addr in self.threads.items():
-            m[m.Key(tid)] = m.Leaf(addr)
+            self.register(tid, addr, [bpf])
 
     def sync(self, bpfs: Iterable[Any]) -> None:
         try:
