@@ -51,9 +51,9 @@ def naive(table) -> int | None:  # type: ignore[no-untyped-def]
 
 
 def one_run(pids: list[int], truth: int | None, window: float) -> dict:  # type: ignore[type-arg]
-    from probing.cli.client import Job
+    from probing.cli.client import JobClient
 
-    d, table = diagnose(Job(pids=pids), window_s=window, hang_after_s=3600)
+    d, table = diagnose(JobClient(pids=pids), window_s=window, hang_after_s=3600)
     named = [s.rank for s in d.stragglers]
     return {
         "truth": truth,

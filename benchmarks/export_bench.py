@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("PROBING_QUERY_MEMORY_MB", "1024")
 
 from probing.cli.export import Source, export  # noqa: E402
-from probing.cli.export.window import EVENT_TABLES, Window  # noqa: E402
+from probing.cli.export.window import EVENT_TABLES, ExportWindow  # noqa: E402
 from probing.node.bpf import families  # noqa: E402
 from probing.node.bpf.pystacks import CALLSITES_SQL  # noqa: E402
 from probing.node.tables.trace import COLLECTIVES_SQL  # noqa: E402
@@ -146,7 +146,7 @@ def serve(rank: int, steps: int, kernels: int, base: int) -> None:
 
 
 def query_only(src: Source, window_s: float) -> int:
-    win = Window(src, window_s=window_s)
+    win = ExportWindow(src, window_s=window_s)
     win.count()
     return sum(item[1].num_rows for item in win.read(EVENT_TABLES))  # (table, rows, ...)
 

@@ -48,7 +48,7 @@ from probing.analyze import collectives  # noqa: E402
 from probing.analyze.diagnose import with_groups  # noqa: E402
 from probing.analyze.queries import queries  # noqa: E402
 from probing.cli.export import timeline  # noqa: E402
-from probing.cli.export.window import Window  # noqa: E402
+from probing.cli.export.window import ExportWindow  # noqa: E402
 
 BASELINE = "e4fd78e"  # main before the columnar match
 
@@ -80,9 +80,9 @@ def swapped(mod: types.ModuleType, name: str = "probing.analyze.collectives") ->
 
 
 class Cached:
-    """A ``Window`` whose ``whole`` answers from rows read once."""
+    """An ``ExportWindow`` whose ``whole`` answers from rows read once."""
 
-    def __init__(self, win: Window, tables: dict[str, pa.Table]) -> None:
+    def __init__(self, win: ExportWindow, tables: dict[str, pa.Table]) -> None:
         self.source, self.since_ns, self.tables = win.source, win.since_ns, tables
 
     def whole(self, sql: str) -> pa.Table:
@@ -197,7 +197,7 @@ def main() -> None:
                 args.baseline, "probing/cli/export/timeline.py", "old_timeline", tmp
             )
         src, window_s = job(args.events, args.kernels)
-        win = Window(src, window_s=window_s)
+        win = ExportWindow(src, window_s=window_s)
         sql = queries(win.source.remote)
         coll_sql = sql["collectives"].format(since_ns=win.since_ns)
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ DEFAULT = "info"
 ROOT = "probing"
 
 
-class Format(logging.Formatter):
+class LogFormatter(logging.Formatter):
     """``probing <process> <pid>: HH:MM:SS <message>`` (a traceback on the
     lines after), or ``probing: <message>`` with no ``process``."""
 
@@ -67,7 +67,7 @@ class _Stderr(logging.StreamHandler):
 
 
 _handler = _Stderr()
-_handler.setFormatter(Format())
+_handler.setFormatter(LogFormatter())
 _root = logging.getLogger(ROOT)
 _root.addHandler(_handler)
 _root.setLevel(logging.INFO)
@@ -80,7 +80,7 @@ def setup(process: str | None, level: str = DEFAULT) -> None:
     in each line (``"engine"``, ``"agent"``; None: a command's lines) and
     ``level`` (``PROBING_LOG``: ``debug``, ``info``, ``warning``, ``error``)
     is the least one written; another value is ``info``, said once."""
-    _handler.setFormatter(Format(process))
+    _handler.setFormatter(LogFormatter(process))
     name = level.strip().lower()
     _root.setLevel(LEVELS.get(name, LEVELS[DEFAULT]))
     if name not in LEVELS and level not in _said_bad:

@@ -3,7 +3,7 @@
 A probe (``ProbeContext``) asks its target what only the process knows
 (``probing.guest.inside``): its Python, threads, stacks, ``python.`expr```,
 ``eval``, torch's groups. ``Local`` calls those functions in this process;
-``Guest`` asks the guest inside another process over its socket, and keeps
+``GuestProcess`` asks the guest inside another process over its socket, and keeps
 the last answer of ``info`` so a process that died is still described.
 Both answer with the same plain data.
 """
@@ -109,7 +109,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-class Guest:
+class GuestProcess:
     """A process of the job, through the guest inside it (``socket``)."""
 
     local = False

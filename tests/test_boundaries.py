@@ -267,9 +267,9 @@ def test_a_failed_seal_drops_and_counts_its_rows_a_bug_with_its_traceback(
 
 
 def test_the_nvml_thread_counts_a_bug_every_turn_and_logs_it_once(capfd) -> None:
-    from probing.node.tables.nvml import Sampler
+    from probing.node.tables.nvml import GpuSampler
 
-    sampler = Sampler(Store())
+    sampler = GpuSampler(Store())
     calls = []
 
     def sample() -> int:

@@ -413,7 +413,7 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
 
     import numpy as np
 
-    from probing.cli.export.perfetto import SliceChunk, Thread, TraceWriter
+    from probing.cli.export.perfetto import SliceChunk, ThreadTrack, TraceWriter
 
     f = io.BytesIO()
     w = TraceWriter(f)
@@ -421,7 +421,7 @@ def test_the_vectorised_writer_reads_back_through_perfetto_protos() -> None:
     track = w.thread(0, 11)
     big, neg = (1 << 64) - 5, -(1 << 40)
     w.add_slices(SliceChunk(
-        thread=np.zeros(3, np.int64), threads=[Thread(0, 11, "n", 10)],
+        thread=np.zeros(3, np.int64), threads=[ThreadTrack(0, 11, "n", 10)],
         ts=np.array([5, 1 << 60, 300]),
         dur=np.array([7, 0, 0]), ended=np.array([True, True, False]),
         name=pa.array(["a", "b", "a"]), category=pa.array(["x", "x", "y"]),
@@ -486,7 +486,7 @@ def test_rows_with_other_fields_are_written_apart_or_whole_and_read_back_the_sam
 
     import numpy as np
 
-    from probing.cli.export.perfetto import MAX_LAYOUTS, SliceChunk, Thread, TraceWriter
+    from probing.cli.export.perfetto import MAX_LAYOUTS, SliceChunk, ThreadTrack, TraceWriter
 
     rng = random.Random(args)
     n, t0 = 500, 1_795_000_000_000_000_000
@@ -496,7 +496,7 @@ def test_rows_with_other_fields_are_written_apart_or_whole_and_read_back_the_sam
     f = io.BytesIO()
     w = TraceWriter(f)
     w.add_slices(SliceChunk(
-        thread=np.arange(n) % 2, threads=[Thread(0, 5, "n", 1), Thread(0, 6, "n", 1)],
+        thread=np.arange(n) % 2, threads=[ThreadTrack(0, 5, "n", 1), ThreadTrack(0, 6, "n", 1)],
         ts=np.arange(n) * 100 + t0, dur=np.full(n, 10), ended=np.ones(n, bool),
         name=pa.array(["call"] * n), category=pa.array(["c"] * n),
         args=[(a, pa.array(v, pa.string())) for a, v in columns.items()],

@@ -127,7 +127,7 @@ def test_the_ui_server_refuses_requests_without_the_token(job, path: str) -> Non
 
 def test_job_page_data_flags_the_late_rank_and_a_rank_missing_from_a_hang(job) -> None:  # noqa: F811
     from probing.analyze.collectives import match
-    from probing.cli.ui.data import Hang, heatmap
+    from probing.cli.ui.data import HangMark, heatmap
 
     data = JobView(job).job(60)
     assert [s["rank"] for s in data["stragglers"]] == [SLOW] and not data["hangs"]
@@ -146,7 +146,7 @@ def test_job_page_data_flags_the_late_rank_and_a_rank_missing_from_a_hang(job) -
                                        for c in gloo.column_names]))  # fmt: skip
     lo, hi = min(min(c.ts.values()) for c in colls), max(max(c.ts.values()) for c in colls) + 1
     since = sorted(min(c.ts.values()) for c in colls)[10]
-    grid = heatmap(colls, list(range(WORLD)), lo, hi, [Hang([3], since)], columns=10)
+    grid = heatmap(colls, list(range(WORLD)), lo, hi, [HangMark([3], since)], columns=10)
     began = (since - lo) // ((hi - lo) // 10)
     assert 0 < began < 10
     assert grid["absent"] == [[0] * 10] * 3 + [[0] * began + [1] * (10 - began)]

@@ -1,6 +1,6 @@
 """The guest: standard library only, in every CPython it supports, leaving
 the job's view of its environment as it was; and its answers, asked through
-its socket as the engine asks them (``probing.target.Guest``)."""
+its socket as the engine asks them (``probing.target.GuestProcess``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from probing import pyframes
 from probing.errors import EvalError, QueryError
 from probing.guest import outbox, place
-from probing.target import Guest
+from probing.target import GuestProcess
 from tests.conftest import PY314_BUILD_S, REPO, py314_python, require
 
 GUEST_DIR = REPO / "probing" / "guest"
@@ -64,17 +64,17 @@ def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version
 
 
 @pytest.fixture
-def guest(runtime_dir) -> Guest:  # type: ignore[no-untyped-def]
+def guest(runtime_dir) -> GuestProcess:  # type: ignore[no-untyped-def]
     """This process's guest serving on its socket, asked as the engine asks."""
     from probing.guest.agent import Guest as Agent
 
     agent = Agent(sys.executable)
     agent.serve()
-    yield Guest(os.getpid(), place.guest_path(os.getpid(), agent.directory))
+    yield GuestProcess(os.getpid(), place.guest_path(os.getpid(), agent.directory))
     agent.stop()
 
 
-def test_the_guest_answers_what_only_the_process_knows(guest: Guest) -> None:
+def test_the_guest_answers_what_only_the_process_knows(guest: GuestProcess) -> None:
     about = guest.info()
     assert about["pid"] == os.getpid() and about["python"] == sys.version.split()[0]
     assert any(t["main"] for t in about["threads"])
@@ -85,7 +85,7 @@ def test_the_guest_answers_what_only_the_process_knows(guest: Guest) -> None:
                for r in guest.stacks(0.01))  # fmt: skip
 
 
-def test_errors_cross_the_socket_as_their_own_kind(guest: Guest) -> None:
+def test_errors_cross_the_socket_as_their_own_kind(guest: GuestProcess) -> None:
     with pytest.raises(EvalError) as err:
         guest.eval("1 / 0")
     assert "ZeroDivisionError" in str(err.value) and "Traceback" in err.value.detail
@@ -93,7 +93,7 @@ def test_errors_cross_the_socket_as_their_own_kind(guest: Guest) -> None:
         guest.expr("no_such_name_here")
 
 
-def test_external_table_rows_wait_in_the_guest_until_taken(guest: Guest) -> None:
+def test_external_table_rows_wait_in_the_guest_until_taken(guest: GuestProcess) -> None:
     t = outbox.Table("guest_steps", [("step", "int64"), ("loss", "double")])
     t.append([1, 0.5])
     t.append({"step": 2, "loss": 0.25})
@@ -106,7 +106,7 @@ def test_external_table_rows_wait_in_the_guest_until_taken(guest: Guest) -> None
         outbox.Table("guest_steps", ["other"])
 
 
-def test_only_the_users_own_uid_is_answered(guest: Guest) -> None:
+def test_only_the_users_own_uid_is_answered(guest: GuestProcess) -> None:
     mode = os.stat(guest.socket).st_mode & 0o777
     assert mode == 0o600 and (os.stat(os.path.dirname(guest.socket)).st_mode & 0o777) == 0o700
 

@@ -159,7 +159,7 @@ def test_boot_library_runs_source_in_a_thread_that_takes_the_gil(tmp_path: Path)
     lib = ctypes.CDLL(build.library_path())
     api = ctypes.pythonapi
     addr = {n: ctypes.cast(getattr(api, n), ctypes.c_void_p).value for n in injector.PY_API}
-    target = injector.Target(
+    target = injector.Inspection(
         os.getpid(), "self", os.getuid(), X86_64, sys.version_info[:2], addr, 0, None,
         elf.LoadedObject("/", 0, ()), {},
     )  # fmt: skip

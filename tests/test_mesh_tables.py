@@ -39,7 +39,7 @@ class Probe:
         self.tracer = None
         self.cluster = None
         self.target = target
-        self.nvml = nvml.Sampler(engine.store)
+        self.nvml = nvml.GpuSampler(engine.store)
 
     def trace_intervals(self) -> list[dict[str, Any]]:
         return []
@@ -117,7 +117,7 @@ def test_a_place_is_read_once_a_while_and_kept_once_its_groups_are_gone() -> Non
         rows = [{**r, "role": mesh.role_of(r["pg"])} for r in next(reads)]
         return pa.Table.from_pylist(rows, schema=groups.SCHEMA)
 
-    at = process.Place(comm_groups, ttl_s=3600)
+    at = process.PlaceCache(comm_groups, ttl_s=3600)
     assert at()["coords"] == "tp 1/2" and at()["coords"] == "tp 1/2"  # one read
     at.ttl_s = 0
     assert at()["coords"] == "tp 1/2, pp 1/2, dp 0/1"  # read again: every group traced

@@ -18,7 +18,7 @@ import pytest
 from probing import proc
 from probing.node import agent as node_agent
 from probing.node import torchgroup
-from probing.node.agent import Agent, Attached, Policy
+from probing.node.agent import Agent, Policy, SeenProcess
 
 # thread names read on running jobs here (torch 2.13, CPU): a Gloo rank of
 # mp.spawn and of Lightning's own launcher; rank 0 serves the store besides
@@ -174,9 +174,9 @@ def test_a_scan_attaches_the_processes_that_formed_a_group_once_they_have(
     mark = uuid.uuid4().hex
     attached: list[tuple[int, str]] = []
 
-    def attach(self: Agent, pid: int, why: str, job: str, age: float) -> Attached:
+    def attach(self: Agent, pid: int, why: str, job: str, age: float) -> SeenProcess:
         attached.append((pid, why))
-        return Attached(pid, why, job, age, 0.0, "tracing")
+        return SeenProcess(pid, why, job, age, 0.0, "tracing")
 
     monkeypatch.setattr(Agent, "_attach", attach)
     env = {**os.environ, "PROBING_AGENT_TEST": mark}

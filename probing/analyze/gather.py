@@ -1,6 +1,6 @@
 """Rows gathered from every rank of a job, tagged ``node`` and ``rank``.
 
-The asking is the client's (``probing.cli.client.Job``: local pids over their
+The asking is the client's (``probing.cli.client.JobClient``: local pids over their
 sockets, or the cluster through one probe); here are the pieces both sides
 share: the tags, the rank expression, and the ranks a gather missed.
 """

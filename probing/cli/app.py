@@ -41,7 +41,9 @@ app = typer.Typer(
 )
 
 
-class Format(str, Enum):
+class RowsFormat(str, Enum):
+    """How ``probing query`` writes its rows: a table, CSV or JSON."""
+
     table = "table"
     csv = "csv"
     json = "json"
@@ -284,7 +286,9 @@ def query(
         str | None,
         typer.Option("--addr", help="a peer probe's host:port instead (token: $PROBING_TOKEN)"),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="output format")] = Format.table,
+    fmt: Annotated[
+        RowsFormat, typer.Option("--format", "-f", help="output format")
+    ] = RowsFormat.table,
     cluster: Annotated[
         bool, typer.Option("--cluster", help="run over every peer of the job; rows get node, rank")
     ] = False,

@@ -34,8 +34,8 @@ from probing.analyze.queries import optional, queries
 from probing.errors import ProbingError
 
 
-class Job(Protocol):
-    """The ranks a diagnosis asks (``probing.cli.client.Job``: local pids over
+class AskedRanks(Protocol):
+    """The ranks a diagnosis asks (``probing.cli.client.JobClient``: local pids over
     their sockets, or the cluster through one probe)."""
 
     @property
@@ -53,7 +53,7 @@ class Job(Protocol):
 
 
 def diagnose(
-    job: Job,
+    job: AskedRanks,
     *,
     window_s: float = 60.0,
     hang_after_s: float = hg.HANG_AFTER_S,

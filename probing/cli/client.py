@@ -402,7 +402,7 @@ def cluster_query(
         return client.cluster_query(sql, timeout=timeout, strict=strict, fanout=fanout)
 
 
-class Job:
+class JobClient:
     """The ranks of a job, asked together: local ``pids`` over their unix
     sockets (in parallel; each row tagged with the process's own rank), or
     with ``cluster`` (one local pid) or ``addr`` the cross-node query, where

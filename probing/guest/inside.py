@@ -405,7 +405,7 @@ MAX_CONTEXTS = 64
 PYOBJECT_HEAD = 16  # ob_refcnt, ob_type: where pybind11 keeps the C++ object's address
 
 
-class Memory:
+class OwnMemory:
     """This process's memory, read through ``/proc/self/mem``: an unmapped
     address is an error, never a crash."""
 
@@ -491,7 +491,7 @@ def groups(traced: list[int], find: Any = None) -> list[dict[str, Any]]:
     # group keeps its contexts at the same offset in its object, so a context
     # is the group's that holds it nearest its start (its own send/recv: -1)
     owner: dict[int, tuple[int, str, list[int], int]] = {}
-    mem = Memory()
+    mem = OwnMemory()
     try:
         for name, ranks, my_rank, backend in (find or torch_groups)():
             head = mem.words(id(backend) + PYOBJECT_HEAD, 1)

@@ -51,7 +51,7 @@ from probing.errors import (
 from probing.guest import place
 from probing.inject import build, stage
 from probing.inject.arch import Arch, native
-from probing.inject.ptrace import CallFailed, Memory, RegState, TargetGone, Tracee
+from probing.inject.ptrace import CallFailed, RegState, TargetGone, Tracee, TraceeMemory
 
 PAGE = 4096
 RTLD_NOW = 2
@@ -64,7 +64,7 @@ PY_API = ("Py_IsInitialized", "PyGILState_Ensure", "PyGILState_Release", "PyRun_
 
 
 @dataclass
-class Target:
+class Inspection:
     """What we learned about the process before touching it."""
 
     pid: int
@@ -139,7 +139,7 @@ def permission_error(pid: int, uid: int, what: str) -> AccessDenied:
     return AccessDenied(f"not permitted to {what} pid {pid}", pid=pid, hint=hint)
 
 
-def inspect(pid: int) -> Target:
+def inspect(pid: int) -> Inspection:
     """Everything injection needs, read without stopping anything."""
     if pid <= 0:
         raise no_such_pid(pid, "{pid} is not a valid pid")
@@ -216,7 +216,7 @@ def inspect(pid: int) -> Target:
     if libc is None:
         raise AttachError(f"process {pid} ({comm}) maps no libc to call dlopen from", pid=pid)
     dlopen, dlerror = _find_dlopen(pid, libc, objs)
-    return Target(pid, comm, uid, arch, python, py_api, dlopen, dlerror, libc, objs)
+    return Inspection(pid, comm, uid, arch, python, py_api, dlopen, dlerror, libc, objs)
 
 
 def _refuse_free_threaded(pid: int, version: str, runtime: int | None) -> None:
@@ -302,7 +302,7 @@ def _threads(pid: int) -> list[int]:
     return sorted(tids, key=lambda t: t != pid)  # the main thread first
 
 
-def _at_safe_point(target: Target, tracee: Tracee, unsafe: list[tuple[int, int]]) -> bool:
+def _at_safe_point(target: Inspection, tracee: Tracee, unsafe: list[tuple[int, int]]) -> bool:
     nr = proc.task_syscall(tracee.tid, target.pid)
     if nr >= 0:
         return nr not in target.arch.memory_syscalls
@@ -310,7 +310,7 @@ def _at_safe_point(target: Target, tracee: Tracee, unsafe: list[tuple[int, int]]
     return not any(lo <= pc < hi for lo, hi in unsafe)
 
 
-def _unsafe_ranges(target: Target) -> list[tuple[int, int]]:
+def _unsafe_ranges(target: Inspection) -> list[tuple[int, int]]:
     """Code where a thread may hold malloc's or the dynamic loader's lock."""
     out = []
     for obj in target.objects.values():
@@ -319,7 +319,7 @@ def _unsafe_ranges(target: Target) -> list[tuple[int, int]]:
     return out
 
 
-def _borrow(target: Target) -> Tracee:
+def _borrow(target: Inspection) -> Tracee:
     """Stop one thread at a safe point; every other thread keeps running."""
     unsafe = _unsafe_ranges(target)
     last: Exception | None = None
@@ -351,7 +351,7 @@ def _borrow(target: Target) -> Tracee:
     )
 
 
-def _find_syscall_insn(target: Target, mem: Memory) -> int:
+def _find_syscall_insn(target: Inspection, mem: TraceeMemory) -> int:
     for m in target.libc.executable_maps():
         for at in range(m.start, m.end, 1 << 16):
             chunk = mem.read(at, min(1 << 16, m.end - at) + 8)
@@ -361,7 +361,7 @@ def _find_syscall_insn(target: Target, mem: Memory) -> int:
     raise AttachError(f"no syscall instruction in {target.libc.path}", pid=target.pid)
 
 
-def boot_args_block(target: Target, source: str) -> bytes:
+def boot_args_block(target: Inspection, source: str) -> bytes:
     """``struct probing_boot_args`` (see boot.c) followed by the source."""
     src = source.encode() + b"\0"
     api = target.py_api
@@ -392,7 +392,7 @@ class Prepared(NamedTuple):
 STUB_AT, PATH_AT, ARGS_AT = 0, 64, 512  # offsets in the private page
 
 
-def prepare(target: Target, lib: str, source: str, lib_here: str = "") -> Prepared:
+def prepare(target: Inspection, lib: str, source: str, lib_here: str = "") -> Prepared:
     """The page's contents; ``lib`` is the library as the target names it
     (``lib_here``: the same file from here, where that differs)."""
     arch = target.arch
@@ -405,7 +405,7 @@ def prepare(target: Target, lib: str, source: str, lib_here: str = "") -> Prepar
     image[PATH_AT : PATH_AT + len(lib_bytes)] = lib_bytes
     image[ARGS_AT:] = args
     size = (len(image) + PAGE - 1) // PAGE * PAGE
-    mem = Memory(target.pid)
+    mem = TraceeMemory(target.pid)
     try:
         insn = _find_syscall_insn(target, mem)
     finally:
@@ -421,7 +421,9 @@ def prepare(target: Target, lib: str, source: str, lib_here: str = "") -> Prepar
     )
 
 
-def _boot_address(target: Target, mem: Memory, handle: int, prep: Prepared, lib: str) -> int:
+def _boot_address(
+    target: Inspection, mem: TraceeMemory, handle: int, prep: Prepared, lib: str
+) -> int:
     """``probing_boot`` in the target: dlopen's handle starts with the load
     bias (glibc's ``link_map.l_addr``, musl's ``dso.base``), checked against
     the ELF header it must point at; else looked up in the maps."""
@@ -434,9 +436,9 @@ def _boot_address(target: Target, mem: Memory, handle: int, prep: Prepared, lib:
     return _symbol_in(target.pid, lib, "probing_boot")
 
 
-def _run_in_target(target: Target, tracee: Tracee, lib: str, source: str) -> None:
+def _run_in_target(target: Inspection, tracee: Tracee, lib: str, source: str) -> None:
     prep = target.prepared or prepare(target, lib, source)
-    mem = Memory(target.pid)
+    mem = TraceeMemory(target.pid)
     state = tracee.save_state()
     saved = state[0]
     page = 0
@@ -535,7 +537,7 @@ def bootstrap_source(status: str, guest: str = "", spawn: bool = True) -> str:
     return f"__import__('builtins').exec({body!r}, {namespace})\n"
 
 
-def _status_dir(target: Target, there: stage.Elsewhere | None) -> tuple[str, str]:
+def _status_dir(target: Inspection, there: stage.Elsewhere | None) -> tuple[str, str]:
     """A directory the target writes its report in: from here, and as it names it."""
     d = tempfile.mkdtemp(prefix="probing-inject-", dir=there.here(there.root) if there else None)
     if os.geteuid() == 0 and target.uid != 0:
@@ -543,7 +545,7 @@ def _status_dir(target: Target, there: stage.Elsewhere | None) -> tuple[str, str
     return d, os.path.join(there.root, os.path.basename(d)) if there else d
 
 
-def _wait_report(target: Target, status: str, timeout: float) -> dict[str, Any]:
+def _wait_report(target: Inspection, status: str, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -66,7 +66,7 @@ def ptrace(request: int, tid: int, addr: int = 0, data: int | ctypes.c_void_p = 
     return res
 
 
-class Memory:
+class TraceeMemory:
     """Read and write another process's memory through ``/proc/<pid>/mem``."""
 
     def __init__(self, pid: int) -> None:

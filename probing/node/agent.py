@@ -143,7 +143,10 @@ class Policy:
 
 
 @dataclasses.dataclass
-class Attached:
+class SeenProcess:
+    """A process the agent picked (``why``) and tried to trace: tracing, or
+    why not (``state``)."""
+
     pid: int
     why: str
     job: str  # what its launcher names the job by (run id, Slurm job, master port)
@@ -162,7 +165,7 @@ class Agent:
         self.policy = policy
         self.every_s = every_s
         self.webhook = webhook
-        self.seen: dict[int, Attached] = {}
+        self.seen: dict[int, SeenProcess] = {}
         self.scans = 0
         self.failures = 0
         self.created = time.time()  # its counters' _created
@@ -198,7 +201,7 @@ class Agent:
     def stop(self) -> None:
         self._loop.stop()
 
-    def scan(self) -> list[Attached]:
+    def scan(self) -> list[SeenProcess]:
         """One look at the node: attach to what matches and is new; what was attached."""
         from probing.node import torchgroup
 
@@ -307,7 +310,7 @@ class Agent:
                     self._jobs[pid] = job
         return job
 
-    def _attach(self, pid: int, why: str, job: str, age: float) -> Attached:
+    def _attach(self, pid: int, why: str, job: str, age: float) -> SeenProcess:
         from probing.errors import ProbingError
         from probing.inject.injector import inject
 
@@ -341,7 +344,7 @@ class Agent:
         took = time.monotonic() - t0
         level = logging.WARNING if state.startswith("failed") else logging.INFO
         _log.log(level, f"pid {pid} ({why}; job {job}): {state} in {took:.1f} s")
-        return Attached(pid, why, job, round(age, 2), round(took, 2), state)
+        return SeenProcess(pid, why, job, round(age, 2), round(took, 2), state)
 
     # -- what it serves -----------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -437,7 +440,7 @@ class Agent:
         return probe
 
 
-def _retry(known: Attached) -> bool:
+def _retry(known: SeenProcess) -> bool:
     return known.state.startswith("failed") and known.tries < RETRIES
 
 

@@ -18,7 +18,7 @@ from typing import Protocol
 from probing.errors import AccessDenied, NoSuchProcess
 
 
-class Memory(Protocol):
+class ReadableMemory(Protocol):
     """Something whose bytes can be read by address."""
 
     def read(self, addr: int, size: int) -> bytes: ...
@@ -74,7 +74,7 @@ class ProcessMemory:
 PAGE = 4096
 
 
-def cstring(mem: Memory, addr: int, limit: int = 512) -> bytes:
+def cstring(mem: ReadableMemory, addr: int, limit: int = 512) -> bytes:
     """The NUL-terminated bytes at ``addr`` (at most ``limit``), read a page
     at a time: a string that ends just before an unmapped page is read
     whole. ``OSError`` when its first byte cannot be read."""
@@ -93,9 +93,9 @@ def cstring(mem: Memory, addr: int, limit: int = 512) -> bytes:
     return out
 
 
-def u64(mem: Memory, addr: int) -> int:
+def u64(mem: ReadableMemory, addr: int) -> int:
     return int(struct.unpack("<Q", mem.read(addr, 8))[0])
 
 
-def i32(mem: Memory, addr: int) -> int:
+def i32(mem: ReadableMemory, addr: int) -> int:
     return int(struct.unpack("<i", mem.read(addr, 4))[0])

@@ -18,7 +18,7 @@ import sys
 from probing import elf, proc
 from probing.errors import AccessDenied, NoSuchProcess, ProbingError, UnsupportedPython
 from probing.pyframes import Offsets, offsets_for, walker
-from probing.pyframes.memory import Memory, ProcessMemory
+from probing.pyframes.memory import ProcessMemory, ReadableMemory
 
 DEBUG_COOKIE = b"xdebugpy"
 # _Py_DebugOffsets (3.13+): cookie, version, free_threaded, then sections of
@@ -33,7 +33,7 @@ FREE_THREADED = (
 )
 
 
-def free_threaded(mem: Memory, runtime: int, base: Offsets) -> bool:
+def free_threaded(mem: ReadableMemory, runtime: int, base: Offsets) -> bool:
     """Whether the 3.13+ interpreter at ``runtime`` is a free-threaded build
     (``_Py_DebugOffsets.free_threaded``): its layouts are not the table's."""
     if base.debug_offsets < 0:
@@ -42,7 +42,7 @@ def free_threaded(mem: Memory, runtime: int, base: Offsets) -> bool:
     return raw[:8] == DEBUG_COOKIE and struct.unpack_from("<Q", raw, 8 * _DBG_FREE_THREADED)[0] != 0
 
 
-def apply_debug_offsets(mem: Memory, runtime: int, base: Offsets) -> Offsets:
+def apply_debug_offsets(mem: ReadableMemory, runtime: int, base: Offsets) -> Offsets:
     """``base`` with the thread, frame and code offsets the running 3.13+
     interpreter publishes; ``base`` unchanged where it has none."""
     if base.debug_offsets < 0:
@@ -84,7 +84,7 @@ class Interpreter:
     """Where a process's interpreter lives, and how to read it."""
 
     pid: int
-    mem: Memory
+    mem: ReadableMemory
     offsets: Offsets
     runtime: int
     python: str  # "3.11"

@@ -1,6 +1,6 @@
 """The frame walk in userspace: thread states, frame chains, code objects.
 
-Everything reads through a ``Memory`` and trusts nothing it reads: a chain
+Everything reads through a ``ReadableMemory`` and trusts nothing it reads: a chain
 that loops or runs past ``MAX_DEPTH`` stops, a pointer that is not mapped
 ends the walk (``OSError``), a string that is not a string reads as "?".
 """
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from probing.pyframes import Offsets
 from probing.pyframes.linetable import line_of
-from probing.pyframes.memory import Memory, i32, u64
+from probing.pyframes.memory import ReadableMemory, i32, u64
 
 MAX_DEPTH = 128  # frames per stack in userspace (the BPF walk stops at 32)
 MAX_THREADS = 4096
@@ -40,7 +40,7 @@ class Frame(NamedTuple):
     line: int
 
 
-def thread_states(mem: Memory, off: Offsets, interp: int) -> list[ThreadState]:
+def thread_states(mem: ReadableMemory, off: Offsets, interp: int) -> list[ThreadState]:
     """Every thread state of interpreter ``interp`` (newest first)."""
     out: list[ThreadState] = []
     ts = u64(mem, interp + off.interp_threads_head)
@@ -55,7 +55,7 @@ def thread_states(mem: Memory, off: Offsets, interp: int) -> list[ThreadState]:
     return out
 
 
-def interpreters(mem: Memory, off: Offsets, runtime: int) -> list[int]:
+def interpreters(mem: ReadableMemory, off: Offsets, runtime: int) -> list[int]:
     """The interpreter states listed in ``_PyRuntime`` (main interpreter last)."""
     out: list[int] = []
     interp = u64(mem, runtime + off.runtime_interpreters_head)
@@ -65,14 +65,16 @@ def interpreters(mem: Memory, off: Offsets, runtime: int) -> list[int]:
     return out
 
 
-def top_frame(mem: Memory, off: Offsets, tstate: int) -> int:
+def top_frame(mem: ReadableMemory, off: Offsets, tstate: int) -> int:
     if off.tstate_cframe >= 0:
         cframe = u64(mem, tstate + off.tstate_cframe)
         return u64(mem, cframe + off.cframe_current_frame) if cframe else 0
     return u64(mem, tstate + off.tstate_frame)
 
 
-def raw_frames(mem: Memory, off: Offsets, tstate: int, limit: int = MAX_DEPTH) -> list[RawFrame]:
+def raw_frames(
+    mem: ReadableMemory, off: Offsets, tstate: int, limit: int = MAX_DEPTH
+) -> list[RawFrame]:
     """The frame chain of ``tstate``, innermost first, as the BPF walk records it."""
     out: list[RawFrame] = []
     frame = top_frame(mem, off, tstate)
@@ -94,7 +96,7 @@ def raw_frames(mem: Memory, off: Offsets, tstate: int, limit: int = MAX_DEPTH) -
     return out
 
 
-def read_str(mem: Memory, off: Offsets, addr: int) -> str:
+def read_str(mem: ReadableMemory, off: Offsets, addr: int) -> str:
     """A ``str`` object's text (compact ASCII or compact UCS1/2/4), or "?"."""
     try:
         length = struct.unpack("<q", mem.read(addr + off.unicode_length, 8))[0]
@@ -112,7 +114,7 @@ def read_str(mem: Memory, off: Offsets, addr: int) -> str:
         return "?"
 
 
-def read_bytes(mem: Memory, off: Offsets, addr: int, limit: int = 1 << 20) -> bytes:
+def read_bytes(mem: ReadableMemory, off: Offsets, addr: int, limit: int = 1 << 20) -> bytes:
     size = struct.unpack("<q", mem.read(addr + off.bytes_size, 8))[0]
     if not 0 <= size <= limit:
         return b""
@@ -130,7 +132,7 @@ class Resolver:
     """Code object address -> file, function and line table, read once and
     cached: a traced job runs the same few hundred code objects forever."""
 
-    def __init__(self, mem: Memory, off: Offsets) -> None:
+    def __init__(self, mem: ReadableMemory, off: Offsets) -> None:
         self.mem = mem
         self.off = off
         self._codes: dict[int, CodeInfo | None] = {}

@@ -159,9 +159,9 @@ def test_two_kinds_of_process_group(launch) -> None:  # type: ignore[no-untyped-
     job.wait_steps(max(len(v) for v in job.losses().values()) + 6)
     from probing.analyze import collectives as coll
     from probing.cli.asking import diagnose
-    from probing.cli.client import Job
+    from probing.cli.client import JobClient
 
-    _, table = diagnose(Job(pids=[ranks[0]], cluster=True, timeout=10))
+    _, table = diagnose(JobClient(pids=[ranks[0]], cluster=True, timeout=10))
     assert "pg" in table.column_names, table.schema
     members: dict[str, set[int]] = {}
     for c in coll.match(table):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from probing.analyze.diagnose import Diagnosis
-    from probing.cli.client import Job
+    from probing.cli.client import JobClient
 
 
 def diagnose_job(
@@ -32,7 +32,7 @@ def diagnose_job(
     ``pids[0]``'s job that long first, and stop the ranks it started after,
     whatever happens. A launcher's pid (torchrun's agent) stands for its
     ranks (``job_ranks``)."""
-    from probing.cli.client import Job
+    from probing.cli.client import JobClient
 
     pids = job_ranks(pids, cluster=cluster, inject=inject, timeout=timeout)
     started = start_recording(pids[0], inject) if record_s is not None else []
@@ -46,7 +46,7 @@ def diagnose_job(
             time.sleep(record_s)
         for p in pids:  # a hung job never traced: stacks and counts still tell
             probe_client(p, inject)
-        job = Job(pids=pids, addr=addr, cluster=cluster, timeout=timeout)
+        job = JobClient(pids=pids, addr=addr, cluster=cluster, timeout=timeout)
         answer(job, window_s=window_s, hang_s=hang_s, sql=sql, fmt=fmt)
     finally:
         if record_s is not None and started:  # the ranks it started, not a trace of someone's
@@ -76,7 +76,7 @@ def job_ranks(pids: list[int], *, cluster: bool, inject: bool, timeout: float) -
     return ranks[:1] if cluster else ranks
 
 
-def answer(job: Job, *, window_s: float, hang_s: float, sql: str | None, fmt: str) -> None:
+def answer(job: JobClient, *, window_s: float, hang_s: float, sql: str | None, fmt: str) -> None:
     """Diagnose ``job`` and print the diagnosis, or ``sql`` over it, as ``fmt``."""
     from probing.cli.asking import diagnose as run_diagnosis
     from probing.cli.render import diagnosis

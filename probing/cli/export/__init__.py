@@ -36,10 +36,10 @@ def export(
 ) -> ExportReport:
     """Write the last ``window_s`` seconds of ``source`` to ``path`` (a file for
     perfetto, a directory for parquet); ``max_events`` keeps the newest events."""
-    from probing.cli.export.window import Window
+    from probing.cli.export.window import ExportWindow
     from probing.errors import ProbingError
 
-    win = Window(source, window_s=window_s, max_events=max_events)
+    win = ExportWindow(source, window_s=window_s, max_events=max_events)
     if fmt == "perfetto":
         from probing.cli.export.timeline import export_perfetto
 

@@ -43,7 +43,7 @@ import pyarrow as pa
 from probing.analyze.coverage import INTERVALS_SQL, spans_by_rank
 from probing.analyze.why import MAIN_THREAD
 from probing.cli.export.perfetto import SliceChunk, TraceWriter
-from probing.cli.export.window import Window
+from probing.cli.export.window import ExportWindow
 from probing.errors import ProbingError
 
 STRETCH = 0.2  # a read short of its span by up to this share is drawn up to the next one
@@ -291,7 +291,7 @@ def _frames_of(
 
 
 def write_python(
-    w: TraceWriter, win: Window, frames: Mapping[tuple[int, int], list[Key]]
+    w: TraceWriter, win: ExportWindow, frames: Mapping[tuple[int, int], list[Key]]
 ) -> dict[int, int]:
     """Each rank's training thread as a track of its Python functions; rank ->
     the slices written (nothing where no probe sampled)."""
@@ -321,7 +321,7 @@ def write_python(
     return written
 
 
-def write_untraced(w: TraceWriter, win: Window, ranks: Iterable[int]) -> dict[int, int]:
+def write_untraced(w: TraceWriter, win: ExportWindow, ranks: Iterable[int]) -> dict[int, int]:
     """Per rank, the spans of the window it was not tracing, as slices on a
     track of their own (``not tracing``); rank -> the spans written."""
     src = win.source

@@ -329,7 +329,7 @@ def _count(counts: dict[int, int], ranks: list[int], each: np.ndarray) -> None:
         counts[r] = counts.get(r, 0) + k
 
 
-class Thread(NamedTuple):
+class ThreadTrack(NamedTuple):
     """A traced thread of a rank: the track its slices go on."""
 
     rank: int
@@ -343,7 +343,7 @@ class SliceChunk:
     """A chunk of slices, column by column (one entry per slice, in the order written)."""
 
     thread: np.ndarray  # int64: each slice's thread, an index into ``threads``
-    threads: list[Thread]
+    threads: list[ThreadTrack]
     ts: np.ndarray  # int64 ns
     dur: np.ndarray  # int64 ns (anything where not ``ended``)
     ended: np.ndarray  # bool: False for a call still in flight (a begin only)

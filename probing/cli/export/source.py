@@ -1,8 +1,8 @@
-"""Where an export (or the web UI) reads its rows: ``probing.cli.client.Job``, plus
+"""Where an export (or the web UI) reads its rows: ``probing.cli.client.JobClient``, plus
 the clock offsets the cluster query measures.
 
 ``Source.ask(sql)`` runs ``sql`` in every rank and returns one Arrow table
-whose rows are tagged ``node`` and ``rank``, as ``Job`` does, the three ways
+whose rows are tagged ``node`` and ``rank``, as ``JobClient`` does, the three ways
 the CLI takes them:
 
 * ``pids=[P]``: that one probe; ``pids=[P, Q, ...]``: each local probe;
@@ -12,7 +12,7 @@ the CLI takes them:
   clock minus the asker's), which ``align`` subtracts so rows from different
   nodes line up; ``missing`` the ranks that did not answer.
 
-Differences from ``Job``, on purpose: a local rank's rows keep their own
+Differences from ``JobClient``, on purpose: a local rank's rows keep their own
 ``node``/``rank`` columns as ``table_node``/``table_rank`` (what a cluster
 query calls them, so a Parquet file reads the same however it was asked),
 and ``client(pid)`` is the one place a local probe is reached.
@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from probing.cli.client import Job, ProbeClient, cluster_query
+from probing.cli.client import JobClient, ProbeClient, cluster_query
 from probing.errors import ProbingError
 
 RANKS_SQL = "SELECT pid, hostname{tags} FROM process.info"
@@ -43,7 +43,7 @@ class RankInfo:
     pid: int
 
 
-class Source(Job):
+class Source(JobClient):
     def __init__(
         self,
         *,

@@ -18,14 +18,14 @@ import time
 import pyarrow.parquet as pq
 
 from probing.cli.export.timeline import ExportReport
-from probing.cli.export.window import EVENT_TABLES, Window
+from probing.cli.export.window import EVENT_TABLES, ExportWindow
 from probing.errors import ProbingError
 
 SNAPSHOT_TABLES = ("python.stacks", "comm.groups", "process.info")
 META_KEY = b"probing.export"
 
 
-def export_parquet(win: Window, out_dir: str) -> ExportReport:
+def export_parquet(win: ExportWindow, out_dir: str) -> ExportReport:
     t0 = time.perf_counter()
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ProbingError(

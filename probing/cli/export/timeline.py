@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 
 from probing.analyze import columns
 from probing.cli.export import flame
-from probing.cli.export.perfetto import SliceChunk, Thread, TraceWriter, flow_ids
-from probing.cli.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, Prefetched, Window
+from probing.cli.export.perfetto import SliceChunk, ThreadTrack, TraceWriter, flow_ids
+from probing.cli.export.window import COUNTER_TABLES, SLICE_TABLES, Cap, ExportWindow, Prefetched
 
 # columns that are the slice itself, not its args
 _PLACE = {"ts", "dur_ns", "pid", "tid", "node", "rank", "event_id", "stack_id", "api"}
@@ -78,7 +78,7 @@ class CollectiveIndex:
     """(rank, raw ts) of every collective call -> its cross-rank (comm, seq) and
     flow id, looked up a chunk at a time (per rank, a sorted array of its ts)."""
 
-    def __init__(self, win: Window) -> None:
+    def __init__(self, win: ExportWindow) -> None:
         from probing.analyze.collectives import matched
         from probing.analyze.diagnose import with_groups
         from probing.analyze.queries import queries
@@ -119,11 +119,11 @@ class CollectiveIndex:
         return out
 
 
-class Stacks:
+class StackIndex:
     """Each rank's Python stacks: ``stack_id`` -> (callsite, stack text), and
     its frames as (function, file), outermost first (``frames``)."""
 
-    def __init__(self, win: Window) -> None:
+    def __init__(self, win: ExportWindow) -> None:
         from probing.errors import ProbingError
 
         frames: dict[tuple[int, int], list[tuple[int, str, tuple[str, str]]]] = {}
@@ -210,14 +210,14 @@ def _names(table: str, api: pa.Array, op: pa.Array, kernel: pa.Array) -> Names:
     )
 
 
-def _threads(part: pa.Table, rank: np.ndarray) -> tuple[np.ndarray, list[Thread]]:
+def _threads(part: pa.Table, rank: np.ndarray) -> tuple[np.ndarray, list[ThreadTrack]]:
     """Each row's thread (an index into the threads, numbered as first met)."""
     tid = _ints(part, "tid")
     thread = columns.codes((rank << 32) | (tid & 0xFFFFFFFF))[0]
     nodes, pids = _column(part, "node"), _ints(part, "pid")
     first = columns.firsts(thread).tolist()
     return thread, [
-        Thread(int(rank[i]), int(tid[i]), nodes[i].as_py(), int(pids[i])) for i in first
+        ThreadTrack(int(rank[i]), int(tid[i]), nodes[i].as_py(), int(pids[i])) for i in first
     ]
 
 
@@ -249,7 +249,7 @@ def _collectives(
     return which, np.where(which >= 0, flow, np.uint64(0))
 
 
-def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Array, pa.Array]:
+def _callsites(part: pa.Table, rank: np.ndarray, stacks: StackIndex) -> tuple[pa.Array, pa.Array]:
     """Each call's callsite and stack text (null: no stack id, or none known)."""
     sid, sids = columns.codes(columns.column(part, "stack_id"))  # a null: a code of its own
     pairs = columns.pair(rank - rank.min(), sid)
@@ -268,7 +268,7 @@ def _callsites(part: pa.Table, rank: np.ndarray, stacks: Stacks) -> tuple[pa.Arr
 
 
 def slices(
-    table: str, part: pa.Table, colls: CollectiveIndex, stacks: Stacks, offsets: dict[str, int]
+    table: str, part: pa.Table, colls: CollectiveIndex, stacks: StackIndex, offsets: dict[str, int]
 ) -> SliceChunk | None:
     """One slice per row of a calls table (ts already moved by ``offsets``)."""
     n = part.num_rows
@@ -331,7 +331,7 @@ def write_counters(w: TraceWriter, part: pa.Table) -> None:
     w.add_counters(rank[row], uuids[track], ts[row], values[row, metric])
 
 
-def export_perfetto(win: Window, path: str) -> ExportReport:
+def export_perfetto(win: ExportWindow, path: str) -> ExportReport:
     t0 = time.perf_counter()
     src = win.source
     ranks = src.ranks()
@@ -347,7 +347,7 @@ def export_perfetto(win: Window, path: str) -> ExportReport:
     # no GIL held) from now on, while the collectives, stacks and threads are
     # asked and each chunk read before is written
     with Prefetched(win.read(SLICE_TABLES + COUNTER_TABLES)) as chunks, open(path, "wb") as f:
-        colls, stacks = CollectiveIndex(win), Stacks(win)
+        colls, stacks = CollectiveIndex(win), StackIndex(win)
         w = TraceWriter(f)
         w.thread_names = {
             (r["rank"], r["tid"]): r["name"] for r in win.whole(THREADS_SQL).to_pylist()

@@ -59,7 +59,10 @@ class Cap:
 
 
 @dataclass
-class Window:
+class ExportWindow:
+    """One export's window over ``source``: its event tables counted, cut into
+    chunks and read newest first (the module's docstring)."""
+
     source: Source
     window_s: float = 60.0
     max_events: int | None = None

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from probing.cli.client import Job, ProbeClient
+from probing.cli.client import JobClient, ProbeClient
 from probing.cli.mcp import reference
 from probing.errors import ProbingError
 
@@ -152,10 +152,10 @@ def job_scope(pid: int) -> tuple[Literal["cluster", "local"], list[int]]:
     return "local", [p for p in job_pids(pid) if p == pid or probed(p)]
 
 
-def job_of(pid: int, timeout: float) -> tuple[Job, Literal["cluster", "local"], list[int]]:
-    """The ``Job`` that asks every rank of ``pid``'s job (``job_scope``)."""
+def job_of(pid: int, timeout: float) -> tuple[JobClient, Literal["cluster", "local"], list[int]]:
+    """The ``JobClient`` that asks every rank of ``pid``'s job (``job_scope``)."""
     scope, pids = job_scope(pid)
-    return Job(pids=pids, cluster=scope == "cluster", timeout=timeout), scope, pids
+    return JobClient(pids=pids, cluster=scope == "cluster", timeout=timeout), scope, pids
 
 
 # -- list_processes -------------------------------------------------------------------
@@ -294,7 +294,7 @@ def list_processes() -> tuple[ProcessList, str]:
 # -- stack ----------------------------------------------------------------------------
 
 
-class Frame(BaseModel):
+class StackFrame(BaseModel):
     func: str | None = None
     file: str | None = None
     line: int | None = None
@@ -306,7 +306,7 @@ class Thread(BaseModel):
     state: str | None = Field(default=None, description="active, waiting or idle")
     syscall: str | None = Field(default=None, description="where it is blocked")
     cpu_pct: float | None = None
-    frames: list[Frame] = Field(description="innermost first")
+    frames: list[StackFrame] = Field(description="innermost first")
 
 
 class Stacks(BaseModel):
@@ -341,7 +341,7 @@ def stack(pid: int, inject: bool) -> tuple[Stacks, str]:
                 frames=[],
             )
         threads[key].frames.append(
-            Frame(func=f.get("func"), file=f.get("file"), line=f.get("line"))
+            StackFrame(func=f.get("func"), file=f.get("file"), line=f.get("line"))
         )
     answer = Stacks(pid=pid, process=jsonable(info), threads=list(threads.values()), notes=notes)
     return answer, format_stacks(info, frames)
@@ -510,7 +510,7 @@ class Findings(QueryAnswer):
     active: int = Field(description="findings not cleared yet (cleared_ns null)")
 
 
-def job_findings(job: Job, scope: str, pids: list[int], sql: str = FINDINGS_SQL) -> Any:
+def job_findings(job: JobClient, scope: str, pids: list[int], sql: str = FINDINGS_SQL) -> Any:
     """``sql`` over ``analyze.findings`` of every rank of a job, as a cluster
     query answers it in either scope: each row's own ``rank`` and ``node``
     (the rank a finding blames), the probe that answered as ``probe_node``,
@@ -665,7 +665,7 @@ def diagnose(
 MISSING_RANK = re.compile(r"rank (\d+)\b")  # a diagnosis's missing rank: "rank 3 (host1): ..."
 
 
-def _active(job: Job, scope: str, pids: list[int]) -> list[dict[str, Any]]:
+def _active(job: JobClient, scope: str, pids: list[int]) -> list[dict[str, Any]]:
     """The job's active findings ([] where its probes keep none, or do not answer)."""
     try:
         rows: list[dict[str, Any]] = job_findings(job, scope, pids, ACTIVE_SQL).to_pylist()

@@ -49,13 +49,13 @@ def heatmap(
     ranks: list[int],
     lo: int,
     hi: int,
-    hangs: list[Hang] | None = None,
+    hangs: list[HangMark] | None = None,
     columns: int = COLUMNS,
 ) -> dict[str, Any]:
     """Per rank and time bucket: mean arrival lag (ms), step time (ms: the
     interval between successive collectives of the busiest communicator), and
     ``absent``: from when the others entered a hung collective this rank never
-    entered (``Hang``s with their start, ``since_ns``)."""
+    entered (``HangMark``s with their start, ``since_ns``)."""
     width = max(1, (hi - lo) // columns)
     n = len(ranks)
     idx = {r: i for i, r in enumerate(ranks)}
@@ -102,15 +102,18 @@ def heatmap(
 
 
 @dataclasses.dataclass
-class Hang:
+class HangMark:
+    """A hang as the heatmap marks it: the ranks missing from its collective,
+    from when the others entered it (``since_ns``)."""
+
     missing_ranks: list[int]
     since_ns: int
 
 
-def hang_at(h: Any, matched: list[Any]) -> Hang:
+def hang_at(h: Any, matched: list[Any]) -> HangMark:
     """A traced hang with the time its collective was first entered."""
     c = next((c for c in matched if c.comm == h.comm and c.seq == h.seq), None)
-    return Hang(list(h.missing_ranks), min(c.ts.values()) if c else 0)
+    return HangMark(list(h.missing_ranks), min(c.ts.values()) if c else 0)
 
 
 class Latest:
@@ -302,10 +305,12 @@ class JobView:
 
     def _diagnose(self, window_s: float) -> dict[str, Any]:
         from probing.cli.asking import diagnose
-        from probing.cli.client import Job
+        from probing.cli.client import JobClient
 
         src = self.source
-        job = Job(pids=src.pids or None, addr=src.addr, cluster=src.cluster, timeout=src.timeout)
+        job = JobClient(
+            pids=src.pids or None, addr=src.addr, cluster=src.cluster, timeout=src.timeout
+        )
         d, _ = diagnose(job, window_s=window_s, hang_after_s=HANG_AFTER_S, eager=True)
         out = d.to_json()
         out["stacks_by_rank"] = {str(r): lines for r, lines in d.stacks.items()}

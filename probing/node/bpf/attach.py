@@ -6,7 +6,7 @@ whose name a family matches (``Family.libraries``) is attached once, by
 inode: the family's functions found among its exported symbols (by name,
 or by demangled name for C++), each at its file offset, an entry probe
 and, where the family has one, a return probe. Every uprobe tried is a
-``Probe``, attached or with why not: the ``probing.uprobes`` table.
+``UprobeAttempt``, attached or with why not: the ``probing.uprobes`` table.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
-class Probe:
+class UprobeAttempt:
     """One uprobe (entry or return) as attached, or why not."""
 
     family: str
@@ -49,7 +49,7 @@ class Probe:
     error: str | None = None
 
 
-PROBES_SCHEMA = schema_of(Probe)  # trace.probes
+PROBES_SCHEMA = schema_of(UprobeAttempt)  # trace.probes
 
 
 # What ``symbols`` found, per family and file (by its identity: a library
@@ -155,11 +155,11 @@ def _symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
 
 class Uprobes:
     """The uprobes of one trace of process ``pid``: which files were
-    looked at, and every ``Probe`` tried."""
+    looked at, and every ``UprobeAttempt`` tried."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.probes: list[Probe] = []
+        self.probes: list[UprobeAttempt] = []
         self._seen_files: set[tuple[int, int]] = set()
         self._known_paths: set[str] = set()  # every file path a scan handed over
         self._vsize = ""  # the process's vsize at the last look at its maps
@@ -214,7 +214,9 @@ class Uprobes:
         try:
             found = symbols(f, here)
         except ELF_ERRORS as err:
-            self.probes.append(Probe(f.name, path, "*", "entry", False, f"cannot read: {err}"))
+            self.probes.append(
+                UprobeAttempt(f.name, path, "*", "entry", False, f"cannot read: {err}")
+            )
             return
         if not found:
             return
@@ -227,7 +229,7 @@ class Uprobes:
             if fn.ret is not None:
                 wanted.append(Uprobe(fn.ret, sym, offset, True))
         for sym, kind, ok, why in live.bpf.attach(here, wanted, self.pid):
-            self.probes.append(Probe(f.name, path, sym, kind, ok, why))
+            self.probes.append(UprobeAttempt(f.name, path, sym, kind, ok, why))
         live.libraries.add(path)  # listed once its uprobes are in
 
     def attached(self, family: str) -> int:
@@ -240,4 +242,4 @@ class Uprobes:
             p.attached = False
 
     def table(self) -> pa.Table:
-        return table_of(Probe, self.probes)
+        return table_of(UprobeAttempt, self.probes)

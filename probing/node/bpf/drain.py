@@ -110,7 +110,7 @@ class Live:
             raise BPFUnavailable(
                 f"{self.family.name}: staged events not sent at a CPU switch: {err}"
             ) from err
-        self.bpf.keep(loader.Attached("sched_switch", [fd], []))
+        self.bpf.keep(loader.Attachment("sched_switch", [fd], []))
 
     def flush_stages(self) -> None:
         """Every CPU's staged events into the ring (bpf/preamble.c:

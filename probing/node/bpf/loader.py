@@ -467,9 +467,11 @@ def kernel_has_uprobe_multi() -> bool:
 
 
 @dataclasses.dataclass
-class Attached:
-    """One library's probes: the handler, symbol and kind of each, and the
-    fds that hold them (links or perf events)."""
+class Attachment:
+    """What one attach holds: its fds (links or perf events) and the handler,
+    symbol and kind of each probe. A library's uprobes (``path``: the
+    library), or the sampler's and the drain's tracepoints (``path`` names
+    them, no probes)."""
 
     path: str
     fds: list[int]
@@ -524,7 +526,7 @@ class Program:
         self.maps: dict[str, Map] = {}
         self._progs: dict[str, int] = {}
         self._slots: dict[str, int] = {}
-        self.attached: list[Attached] = []
+        self.attached: list[Attachment] = []
         self.held = 0  # perf-event uprobes the holder process keeps for us
         self._lock = threading.Lock()
         try:
@@ -581,7 +583,7 @@ class Program:
         """Attach ``probes`` in ``path`` for ``pid``; returns ``(symbol, kind,
         attached, error)`` each."""
         results: list[tuple[str, str, bool, str | None]] = []
-        done = Attached(path, [], [])
+        done = Attachment(path, [], [])
         with self._lock:
             if self.multi:
                 for handler, group, ret in link_groups(probes):
@@ -616,7 +618,7 @@ class Program:
                 self.keep(done)
         return results
 
-    def keep(self, done: Attached) -> None:
+    def keep(self, done: Attachment) -> None:
         """What attached stays attached: its fds go to the holder process,
         or stay with us (``attached``) without one."""
         if self.holder is not None and done.fds:

@@ -153,7 +153,7 @@ class Sampler:
             # the holder process keeps them: a tracepoint's perf event waits for
             # an RCU grace period when it goes, and neither a stop nor an exit
             # should wait for that
-            prog.keep(loader.Attached("sampler", fds, []))
+            prog.keep(loader.Attachment("sampler", fds, []))
             attached = True
         finally:
             if not attached:

@@ -14,7 +14,7 @@ status it reports; the parts it runs have their own modules:
 
 * ``drain``: the families loaded (``Live``) and their rings drained into
   the store (``Drainer``);
-* ``attach``: the uprobes on the mapped libraries (``Uprobes``, ``Probe``);
+* ``attach``: the uprobes on the mapped libraries (``Uprobes``, ``UprobeAttempt``);
 * ``cuda``: the cuda family's kernel names (``KernelNames``);
 * ``output``: the trace's Parquet copy (``OutputWriter``).
 
@@ -36,7 +36,7 @@ from probing import checks
 from probing.errors import BPFUnavailable, ProbingError
 from probing.node.bpf import families as fam
 from probing.node.bpf import loader
-from probing.node.bpf.attach import Probe, Uprobes
+from probing.node.bpf.attach import UprobeAttempt, Uprobes
 from probing.node.bpf.cuda import KernelNames
 from probing.node.bpf.drain import Drainer, Live, compile_family
 from probing.node.bpf.output import OutputWriter
@@ -169,7 +169,7 @@ class Tracer:
             self.store.table(f.table, "calls", f.schema)
 
     @property
-    def probes(self) -> list[Probe]:
+    def probes(self) -> list[UprobeAttempt]:
         """Every uprobe tried, attached or with why not."""
         return self._uprobes.probes
 

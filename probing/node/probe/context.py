@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from probing.node.probe.server import UnixHTTPServer
     from probing.node.sql import Engine
     from probing.node.store import Store
-    from probing.node.tables.nvml import Sampler
+    from probing.node.tables.nvml import GpuSampler
 
 # registers tables on a new engine: (engine, context)
 Installer = Callable[["Engine", "ProbeContext"], None]
@@ -79,7 +79,7 @@ class ProbeContext:
         self.server: UnixHTTPServer | None = None
         self._store = store
         self._engine: Engine | None = None
-        self._sampler: Sampler | None = None
+        self._sampler: GpuSampler | None = None
         self._lock = threading.RLock()
         self._trace_lock = threading.Lock()
         self._stop_at_exit = False
@@ -143,14 +143,14 @@ class ProbeContext:
         threading.Thread(target=load, name="probing-engine-load").start()
 
     @property
-    def nvml(self) -> Sampler:
+    def nvml(self) -> GpuSampler:
         """The NVML sampler writing ``nvml.gpu`` into this context's store."""
         if self._sampler is None:
             with self._lock:
                 if self._sampler is None:
-                    from probing.node.tables.nvml import Sampler
+                    from probing.node.tables.nvml import GpuSampler
 
-                    self._sampler = Sampler(self.store, self.target.environ, self.target.pid)
+                    self._sampler = GpuSampler(self.store, self.target.environ, self.target.pid)
         return self._sampler
 
     # -- tracing ----------------------------------------------------------------------

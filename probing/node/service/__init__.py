@@ -4,7 +4,7 @@ set of ``PROBING_*`` settings (the ranks of a job share one).
 Guests (``probing.guest``) hand it their processes (``POST /attach`` on
 ``<runtime>/probing-<uid>/engine-<key>.sock``, ``guest.place.engine_key``);
 the engine runs with the job's settings. For each process it builds a probe
-(``ProbeContext`` over a ``probing.target.Guest``) that serves the pid's
+(``ProbeContext`` over a ``probing.target.GuestProcess``) that serves the pid's
 own socket, ``<pid>.sock``: the BPF programs (compiled here, never in the
 job), the store, SQL, NVML and the cluster node live here, in probing's own
 Python and its numpy, pyarrow and datafusion. One engine serves every rank

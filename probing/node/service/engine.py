@@ -22,7 +22,7 @@ from probing.guest import place, wire
 from probing.node.cluster.port import NodePort
 from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
-from probing.target import Guest
+from probing.target import GuestProcess
 from probing.worker import Worker, stop_on_signals
 
 TICK_S = 1.0
@@ -33,7 +33,7 @@ _log = logging.getLogger("probing.engine")
 @dataclass
 class Entry:
     ctx: ProbeContext
-    target: Guest
+    target: GuestProcess
     pidfd: int
     died_at: float | None = None  # monotonic, once the process is gone
 
@@ -117,7 +117,7 @@ class Service:
         self._free_ports()
         pidfd = os.pidfd_open(pid)
         _log.info(f"attach pid {pid} ({guest})")
-        target = Guest(pid, guest)
+        target = GuestProcess(pid, guest)
         ctx = ProbeContext(installers=(install_tables,), cluster=self._cluster, target=target)
         state = place.trace_path(pid, self.directory)
         ctx.on_trace = lambda traced: _keep(state, traced)

@@ -20,10 +20,10 @@ class Context(Protocol):
 
     tracer: Any  # a probing.node.bpf.tracer.Tracer, or None
     cluster: Any  # a ClusterNode in cluster mode, or None
-    target: Any  # the process described (probing.target: Local or Guest)
+    target: Any  # the process described (probing.target: Local or GuestProcess)
 
     @property
-    def nvml(self) -> nvml.Sampler: ...
+    def nvml(self) -> nvml.GpuSampler: ...
 
     def trace_intervals(self) -> list[dict[str, Any]]: ...
 
@@ -37,7 +37,7 @@ class Alone:
         self.tracer = None
         self.cluster = None
         self.target = Local()
-        self.nvml = nvml.Sampler(engine.store)
+        self.nvml = nvml.GpuSampler(engine.store)
 
     def trace_intervals(self) -> list[dict[str, Any]]:
         return []
@@ -48,7 +48,7 @@ def install(engine: Engine, ctx: Context | None = None) -> None:
     probe: Context = ctx if ctx is not None else Alone(engine)
     target = probe.target
     comm_groups = groups.provider(target.groups, engine.store)
-    where = process.Place(comm_groups)
+    where = process.PlaceCache(comm_groups)
     engine.register_table("process", "info", lambda: process.info(target, where))
     engine.register_table("process", "threads", lambda: process.threads(target))
     engine.register_table("process", "cpu", lambda: process.cpu(target))

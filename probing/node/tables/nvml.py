@@ -50,7 +50,7 @@ GPU_SCHEMA = pa.schema(
         ("ecc_uncorrected", pa.int64()),  # volatile, since the driver loaded
         ("xid", pa.int64()),  # last XID / critical event since the previous sample
         ("xid_count", pa.int32()),
-        ("own", pa.bool_()),  # the GPU the process works on (``Sampler._owned``)
+        ("own", pa.bool_()),  # the GPU the process works on (``GpuSampler._owned``)
     ]
 )
 
@@ -145,7 +145,7 @@ class Steady:
         return self.next_at - now
 
 
-class Sampler:
+class GpuSampler:
     """One per probe (``ProbeContext.nvml``); ``start(interval)`` / ``stop()``;
     safe to call repeatedly."""
 

@@ -89,7 +89,7 @@ def place(groups: Callable[[], pa.Table]) -> dict[str, Any]:
 PLACE_TTL_S = 10.0
 
 
-class Place:
+class PlaceCache:
     """``place(groups)``, read again once ``ttl_s`` old; a place once known is
     kept when no group says one any more (the process ended, or destroyed its
     groups)."""
@@ -106,7 +106,7 @@ class Place:
 
 
 def info(target: Any, where: Callable[[], dict[str, Any]] | None = None) -> pa.Table:
-    """One row: the process; ``where()`` (a ``Place``) gives its place."""
+    """One row: the process; ``where()`` (a ``PlaceCache``) gives its place."""
     about = _about(target)
     row: dict[str, Any] = {
         **(where() if where is not None else {}),
