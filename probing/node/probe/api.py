@@ -134,7 +134,8 @@ def _column(col: Any) -> list[Any]:
 
         if not pa.types.is_timestamp(col.type):
             raise
-        return col.cast(pa.string()).to_pylist()
+        text: list[Any] = col.cast(pa.string()).to_pylist()
+        return text
 
 
 def json_columns(table: object, limit: int) -> bytearray:
