@@ -258,10 +258,9 @@ class ClusterNode:
                       for k in self.port.kin(self) if k.rank not in have]  # fmt: skip
         return known
 
-    def peer_rows(self) -> list[dict[str, object]]:
-        """``probing.peers``' rows (``GET /peers``)."""
-        rows: list[dict[str, object]] = self.registry.table().to_pylist()
-        return rows
+    def peers_table(self) -> pa.Table:
+        """``probing.peers``: the peers known, as the last query measured them."""
+        return self.registry.table()
 
     # -- what the detector asks of the job ------------------------------------------
     def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Gathered, planner.Plan]:

@@ -71,7 +71,7 @@ class Member(Protocol):
 
     def ensure_watch(self, start: bool = True) -> Detector | None: ...
 
-    def peer_rows(self) -> list[dict[str, object]]: ...
+    def peers_table(self) -> pa.Table: ...
 
 
 class Probe(Protocol):
@@ -344,7 +344,7 @@ def trace_status(probe: Probe, req: Request) -> Response:
 def peers(probe: Probe, req: Request) -> Response:
     """GET /peers: ``probing.peers`` as JSON (empty outside cluster mode)."""
     node = probe.cluster
-    return Response.json(node.peer_rows() if node is not None else [])
+    return Response.json(node.peers_table().to_pylist() if node is not None else [])
 
 
 def metrics(probe: Probe, req: Request) -> Response:
