@@ -417,7 +417,7 @@ def _quiet(entry: Entry) -> None:
     their threads must not add up); its rows stay queryable until retired."""
     ctx = entry.ctx
     ctx.stop_trace()
-    watch = getattr(ctx.cluster, "watch", None)
+    watch = ctx.cluster.watch if ctx.cluster is not None else None
     if watch is not None:
         watch.stop()
     ctx.store.settle()
