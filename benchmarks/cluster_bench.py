@@ -106,6 +106,7 @@ def bench_rank(rank: int, world: int, per_node: bool, ports: dict, servers: list
     )
     node = ClusterNode(ident, lambda eng=eng: eng, token=TOKEN.encode(), pid=FAKE_PID + rank)
     app = make_app(PeerHost(eng, node))
+    node.register(app.routes)  # its /cluster/* routes
     if per_node:  # the node's one port: its server answers every rank of the node
         port = ports.get(ident.group_rank or 0)
         if port is None:

@@ -511,7 +511,9 @@ def _one_engines_ranks(n: int) -> list[Any]:
         node = ClusterNode(ident, lambda eng=eng: eng, token=b"t", pid=(1 << 22) + rank)
         node.port = port
         host = types.SimpleNamespace(engine=eng, cluster=node, note_query=lambda: None)
-        node.setup(types.SimpleNamespace(app=make_app(host)))
+        app = make_app(host)
+        node.register(app.routes)
+        node.setup(types.SimpleNamespace(app=app))
         nodes.append(node)
     for node in nodes:
         for other in nodes:

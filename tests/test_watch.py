@@ -43,12 +43,6 @@ class Node:
 
     def __init__(self, rank: int = 0) -> None:
         self.rank, self.pid, self.learning = rank, None, False
-        # where the detector finds the cluster's parts (ClusterNode's
-        # ``coordinator`` and ``asking`` modules): here, this node's scripts
-        self.coordinator = SimpleNamespace(
-            coordinate=lambda node, sql, **kw: node.coordinate(sql, **kw)
-        )
-        self.asking = SimpleNamespace(control=lambda node, *args: node.fan_out(*args))
         self.answers: list[tuple[pa.Table, Got]] = []
         self.live: pa.Table | None = None
         self.clock = 0
@@ -63,7 +57,7 @@ class Node:
         self.intervals = [{"start_ns": 0, "stop_ns": None, "state": "tracing", "rank": r}
                           for r in range(4)]  # fmt: skip
 
-    def fan_out(self, path: str, body: bytes, timeout: float, ranks: set[int]) -> list[dict]:  # type: ignore[type-arg]
+    def control(self, path: str, body: bytes, timeout: float, ranks: set[int]) -> list[dict]:  # type: ignore[type-arg]
         assert path == "/query" and b"process.info" in body
         self.asked_ranks += sorted(ranks)
         return [dict(self.lower[r], rank=r) for r in sorted(ranks)]

@@ -45,8 +45,8 @@ cleared finding is one ``probing:`` line on the job's stderr.
 each rank's lateness, each straggler's cost, the findings, the events dropped.
 
 The node (``probing.node.cluster.node.ClusterNode``) is handed in: this layer
-does not import the cluster's, and asks through the parts the node names
-(``coordinator.coordinate``, ``asking.control``).
+does not import the cluster's, and asks through the node's ``coordinate``
+and ``control``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ HOLD = 0.5
 
 def ask_cluster(node: Any, sql: str) -> pa.Table:
     """``sql`` over every rank of ``node``'s job (the cluster's coordinator)."""
-    table: pa.Table = node.coordinator.coordinate(node, sql, timeout=ASK_S)[0]
+    table: pa.Table = node.coordinate(sql, timeout=ASK_S)[0]
     return table
 
 
@@ -184,7 +184,7 @@ class Watch:
             return self._elected[1]
         mine = True
         for rank in range(self.node.rank):  # from the lowest: rank 0 answers, as a rule
-            asked = self.node.asking.control(self.node, "/query", ALIVE, 3.0, {rank})
+            asked = self.node.control("/query", ALIVE, 3.0, {rank})
             [row] = asked or [{"status": 0, "addr": ""}]
             if row["status"] == 200 and not any(r.get("alive") for r in row.get("reply") or []):
                 continue  # died: its probe answers for it
@@ -724,7 +724,7 @@ class Window:
             sql = (
                 f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
             )
-        table, got, _ = node.coordinator.coordinate(node, sql, timeout=ASK_S)
+        table, got, _ = node.coordinate(sql, timeout=ASK_S)
         if kept is not None and kept.num_rows:
             ts, dur = kept.column("ts"), kept.column("dur_ns")
             old = kept.filter(

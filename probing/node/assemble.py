@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from probing.analyze.watch import Watch
+    from probing.node.cluster.node import ClusterNode
     from probing.node.probe.context import ProbeContext
     from probing.node.sql import Engine
 
@@ -30,14 +34,15 @@ def _install_analyze(engine: Engine, ctx: ProbeContext | None) -> None:
 
     analysis.install(engine)
 
-    def findings() -> Any:
-        detector = getattr(ctx.cluster, "watch", None) if ctx is not None else None
+    def findings() -> pa.Table:
+        node = ctx.cluster if ctx is not None else None
+        detector = node.watch if node is not None else None
         return detector.table() if detector is not None else kept.empty()
 
     engine.register_table("analyze", "findings", findings)
 
 
-def cluster_node(ctx: ProbeContext) -> Any:
+def cluster_node(ctx: ProbeContext) -> ClusterNode | None:
     """The cluster node of a process: a rank of a multi-process job, a
     process given ``PROBING_PEERS``, or one that may become a rank once it
     calls ``init_process_group`` (Lightning, ``mp.spawn``: the node waits
@@ -57,7 +62,7 @@ def cluster_node(ctx: ProbeContext) -> Any:
     return node
 
 
-def _detector(ctx: ProbeContext, node: Any) -> Any:
+def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:
     """The always-on detector of ``ctx`` (``probing.analyze.watch``)."""
     from probing.analyze.watch import Watch
 

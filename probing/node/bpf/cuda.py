@@ -148,7 +148,7 @@ class KernelSlots:
         """The name id of every key (int32), naming new keys with ``name``."""
         slot = ((keys >> np.uint64(4)) ^ (keys >> np.uint64(20))) & np.uint64(KERNEL_SLOTS - 1)
         slot = slot.astype(np.intp)
-        found = self.ids[slot]
+        found: np.ndarray = self.ids[slot]
         miss = (found < 0) | (self.keys[slot] != keys)
         if miss.any():
             missed = keys[miss]

@@ -2,7 +2,7 @@
 
 ``identity`` (who am I in the job), ``discovery`` (the rendezvous store or
 PROBING_PEERS), ``join`` (joining in the background, however late), ``node``
-(the TCP peer: its membership, and a facade over the rest), ``share`` (this
+(the TCP peer: its membership; it registers the endpoints), ``share`` (this
 peer's rows of a query), ``fanout`` (asking many peers at once over
 ``exchange``), ``coordinator`` (one query end to end), ``endpoints`` (its
 HTTP requests and answers), ``plan`` (what the peers run and what the asker

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
+    from probing.node.sql import Engine
 
 MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds them anyway)
 MAX_GATHER_S = 300.0  # the longest a gather request may ask me to wait for its members
@@ -42,7 +43,7 @@ class Asker(asking.Peer, Protocol):
     ident: Identity
     rank: int
     pid: int
-    engine: Callable[[], Any]
+    engine: Callable[[], Engine]
     registry: Registry
     directory: StoreDirectory | None
 

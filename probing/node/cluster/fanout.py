@@ -48,6 +48,13 @@ FANOUTS = ("auto", "flat", "tree")
 TREE_MIN_PEERS = 16  # auto: a tree from this many peers on more than one node
 
 
+class Siblings(Protocol):
+    """Where a node finds the nodes its engine serves too
+    (``probing.node.cluster.port.NodePort``)."""
+
+    def sibling(self, pid: int) -> Peer | None: ...
+
+
 class Peer(Protocol):
     """What asking needs of the cluster node (``probing.node.cluster.node.ClusterNode``)."""
 
@@ -56,7 +63,9 @@ class Peer(Protocol):
     addr: str | None
     token: bytes | None
     registry: Registry
-    port: Any  # the engine's port (``probing.node.cluster.port``), or None
+
+    @property
+    def port(self) -> Siblings | None: ...  # the engine's port, or None
 
     def refresh(self, budget: float = 2.0) -> None: ...
 
@@ -253,7 +262,7 @@ def gather(
 def _siblings(node: Peer, members: list[PeerInfo]) -> tuple[list[Peer], list[PeerInfo]]:
     """The members my engine serves too (their cluster nodes: they answer
     in-process), and the others."""
-    port = getattr(node, "port", None)
+    port = node.port
     if port is None:
         return [], members
     near: list[Peer] = []

@@ -11,16 +11,21 @@ Nothing runs between queries: no heartbeat, no polling. The peers' state
 in ``probing.peers`` is what discovery published and what the last
 cluster query measured.
 
-The rest has one owner each, which take the node and call each other. The
-probe's HTTP app and the detector, which do not import the cluster, call
-them where the node says they are (``endpoints``, ``coordinator``,
-``asking``: the modules themselves; the node forwards nothing):
+The rest has one owner each, functions that take the node; the node holds
+none of them. The probe's HTTP app, which does not import the cluster,
+gets the cluster's routes when its node registers them (``register``:
+``endpoints.register`` puts ``/cluster/*`` into the app's ``Routes``) and
+sees the node through its ``Member`` Protocol
+(``probing.node.probe.api``); the detector asks the job through the
+node's ``coordinate`` and ``control``:
 
 * ``share``: this peer's share of a query, its tables tagged (SQL text: ``plan``);
 * ``fanout``: asking peers at once, retries, deadlines (``PeerFailure``);
+  ``control``, the same request to every peer;
 * ``coordinator``: one query end to end, and a gatherer's answer;
 * ``endpoints``: the ``/cluster/*`` requests and answers over HTTP;
-* the always-on detector (``probing.analyze.watch``), made at the first trace.
+* the always-on detector (``probing.analyze.watch``), made at the first
+  trace by the factory the node's assembler gives (``detector``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from probing import config
 from probing.errors import ProbingError
-from probing.node.cluster import coordinator, endpoints, join
-from probing.node.cluster import fanout as asking  # "fanout" names a kind of fan-out here
+from probing.node.cluster import coordinator, endpoints, fanout, join
 from probing.node.cluster.discovery import (
     ENGINE,
     STORE_TIMEOUT_S,
@@ -54,15 +58,24 @@ from probing.node.cluster.identity import (
 from probing.node.cluster.share import Share
 from probing.worker import named
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from probing.node.cluster import plan as planner
+    from probing.node.cluster.fanout import Gathered
+    from probing.node.cluster.port import NodePort
+    from probing.node.probe.api import Detector, Routes
+    from probing.node.probe.server import UnixHTTPServer
+    from probing.node.sql import Engine
+
 
 class ClusterNode:
-    """One peer: its identity, its peers, its token, its share; where the
-    probe and the detector find the fan-out, coordinator and endpoints."""
+    """One peer: its identity, its peers, its token, its share, its detector."""
 
     def __init__(
         self,
         ident: Identity,
-        engine: Callable[[], Any],
+        engine: Callable[[], Engine],
         *,
         token: bytes | None = None,
         pid: int | None = None,
@@ -82,19 +95,15 @@ class ClusterNode:
         self.ready = threading.Event()  # set once the first attempt to join is over
         self.error: str | None = None
         self.published = False
-        self._server: Any = None
+        self._server: UnixHTTPServer | None = None
         # the engine's one peer port (``probing.node.cluster.port``), shared by
         # every process it serves; None: this probe listens on a port of its own
-        self.port: Any = None
+        self.port: NodePort | None = None
         self._join_lock = threading.Lock()
         self.share = Share(self)  # my share of a query, and what it caches
-        # where the probe's HTTP app and the detector find the parts that do
-        # the work (modules whose functions take this node): they do not import them
-        self.endpoints = endpoints  # POST /cluster/query, /cluster/gather
-        self.coordinator = coordinator  # a query over every peer (coordinate)
-        self.asking = asking  # the same request to every peer (control)
-        self.watch: Any = None  # the always-on detector (probing.analyze.watch), once made
-        self.detector: Callable[[], Any] | None = None  # makes it (given by probing.enable)
+        self.watch: Detector | None = None  # the always-on detector, once made
+        # makes it (``probing.analyze.watch.Watch``: given by the node's assembler)
+        self.detector: Callable[[], Detector] | None = None
         if self.learn is not None:
             self.error = join.WAITING
 
@@ -113,7 +122,11 @@ class ClusterNode:
         }
 
     # -- start-up: joining the job, however late its store comes ---------------
-    def start(self, server: Any) -> None:
+    def register(self, routes: Routes) -> None:
+        """This node's endpoints (``/cluster/*``), routed in its probe's app."""
+        endpoints.register(self, routes)
+
+    def start(self, server: UnixHTTPServer) -> None:
         """Join in the background; the host never waits on the network."""
         self._server = server
         threading.Thread(target=named("probing-cluster", join.run), args=(self,),
@@ -133,7 +146,7 @@ class ClusterNode:
             self.directory = StoreDirectory(self.ident)
         self.learn = None
 
-    def setup(self, server: Any) -> None:
+    def setup(self, server: UnixHTTPServer) -> None:
         """Join now (blocking; tests and the benchmark call it directly)."""
         self._server = server
         try:
@@ -170,6 +183,7 @@ class ClusterNode:
             raise ProbingError(
                 "no token for the peer port", hint="set PROBING_TOKEN (the same for every peer)"
             )
+        assert self._server is not None  # given by start or setup
         if ident.peers:
             self._listen_listed(self._server)
             for info in static_peers(ident, self.rank, self.pid):
@@ -193,11 +207,12 @@ class ClusterNode:
         self.published = True
         self._read_store(budget)  # whoever published before me
 
-    def _listen_listed(self, server: Any) -> None:
+    def _listen_listed(self, server: UnixHTTPServer) -> None:
         """Bind my entry of PROBING_PEERS: ``RANK``'s, else the first I can bind."""
         ident = self.ident
         order = [self.rank] if 0 <= self.rank < len(ident.peers) else range(len(ident.peers))
         last: OSError | None = None
+        assert self.token is not None  # read before the port is taken
         for i in order:
             host, port = split_addr(ident.peers[i])
             try:
@@ -243,8 +258,23 @@ class ClusterNode:
                       for k in self.port.kin(self) if k.rank not in have]  # fmt: skip
         return known
 
+    def peers_table(self) -> pa.Table:
+        """``probing.peers``: the peers known, as the last query measured them."""
+        return self.registry.table()
+
+    # -- what the detector asks of the job ------------------------------------------
+    def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Gathered, planner.Plan]:
+        """``sql`` over every rank of the job (``coordinator.coordinate``)."""
+        return coordinator.coordinate(self, sql, timeout=timeout)
+
+    def control(
+        self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
+    ) -> list[dict[str, Any]]:
+        """``body`` POSTed to ``path`` on every other rank (``fanout.control``)."""
+        return fanout.control(self, path, body, timeout, ranks)
+
     # -- the always-on detector -----------------------------------------------------
-    def ensure_watch(self, start: bool = True) -> Any:
+    def ensure_watch(self, start: bool = True) -> Detector | None:
         """The always-on detector (made once), started unless ``start`` is
         False (``GET /metrics`` before any trace); None where none is given."""
         with self._join_lock:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
+    from probing.node.sql import Engine
     from probing.node.store.table import Snapshot
 
 # A process runs at most this many peers' shares at once (one probe per
@@ -51,7 +52,7 @@ class Owner(Protocol):
 
     ident: Identity
     rank: int
-    engine: Callable[[], Any]
+    engine: Callable[[], Engine]
 
 
 class Share:

@@ -1,11 +1,20 @@
-"""The probe's HTTP endpoints, one function each, transport-agnostic."""
+"""The probe's HTTP endpoints, one function each, transport-agnostic, and
+the routes that reach them.
+
+Each app has its own ``Routes``: the probe's own endpoints, and those a
+layer above it registers there, as prometheus_client's registry takes
+collectors (the cluster's ``/cluster/*``: ``probing.node.cluster.endpoints``).
+What the endpoints use of a probe (``Probe``) and of its cluster node
+(``Member``, ``Detector``) are Protocols: this layer imports neither the
+context's parts above it nor the cluster.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from probing import config
 from probing.errors import (
@@ -15,36 +24,80 @@ from probing.errors import (
     NotTracing,
     ProbingError,
     QueryError,
-    control_outcome,
     http_status,
-    log_unexpected,
     wire_type,
 )
 from probing.node import openmetrics
 from probing.node.probe.http import INSTALL, Request, Response
 from probing.node.probe.imports import quick_gil_handoff, settle
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from probing.node.bpf.tracer import Tracer
+    from probing.node.probe.server import UnixHTTPServer
+    from probing.node.sql import Engine
+    from probing.node.tables.nvml import GpuSampler
+    from probing.target import Target
+
+
+class Detector(Protocol):
+    """A probe's always-on detector, as the probe and the engine see it
+    (``probing.analyze.watch.Watch``)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def metrics(self) -> str: ...
+
+    def table(self) -> pa.Table: ...
+
+
+class Member(Protocol):
+    """A probe's cluster node, as the probe sees it
+    (``probing.node.cluster.node.ClusterNode``)."""
+
+    @property
+    def watch(self) -> Detector | None: ...
+
+    def describe(self) -> dict[str, object]: ...
+
+    def register(self, routes: Routes) -> None: ...
+
+    def start(self, server: UnixHTTPServer) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def ensure_watch(self, start: bool = True) -> Detector | None: ...
+
+    def peers_table(self) -> pa.Table: ...
+
 
 class Probe(Protocol):
     """What the endpoints use of a probe (``probing.node.probe.context.ProbeContext``)."""
 
-    tracer: Any
-    cluster: Any
-    target: Any  # probing.target: the process described
+    tracer: Tracer | None
+    cluster: Member | None
+    target: Target  # the process described
 
     @property
-    def engine(self) -> Any: ...
+    def engine(self) -> Engine: ...
 
     @property
-    def nvml(self) -> Any: ...
+    def nvml(self) -> GpuSampler: ...
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, object]: ...
 
     def note_query(self) -> None: ...
 
-    def start_trace(self, families: Sequence[str], **options: Any) -> Any: ...
+    def start_trace(self, families: Sequence[str], **options: object) -> Tracer: ...
 
-    def stop_trace(self) -> Any: ...
+    def stop_trace(self) -> Tracer | None: ...
+
+
+# an endpoint: the probe asked, the request; its answer
+Handler = Callable[[Probe, Request], Response]
 
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
@@ -134,7 +187,8 @@ def _column(col: Any) -> list[Any]:
 
         if not pa.types.is_timestamp(col.type):
             raise
-        return col.cast(pa.string()).to_pylist()
+        text: list[Any] = col.cast(pa.string()).to_pylist()
+        return text
 
 
 def json_columns(table: object, limit: int) -> bytearray:
@@ -287,94 +341,10 @@ def trace_status(probe: Probe, req: Request) -> Response:
     return Response.json(current.status() if current else {"state": "stopped", "families": {}})
 
 
-def _cluster(probe: Probe) -> Any:
-    node = probe.cluster
-    if node is None:
-        raise NotInCluster(
-            "this probe is not in cluster mode",
-            hint="leave --cluster out to ask this process alone; PROBING_CLUSTER=off, or its "
-            "cluster settings were refused (the job's stderr says why)",
-        )
-    node.ready.wait(5.0)
-    if node.learning:
-        raise NotInCluster(
-            f"this probe is not in cluster mode: {node.error}",
-            hint="the process is not a rank of a job: leave --cluster out to ask it alone; "
-            "it joins once the job calls torch.distributed.init_process_group, "
-            "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or PROBING_PEERS",
-        )
-    return node
-
-
 def peers(probe: Probe, req: Request) -> Response:
     """GET /peers: ``probing.peers`` as JSON (empty outside cluster mode)."""
-    if probe.cluster is None:
-        return Response.json([])
-    return Response.json(probe.cluster.registry.table().to_pylist())
-
-
-def cluster_query(probe: Probe, req: Request) -> Response:
-    """POST /cluster/query {"sql", "timeout", "strict", "fanout", "format"}: this
-    probe asks every peer and answers with the merged result, the missing
-    peers and each peer's response time and clock offset (the cluster's
-    ``endpoints.cluster_query``)."""
-    node = _cluster(probe)
-    resp: Response = node.endpoints.cluster_query(node, req)
-    if resp.status == 200:
-        probe.note_query()
-    return resp
-
-
-def cluster_gather(probe: Probe, req: Request) -> Response:
-    """POST /cluster/gather: a peer's share of a cluster query (peers call it)."""
-    node = _cluster(probe)
-    resp: Response = node.endpoints.cluster_gather(node, req)
-    if resp.status == 200:
-        probe.note_query()
-    return resp
-
-
-CONTROL = {"start": "/trace/start", "stop": "/trace/stop"}  # POST /cluster/trace's actions
-
-
-def cluster_trace(probe: Probe, req: Request) -> Response:
-    """POST /cluster/trace {"action": "start" | "stop", "families", "stacks",
-    "launch_stacks", "timeout", "ranks"}: the same on this process and, over
-    the peer port with the token, on every peer (of ``ranks``, all when
-    absent); one row per rank: ``rank, node, addr, ok`` (tracing, or stopped),
-    ``done`` (by this request: not tracing already), ``state``, ``reason``
-    (``probing trace --cluster``)."""
-    node = _cluster(probe)
-    try:
-        payload = json.loads(req.body or b"{}")
-        path = CONTROL[payload.get("action")]
-        timeout = min(max(float(payload.get("timeout", 10.0)), 1.0), 600.0)
-        options = {k: payload[k] for k in ("families", "stacks", "launch_stacks") if k in payload}
-        ranks = None if payload.get("ranks") is None else {int(r) for r in payload["ranks"]}
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        return Response.error(400, f'bad /cluster/trace request (want {{"action": ...}}): {err}')
-    body = json.dumps(options).encode()
-    rows = []
-    if ranks is None or node.rank in ranks:
-        try:
-            mine = ROUTES[("POST", path)](probe, req._replace(path=path, body=body))
-        except ProbingError as err:  # this process could not: said in its row, the peers go on
-            mine = Response.error(http_status(err), str(err), wire_type(err))
-        except Exception as err:  # a bug: logged, said in its row, peers go on
-            log_unexpected("trace control", err)
-            mine = Response.error(500, f"{type(err).__name__}: {err}")
-        try:
-            reply = json.loads(mine.body)
-        except ValueError:
-            reply = {}
-        rows.append({"rank": node.rank, "node": node.ident.node, "addr": node.addr or "local",
-                     "status": mine.status, "reply": reply})  # fmt: skip
-    rows += node.asking.control(node, path, body, timeout, ranks)
-    out = []
-    for row in rows:
-        did = control_outcome(row["status"], row.get("reply") or {}, row.get("reason"))
-        out.append({"rank": row["rank"], "node": row["node"], "addr": row["addr"], **did})
-    return Response.json(sorted(out, key=lambda r: r["rank"]))
+    node = probe.cluster
+    return Response.json(node.peers_table().to_pylist() if node is not None else [])
 
 
 def metrics(probe: Probe, req: Request) -> Response:
@@ -408,14 +378,13 @@ TCP_ROUTES = {
     ("GET", "/tables"),
     ("GET", "/peers"),
     ("POST", "/query"),
-    ("POST", "/cluster/query"),
-    ("POST", "/cluster/gather"),
     ("POST", "/trace/start"),
     ("POST", "/trace/stop"),
     ("GET", "/metrics"),
 }
 
-ROUTES = {
+# the probe's own endpoints; the layers above register theirs in an app's ``Routes``
+ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/health"): health,
     ("POST", "/query"): query,
     ("GET", "/tables"): tables,
@@ -426,11 +395,48 @@ ROUTES = {
     ("GET", "/trace/status"): trace_status,
     ("POST", "/trace/thread"): trace_thread,
     ("GET", "/peers"): peers,
-    ("POST", "/cluster/query"): cluster_query,
-    ("POST", "/cluster/gather"): cluster_gather,
-    ("POST", "/cluster/trace"): cluster_trace,
     ("GET", "/metrics"): metrics,
 }
+
+CLUSTER = "/cluster/"  # the paths the cluster registers (``probing.node.cluster.endpoints``)
+
+
+class Routes:
+    """One app's routes: the probe's own (``ROUTES``) and those registered by
+    the layers above it, each once. ``tcp``: a TCP caller with the token
+    reaches it without ``PROBING_REMOTE_CODE=1``."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[tuple[str, str], Handler] = dict(ROUTES)
+        self._tcp: set[tuple[str, str]] = set(TCP_ROUTES)
+
+    def register(self, method: str, path: str, handler: Handler, *, tcp: bool = False) -> None:
+        """Route ``method path`` to ``handler``; a route is registered once."""
+        if (method, path) in self._handlers:
+            raise ValueError(f"{method} {path} has a route already")
+        self._handlers[(method, path)] = handler
+        if tcp:
+            self._tcp.add((method, path))
+
+    def find(self, method: str, path: str) -> Handler | None:
+        return self._handlers.get((method, path))
+
+    def over_tcp(self, method: str, path: str) -> bool:
+        return (method, path) in self._tcp
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(list(self._handlers))
+
+
+def not_in_cluster(why: str = "", hint: str = "") -> NotInCluster:
+    """The answer to a cluster request a probe cannot serve: no cluster node
+    (``why`` empty), or one that does not know its rank yet."""
+    return NotInCluster(
+        f"this probe is not in cluster mode{': ' + why if why else ''}",
+        hint=hint
+        or "leave --cluster out to ask this process alone; PROBING_CLUSTER=off, or its "
+        "cluster settings were refused (the job's stderr says why)",
+    )
 
 
 def _other_install(pid: int, theirs: str) -> str:
@@ -445,24 +451,37 @@ def _other_install(pid: int, theirs: str) -> str:
     )
 
 
-def make_app(probe: Probe) -> Callable[[Request], Response]:
-    def app(req: Request) -> Response:
+class ProbeApp:
+    """A probe's HTTP app: a request answered by its route in ``routes``."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.routes = Routes()
+
+    def __call__(self, req: Request) -> Response:
         theirs = (req.headers or {}).get("probing-install")
         if theirs and req.remote is None and theirs != INSTALL:
-            return Response.error(409, _other_install(probe.target.pid, theirs), "AttachError")
-        route = ROUTES.get((req.method, req.path))
+            return Response.error(409, _other_install(self.probe.target.pid, theirs), "AttachError")
+        route = self.routes.find(req.method, req.path)
+        if route is None and req.path.startswith(CLUSTER):
+            if not any(path.startswith(CLUSTER) for _, path in self.routes):
+                err = not_in_cluster()
+                return Response.error(http_status(err), str(err), wire_type(err))
         if route is None:
-            known = ", ".join(f"{m} {p}" for m, p in ROUTES)
+            known = ", ".join(f"{m} {p}" for m, p in self.routes)
             return Response.error(404, f"no endpoint {req.method} {req.path} (known: {known})")
-        if (req.method, req.path) not in TCP_ROUTES and not _code_allowed(req):
+        if not self.routes.over_tcp(req.method, req.path) and not _code_allowed(req):
             return Response.error(
                 403, f"{req.method} {req.path} is served on the local socket only", "AccessDenied"
             )
         settle()  # what the route imports, the host is not importing now
         try:
             with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
-                return route(probe, req)
+                return route(self.probe, req)
         except ProbingError as err:
             return Response.error(http_status(err), str(err), wire_type(err))
 
-    return app
+
+def make_app(probe: Probe) -> ProbeApp:
+    """``probe``'s app, with the probe's own routes (``ProbeApp.routes`` takes more)."""
+    return ProbeApp(probe)

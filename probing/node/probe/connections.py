@@ -99,11 +99,11 @@ class Workers:
 
     LINGER_S = 5.0
 
-    def __init__(self, serve: Callable[..., None], limit: int = 8) -> None:
+    def __init__(self, serve: Callable[[Conn, bytes], None], limit: int = 8) -> None:
         self._serve = serve
         self.limit = max(1, limit)
         self._cond = threading.Condition(threading.Lock())
-        self._jobs: deque[tuple] = deque()
+        self._jobs: deque[tuple[Conn, bytes]] = deque()
         self._threads = 0
         self._idle = 0
         self._logged: set[str] = set()  # the errors its threads wrote to the log
@@ -112,7 +112,7 @@ class Workers:
     def threads(self) -> int:
         return self._threads
 
-    def submit(self, job: tuple) -> None:
+    def submit(self, job: tuple[Conn, bytes]) -> None:
         with self._cond:
             self._jobs.append(job)
             if self._idle >= len(self._jobs):

@@ -7,8 +7,9 @@ contexts in one process are two isolated probes (tests build them).
 
 Parts are built on first use: an idle probe imports neither pyarrow nor
 datafusion. The layers above the probe (``analyze``, ``cluster``) plug in
-through ``installers`` and ``cluster`` (given by ``probing.enable()``), so
-this module never imports them.
+through ``installers`` and ``cluster`` (given by the node's assembler,
+``probing.node.assemble``), so this module never imports them; a cluster
+node registers its HTTP routes with the app before the socket opens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from probing.target import Local, Target
 
 if TYPE_CHECKING:
     from probing.node.bpf.tracer import Tracer
+    from probing.node.probe.api import Member
     from probing.node.probe.server import UnixHTTPServer
     from probing.node.sql import Engine
     from probing.node.store import Store
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 # registers tables on a new engine: (engine, context)
 Installer = Callable[["Engine", "ProbeContext"], None]
 # the cluster node of a context in cluster mode, or None (probing.node.cluster)
-ClusterFactory = Callable[["ProbeContext"], Any]
+ClusterFactory = Callable[["ProbeContext"], "Member | None"]
 
 
 def base_tables(engine: Engine, ctx: ProbeContext) -> None:
@@ -75,7 +77,7 @@ class ProbeContext:
         # told what is traced after each start (families, options) and stop (None):
         # the engine keeps it, for the next engine to go on where this one was
         self.on_trace: Callable[[dict[str, Any] | None], None] | None = None
-        self.cluster: Any = None  # a ClusterNode in cluster mode (probing.node.cluster)
+        self.cluster: Member | None = None  # a ClusterNode in cluster mode (probing.node.cluster)
         self.server: UnixHTTPServer | None = None
         self._store = store
         self._engine: Engine | None = None
@@ -237,9 +239,12 @@ class ProbeContext:
         from probing.node.probe.api import make_app
         from probing.node.probe.server import UnixHTTPServer
 
-        server = UnixHTTPServer(self.socket_path, make_app(self))
+        app = make_app(self)
         node = self._cluster_node()
         self.cluster = node  # before the socket exists: a caller never sees it unset
+        if node is not None:
+            node.register(app.routes)  # its /cluster/* routes, before the socket exists
+        server = UnixHTTPServer(self.socket_path, app)
         server.start()
         self.server = server
         if node is not None:
@@ -277,7 +282,7 @@ class ProbeContext:
         if self.cluster is not None:  # its detector too (probing.analyze.watch)
             self.cluster.stop()
 
-    def _cluster_node(self) -> Any:
+    def _cluster_node(self) -> Member | None:
         if self.cluster_factory is None:
             return None
         try:

@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from probing import config, log, proc
 from probing.errors import ProbingError, log_unexpected
@@ -24,6 +24,9 @@ from probing.node.probe.context import ProbeContext
 from probing.node.probe.http import Request, Response
 from probing.target import GuestProcess
 from probing.worker import Worker, stop_on_signals
+
+if TYPE_CHECKING:
+    from probing.node.cluster.node import ClusterNode
 
 TICK_S = 1.0
 
@@ -139,7 +142,7 @@ class Service:
         return {"engine_pid": os.getpid(), "socket": ctx.socket_path, "already": False,
                 "resumed": resumed is not None}  # fmt: skip
 
-    def _cluster(self, ctx: ProbeContext) -> Any:
+    def _cluster(self, ctx: ProbeContext) -> ClusterNode | None:
         """``ctx``'s cluster node, reached by its peers through this engine's port."""
         from probing.node.assemble import cluster_node
 
@@ -256,7 +259,7 @@ class Service:
         closing = []
         for e in dead:
             node, server = e.ctx.cluster, e.ctx.server
-            if server is not None and node is not None and node.ident.peers:
+            if server is not None and _listed(node):
                 server.close_tcp()
                 closing.append(server)
         deadline = time.monotonic() + 2.0  # the loop closes them: before the new one binds
@@ -366,6 +369,13 @@ def _traced(path: str) -> dict[str, Any] | None:
     return got if isinstance(got, dict) and got.get("families") else None
 
 
+def _listed(node: object) -> bool:
+    """Whether ``node`` is a cluster node on a port ``PROBING_PEERS`` lists."""
+    from probing.node.cluster.node import ClusterNode
+
+    return isinstance(node, ClusterNode) and bool(node.ident.peers)
+
+
 def _resume(ctx: ProbeContext, traced: dict[str, Any]) -> None:
     """Trace ``ctx``'s process as the engine before this one did, and watch
     its job again (its cluster node joins on its own)."""
@@ -407,7 +417,7 @@ def _quiet(entry: Entry) -> None:
     their threads must not add up); its rows stay queryable until retired."""
     ctx = entry.ctx
     ctx.stop_trace()
-    watch = getattr(ctx.cluster, "watch", None)
+    watch = ctx.cluster.watch if ctx.cluster is not None else None
     if watch is not None:
         watch.stop()
     ctx.store.settle()

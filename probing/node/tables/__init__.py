@@ -8,24 +8,42 @@ as an idle probe's would.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from probing.node.sql import Engine
 from probing.node.tables import flight, groups, meta, nvml, process, python, samples, stacks, trace
 from probing.node.tables.external import ExternalTable, Puller
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from probing.node.bpf.tracer import Tracer
+    from probing.target import Target
+
+
+class Peers(Protocol):
+    """What ``probing.peers`` reads of a cluster node
+    (``probing.node.cluster.node.ClusterNode``)."""
+
+    def peers_table(self) -> pa.Table: ...
+
 
 class Context(Protocol):
     """What the tables read of a probe (``probing.node.probe.context.ProbeContext``)."""
 
-    tracer: Any  # a probing.node.bpf.tracer.Tracer, or None
-    cluster: Any  # a ClusterNode in cluster mode, or None
-    target: Any  # the process described (probing.target: Local or GuestProcess)
+    @property
+    def tracer(self) -> Tracer | None: ...
+
+    @property
+    def cluster(self) -> Peers | None: ...  # a ClusterNode in cluster mode
+
+    @property
+    def target(self) -> Target: ...  # the process described (Local or GuestProcess)
 
     @property
     def nvml(self) -> nvml.GpuSampler: ...
 
-    def trace_intervals(self) -> list[dict[str, Any]]: ...
+    def trace_intervals(self) -> list[dict[str, object]]: ...
 
 
 class Alone:
@@ -34,12 +52,12 @@ class Alone:
     def __init__(self, engine: Engine) -> None:
         from probing.target import Local
 
-        self.tracer = None
-        self.cluster = None
-        self.target = Local()
+        self.tracer: Tracer | None = None
+        self.cluster: Peers | None = None
+        self.target: Target = Local()
         self.nvml = nvml.GpuSampler(engine.store)
 
-    def trace_intervals(self) -> list[dict[str, Any]]:
+    def trace_intervals(self) -> list[dict[str, object]]:
         return []
 
 
@@ -73,11 +91,12 @@ def _pulled(puller: Any, engine: Engine) -> Any:
     return meta.tables(engine.store)
 
 
-def _peers(node: Any) -> Any:
+def _peers(node: Peers | None) -> pa.Table:
     """``probing.peers`` of a probe (no rows outside cluster mode)."""
     if node is not None:
-        return node.registry.table()
-    return meta.PEERS_SCHEMA.empty_table()
+        return node.peers_table()
+    table: pa.Table = meta.PEERS_SCHEMA.empty_table()
+    return table
 
 
-__all__ = ["Alone", "Context", "ExternalTable", "install"]
+__all__ = ["Alone", "Context", "ExternalTable", "Peers", "install"]

@@ -10,13 +10,16 @@ views over them work whether or not a trace ever ran.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from probing.node.bpf import families
 from probing.node.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
 from probing.node.sql import Engine
+
+if TYPE_CHECKING:
+    from probing.node.bpf.tracer import Tracer
 
 _COLLECTIVE_COLUMNS = (
     "op, {comm} AS comm, seq, rank, nranks, bytes, ts, dur_ns, pid, tid, stack_id, {p2p}"
@@ -40,7 +43,7 @@ COLLECTIVES_SQL = "\nUNION ALL\n".join(
 
 
 # the probe's tracer now (None before the first trace): ProbeContext.tracer
-CurrentTracer = Callable[[], Any]
+CurrentTracer = Callable[[], "Tracer | None"]
 
 
 def _inflight(family: str, current: CurrentTracer) -> Callable[[], pa.Table]:
