@@ -256,7 +256,7 @@ class Watch:
         and a slow link all slow the detector's collectives: the looks see
         them within a second, the next full detection in ``FULL_S``)."""
         base = max(FULL_S, self.every_s)
-        return max(base, min(base * 2**self._quiet, QUIET_S))
+        return max(base, min(base * float(2**self._quiet), QUIET_S))
 
     def _full(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """A full detection where one is due (``full_s`` after the last; half
