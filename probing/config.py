@@ -81,7 +81,7 @@ class Config:
         "PROBING_DETECT_S",
         1.0,
         "seconds between the always-on detector's looks at the pace of a traced job's "
-        "collectives (analyze.findings; a full detection every 5 s at least; 0: off)",
+        "collectives (analyze.findings; a full detection every 5-30 s; 0: off)",
         least=0,
     )
     nvml_interval: str = _setting(

@@ -647,21 +647,31 @@ def looks(w: Watch, node: Node, start: int, seconds: float) -> dict[int, list[di
 
 def test_a_steady_pace_asks_the_ranks_only_at_full_detections() -> None:
     """Looks between full detections ask no rank while the detector's own
-    collectives keep their pace; the collectives are asked at every full
-    detection, the deaths and who traced once in AUX_S (every rank answers
-    and moves), torch's groups once in GROUPS_S."""
+    collectives keep their pace; a steady healthy job's full detections come
+    FULL_S, then twice as long apart after each that found nothing (QUIET_S
+    at most), the deaths and who traced asked once in AUX_S at most, torch's
+    groups once in GROUPS_S."""
     node = Node()
-    node.live = synchronous(lambda k: 0.0, steps=520)
+    node.live = synchronous(lambda k: 0.0, steps=720)
     node.groups = groups_of(node.live)
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
-    written = looks(w, node, ended(node.live, 0, 300), watch.AUX_S + 0.5)
-    assert not any(written.values())
-    assert [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked] == [
-        "comm.collectives", "comm.groups", "process.info", "trace.intervals",
-        "comm.collectives", "comm.collectives",
-        "comm.collectives", "process.info", "trace.intervals",
+    start = ended(node.live, 0, 300)
+    asked_at: list[float] = []
+    for k in range(int(30.5 / w.every_s) + 1):
+        node.clock = start + int(k * w.every_s * 1e9)
+        before = len(node.asked)
+        assert not w.tick(node.clock)
+        asked_at += [k * w.every_s] * (len(node.asked) - before)
+    asked = [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked]
+    assert list(zip(asked_at, asked, strict=True)) == [
+        (0.0, "comm.collectives"), (0.0, "comm.groups"), (0.0, "process.info"),
+        (0.0, "trace.intervals"),
+        (2 * watch.FULL_S, "comm.collectives"),
+        (6 * watch.FULL_S, "comm.collectives"), (6 * watch.FULL_S, "comm.groups"),
+        (6 * watch.FULL_S, "process.info"), (6 * watch.FULL_S, "trace.intervals"),
     ]  # fmt: skip
-    assert w.book.detections == 4
+    assert w.book.detections == 3
+    assert w.full_s() == watch.QUIET_S
 
 
 def test_a_rank_that_stands_still_has_the_deaths_asked_at_once() -> None:
@@ -677,7 +687,7 @@ def test_a_rank_that_stands_still_has_the_deaths_asked_at_once() -> None:
     asked = len(node.asked)
     node.live = node.live.filter(pc.invert(pc.and_(  # rank 1 stops at step 330
         pc.equal(node.live["rank"], 1), pc.greater_equal(node.live["seq"], 330))))  # fmt: skip
-    looks(w, node, start + int(watch.FULL_S * 1e9), 0)
+    looks(w, node, start + int(w.full_s() * 1e9), 0)  # the next full detection
     tables = [re.findall(r"FROM (\w+\.\w+)", q)[0] for q in node.asked[asked:]]
     assert tables == ["comm.collectives", "process.info", "trace.intervals"], tables
 

@@ -13,6 +13,10 @@ lowest, and stops at the first that does. It runs two threads:
   same analysis and keeps what it finds as ``analyze.findings``: a
   straggler, a slow link, a hang, a rank gone (one that did not answer two
   full detections running; one never discovered is not gone, it never came);
+  after each that found nothing (every rank answered, the window judged, no
+  finding active), the next comes twice as long after it, ``QUIET_S`` (30 s)
+  at most: a steady healthy job costs its engine little; ``FULL_S`` again at
+  once where a look sees the pace drop or a detection finds anything;
 * every ``PROBING_DETECT_S`` (1 s), a *look* at the pace of its own
   rank's collectives (a query of its own tables, a few ms: ``Pace``). A
   rank that slows down slows every rank it meets in a collective, the
@@ -69,7 +73,8 @@ HANG_AFTER_S = 10.0  # a collective some rank never entered for this long is a h
 GONE_AFTER = 2  # full detections in a row: a peer missing to be gone, a link slow to be slow
 ELECT_S = 30.0  # how often a rank above the detector checks that the ranks below live
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
-FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often
+FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often ...
+QUIET_S = 30.0  # ... doubled after each that found nothing, up to this (a steady healthy job)
 ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
 AUX_S = 15.0  # the ranks' deaths and traced spans asked again this often, or at once
 # where who answered changed or a rank's newest collective began STILL_S ago
@@ -154,6 +159,7 @@ class Watch:
         self.analyst = Analyst(node)  # a window's analysis, as diagnose's
         self.groups = self.analyst.groups  # torch's names for the job's groups
         self._full_ns: int | None = None  # wall ns of the last full detection
+        self._quiet = 0  # full detections in a row that found nothing, the look nothing since
         self._asked_ns = 0  # ... of the last ask between them
         self._alert_ns: int | None = None  # since when the pace is low
         self._stop = threading.Event()
@@ -167,7 +173,7 @@ class Watch:
         full_s = max(FULL_S, self.every_s)
         for name, every, step, caches, sooner in (
             ("probing-watch", self.every_s, self.look, (self._asked, self._pace), self._due),
-            ("probing-detect", full_s, self.once, (self._window,), lambda: None),
+            ("probing-detect", full_s, self._full, (self._window,), lambda: None),
         ):
             worker = self._run(name, every, step, caches, sooner)
             self._threads.append(worker)
@@ -239,9 +245,29 @@ class Watch:
         (what the two threads do): the findings new in them."""
         now = now_ns or time.time_ns()
         new = self.look(now)
-        if self._full_ns is None or now - self._full_ns >= (FULL_S - self.every_s / 2) * 1e9:
-            new += self.once(now)
-        return new
+        return new + self._full(now)
+
+    def full_s(self) -> float:
+        """The full detections' period now: ``FULL_S`` (or the looks' period,
+        if longer), doubled after each full detection that found nothing, up
+        to ``QUIET_S``: a steady healthy job is asked for its window twice a
+        minute, not twelve times. Back to ``FULL_S`` at once where one finds
+        anything or a look sees the pace drop (a straggler, a hang, a death
+        and a slow link all slow the detector's collectives: the looks see
+        them within a second, the next full detection in ``FULL_S``)."""
+        base = max(FULL_S, self.every_s)
+        return max(base, min(base * float(2**self._quiet), QUIET_S))
+
+    def _full(self, now_ns: int | None = None) -> list[dict[str, Any]]:
+        """A full detection where one is due (``full_s`` after the last; half
+        a look's period early counts as due): the findings new in it."""
+        now = now_ns or time.time_ns()
+        if (
+            self._full_ns is not None
+            and now - self._full_ns < (self.full_s() - self.every_s / 2) * 1e9
+        ):
+            return []
+        return self.once(now)
 
     def look(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         """One look: the pace of this rank's collectives; an ask of every rank
@@ -255,6 +281,8 @@ class Watch:
             due = bool(waiting) and self._confirm_ns is not None and now >= self._confirm_ns
             if due:  # asked now: the analysis says when next, if ever (not again and again)
                 self._confirm_ns = None
+        if slowed:
+            self._quiet = 0  # the next full detection within FULL_S
         if not due and not self._alert(slowed and not known, now):
             return []
         return self._ask(now, due, known)
@@ -363,7 +391,14 @@ class Watch:
         for r in {t.rank for t in got.peers}:
             self._misses.pop(r, None)
             self._seen.add(r)
-        return self.book.record(now, found, d, self.node.pid, lambda k: self._over(k, d, got))
+        new = self.book.record(now, found, d, self.node.pid, lambda k: self._over(k, d, got))
+        from probing.analyze.collectives import MIN_COLLECTIVES
+
+        judged = (d.summary.busiest or 0) >= MIN_COLLECTIVES  # a window too short tells nothing
+        with self.book.lock:
+            calm = not (found or self.book.active or self._named or d.stragglers or d.slow_links)
+        self._quiet = self._quiet + 1 if calm and judged and not got.missing else 0
+        return new
 
     def _over(self, key: Key, d: Any, got: Any) -> bool | None:
         """Whether the full detection ``d`` (who answered: ``got``) saw the
