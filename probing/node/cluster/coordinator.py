@@ -23,7 +23,7 @@ from probing import procs
 from probing.errors import PeerUnreachable, QueryError
 from probing.node.cluster import fanout as asking  # "fanout" names a kind of fan-out here
 from probing.node.cluster.discovery import PeerInfo, Registry, StoreDirectory
-from probing.node.cluster.fanout import FANOUTS, Gathered, concat, is_tree
+from probing.node.cluster.fanout import FANOUTS, Collected, concat, is_tree
 from probing.node.cluster.identity import Identity
 from probing.node.cluster.wire import MissingPeer, pack
 
@@ -54,7 +54,7 @@ class Asker(asking.Peer, Protocol):
 
 def coordinate(
     node: Asker, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
-) -> tuple[pa.Table, Gathered, planner.Plan]:
+) -> tuple[pa.Table, Collected, planner.Plan]:
     """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
     from probing.node.cluster import plan as planner
 
@@ -97,7 +97,7 @@ def _schemas(sql: str, eng: Any, known: set[str]) -> dict[str, pa.Schema | None]
     return schemas
 
 
-def _undiscovered(node: Asker, got: Gathered) -> None:
+def _undiscovered(node: Asker, got: Collected) -> None:
     """torchrun: the ranks never discovered are missing too; one its launcher
     started on this node with no process left here, as exited
     (``procs.NO_PROCESS``)."""

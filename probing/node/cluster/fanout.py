@@ -76,7 +76,7 @@ class Peer(Protocol):
 
 
 @dataclass
-class Gathered:
+class Collected:
     """What one gatherer collected: tables by name, who was missing, who answered."""
 
     tables: dict[str, list[pa.Table]] = field(default_factory=dict)
@@ -87,7 +87,7 @@ class Gathered:
         for name, t in tables.items():
             self.tables.setdefault(name, []).append(t)
 
-    def extend(self, other: Gathered) -> None:
+    def extend(self, other: Collected) -> None:
         for name, ts in other.tables.items():
             self.tables.setdefault(name, []).extend(ts)
         self.missing.extend(other.missing)
@@ -160,7 +160,7 @@ def reply_of(replies: list[Reply | PeerFailure | None], index: int) -> Reply:
     return got
 
 
-def answer_of(peer: PeerInfo, reply: Reply) -> Gathered:
+def answer_of(peer: PeerInfo, reply: Reply) -> Collected:
     """One gatherer's answer (with its members'); ``PeerFailure`` when it is none."""
     if reply.status != 200:
         raise PeerFailure(http_reason(reply.status, reply.body))
@@ -171,7 +171,7 @@ def answer_of(peer: PeerInfo, reply: Reply) -> Gathered:
     t0, t3 = reply.t_send_ns, reply.t_done_ns
     offset = clock_offset(t0, head["t_recv_ns"], head["t_send_ns"], t3)
     peer.node = head.get("node", peer.node)
-    out = Gathered()
+    out = Collected()
     out.add_tables(tables)
     out.peers.append(PeerTiming(peer.rank, peer.node, peer.addr, (t3 - t0) / 1e6, offset))
     for m in head.get("missing", []):
@@ -202,7 +202,7 @@ class _Ask:
             raise self.failure
         return reply_of(replies, self.index)
 
-    def answer(self, replies: list[Reply | PeerFailure | None]) -> Gathered:
+    def answer(self, replies: list[Reply | PeerFailure | None]) -> Collected:
         return answer_of(self.peer, self.reply(replies))
 
 
@@ -234,7 +234,7 @@ def gather(
     fanout: str = "flat",
     *,
     with_self: bool = True,
-) -> Gathered:
+) -> Collected:
     """My share of ``work`` (``with_self``) and every member's, within ``timeout`` s."""
     deadline = time.monotonic() + timeout
     exchange = Exchange(deadline)
@@ -327,7 +327,7 @@ def _run(
     mine_first: bool,
     deadline: float,
     asking_others: bool = True,
-) -> tuple[Gathered, list[Reply | PeerFailure | None]]:
+) -> tuple[Collected, list[Reply | PeerFailure | None]]:
     """Serve the exchange while the ``local`` shares run (mine first when
     ``mine_first``, then my engine's other ranks'): as one query where they
     can (``share.Together``; on this thread when nobody else is asked: a
@@ -358,7 +358,7 @@ def _run(
         if isinstance(slots[0], BaseException):  # each on its own: who failed, and why
             slots = [None] * len(local)
             threads = [_start(_share, node, work, slots, i) for i, node in enumerate(local)]
-    result = Gathered()
+    result = Collected()
     for i, (node, t) in enumerate(zip(local, threads, strict=True)):
         mine = i == 0 and mine_first
         if t is not None:
@@ -393,7 +393,7 @@ def _together(together: Any, local: list[Peer], slots: list[Any]) -> None:
         return
     ms = (time.perf_counter() - t0) * 1e3
     for i, node in enumerate(local):
-        got = Gathered()
+        got = Collected()
         if i == 0:
             got.add_tables(tables)
         got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
@@ -401,10 +401,10 @@ def _together(together: Any, local: list[Peer], slots: list[Any]) -> None:
 
 
 def _share(node: Peer, work: planner.Work, slots: list[Any], i: int) -> None:
-    """``node``'s share into ``slots[i]``: a Gathered, or the exception it raised."""
+    """``node``'s share into ``slots[i]``: a Collected, or the exception it raised."""
     t0 = time.perf_counter()
     try:
-        got = Gathered()
+        got = Collected()
         got.add_tables(node.share.run(work.for_member()))
         ms = (time.perf_counter() - t0) * 1e3
         got.peers.append(PeerTiming(node.rank, node.ident.node, node.addr or "local", ms, 0))
@@ -414,7 +414,7 @@ def _share(node: Peer, work: planner.Work, slots: list[Any], i: int) -> None:
 
 
 def _collect(
-    asked: list[_Ask], replies: list[Reply | PeerFailure | None], result: Gathered
+    asked: list[_Ask], replies: list[Reply | PeerFailure | None], result: Collected
 ) -> list[PeerInfo]:
     """Every gatherer's answer into ``result``; the members of those that
     failed, to be asked directly."""

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
-    from probing.node.cluster.fanout import Gathered
+    from probing.node.cluster.fanout import Collected
     from probing.node.cluster.port import NodePort
     from probing.node.probe.api import Detector, Routes
     from probing.node.probe.server import UnixHTTPServer
@@ -263,7 +263,7 @@ class ClusterNode:
         return self.registry.table()
 
     # -- what the detector asks of the job ------------------------------------------
-    def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Gathered, planner.Plan]:
+    def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Collected, planner.Plan]:
         """``sql`` over every rank of the job (``coordinator.coordinate``)."""
         return coordinator.coordinate(self, sql, timeout=timeout)
 
