@@ -58,8 +58,8 @@ def cluster_node(ctx: ProbeContext) -> Any:
 
 
 def _detector(ctx: ProbeContext, node: Any) -> Any:
-    """The always-on detector of ``ctx`` (``probing.analyze.watch``)."""
-    from probing.analyze.watch import Watch
+    """The always-on detector of ``ctx`` (``probing.node.detector``)."""
+    from probing.node.detector.watch import Watch
 
     def tracing() -> bool:
         tracer = ctx.tracer

@@ -188,7 +188,7 @@ class JobView:
         self._latest: dict[str, Latest] = {}
         self.trace_path: str | None = None
         self._tmp: str | None = None  # made by the first timeline export
-        self._groups: Any = None  # torch's names for the job's groups (analyze.watch.Groups)
+        self._groups: Any = None  # torch's names for the job's groups (node.detector.groups.Groups)
 
     def _cached(self, key: str, ttl: float, make: Any) -> Any:
         """One computation per ``ttl`` seconds, however many pages ask at once."""
@@ -265,10 +265,10 @@ class JobView:
 
     def _named(self, table: pa.Table, now: int) -> pa.Table:
         """``table`` with its groups named as the detector and ``diagnose`` name
-        them (``probing.analyze.watch.Groups``: torch's names where they name
+        them (``probing.node.detector.groups.Groups``: torch's names where they name
         every Gloo context of it, asked again while one is left unnamed)."""
         from probing.analyze.queries import optional, queries
-        from probing.analyze.watch import Groups
+        from probing.node.detector.groups import Groups
 
         with self._lock:
             if self._groups is None:

@@ -20,7 +20,7 @@ them where the node says they are (``endpoints``, ``coordinator``,
 * ``fanout``: asking peers at once, retries, deadlines (``PeerFailure``);
 * ``coordinator``: one query end to end, and a gatherer's answer;
 * ``endpoints``: the ``/cluster/*`` requests and answers over HTTP;
-* the always-on detector (``probing.analyze.watch``), made at the first trace.
+* the always-on detector (``probing.node.detector``), made at the first trace.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class ClusterNode:
         self.endpoints = endpoints  # POST /cluster/query, /cluster/gather
         self.coordinator = coordinator  # a query over every peer (coordinate)
         self.asking = asking  # the same request to every peer (control)
-        self.watch: Any = None  # the always-on detector (probing.analyze.watch), once made
+        self.watch: Any = None  # the always-on detector (probing.node.detector), once made
         self.detector: Callable[[], Any] | None = None  # makes it (given by probing.enable)
         if self.learn is not None:
             self.error = join.WAITING

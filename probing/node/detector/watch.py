@@ -44,9 +44,12 @@ cleared finding is one ``probing:`` line on the job's stderr.
 ``metrics()`` is the OpenMetrics text of ``GET /metrics``: the job's step,
 each rank's lateness, each straggler's cost, the findings, the events dropped.
 
-The node (``probing.node.cluster.node.ClusterNode``) is handed in: this layer
-does not import the cluster's, and asks through the parts the node names
-(``coordinator.coordinate``, ``asking.control``).
+The node (``probing.node.cluster.node.ClusterNode``) is handed in: this
+package does not import the cluster's, and asks through the parts the node
+names (``coordinator.coordinate``, ``asking.control``). What it holds the
+job to and the verdicts it draws over tables are ``probing.analyze``'s
+(``detection``, ``findings``, ``diagnose``); it asks (``window``,
+``analyst``), keeps (``book``, ``groups``) and runs the threads (here).
 """
 
 from __future__ import annotations
@@ -57,51 +60,30 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from probing.analyze.findings import Book, Key, row
-from probing.errors import ProbingError
+from probing.analyze.detection import (
+    ALERT_S,
+    ASK_EVERY_S,
+    CONFIRM_S,
+    DRAINED_S,
+    FULL_S,
+    GONE_AFTER,
+    HOLD,
+    WINDOW_S,
+    held_by,
+    latest_ts,
+    screen,
+)
+from probing.analyze.findings import Key, row
+from probing.node.detector.analyst import Analyst
+from probing.node.detector.book import Book
+from probing.node.detector.window import Pace, Window
 from probing.worker import Worker, error_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-WINDOW_S = 30.0  # the collectives each detection looks at
-HANG_AFTER_S = 10.0  # a collective some rank never entered for this long is a hang
-GONE_AFTER = 2  # full detections in a row: a peer missing to be gone, a link slow to be slow
 ELECT_S = 30.0  # how often a rank above the detector checks that the ranks below live
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
-FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often
-ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
-AUX_S = 15.0  # the ranks' deaths and traced spans asked again this often, or at once
-# where who answered changed or a rank's newest collective began STILL_S ago
-STILL_S = 2.0
-GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes) ...
-GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)
-GROUPS_KEEP = 65536  # contexts whose group is kept (past it, only the last answer's)
-# a call reaches its rank's store within this of its end (drained every 0.2 s):
-# the calls that ended this long before the last ask are asked again
-LAG_S = 2.0
-RESYNC_S = 60.0  # the whole window asked again this often, and after a rank missed an ask
-PACE_S = 10.0  # the detector's own arrivals kept: the pace the last RECENT_S is held to
-RECENT_S = 0.5  # ... the last span looked at (4 of the usual intervals, if longer)
-SLOWER = 0.7  # a pace under this share of the usual: the ranks are asked at once
-MIN_PACE = 20  # arrivals before the last RECENT_S needed to tell a pace
-ASK_EVERY_S = 0.5  # between full detections the ranks are asked at most this often ...
-ALERT_S = 5.0  # ... and for at most this long after the pace dropped
-TAIL_S = 3.0  # the span an ask screens for a straggler
-DRAINED_S = 0.2  # a collective is in its rank's store this long after it began, as a rule
-CONFIRM_S = 1.0  # a new straggler's lateness lasted this long: written (noise is briefer)
-# what a straggler written is explained by, asked as diagnose asks it (queries.queries)
-EXPLAIN = ("samples", "cuda", "nvml", "cpu")
-# a straggler not named at a full detection but still this share as late as when
-# it was written (its excess over the others' median) is not over: the test that
-# names one is strict, so one window of a rank still slow may miss it
-HOLD = 0.5
-
-
-def ask_cluster(node: Any, sql: str) -> pa.Table:
-    """``sql`` over every rank of ``node``'s job (the cluster's coordinator)."""
-    table: pa.Table = node.coordinator.coordinate(node, sql, timeout=ASK_S)[0]
-    return table
 
 
 def detect_s() -> float:
@@ -112,15 +94,6 @@ def detect_s() -> float:
         return float(config.load().detect_s)
     except ValueError:  # a bad value: the default (its probe said so at start-up)
         return 1.0
-
-
-def held_by(s: Any) -> tuple[str, float]:
-    """How late straggler ``s`` was when written, by the figure of its rank's
-    row its end is told by: its median excess; or, late now and then (on time
-    at most steps), its p99 lag."""
-    if s.late_steps >= 0.5:
-        return "excess_ms_median", s.excess_ms_median
-    return "lag_ms_p99", s.lag_ms_p99
 
 
 class Watch:
@@ -288,7 +261,7 @@ class Watch:
             self.book.detections += 1
         if not self.analyst.aux:
             self.analyst.ask_aux(now, table, got)
-        if not waiting and not _screen(table, now) - known:
+        if not waiting and not screen(table, now) - known:
             return []
         d, found = self._analyze(table, got, now, runq=False)
         return self.book.record(now, found, d, self.node.pid)
@@ -313,7 +286,7 @@ class Watch:
         waiting for a CPU."""
         raw = table
         table, d = self.analyst.judged(raw, got, now, runq)
-        latest = _latest_ts(table)
+        latest = latest_ts(table)
         with self.book.lock:
             new = [s for s in d.stragglers if self._writes(s, latest)]
         if new and self.groups.unnamed(raw):  # torch's names may have come since they were asked
@@ -423,330 +396,3 @@ class Watch:
         lasted ``CONFIRM_S`` up to ``latest`` (ns). Holding the lock."""
         new = ("straggler", s.rank) not in self.book.active
         return new and latest - s.since_ns >= CONFIRM_S * 1e9
-
-
-class Analyst:
-    """The analysis of a window of the job's collectives, as ``diagnose``
-    does it, asked of every rank through ``node``: torch's names for the
-    groups (``groups``), the ranks that died and who traced when (``aux``,
-    asked at full detections), the span judged, the stragglers' causes."""
-
-    def __init__(self, node: Any) -> None:
-        self.node = node
-        self.groups = Groups()  # torch's names for the job's groups
-        self.aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
-        self._aux_ns = 0  # when they were asked, and who answered then
-        self._aux_who: set[int] = set()
-
-    def ask_aux(self, now: int, table: pa.Table, got: Any) -> None:
-        """The ranks that died and who traced when, and torch's groups where
-        due for the window ``table`` (``Groups.due``) that ``got`` answered:
-        asked at full detections, used by the analyses the screen starts
-        between them. Deaths and spans change seldom: asked again every
-        ``AUX_S``, and at once where the ranks that answered changed, one
-        stood still (``_still``: it died, hangs, or stopped tracing) or the
-        spans said one was not tracing (it may trace again)."""
-        from probing.analyze.queries import optional, queries
-
-        sql = queries(remote=True)
-
-        def ask(q: str) -> pa.Table:
-            return ask_cluster(self.node, q)
-
-        if self.groups.due(table, now):  # torch's names, as diagnose says them
-            self.learn_groups(now, table)
-        who = {t.rank for t in got.peers}
-        if (
-            self.aux
-            and now - self._aux_ns < AUX_S * 1e9
-            and who == self._aux_who
-            and not _still(table, who, now)
-            and _all_tracing(self.aux.get("intervals"))
-        ):
-            return
-        self._aux_ns, self._aux_who = now, who
-        aux = dict(self.aux)  # the other thread reads them meanwhile: replaced at once
-        aux["dead"] = ask(sql["dead"]).to_pylist()
-        aux["intervals"] = optional(ask, sql["intervals"])
-        self.aux = aux
-
-    def judged(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[pa.Table, Any]:
-        """``table`` named by torch's groups and cut to the span every rank
-        that answered (``got``) traced in, and its analysis."""
-        from probing.analyze.diagnose import analyze, judge
-        from probing.analyze.queries import optional, queries
-
-        dead = self.aux["dead"]
-        table = self.groups.names(table)
-        since = now - int(WINDOW_S * 1e9)
-        runq_sql = queries(remote=True)["runq"].format(since_ns=since)
-
-        def ask_runq() -> pa.Table | None:
-            return optional(lambda q: ask_cluster(self.node, q), runq_sql)
-
-        answered = sorted({t.rank for t in got.peers})
-        table, cov = judge(table, self.aux["intervals"], answered, dead, since, now)
-        d = analyze(
-            table, now_ns=now, window_s=WINDOW_S, hang_after_s=HANG_AFTER_S,
-            dead=dead, runq=ask_runq if runq else None, coverage=cov,
-        )  # fmt: skip
-        return table, d
-
-    def learn_groups(self, now: int, table: pa.Table) -> None:
-        """torch's groups asked of every rank, for the window ``table``."""
-        from probing.analyze.queries import optional, queries
-
-        sql = queries(remote=True)["groups"]
-        self.groups.learn(optional(lambda q: ask_cluster(self.node, q), sql), table, now)
-
-    def explain(self, d: Any, table: pa.Table, since: int) -> None:
-        """What makes ``d``'s stragglers slow (``d.why``), asked of every rank
-        as ``diagnose`` asks it (``EXPLAIN``: their samples, CUDA calls, GPUs
-        and CPUs since ``since``) over the window ``table`` analyzed: a
-        finding says its cause as the verdict does. Asked only when a
-        straggler is written (a few queries, not at every detection)."""
-        from probing.analyze import collectives as coll
-        from probing.analyze.diagnose import explain_stragglers, explained
-        from probing.analyze.queries import optional, queries
-
-        sql = queries(remote=True)
-        got = {
-            n: optional(lambda q: ask_cluster(self.node, q), sql[n].format(since_ns=since))
-            for n in EXPLAIN
-        }
-        d.why = explain_stragglers(
-            d.stragglers, coll.match(table), got["samples"], got["cuda"], got["nvml"], got["cpu"]
-        )
-        # a small straggler its samples show nothing of its own for is noise
-        # here as in diagnose (``explained``): never written
-        d.stragglers, d.why = explained(d.stragglers, d.why)
-
-
-class Groups:
-    """torch's names for the job's Gloo contexts (``comm.groups``, asked of
-    every rank), kept between asks: a context belongs to one process group
-    for its life, so what an answer said stays true. A window is named by
-    them only where they name every Gloo context in it (``names``): a
-    context one rank's answer left out (it had traced none yet, it did not
-    answer in time) would make that rank's rows a communicator of their own
-    (``gloo/n4#0`` beside ``gloo/pg0``) and split the group; such a window
-    keeps the names by size and order, the same for every rank. Asked
-    again every ``GROUPS_S`` (a job makes groups as it goes), and sooner,
-    from ``GROUPS_RETRY_S`` on and twice as long after each answer that
-    named none of them, while a window holds a context they do not name."""
-
-    KEYS = ("node", "rank", "backend", "comm")
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[Any, ...], dict[str, Any]] = {}  # a context -> its comm.groups row
-        self.asked_ns = 0
-        self.retry_s = GROUPS_RETRY_S
-        self.lock = threading.Lock()  # the look's and the full detection's threads name windows
-
-    def due(self, table: pa.Table, now: int) -> bool:
-        """Whether to ask for them again, for the window ``table`` at ``now``."""
-        with self.lock:
-            since = now - self.asked_ns
-            if not self.asked_ns or since >= GROUPS_S * 1e9:
-                return True
-            return since >= self.retry_s * 1e9 and bool(self._unnamed(table))
-
-    def learn(self, got: pa.Table | None, table: pa.Table, now: int) -> None:
-        """What an ask answered (``got``; None: a probe without the table),
-        asked for the window ``table``."""
-        rows = got.to_pylist() if got is not None else []
-        with self.lock:
-            before = len(self._unnamed(table))
-            if len(self.rows) + len(rows) > GROUPS_KEEP:
-                self.rows = {}
-            for g in rows:
-                self.rows[tuple(g.get(c) for c in self.KEYS)] = g
-            named = len(self._unnamed(table)) < before
-            self.retry_s = GROUPS_RETRY_S if named else min(2 * self.retry_s, GROUPS_S)
-            self.asked_ns = now
-
-    def unnamed(self, table: pa.Table) -> bool:
-        """Whether ``table`` holds a Gloo context no group known names."""
-        with self.lock:
-            return bool(self._unnamed(table))
-
-    def names(self, table: pa.Table) -> pa.Table:
-        """``table`` with its Gloo contexts named by torch's groups (``pg``,
-        ``diagnose.with_groups``) where the groups known name every one."""
-        import pyarrow as pa
-
-        from probing.analyze.diagnose import with_groups
-
-        with self.lock:
-            if not self.rows or self._unnamed(table):
-                return table
-            groups = pa.Table.from_pylist(list(self.rows.values()))
-        return with_groups(table, groups)
-
-    def _unnamed(self, table: pa.Table) -> set[tuple[Any, ...]]:
-        """The Gloo contexts of ``table`` (by node, rank, backend, comm) no
-        group known names. Holding the lock."""
-        import pyarrow.compute as pc
-
-        from probing.analyze import columns
-
-        if not table.num_rows or "backend" not in table.column_names:
-            return set()
-        gloo = table.filter(pc.equal(table.column("backend"), "gloo"))
-        if not gloo.num_rows:
-            return set()
-        keys = [c for c in self.KEYS if c in gloo.column_names]
-        _, firsts = columns.distinct(gloo, keys)
-        picked = gloo.take(firsts)
-        cols = [picked.column(c).to_pylist() for c in keys]
-        return {k for k in zip(*cols, strict=True) if k not in self.rows}
-
-
-def _all_tracing(intervals: pa.Table | None) -> bool:
-    """Whether every rank's last span (``trace.intervals``) traces; True where unknown."""
-    if intervals is None or "state" not in intervals.column_names:
-        return True
-    return all(s == "tracing" for s in intervals.column("state").to_pylist())
-
-
-def _still(table: pa.Table, ranks: set[int], now: int) -> bool:
-    """Whether one of ``ranks`` began no collective of ``table`` in the last ``STILL_S``."""
-    import pyarrow.compute as pc
-
-    if not table.num_rows:
-        return True
-    newest = table.group_by("rank").aggregate([("ts", "max")])
-    fresh = pc.greater_equal(newest.column("ts_max"), now - int(STILL_S * 1e9))
-    moving = set(newest.filter(fresh).column("rank").to_pylist())
-    return bool(ranks - moving)
-
-
-def _screen(table: pa.Table, now: int) -> set[int]:
-    """The ranks the collectives of the last ``TAIL_S`` of ``table`` name
-    stragglers (a few ms: the window's analysis follows where they name one)."""
-    import pyarrow.compute as pc
-
-    from probing.analyze import collectives as coll
-
-    if not table.num_rows:
-        return set()
-    tail = table.filter(pc.greater_equal(table.column("ts"), now - int(TAIL_S * 1e9)))
-    if not tail.num_rows:
-        return set()
-    return {s.rank for s in coll.stragglers(coll.match(tail), {})}
-
-
-class Pace:
-    """The arrivals of the detector's own rank at its collectives, kept
-    ``PACE_S``: whether the last ``RECENT_S`` ran slower than the time before
-    (each look reads the arrivals since the last, less ``LAG_S``: from
-    ``arrivals(since_ns)``, its tracer's drained calls, where it has them;
-    else from its own tables, a query of 25 ms a second)."""
-
-    def __init__(self, arrivals: Callable[[int], Any] | None = None) -> None:
-        self.ts: list[int] = []  # arrivals, in order
-        self.looked_ns = 0
-        self.arrivals = arrivals
-
-    def forget(self) -> None:
-        self.ts = []
-        self.looked_ns = 0
-
-    def look(self, node: Any, now: int) -> bool:
-        """This rank's arrivals asked again; whether their pace dropped."""
-        lo = now - int(PACE_S * 1e9)
-        if self.looked_ns:
-            lo = max(lo, self.looked_ns - int(LAG_S * 1e9))
-        got = self.arrivals(lo) if self.arrivals is not None else None
-        if got is not None:
-            fresh = sorted(got.tolist())
-        else:
-            sql = f"SELECT ts FROM comm.collectives WHERE ts >= {lo}"
-            try:
-                fresh = sorted(node.engine().sql(sql, allow_code=False)["ts"].to_pylist())
-            except ProbingError:  # no such table yet: nothing traced
-                fresh = []
-        keep = now - int(PACE_S * 1e9)
-        self.ts = [t for t in self.ts if keep <= t < lo] + fresh
-        self.looked_ns = now
-        return slowed(self.ts)
-
-
-def slowed(ts: list[int]) -> bool:
-    """Whether arrivals ``ts`` (ns, in order) came at under ``SLOWER`` of
-    their earlier pace over their last ``RECENT_S`` (or 4 usual intervals),
-    with ``MIN_PACE`` arrivals before it to tell that pace."""
-    import numpy as np
-
-    if len(ts) < MIN_PACE:
-        return False
-    t = np.asarray(ts, dtype=np.int64)
-    usual = float(np.median(np.diff(t)))
-    recent = max(RECENT_S * 1e9, 4 * usual)
-    split = t[-1] - recent
-    before = t[t <= split]
-    if len(before) < MIN_PACE or before[-1] <= before[0]:
-        return False
-    pace = (len(before) - 1) / (before[-1] - before[0])  # arrivals per ns, before
-    now_pace = int(np.count_nonzero(t > split)) / recent
-    return bool(now_pace < SLOWER * pace)
-
-
-class Window:
-    """The last ``WINDOW_S`` of the job's finished collectives, kept between
-    asks: each fetch asks only for the calls that ended since the last one
-    (less ``LAG_S``, for those drained since) and those in flight."""
-
-    def __init__(self) -> None:
-        self.rows: pa.Table | None = None  # finished calls, each ended before ``asked_ns``
-        self.asked_ns = 0  # the wall ns of the last fetch
-        self.whole_ns = 0  # ... and of the last that asked the whole window
-
-    def forget(self) -> None:
-        self.rows = None
-
-    def fetch(self, node: Any, now: int) -> tuple[pa.Table, Any]:
-        """The window's collectives at ``now`` (finished and in flight) and who
-        answered; the whole window where nothing is kept, every ``RESYNC_S``,
-        and after a rank missed a fetch."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        from probing.analyze.queries import queries
-
-        since = now - int(WINDOW_S * 1e9)
-        sql = queries(remote=True)["collectives"].format(since_ns=since)
-        kept = self.rows
-        if now - self.whole_ns >= RESYNC_S * 1e9 or now < self.asked_ns:
-            kept = None
-        cursor = self.asked_ns - int(LAG_S * 1e9)
-        if kept is not None:
-            sql = (
-                f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
-            )
-        table, got, _ = node.coordinator.coordinate(node, sql, timeout=ASK_S)
-        if kept is not None and kept.num_rows:
-            ts, dur = kept.column("ts"), kept.column("dur_ns")
-            old = kept.filter(
-                pc.and_(pc.greater_equal(ts, since), pc.less(pc.add(ts, dur), cursor))
-            )
-            if table.num_columns:
-                old = old.select([c for c in table.column_names if c in old.column_names])
-                table = pa.concat_tables([old, table], promote_options="permissive")
-            else:
-                table = old
-        self.asked_ns = now
-        if kept is None:
-            self.whole_ns = now
-        finished = table.filter(pc.is_valid(table.column("dur_ns"))) if table.num_rows else table
-        self.rows = None if got.missing else finished  # a rank's rows missed: all again next
-        return table, got
-
-
-def _latest_ts(table: pa.Table) -> int:
-    """The latest arrival in ``table`` (0 where it has none)."""
-    import pyarrow.compute as pc
-
-    if not table.num_rows:
-        return 0
-    return int(pc.max(table.column("ts")).as_py() or 0)
