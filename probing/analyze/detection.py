@@ -80,13 +80,14 @@ def screen(table: pa.Table, now: int) -> set[int]:
     import pyarrow.compute as pc
 
     from probing.analyze import collectives as coll
+    from probing.analyze import stragglers as sg
 
     if not table.num_rows:
         return set()
     tail = table.filter(pc.greater_equal(table.column("ts"), now - int(TAIL_S * 1e9)))
     if not tail.num_rows:
         return set()
-    return {s.rank for s in coll.stragglers(coll.match(tail), {})}
+    return {s.rank for s in sg.stragglers(coll.match(tail), {})}
 
 
 def slowed(ts: list[int]) -> bool:

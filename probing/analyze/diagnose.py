@@ -24,10 +24,13 @@ import pyarrow as pa
 from probing.analyze import collectives as coll
 from probing.analyze import columns, mesh
 from probing.analyze import coverage as cv
+from probing.analyze import evidence as ev
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
+from probing.analyze import links as ln
 from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
+from probing.analyze import stragglers as sg
 from probing.analyze import why as wy
 from probing.analyze.gather import missing_ranks, unheard_ranks
 from probing.analyze.verdict import covered_text, hms, ranks_text, verdict, who_wait
@@ -105,8 +108,8 @@ def death_text(dead: dict[int, Death]) -> str:
 class Diagnosis:
     healthy: bool  # nothing found, and a verdict given ("no verdict" is not healthy)
     verdict: str
-    stragglers: list[coll.Straggler]
-    slow_links: list[coll.SlowLink]
+    stragglers: list[sg.Straggler]
+    slow_links: list[ln.SlowLink]
     hangs: list[hg.Hang]
     summary: coll.Summary
     ranks: list[dict[str, Any]]  # the evidence table, one row per rank
@@ -236,7 +239,7 @@ def analyze(
         trainers=trainers,
     ))  # fmt: skip
     steps = job_steps(matched, rows)  # the job's step: every figure per step is of it
-    strag = [] if hangs else coll.stragglers(matched, nodes, steps)
+    strag = [] if hangs else sg.stragglers(matched, nodes, steps)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
         late.place = mesh.place_text(late.rank, ranks_of or {})
     # a straggler slows the collectives too (its share of the reduction runs late)
@@ -329,8 +332,8 @@ SMALL_SPARSE = 0.20
 
 
 def explained(
-    stragglers: list[coll.Straggler], why: list[wy.Why]
-) -> tuple[list[coll.Straggler], list[wy.Why]]:
+    stragglers: list[sg.Straggler], why: list[wy.Why]
+) -> tuple[list[sg.Straggler], list[wy.Why]]:
     """``stragglers`` and ``why`` less a small straggler (``SMALL_SHARE`` of the
     step) whose samples show no cause that explains most of its lateness
     (nothing of its own, ``why.NOTHING``, or no single cause), and less one
@@ -340,7 +343,7 @@ def explained(
     says it is noise)."""
     from probing.analyze.verdict import MOST
 
-    def noise(s: coll.Straggler) -> bool:
+    def noise(s: sg.Straggler) -> bool:
         mine = [w for w in why if w.rank == s.rank and w.kind in (*wy.CAUSES, wy.NOTHING)]
         if not mine:
             return False
@@ -432,13 +435,13 @@ def _slow_links(
     matched: list[coll.Collective],
     nodes: dict[int, str],
     runq: Callable[[], pa.Table | None] | None,
-) -> list[coll.SlowLink]:
+) -> list[ln.SlowLink]:
     """The slow links of ``matched``: where one is suspected and ``runq`` asks
     how long each rank waited for a CPU, its ranks may be starved instead (the
     sampler tells them apart)."""
-    slow = coll.slow_links(matched, nodes)
+    slow = ln.slow_links(matched, nodes)
     if slow and runq is not None:
-        slow = coll.slow_links(matched, nodes, runq_rates(runq()))
+        slow = ln.slow_links(matched, nodes, runq_rates(runq()))
     return slow
 
 
@@ -507,7 +510,7 @@ def pipeline_hangs(
 def explain_stage(
     pipe: pp.Pipeline | None,
     samples: pa.Table | None,
-    stragglers: Sequence[coll.Straggler] = (),
+    stragglers: Sequence[sg.Straggler] = (),
 ) -> list[wy.Why]:
     """What keeps a pipeline's slow stage busy: its functions against the
     other stages', per second of the window (a pipeline has no step the
@@ -519,7 +522,7 @@ def explain_stage(
         return []
     st = pipe.stage(pipe.slow)
     extra = (st.busy_share - pp.others_busy(pipe.stages, st.rank)) * 1000.0  # ms/s of work
-    stage = coll.Straggler(
+    stage = sg.Straggler(
         rank=st.rank, node=st.node, lag_ms_mean=0.0, lag_ms_p99=0.0, excess_ms_median=extra,
         last_share=0.0, share_of_step=0.0, since="", since_ns=0, since_start=True,
         comm="", op="send/recv", collectives=0, p_value=0.0,
@@ -528,7 +531,7 @@ def explain_stage(
 
 
 def explain_stragglers(
-    stragglers: list[coll.Straggler],
+    stragglers: list[sg.Straggler],
     matched: list[coll.Collective],
     samples: pa.Table | None,
     cuda: pa.Table | None,
@@ -562,7 +565,7 @@ def _rank_rows(
     done = coll.complete(matched)
     counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
     # after the others' median arrival: a straggler's lateness, whoever else is late
-    matrix = coll.excess_matrix(done, ranks)
+    matrix = ev.excess_matrix(done, ranks)
     rows = []
     for j, r in enumerate(ranks):
         mine = [c for c in done if r in c.ts]
@@ -621,8 +624,8 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
     from probing.schema import table_of
 
     return {
-        "stragglers": table_of(coll.Straggler, d.stragglers),
-        "slow_links": table_of(coll.SlowLink, d.slow_links),
+        "stragglers": table_of(sg.Straggler, d.stragglers),
+        "slow_links": table_of(ln.SlowLink, d.slow_links),
         "hangs": table_of(hg.Hang, d.hangs),
         "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
         "collectives": table,

@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from probing.analyze.collectives import Collective, Straggler, by_comm
+from probing.analyze.collectives import Collective, by_comm
 from probing.analyze.hangs import short_path
+from probing.analyze.stragglers import Straggler
 
 MIN_DELTA_MS = 1.0  # a function's extra time per step worth naming ...
 MIN_DELTA_SHARE = 0.15  # ... and this share of the straggler's own excess

@@ -3,7 +3,7 @@
 ``JobView`` asks the job through a ``probing.cli.export.Source`` (like the CLI,
 through ``probing.cli.client`` / ``probing.node.cluster``) and reuses the analysis
 ``diagnose`` runs: collectives matched across ranks
-(``analyze.collectives.match``), stragglers (``collectives.stragglers``),
+(``analyze.collectives.match``), stragglers (``stragglers.stragglers``),
 traced hangs (``hangs.traced_hangs``).
 """
 
@@ -207,6 +207,7 @@ class JobView:
     def _job(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import collectives as coll
         from probing.analyze import hangs as hg
+        from probing.analyze import stragglers as sg
         from probing.analyze.queries import queries
         from probing.analyze.verdict import straggler_text
 
@@ -223,7 +224,7 @@ class JobView:
         ranks = sorted(nodes)
         matched = coll.match(table)
         hangs = hg.traced_hangs(matched, ranks, now, HANG_AFTER_S)
-        strag = [] if hangs else coll.stragglers(matched, nodes)
+        strag = [] if hangs else sg.stragglers(matched, nodes)
         lo = since
         if table.num_rows:
             lo = max(since, min(table.column("ts").to_pylist()))

@@ -19,7 +19,7 @@ lowest, and stops at the first that does. It runs two threads:
   detector's too: when the last ``RECENT_S`` ran at under ``SLOWER`` of the
   pace before, every rank is asked for its new collectives at once (again
   every ``ASK_EVERY_S`` while the pace stays low, for ``ALERT_S`` at most),
-  their last ``TAIL_S`` screened for a straggler (``collectives.stragglers``,
+  their last ``TAIL_S`` screened for a straggler (``stragglers.stragglers``,
   a few ms) and, where the screen names one, the window analyzed as a full
   detection does: a straggler it names is added (nothing else, and nothing
   is cleared there). A slowdown the detector's own collectives do not feel
