@@ -617,6 +617,7 @@ def test_a_rank_late_before_one_of_many_collectives_a_step_is_named() -> None:
 
 
 def test_a_small_or_now_and_then_lateness_with_nothing_of_its_own_is_noise() -> None:
+    from probing.analyze import cause as ca
     from probing.analyze import why as wy
     from probing.analyze.diagnose import explained
 
@@ -627,8 +628,8 @@ def test_a_small_or_now_and_then_lateness_with_nothing_of_its_own_is_noise() -> 
             comm="gloo/pg0", op="allreduce", collectives=100, p_value=1e-9,
         )  # fmt: skip
 
-    def why(rank: int, kind: str) -> wy.Why:
-        return wy.Why(rank, kind, "f", None, None, 5.0, 1.0, text=f"rank {rank}: f")
+    def why(rank: int, kind: str) -> ca.Why:
+        return ca.Why(rank, kind, "f", None, None, 5.0, 1.0, text=f"rank {rank}: f")
 
     # rank 1: 4 % of the step and nothing of its own (a loaded machine favouring
     # the others); rank 2: as small, with a function of its own; rank 3: 30 %

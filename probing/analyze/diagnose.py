@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from probing.analyze import cause as ca
 from probing.analyze import collectives as coll
 from probing.analyze import columns, mesh
 from probing.analyze import coverage as cv
@@ -118,7 +119,7 @@ class Diagnosis:
     elapsed_s: float = 0.0
     missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
     callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
-    why: list[wy.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
+    why: list[ca.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
     flight: str = ""  # the ranks whose Flight Recorder is off, and why ("" where all have one)
     pipeline: pp.Pipeline | None = None  # the stages, where the ranks send and receive
     transfers: list[pp.Transfer] = dataclasses.field(default_factory=list)  # sends met
@@ -332,8 +333,8 @@ SMALL_SPARSE = 0.20
 
 
 def explained(
-    stragglers: list[sg.Straggler], why: list[wy.Why]
-) -> tuple[list[sg.Straggler], list[wy.Why]]:
+    stragglers: list[sg.Straggler], why: list[ca.Why]
+) -> tuple[list[sg.Straggler], list[ca.Why]]:
     """``stragglers`` and ``why`` less a small straggler (``SMALL_SHARE`` of the
     step) whose samples show no cause that explains most of its lateness
     (nothing of its own, ``why.NOTHING``, or no single cause), and less one
@@ -511,7 +512,7 @@ def explain_stage(
     pipe: pp.Pipeline | None,
     samples: pa.Table | None,
     stragglers: Sequence[sg.Straggler] = (),
-) -> list[wy.Why]:
+) -> list[ca.Why]:
     """What keeps a pipeline's slow stage busy: its functions against the
     other stages', per second of the window (a pipeline has no step the
     collectives would give); nothing where the stage is a straggler of
@@ -537,7 +538,7 @@ def explain_stragglers(
     cuda: pa.Table | None,
     nvml: pa.Table | None = None,
     cpu: pa.Table | None = None,
-) -> list[wy.Why]:
+) -> list[ca.Why]:
     """What makes each straggler slow (``why.explain``), from SAMPLES_SQL,
     CUDA_SQL, NVML_SQL and CPU_SQL rows (None: that part is left out); where
     nothing is found, why not (``why.unread``: its samples not answered...)."""
@@ -629,7 +630,7 @@ def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
         "hangs": table_of(hg.Hang, d.hangs),
         "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
         "collectives": table,
-        "why": table_of(wy.Why, d.why),
+        "why": table_of(ca.Why, d.why),
         "stages": table_of(pp.Stage, d.pipeline.stages if d.pipeline else []),
         "transfers": table_of(pp.Transfer, d.transfers),
     }

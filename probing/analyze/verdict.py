@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from probing.analyze import cause as ca
 from probing.analyze import collectives as coll
 from probing.analyze import coverage as cv
 from probing.analyze import hangs as hg
@@ -28,7 +29,7 @@ def verdict(
     hangs: list[hg.Hang],
     summary: coll.Summary,
     window_s: float,
-    why: Sequence[wy.Why] = (),
+    why: Sequence[ca.Why] = (),
     pipe: pp.Pipeline | None = None,
     missing: Sequence[str] = (),
     answered: Sequence[int] = (),
@@ -58,7 +59,7 @@ def _worst(
     hangs: list[hg.Hang],
     summary: coll.Summary,
     window_s: float,
-    why: Sequence[wy.Why],
+    why: Sequence[ca.Why],
     pipe: pp.Pipeline | None,
     answered: Sequence[int],
 ) -> str:
@@ -102,7 +103,7 @@ def hang_text(h: hg.Hang) -> str:
     )
 
 
-def straggler_text(s: sg.Straggler, why: Sequence[wy.Why]) -> str:
+def straggler_text(s: sg.Straggler, why: Sequence[ca.Why]) -> str:
     """The straggler: how late, how often, since when, what it costs the
     job, and the cause that explains most of it (``why``)."""
     since = f"since {'at least ' if s.since_start else ''}{hms(s.since_ns)}"
@@ -206,14 +207,14 @@ def summary_text(
     )
 
 
-def unexplained_text(why: Sequence[wy.Why], rank: int) -> str:
+def unexplained_text(why: Sequence[ca.Why], rank: int) -> str:
     """Where ``rank``'s samples show nothing of its own that makes it late,
     or were not read, that."""
     w = next((w for w in why if w.rank == rank and w.kind in (wy.NOTHING, wy.UNREAD)), None)
     return f"; {w.text.split(': ', 1)[-1]}" if w is not None else ""
 
 
-def cause_text(w: wy.Why | None) -> str:
+def cause_text(w: ca.Why | None) -> str:
     """The verdict's cause: the one that explains most of the lateness, with
     that share, or that none explains most of it."""
     if w is None:
