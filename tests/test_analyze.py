@@ -15,7 +15,7 @@ from probing.analyze import collectives as coll
 from probing.analyze import evidence as ev
 from probing.analyze import hangs as hg
 from probing.analyze import stragglers as sg
-from probing.analyze.diagnose import sql_tables
+from probing.analyze.tables import sql_tables
 from probing.cli.render import diagnosis as render
 from probing.node.sql import Engine
 from probing.node.store import Store
@@ -423,7 +423,7 @@ def test_two_groups_of_one_size_are_matched_per_group_with_comm_groups() -> None
     """Data-parallel {0,2},{1,3}: by size and order of use both are ``n2#0``
     and their calls mix; named by ``comm.groups`` (torch's group names, the
     same in every rank) each group's calls match across its own two ranks."""
-    from probing.analyze.diagnose import with_groups
+    from probing.analyze.gather import with_groups
 
     rows, groups = [], []
     for r in range(4):
@@ -619,7 +619,7 @@ def test_a_rank_late_before_one_of_many_collectives_a_step_is_named() -> None:
 def test_a_small_or_now_and_then_lateness_with_nothing_of_its_own_is_noise() -> None:
     from probing.analyze import cause as ca
     from probing.analyze import why as wy
-    from probing.analyze.diagnose import explained
+    from probing.analyze.explain import explained
 
     def late(rank: int, share: float) -> sg.Straggler:
         return sg.Straggler(

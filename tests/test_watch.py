@@ -150,11 +150,11 @@ def diagnosed(table: pa.Table) -> Any:
 
 
 def test_a_small_straggler_its_samples_show_nothing_of_its_own_for_is_not_written() -> None:
-    """The watch drops what diagnose drops (``diagnose.explained``): a rank a
+    """The watch drops what diagnose drops (``explain.explained``): a rank a
     few ms late (under SMALL_SHARE of the step) whose samples are the
     others' is the machine's noise, not a finding; with a function of its
     own that explains it, it is one."""
-    from probing.analyze.diagnose import SMALL_SHARE
+    from probing.analyze.explain import SMALL_SHARE
     from tests.test_why import _samples
 
     slow = job(straggler=2, lag_ms=6, seed=1)

@@ -94,7 +94,7 @@ class Analyst:
         finding says its cause as the verdict does. Asked only when a
         straggler is written (a few queries, not at every detection)."""
         from probing.analyze import collectives as coll
-        from probing.analyze.diagnose import explain_stragglers, explained
+        from probing.analyze.explain import explain_stragglers, explained
         from probing.analyze.queries import optional, queries
 
         sql = queries(remote=True)

@@ -64,10 +64,10 @@ class Groups:
 
     def names(self, table: pa.Table) -> pa.Table:
         """``table`` with its Gloo contexts named by torch's groups (``pg``,
-        ``diagnose.with_groups``) where the groups known name every one."""
+        ``gather.with_groups``) where the groups known name every one."""
         import pyarrow as pa
 
-        from probing.analyze.diagnose import with_groups
+        from probing.analyze.gather import with_groups
 
         with self.lock:
             if not self.rows or self._unnamed(table):

@@ -301,7 +301,7 @@ class Watch:
     def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
         """The whole analysis of the window ``table``, recorded: every kind of
         finding, and what is over counted towards its clearing (``_over``)."""
-        from probing.analyze.diagnose import death_text
+        from probing.analyze.deaths import death_text
         from probing.analyze.verdict import hang_text, slow_link_text
 
         d, found = self._analyze(table, got, now, runq=True)
