@@ -1,6 +1,7 @@
 """``probing/analyze`` is analysis only: tables in, verdicts out. No module
 under it starts a thread, opens a socket or a file to write, or sleeps (read
-from each module's syntax tree, its lazy imports inside functions too)."""
+from each module's syntax tree, its lazy imports inside functions too), and
+none is over ``MAX_LINES``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ ROOT = Path(probing.analyze.__file__).parent
 # modules whose import means a thread, a socket, a pool or a process
 FORBIDDEN = ("threading", "_thread", "socket", "concurrent", "multiprocessing", "subprocess",
              "asyncio", "selectors")  # fmt: skip
+MAX_LINES = 500
 WRITE_ATTRS = {"write_text", "write_bytes", "open", "fdopen", "write", "writelines", "mkdir",
                "touch", "unlink", "rename"}  # fmt: skip
 
@@ -100,3 +102,9 @@ def test_analyze_starts_no_thread_opens_no_socket_writes_no_file_never_sleeps() 
         if (bad := offences(path.read_text()))
     }
     assert _modules() and found == {}, found
+
+
+def test_no_analyze_module_is_over_max_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in _modules()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}  # fmt: skip
+    assert long == {}, long
