@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("PROBING_QUERY_MEMORY_MB", "1024")
 
 from probing.analyze import collectives  # noqa: E402
-from probing.analyze.diagnose import with_groups  # noqa: E402
+from probing.analyze.gather import with_groups  # noqa: E402
 from probing.analyze.queries import queries  # noqa: E402
 from probing.cli.export import timeline  # noqa: E402
 from probing.cli.export.window import ExportWindow  # noqa: E402

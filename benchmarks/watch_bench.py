@@ -7,8 +7,9 @@ threads; each step 20 ms of sleep and an all-reduce) under each detector:
 ``new``, this tree's, at its default period; ``old``, the one of
 ``--baseline`` (a commit; by default the last before issue 40's faster
 detection), every 5 s as it was: the job runs this tree with that commit's
-``probing/analyze/watch.py`` put in its place (a copy of ``probing/`` first
-on the job's and its engine's ``PYTHONPATH``); ``off``
+``probing/analyze/`` put in place of this tree's and its detector made by the
+engine (a copy of ``probing/`` first on the job's and its engine's
+``PYTHONPATH``: ``overlay``); ``off``
 (``PROBING_DETECT_S=0``), the CPU baseline.
 
 CPU (``--cpu-runs`` times): one job of each, side by side (the same load on
@@ -90,13 +91,19 @@ def findings(pid: int) -> list[dict[str, Any]]:
 
 def overlay(ref: str) -> str:
     """A copy of this tree's ``probing/`` with ``ref``'s detector in it: the
-    directory to put first on ``PYTHONPATH``."""
+    directory to put first on ``PYTHONPATH``. ``ref``'s detector is its
+    ``probing/analyze/watch.py``, over its ``probing/analyze/`` (copied over
+    this tree's); this tree's engine makes the one that
+    ``probing/node/detector/watch.py`` names, pointed at it."""
     where = tempfile.mkdtemp(prefix="watch-bench-old-")
     shutil.copytree(ROOT / "probing", Path(where) / "probing",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:probing/analyze/watch.py"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
-    (Path(where) / "probing" / "analyze" / "watch.py").write_text(old)
+    old = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "probing/analyze"],
+                         capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", where], input=old, check=True)
+    (Path(where) / "probing" / "node" / "detector" / "watch.py").write_text(
+        f'"""The detector of {ref}."""\n\nfrom probing.analyze.watch import Watch  # noqa: F401\n'
+    )
     return where
 
 

@@ -17,10 +17,11 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from probing import proc
-from probing.analyze.findings import log_findings, openmetrics
+from probing.analyze.findings import openmetrics
 from probing.guest import wire
 from probing.node import agent as agent_module
 from probing.node.agent import Agent, Policy
+from probing.node.detector.book import log_findings
 from probing.node.findings import Feed
 from probing.node.openmetrics import Exposition, text_format, wants_openmetrics
 from probing.node.webhook import Webhook

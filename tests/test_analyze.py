@@ -12,8 +12,10 @@ import pytest
 
 from probing.analyze import analyze
 from probing.analyze import collectives as coll
+from probing.analyze import evidence as ev
 from probing.analyze import hangs as hg
-from probing.analyze.diagnose import sql_tables
+from probing.analyze import stragglers as sg
+from probing.analyze.tables import sql_tables
 from probing.cli.render import diagnosis as render
 from probing.node.sql import Engine
 from probing.node.store import Store
@@ -173,7 +175,7 @@ def test_a_rank_behind_a_slow_link_is_released_late_not_a_straggler() -> None:
     d = analyze(job(link_ms=60.0, behind_link=1, seed=8), now_ns=T0)
     assert not d.stragglers, d.verdict
     assert [s.comm for s in d.slow_links] == ["gloo/n4#0"]
-    assert coll.released_late(
+    assert sg.released_late(
         [c for c in coll.match(job(link_ms=60.0, behind_link=1, seed=8)) if c.complete], 1, 30.0
     )
 
@@ -246,10 +248,10 @@ def test_equal_counts_are_no_hang() -> None:
 
 def test_change_point_and_binomial_tail() -> None:
     x = np.r_[np.zeros(30), np.full(20, 5.0)] + np.random.default_rng(1).normal(0, 0.3, 50)
-    k, score = coll.change_point(x)
+    k, score = ev.change_point(x)
     assert k == 30 and score > 3
-    assert coll.binom_tail(10, 10, 0.25) == pytest.approx(0.25**10)
-    assert coll.binom_tail(0, 10, 0.25) == 1.0
+    assert ev.binom_tail(10, 10, 0.25) == pytest.approx(0.25**10)
+    assert ev.binom_tail(0, 10, 0.25) == 1.0
 
 
 def test_json_shape_and_sql_tables() -> None:
@@ -284,7 +286,7 @@ def test_the_json_and_the_tables_have_every_field_of_a_finding() -> None:
 
     t = job(straggler=2, seed=4)
     d = analyze(t, now_ns=T0)
-    fields = [f.name for f in dataclasses.fields(coll.Straggler)]
+    fields = [f.name for f in dataclasses.fields(sg.Straggler)]
     [s] = d.to_json()["stragglers"]
     assert list(s) == fields and s["excess_ms_median"] > 0
     [row] = sql_tables(d, t)["stragglers"].to_pylist()
@@ -421,7 +423,7 @@ def test_two_groups_of_one_size_are_matched_per_group_with_comm_groups() -> None
     """Data-parallel {0,2},{1,3}: by size and order of use both are ``n2#0``
     and their calls mix; named by ``comm.groups`` (torch's group names, the
     same in every rank) each group's calls match across its own two ranks."""
-    from probing.analyze.diagnose import with_groups
+    from probing.analyze.gather import with_groups
 
     rows, groups = [], []
     for r in range(4):
@@ -615,18 +617,19 @@ def test_a_rank_late_before_one_of_many_collectives_a_step_is_named() -> None:
 
 
 def test_a_small_or_now_and_then_lateness_with_nothing_of_its_own_is_noise() -> None:
+    from probing.analyze import cause as ca
     from probing.analyze import why as wy
-    from probing.analyze.diagnose import explained
+    from probing.analyze.explain import explained
 
-    def late(rank: int, share: float) -> coll.Straggler:
-        return coll.Straggler(
+    def late(rank: int, share: float) -> sg.Straggler:
+        return sg.Straggler(
             rank=rank, node="vm", lag_ms_mean=2.0, lag_ms_p99=3.0, excess_ms_median=2.0,
             last_share=0.5, share_of_step=share, since="", since_ns=0, since_start=True,
             comm="gloo/pg0", op="allreduce", collectives=100, p_value=1e-9,
         )  # fmt: skip
 
-    def why(rank: int, kind: str) -> wy.Why:
-        return wy.Why(rank, kind, "f", None, None, 5.0, 1.0, text=f"rank {rank}: f")
+    def why(rank: int, kind: str) -> ca.Why:
+        return ca.Why(rank, kind, "f", None, None, 5.0, 1.0, text=f"rank {rank}: f")
 
     # rank 1: 4 % of the step and nothing of its own (a loaded machine favouring
     # the others); rank 2: as small, with a function of its own; rank 3: 30 %

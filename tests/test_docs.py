@@ -251,7 +251,7 @@ def test_the_design_prose_names_only_code_that_exists() -> None:
     text = (DOCS / "design.md").read_text()
     modules = [p.relative_to(root).as_posix() for p in (root / "probing").rglob("*.py")]
     paths = set(re.findall(r"(?<![\w/.-])((?:\w+/)+\w+\.py|probing/(?:\w+/)*)", text))
-    assert {"analyze/watch.py", "probing/node/store/"} <= paths
+    assert {"node/detector/watch.py", "probing/node/store/"} <= paths
     inside = [p for p in paths if any(m.endswith(f"/{p}") for m in modules)]
     missing = [p for p in paths if not (root / p).exists() and p not in inside]
     tables = set(re.findall(r"`(probing\.\w+)`", (DOCS / "sql.md").read_text()))

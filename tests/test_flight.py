@@ -19,7 +19,7 @@ import pytest
 from probing.analyze import analyze
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
-from probing.analyze.diagnose import sql_tables
+from probing.analyze.tables import sql_tables
 from probing.cli.asking import diagnose
 from probing.cli.render import diagnosis as render
 from probing.errors import ProbingError

@@ -62,7 +62,7 @@ def test_the_job_page_names_groups_by_torch_only_once_they_name_every_context() 
     """The first answer names ranks 0, 1 and 3 only: the page names the group
     by size and order (one group of 4, not two); the next, at the next page
     asked after GROUPS_RETRY_S, names rank 2's too: torch's name."""
-    from probing.analyze import watch
+    from probing.analyze import detection as dt
 
     table = job(straggler=2, lag_ms=60, seed=1)
     source = Canned(table, [])
@@ -71,7 +71,7 @@ def test_the_job_page_names_groups_by_torch_only_once_they_name_every_context() 
     first = view.job(60)
     assert [s["comm"] for s in first["stragglers"]] == ["gloo/n4#0"], first["stragglers"]
     view._cache.clear()
-    view._groups.asked_ns -= int(watch.GROUPS_RETRY_S * 1e9)  # the retry is due
+    view._groups.asked_ns -= int(dt.GROUPS_RETRY_S * 1e9)  # the retry is due
     second = view.job(60)
     assert [s["comm"] for s in second["stragglers"]] == ["gloo/pg0"], second["stragglers"]
     assert sum("FROM comm.groups" in q for q in source.asked) == 2

@@ -1,4 +1,4 @@
-"""The always-on detector (``probing.analyze.watch``) on canned cluster
+"""The always-on detector (``probing.node.detector``) on canned cluster
 answers: a straggler becomes one finding, in the verdict's words, written
 once and cleared once it is over for several detections in a row (never at
 one that misses it), whatever its group is called; a rank that stops
@@ -24,10 +24,12 @@ import pyarrow.compute as pc
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from probing.analyze import watch
+from probing.analyze import detection as dt
 from probing.analyze.findings import CLEAR_AFTER
-from probing.analyze.watch import Watch, Window
 from probing.node.cluster.wire import MissingPeer, PeerTiming
+from probing.node.detector import watch
+from probing.node.detector.watch import Watch
+from probing.node.detector.window import Window
 from tests.test_analyze import T0, job
 
 
@@ -138,15 +140,15 @@ def diagnosed(table: pa.Table) -> Any:
     """What ``diagnose`` says of ``table`` (the window the detector analyzes)."""
     from probing.analyze import analyze
 
-    return analyze(table, now_ns=_now(table), window_s=watch.WINDOW_S)
+    return analyze(table, now_ns=_now(table), window_s=dt.WINDOW_S)
 
 
 def test_a_small_straggler_its_samples_show_nothing_of_its_own_for_is_not_written() -> None:
-    """The watch drops what diagnose drops (``diagnose.explained``): a rank a
+    """The watch drops what diagnose drops (``explain.explained``): a rank a
     few ms late (under SMALL_SHARE of the step) whose samples are the
     others' is the machine's noise, not a finding; with a function of its
     own that explains it, it is one."""
-    from probing.analyze.diagnose import SMALL_SHARE
+    from probing.analyze.explain import SMALL_SHARE
     from tests.test_why import _samples
 
     slow = job(straggler=2, lag_ms=6, seed=1)
@@ -220,7 +222,7 @@ def test_a_straggler_finding_says_its_cause_as_the_verdict_does() -> None:
     node.answers = [(slow, _answered())]
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=5)
     [new] = w.once(now_ns=_now(slow))
-    d = analyze(slow, now_ns=_now(slow), window_s=watch.WINDOW_S, samples=node.samples)
+    d = analyze(slow, now_ns=_now(slow), window_s=dt.WINDOW_S, samples=node.samples)
     [s] = d.stragglers
     assert new["text"] == straggler_text(s, d.why), (new["text"], d.verdict)
     assert ": load_batch (/job/train.py:41) " in new["text"] and "of its lateness" in new["text"]
@@ -284,15 +286,15 @@ def test_one_straggler_is_one_finding_whatever_its_group_is_called() -> None:
     assert new["comm"] == "gloo/n4#0", new  # not known yet: by size and order
     node.groups = groups_of(slow, [0])
     t = _now(slow)
-    n = int(watch.GROUPS_S / watch.FULL_S) + 2  # a full detection every FULL_S, past GROUPS_S
+    n = int(dt.GROUPS_S / dt.FULL_S) + 2  # a full detection every FULL_S, past GROUPS_S
     for k in range(1, n + 1):  # the job goes on: its window as slow, later
         if k == 3:
             node.groups = groups_of(slow)
-        node.answers = [(later(slow, k * watch.FULL_S), _answered())]
-        assert w.once(now_ns=t + int(k * watch.FULL_S * 1e9)) == [], k
+        node.answers = [(later(slow, k * dt.FULL_S), _answered())]
+        assert w.once(now_ns=t + int(k * dt.FULL_S * 1e9)) == [], k
         assert w.table()["cleared_ns"].to_pylist() == [None], k
     [row] = w.table().to_pylist()
-    assert row["seen_ns"] == t + int(n * watch.FULL_S * 1e9)
+    assert row["seen_ns"] == t + int(n * dt.FULL_S * 1e9)
     asked = [q for q in node.asked if "FROM comm.groups" in q]
     assert len(asked) >= 3, node.asked  # again while a context was not named
     # once every context is named, a window says torch's name, as diagnose does
@@ -327,7 +329,7 @@ def test_a_window_is_named_by_torchs_groups_only_where_they_name_every_context()
     size and order (one group, not two); the groups are asked again sooner
     while one is unnamed, later after each answer that named none."""
     from probing.analyze import collectives as coll
-    from probing.analyze.watch import Groups
+    from probing.node.detector.groups import Groups
 
     slow = job(straggler=2, lag_ms=60, seed=1)
     g = Groups()
@@ -335,16 +337,16 @@ def test_a_window_is_named_by_torchs_groups_only_where_they_name_every_context()
     assert g.due(slow, now)
     g.learn(pa.Table.from_pylist(groups_of(slow, [0, 1, 3])), slow, now)
     assert {c.comm for c in coll.match(g.names(slow))} == {"gloo/n4#0"}  # one group, by size
-    assert not g.due(slow, now + int(watch.GROUPS_RETRY_S * 1e9) - 1)
-    assert g.due(slow, now + int(watch.GROUPS_RETRY_S * 1e9))  # rank 2's context unnamed
-    g.learn(None, slow, now + int(watch.GROUPS_RETRY_S * 1e9))  # named none: later next
-    assert not g.due(slow, now + int(2.5 * watch.GROUPS_RETRY_S * 1e9))
+    assert not g.due(slow, now + int(dt.GROUPS_RETRY_S * 1e9) - 1)
+    assert g.due(slow, now + int(dt.GROUPS_RETRY_S * 1e9))  # rank 2's context unnamed
+    g.learn(None, slow, now + int(dt.GROUPS_RETRY_S * 1e9))  # named none: later next
+    assert not g.due(slow, now + int(2.5 * dt.GROUPS_RETRY_S * 1e9))
     g.learn(
-        pa.Table.from_pylist(groups_of(slow, [2])), slow, now + int(3 * watch.GROUPS_RETRY_S * 1e9)
+        pa.Table.from_pylist(groups_of(slow, [2])), slow, now + int(3 * dt.GROUPS_RETRY_S * 1e9)
     )
     assert {c.comm for c in coll.match(g.names(slow))} == {"gloo/pg0"}
-    assert not g.due(slow, now + int(4 * watch.GROUPS_RETRY_S * 1e9))  # all named: GROUPS_S
-    assert g.due(slow, now + int((3 * watch.GROUPS_RETRY_S + watch.GROUPS_S) * 1e9))
+    assert not g.due(slow, now + int(4 * dt.GROUPS_RETRY_S * 1e9))  # all named: GROUPS_S
+    assert g.due(slow, now + int((3 * dt.GROUPS_RETRY_S + dt.GROUPS_S) * 1e9))
 
 
 def test_no_finding_from_a_window_where_not_every_rank_traced() -> None:
@@ -524,7 +526,7 @@ def watch_analysis(w: Watch, table: pa.Table, now: int) -> Any:
     """What ``diagnose`` says of ``table`` as the detector asks it (window, hang age)."""
     from probing.analyze import analyze
 
-    return analyze(table, now_ns=now, window_s=watch.WINDOW_S, hang_after_s=watch.HANG_AFTER_S,
+    return analyze(table, now_ns=now, window_s=dt.WINDOW_S, hang_after_s=dt.HANG_AFTER_S,
                    dead=w.analyst.aux["dead"])  # fmt: skip
 
 
@@ -623,10 +625,10 @@ def test_a_fetch_asks_only_for_what_ended_since_the_last_and_keeps_the_window() 
     assert "c.ts + c.dur_ns" not in node.asked[0]  # the whole window first
     assert pc.sum(pc.is_null(first["dur_ns"])).as_py() > 0, "a call in flight at the first"
     second, _ = window.fetch(node, b)
-    assert f"c.ts + c.dur_ns >= {a - int(watch.LAG_S * 1e9)}" in node.asked[1]
+    assert f"c.ts + c.dur_ns >= {a - int(dt.LAG_S * 1e9)}" in node.asked[1]
     shipped = _ended_since(upto(live, b), node.asked[1]).num_rows
     assert shipped < upto(live, b).num_rows / 8, shipped
-    since = b - int(watch.WINDOW_S * 1e9)
+    since = b - int(dt.WINDOW_S * 1e9)
     whole = upto(live, b).filter(
         pc.or_kleene(
             pc.greater_equal(upto(live, b)["ts"], since), pc.is_null(upto(live, b)["dur_ns"])
@@ -666,12 +668,12 @@ def test_a_steady_pace_asks_the_ranks_only_at_full_detections() -> None:
     assert list(zip(asked_at, asked, strict=True)) == [
         (0.0, "comm.collectives"), (0.0, "comm.groups"), (0.0, "process.info"),
         (0.0, "trace.intervals"),
-        (2 * watch.FULL_S, "comm.collectives"),
-        (6 * watch.FULL_S, "comm.collectives"), (6 * watch.FULL_S, "comm.groups"),
-        (6 * watch.FULL_S, "process.info"), (6 * watch.FULL_S, "trace.intervals"),
+        (2 * dt.FULL_S, "comm.collectives"),
+        (6 * dt.FULL_S, "comm.collectives"), (6 * dt.FULL_S, "comm.groups"),
+        (6 * dt.FULL_S, "process.info"), (6 * dt.FULL_S, "trace.intervals"),
     ]  # fmt: skip
     assert w.book.detections == 3
-    assert w.full_s() == watch.QUIET_S
+    assert w.full_s() == dt.QUIET_S
 
 
 def test_a_rank_that_stands_still_has_the_deaths_asked_at_once() -> None:
@@ -720,7 +722,7 @@ def test_a_slowdown_asks_every_rank_at_once_and_is_written_once_it_lasted() -> N
     assert [t for t in tables if t != "comm.collectives"] == explained, tables
     names = [c for c in written if analyze(upto(node.live, c), now_ns=c).stragglers]
     assert names[0] < clock, "named once: not yet written"
-    assert began + watch.CONFIRM_S * 1e9 <= clock < began + 1.5e9, (clock - began) / 1e9
+    assert began + dt.CONFIRM_S * 1e9 <= clock < began + 1.5e9, (clock - began) / 1e9
     # /metrics says its lateness with it (one scrape: the finding and the rank it blames)
     late = {s.labels["rank"]: s.value for f in text_string_to_metric_families(w.metrics())
             for s in f.samples if s.name == "probing_rank_lateness_seconds"}  # fmt: skip
@@ -747,7 +749,7 @@ def test_a_full_detection_clears_nothing_a_look_wrote_from_newer_rows() -> None:
     node.clock = began  # asked before the look wrote it
     assert w.once(node.clock) == [] and w.table()["cleared_ns"].to_pylist() == [None]
     for k in range(CLEAR_AFTER):  # long after, healthy again: cleared at the last
-        node.clock = began + int(40e9) + int(k * watch.FULL_S * 1e9)
+        node.clock = began + int(40e9) + int(k * dt.FULL_S * 1e9)
         w.once(node.clock)
     assert w.table()["cleared_ns"].to_pylist() == [node.clock]
 
@@ -774,7 +776,7 @@ def test_a_burst_of_lateness_is_never_written() -> None:
     node.live = synchronous(lambda k: 60.0 if onset <= k < onset + 5 else 0.0, steps=420)
     began = int(node.live.filter(pc.equal(node.live["seq"], onset))["ts"][0].as_py())
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
-    written = looks(w, node, began - int(2.1e9), 2 * watch.FULL_S)
+    written = looks(w, node, began - int(2.1e9), 2 * dt.FULL_S)
     assert not any(written.values()) and w.table().num_rows == 0
     assert any(analyze(upto(node.live, c), now_ns=c).stragglers for c in written if c > began)
 
@@ -782,7 +784,7 @@ def test_a_burst_of_lateness_is_never_written() -> None:
 def test_the_pace_drops_when_the_collectives_come_slower() -> None:
     """Arrivals every 25 ms for 10 s: steady; then every 85 ms: slower once
     about 0.2 s of them came; faster, or a single late one, is not slower."""
-    from probing.analyze.watch import slowed
+    from probing.analyze.detection import slowed
 
     steady = [int(k * 25e6) for k in range(400)]
     assert not slowed(steady)
@@ -801,7 +803,8 @@ def test_a_look_reads_its_tracers_arrivals_and_asks_no_sql() -> None:
     """With the tracer's drained arrivals (``arrivals(since_ns)``), a look
     plans no query: each reads the arrivals since the last (less LAG_S),
     and a pace that drops is seen as from its tables."""
-    from probing.analyze.watch import LAG_S, Pace
+    from probing.analyze.detection import LAG_S
+    from probing.node.detector.window import Pace
 
     every = np.arange(400, dtype=np.int64) * int(25e6)  # every 25 ms for 10 s
     later = every[-1] + np.arange(1, 6, dtype=np.int64) * int(85e6)  # then every 85 ms

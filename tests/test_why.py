@@ -13,6 +13,7 @@ import pytest
 
 from probing.analyze import analyze
 from probing.analyze import collectives as coll
+from probing.analyze import evidence as ev
 from probing.cli.render import diagnosis as render
 from tests.test_analyze import T0, job
 
@@ -69,11 +70,9 @@ def test_late_by_far_at_one_gather_a_step_is_named(seed: int) -> None:
 
 def test_the_order_test_is_uniform_for_alike_ranks() -> None:
     rng = np.random.default_rng(1)
-    ps = [
-        coll.order_p(rng.integers(0, 4, 200).astype(float), np.full(200, 4.0)) for _ in range(400)
-    ]
+    ps = [ev.order_p(rng.integers(0, 4, 200).astype(float), np.full(200, 4.0)) for _ in range(400)]
     assert 0.02 < np.mean(np.array(ps) < 0.05) < 0.09  # ~5 % below 0.05 by chance
-    assert coll.order_p(np.full(100, 3.0), np.full(100, 4.0)) < 1e-12  # always last
+    assert ev.order_p(np.full(100, 3.0), np.full(100, 4.0)) < 1e-12  # always last
 
 
 def _samples(

@@ -1,12 +1,15 @@
 """The diagnosis, pure: every rank's gathered collectives, stacks and counts
 in, the straggler, slow link or hang named and the verdict said out
-(``analyze``: rows in, a ``Diagnosis`` out), and the ``analyze.*`` tables of
-a diagnosis (``sql_tables``).
+(``analyze``: rows in, a ``Diagnosis`` out).
 
 The other parts, one owner each: the SQL every rank is asked
-(``probing.analyze.queries``); the verdict's text (``probing.analyze.verdict``,
-put together once in ``whole_verdict``); the asking and polling
-(``probing.cli.asking``); an engine's own ``analyze.*`` tables
+(``probing.analyze.queries``); the rows named by torch's groups
+(``probing.analyze.gather.with_groups``); the ranks that died
+(``probing.analyze.deaths``); what makes a straggler slow, and the small ones
+told from noise (``probing.analyze.explain``); the verdict's text
+(``probing.analyze.verdict``, put together once in ``whole_verdict``); the
+``analyze.*`` tables of a diagnosis (``probing.analyze.tables``); the asking
+and polling (``probing.cli.asking``); an engine's own ``analyze.*`` tables
 (``probing.node.tables.analysis``)."""
 
 from __future__ import annotations
@@ -21,16 +24,21 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from probing.analyze import cause as ca
 from probing.analyze import collectives as coll
-from probing.analyze import columns, mesh
 from probing.analyze import coverage as cv
+from probing.analyze import evidence as ev
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
+from probing.analyze import links as ln
+from probing.analyze import mesh
 from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
-from probing.analyze import why as wy
+from probing.analyze import stragglers as sg
+from probing.analyze.deaths import Death, death_text, deaths
+from probing.analyze.explain import explain_stage, explain_stragglers, explained
 from probing.analyze.gather import missing_ranks, unheard_ranks
-from probing.analyze.verdict import covered_text, hms, ranks_text, verdict, who_wait
+from probing.analyze.verdict import covered_text, ranks_text, verdict, who_wait
 
 
 def runq_rates(table: pa.Table | None) -> dict[int, float] | None:
@@ -57,56 +65,11 @@ def callsites(table: pa.Table) -> dict[int, str]:
 
 
 @dataclasses.dataclass
-class Death:
-    """A rank whose process died while its probe watched (``kill -9``, OOM)."""
-
-    pid: int
-    died_ns: int
-    where: str  # "in allreduce #41 of gloo/pg0", "after ... (it never entered #41)", ""
-
-
-def deaths(rows: list[dict[str, Any]], matched: list[coll.Collective]) -> dict[int, Death]:
-    """The dead ranks of ``DEAD_SQL``'s rows, and the collective each died in
-    (entered, never left) or after (the last it left: it never entered the next)."""
-    out = {}
-    for row in rows:
-        if row.get("alive") is not False:
-            continue
-        r, died = int(row["rank"]), int(row.get("died_ns") or 0)
-        mine = [c for c in matched if r in c.ts]
-        where = ""
-        inside = [c for c in mine if c.end.get(r) is None]
-        if inside:
-            c = min(inside, key=lambda c: c.ts[r])
-            where = f"in {c.op} #{c.seq} of {c.comm}"
-        elif mine:
-            c = max(mine, key=lambda c: c.ts[r])
-            where = f"after {c.op} #{c.seq} of {c.comm} (it never entered #{c.seq + 1})"
-        out[r] = Death(int(row.get("pid") or 0), died, where)
-    return out
-
-
-def death_text(dead: dict[int, Death]) -> str:
-    """``rank 3 (pid 1234) died at 14:05:01 UTC in allreduce #41 of gloo/pg0``,
-    the first to die first (a killed Gloo rank takes the others with it)."""
-    first = sorted(dead.items(), key=lambda rx: (rx[1].died_ns or 0, rx[0]))
-    from probing.procs import NO_PROCESS
-
-    return "; ".join(
-        f"rank {r} (pid {x.pid}) died{f' at {hms(x.died_ns)}' if x.died_ns else ''}"
-        f"{f' {x.where}' if x.where else ''}"
-        if x.pid
-        else f"rank {r}: {NO_PROCESS}"
-        for r, x in first
-    )
-
-
-@dataclasses.dataclass
 class Diagnosis:
     healthy: bool  # nothing found, and a verdict given ("no verdict" is not healthy)
     verdict: str
-    stragglers: list[coll.Straggler]
-    slow_links: list[coll.SlowLink]
+    stragglers: list[sg.Straggler]
+    slow_links: list[ln.SlowLink]
     hangs: list[hg.Hang]
     summary: coll.Summary
     ranks: list[dict[str, Any]]  # the evidence table, one row per rank
@@ -115,7 +78,7 @@ class Diagnosis:
     elapsed_s: float = 0.0
     missing: list[str] = dataclasses.field(default_factory=list)  # ranks that did not answer
     callsites: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> file:line
-    why: list[wy.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
+    why: list[ca.Why] = dataclasses.field(default_factory=list)  # what makes each straggler slow
     flight: str = ""  # the ranks whose Flight Recorder is off, and why ("" where all have one)
     pipeline: pp.Pipeline | None = None  # the stages, where the ranks send and receive
     transfers: list[pp.Transfer] = dataclasses.field(default_factory=list)  # sends met
@@ -236,7 +199,7 @@ def analyze(
         trainers=trainers,
     ))  # fmt: skip
     steps = job_steps(matched, rows)  # the job's step: every figure per step is of it
-    strag = [] if hangs else coll.stragglers(matched, nodes, steps)
+    strag = [] if hangs else sg.stragglers(matched, nodes, steps)
     for late in strag:  # where it sits, where its groups say (Megatron's, a device mesh's)
         late.place = mesh.place_text(late.rank, ranks_of or {})
     # a straggler slows the collectives too (its share of the reduction runs late)
@@ -318,46 +281,6 @@ def healthy(d: Diagnosis) -> bool:
     return not found and not d.verdict.startswith("no verdict")
 
 
-# a straggler costing less than this share of the step is named only with a
-# cause of its own: on a loaded machine one rank stays 2 ms late a 60 ms step,
-# and its samples show nothing of its own
-SMALL_SHARE = 0.10
-# ... and one late only now and then (a slow step in ten) costing less than this
-# is named only with something of its own: on a node loaded 5 times over, a
-# healthy rank was 28 ms late at 2 in 10 steps (11 %), its samples as the others'
-SMALL_SPARSE = 0.20
-
-
-def explained(
-    stragglers: list[coll.Straggler], why: list[wy.Why]
-) -> tuple[list[coll.Straggler], list[wy.Why]]:
-    """``stragglers`` and ``why`` less a small straggler (``SMALL_SHARE`` of the
-    step) whose samples show no cause that explains most of its lateness
-    (nothing of its own, ``why.NOTHING``, or no single cause), and less one
-    late now and then costing under ``SMALL_SPARSE`` whose samples show
-    nothing of its own: the machine's noise favouring a rank, not a problem
-    to page anyone about. One whose samples were not read is kept (nothing
-    says it is noise)."""
-    from probing.analyze.verdict import MOST
-
-    def noise(s: coll.Straggler) -> bool:
-        mine = [w for w in why if w.rank == s.rank and w.kind in (*wy.CAUSES, wy.NOTHING)]
-        if not mine:
-            return False
-        head = wy.headline(why, s.rank)
-        if s.share_of_step >= SMALL_SHARE:  # late now and then, with nothing of its own
-            return (
-                s.late_steps < 1.0
-                and s.share_of_step < SMALL_SPARSE
-                and (head is None or head.kind == wy.NOTHING)
-            )
-        explains = head is not None and (head.share is None or head.share >= MOST)
-        return head is None or head.kind == wy.NOTHING or not explains
-
-    drop = {s.rank for s in stragglers if noise(s)}
-    return [s for s in stragglers if s.rank not in drop], [w for w in why if w.rank not in drop]
-
-
 def job_steps(matched: list[coll.Collective], rows: list[dict[str, Any]]) -> st.Steps:
     """The job's step (``steps.find``) of its collectives, else of its
     point-to-point transfers ``rows`` (a pipeline's stages' repeat too)."""
@@ -432,13 +355,13 @@ def _slow_links(
     matched: list[coll.Collective],
     nodes: dict[int, str],
     runq: Callable[[], pa.Table | None] | None,
-) -> list[coll.SlowLink]:
+) -> list[ln.SlowLink]:
     """The slow links of ``matched``: where one is suspected and ``runq`` asks
     how long each rank waited for a CPU, its ranks may be starved instead (the
     sampler tells them apart)."""
-    slow = coll.slow_links(matched, nodes)
+    slow = ln.slow_links(matched, nodes)
     if slow and runq is not None:
-        slow = coll.slow_links(matched, nodes, runq_rates(runq()))
+        slow = ln.slow_links(matched, nodes, runq_rates(runq()))
     return slow
 
 
@@ -504,54 +427,6 @@ def pipeline_hangs(
     ]  # fmt: skip
 
 
-def explain_stage(
-    pipe: pp.Pipeline | None,
-    samples: pa.Table | None,
-    stragglers: Sequence[coll.Straggler] = (),
-) -> list[wy.Why]:
-    """What keeps a pipeline's slow stage busy: its functions against the
-    other stages', per second of the window (a pipeline has no step the
-    collectives would give); nothing where the stage is a straggler of
-    ``stragglers``, explained per step already (a function is said once)."""
-    if pipe is None or pipe.slow is None or samples is None:
-        return []
-    if pipe.slow in {s.rank for s in stragglers}:
-        return []
-    st = pipe.stage(pipe.slow)
-    extra = (st.busy_share - pp.others_busy(pipe.stages, st.rank)) * 1000.0  # ms/s of work
-    stage = coll.Straggler(
-        rank=st.rank, node=st.node, lag_ms_mean=0.0, lag_ms_p99=0.0, excess_ms_median=extra,
-        last_share=0.0, share_of_step=0.0, since="", since_ns=0, since_start=True,
-        comm="", op="send/recv", collectives=0, p_value=0.0,
-    )  # fmt: skip
-    return wy.explain(stage, samples.to_pylist(), [], step=1000.0, unit="s")
-
-
-def explain_stragglers(
-    stragglers: list[coll.Straggler],
-    matched: list[coll.Collective],
-    samples: pa.Table | None,
-    cuda: pa.Table | None,
-    nvml: pa.Table | None = None,
-    cpu: pa.Table | None = None,
-) -> list[wy.Why]:
-    """What makes each straggler slow (``why.explain``), from SAMPLES_SQL,
-    CUDA_SQL, NVML_SQL and CPU_SQL rows (None: that part is left out); where
-    nothing is found, why not (``why.unread``: its samples not answered...)."""
-    rows = samples.to_pylist() if samples is not None else []
-    calls = cuda.to_pylist() if cuda is not None else []
-    gpus = nvml.to_pylist() if nvml is not None else []
-    cpus = cpu.to_pylist() if cpu is not None else []
-    unheard = unheard_ranks(samples) if samples is not None else set()
-    out = []
-    for s in stragglers:
-        mine = wy.explain(s, rows, matched, calls, gpus=gpus, cpus=cpus)
-        if not any(w.kind in (*wy.CAUSES, wy.NOTHING) for w in mine):  # say why not
-            mine.insert(0, wy.unread(s, rows if samples is not None else None, unheard))
-        out += mine
-    return out
-
-
 def _rank_rows(
     matched: list[coll.Collective],
     ranks: list[int],
@@ -562,7 +437,7 @@ def _rank_rows(
     done = coll.complete(matched)
     counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
     # after the others' median arrival: a straggler's lateness, whoever else is late
-    matrix = coll.excess_matrix(done, ranks)
+    matrix = ev.excess_matrix(done, ranks)
     rows = []
     for j, r in enumerate(ranks):
         mine = [c for c in done if r in c.ts]
@@ -583,59 +458,3 @@ def _rank_rows(
             }
         )
     return rows
-
-
-def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
-    """``table`` plus ``pg``: each row's torch process group, where its rank's
-    ``comm.groups`` names one (the cross-rank name of a Gloo context). Where
-    a rank with rows has no groups (its process stopped, its guest gone), no
-    row gets one: its contexts would be named by size and order and the
-    others' by torch, one group under two names (its ranks apart)."""
-    if not table.num_rows or not groups.num_rows or "pg" in table.column_names:
-        return table
-    key_cols = [c for c in ("node", "rank") if c in groups.column_names]
-    if key_cols and set(key_cols) <= set(table.column_names):
-        said = set(zip(*(groups.column(c).to_pylist() for c in key_cols), strict=True))
-        rows = set(zip(*(table.column(c).to_pylist() for c in key_cols), strict=True))
-        if rows - said:
-            return table
-    names = {
-        (*(g[c] for c in key_cols), g["backend"], g["comm"]): g["pg"] for g in groups.to_pylist()
-    }
-    code, firsts = columns.distinct(table, [*key_cols, "backend", "comm"])
-    cols = [
-        table.column(c).take(pa.array(firsts)).to_pylist() for c in (*key_cols, "backend", "comm")
-    ]
-    pg = pa.array([names.get(k) for k in zip(*cols, strict=True)], pa.string())
-    return table.append_column("pg", pg.take(pa.array(code)))
-
-
-# -- SQL: analyze.* -----------------------------------------------------------------------
-
-
-def sql_tables(d: Diagnosis, table: pa.Table) -> dict[str, pa.Table]:
-    """``analyze.stragglers``, ``analyze.slow_links``, ``analyze.hangs``,
-    ``analyze.ranks``, ``analyze.collectives`` (the gathered rows),
-    ``analyze.why``, ``analyze.stages`` and ``analyze.transfers`` (pipelines):
-    the findings' dataclasses as tables (``probing.schema``)."""
-    from probing.schema import table_of
-
-    return {
-        "stragglers": table_of(coll.Straggler, d.stragglers),
-        "slow_links": table_of(coll.SlowLink, d.slow_links),
-        "hangs": table_of(hg.Hang, d.hangs),
-        "ranks": pa.Table.from_pylist(d.ranks, schema=RANKS_SCHEMA),
-        "collectives": table,
-        "why": table_of(wy.Why, d.why),
-        "stages": table_of(pp.Stage, d.pipeline.stages if d.pipeline else []),
-        "transfers": table_of(pp.Transfer, d.transfers),
-    }
-
-
-RANKS_SCHEMA = pa.schema(
-    [
-        ("rank", pa.int64()), ("node", pa.string()), ("collectives", pa.int64()),
-        ("last_pct", pa.float64()), ("lag_ms_mean", pa.float64()), ("lag_ms_p99", pa.float64()),
-        ("excess_ms_median", pa.float64()), ("count", pa.int64()), ("in_collective", pa.bool_()),
-    ]
-)  # fmt: skip

@@ -1,4 +1,5 @@
-"""Rows gathered from every rank of a job, tagged ``node`` and ``rank``.
+"""Rows gathered from every rank of a job, tagged ``node`` and ``rank`` (and
+``pg``, torch's name of each row's group: ``with_groups``).
 
 The asking is the client's (``probing.cli.client.JobClient``: local pids over their
 sockets, or the cluster through one probe); here are the pieces both sides
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from probing.analyze import columns
 from probing.errors import ProbingError
 
 MISSING_KEY = b"probing.missing"
@@ -101,3 +103,28 @@ def missing_ranks(table: pa.Table) -> list[str]:
     """The ranks a cluster gather could not reach (from the table's metadata)."""
     raw = (table.schema.metadata or {}).get(MISSING_KEY)
     return json.loads(raw) if raw else []
+
+
+def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
+    """``table`` plus ``pg``: each row's torch process group, where its rank's
+    ``comm.groups`` names one (the cross-rank name of a Gloo context). Where
+    a rank with rows has no groups (its process stopped, its guest gone), no
+    row gets one: its contexts would be named by size and order and the
+    others' by torch, one group under two names (its ranks apart)."""
+    if not table.num_rows or not groups.num_rows or "pg" in table.column_names:
+        return table
+    key_cols = [c for c in ("node", "rank") if c in groups.column_names]
+    if key_cols and set(key_cols) <= set(table.column_names):
+        said = set(zip(*(groups.column(c).to_pylist() for c in key_cols), strict=True))
+        rows = set(zip(*(table.column(c).to_pylist() for c in key_cols), strict=True))
+        if rows - said:
+            return table
+    names = {
+        (*(g[c] for c in key_cols), g["backend"], g["comm"]): g["pg"] for g in groups.to_pylist()
+    }
+    code, firsts = columns.distinct(table, [*key_cols, "backend", "comm"])
+    cols = [
+        table.column(c).take(pa.array(firsts)).to_pylist() for c in (*key_cols, "backend", "comm")
+    ]
+    pg = pa.array([names.get(k) for k in zip(*cols, strict=True)], pa.string())
+    return table.append_column("pg", pg.take(pa.array(code)))

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from probing.analyze import cause as ca
 from probing.analyze import collectives as coll
 from probing.analyze import coverage as cv
 from probing.analyze import hangs as hg
+from probing.analyze import links as ln
 from probing.analyze import mesh
 from probing.analyze import pipeline as pp
+from probing.analyze import stragglers as sg
 from probing.analyze import why as wy
 
 MOST = 0.5  # a cause that explains this share of the lateness heads the verdict
@@ -21,12 +24,12 @@ ASK_AGAIN = "is their engine up? probing ps on their node, then diagnose again"
 
 
 def verdict(
-    stragglers: list[coll.Straggler],
-    slow_links: list[coll.SlowLink],
+    stragglers: list[sg.Straggler],
+    slow_links: list[ln.SlowLink],
     hangs: list[hg.Hang],
     summary: coll.Summary,
     window_s: float,
-    why: Sequence[wy.Why] = (),
+    why: Sequence[ca.Why] = (),
     pipe: pp.Pipeline | None = None,
     missing: Sequence[str] = (),
     answered: Sequence[int] = (),
@@ -51,12 +54,12 @@ def verdict(
 
 
 def _worst(
-    stragglers: list[coll.Straggler],
-    slow_links: list[coll.SlowLink],
+    stragglers: list[sg.Straggler],
+    slow_links: list[ln.SlowLink],
     hangs: list[hg.Hang],
     summary: coll.Summary,
     window_s: float,
-    why: Sequence[wy.Why],
+    why: Sequence[ca.Why],
     pipe: pp.Pipeline | None,
     answered: Sequence[int],
 ) -> str:
@@ -100,7 +103,7 @@ def hang_text(h: hg.Hang) -> str:
     )
 
 
-def straggler_text(s: coll.Straggler, why: Sequence[wy.Why]) -> str:
+def straggler_text(s: sg.Straggler, why: Sequence[ca.Why]) -> str:
     """The straggler: how late, how often, since when, what it costs the
     job, and the cause that explains most of it (``why``)."""
     since = f"since {'at least ' if s.since_start else ''}{hms(s.since_ns)}"
@@ -141,7 +144,7 @@ def group_text(comm: str) -> str:
     return f"its {role.upper() if role in mesh.ROLES else role} group {comm}"
 
 
-def slow_link_text(link: coll.SlowLink) -> str:
+def slow_link_text(link: ln.SlowLink) -> str:
     """A slow link: every rank slow in one collective, with no arrival skew."""
     return (
         f"slow link: {link.op} on {link.comm} takes {link.transfer_ms_median:.0f} ms on "
@@ -204,14 +207,14 @@ def summary_text(
     )
 
 
-def unexplained_text(why: Sequence[wy.Why], rank: int) -> str:
+def unexplained_text(why: Sequence[ca.Why], rank: int) -> str:
     """Where ``rank``'s samples show nothing of its own that makes it late,
     or were not read, that."""
     w = next((w for w in why if w.rank == rank and w.kind in (wy.NOTHING, wy.UNREAD)), None)
     return f"; {w.text.split(': ', 1)[-1]}" if w is not None else ""
 
 
-def cause_text(w: wy.Why | None) -> str:
+def cause_text(w: ca.Why | None) -> str:
     """The verdict's cause: the one that explains most of the lateness, with
     that share, or that none explains most of it."""
     if w is None:

@@ -17,19 +17,9 @@ from probing.analyze import collectives as coll
 from probing.analyze import coverage as cv
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
-from probing.analyze.diagnose import (
-    Diagnosis,
-    analyze,
-    callsites,
-    explain_stage,
-    explain_stragglers,
-    explained,
-    healthy,
-    judge,
-    whole_verdict,
-    with_groups,
-)
-from probing.analyze.gather import missing_ranks
+from probing.analyze.diagnose import Diagnosis, analyze, callsites, healthy, judge, whole_verdict
+from probing.analyze.explain import explain_stage, explain_stragglers, explained
+from probing.analyze.gather import missing_ranks, with_groups
 from probing.analyze.queries import optional, queries
 from probing.errors import ProbingError
 

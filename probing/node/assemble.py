@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from probing.analyze.watch import Watch
     from probing.node.cluster.node import ClusterNode
+    from probing.node.detector.watch import Watch
     from probing.node.probe.context import ProbeContext
     from probing.node.sql import Engine
 
@@ -63,8 +63,8 @@ def cluster_node(ctx: ProbeContext) -> ClusterNode | None:
 
 
 def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:
-    """The always-on detector of ``ctx`` (``probing.analyze.watch``)."""
-    from probing.analyze.watch import Watch
+    """The always-on detector of ``ctx`` (``probing.node.detector``)."""
+    from probing.node.detector.watch import Watch
 
     def tracing() -> bool:
         tracer = ctx.tracer

@@ -1,7 +1,7 @@
 """The node's findings, as the agent sees them: every user's ``findings.jsonl`` followed.
 
 Each job's detector writes each new or cleared finding as one line of its
-user's ``findings.jsonl`` (``probing.analyze.findings.log_findings``, in the
+user's ``findings.jsonl`` (``probing.node.detector.book.log_findings``, in the
 engine); the agent reads what each file gained since its last look
 (``Feed.poll``), which costs it a ``stat`` and a ``read`` a file and never
 a question to a probe. From those lines it knows the findings active now

@@ -95,7 +95,7 @@ def answer(job: JobClient, *, window_s: float, hang_s: float, sql: str | None, f
 
 def print_sql(d: Diagnosis, table: pa.Table, sql: str, fmt: str) -> None:
     """``sql`` over the diagnosis's ``analyze.*`` tables, printed as ``fmt``."""
-    from probing.analyze.diagnose import sql_tables
+    from probing.analyze.tables import sql_tables
     from probing.cli.render import format_arrow
     from probing.node.sql import Engine
     from probing.node.store import Store

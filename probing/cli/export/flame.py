@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from probing.analyze.coverage import INTERVALS_SQL, spans_by_rank
-from probing.analyze.why import MAIN_THREAD
+from probing.analyze.functions import MAIN_THREAD
 from probing.cli.export.perfetto import SliceChunk, TraceWriter
 from probing.cli.export.window import ExportWindow
 from probing.errors import ProbingError

@@ -80,7 +80,7 @@ class CollectiveIndex:
 
     def __init__(self, win: ExportWindow) -> None:
         from probing.analyze.collectives import matched
-        from probing.analyze.diagnose import with_groups
+        from probing.analyze.gather import with_groups
         from probing.analyze.queries import queries
         from probing.errors import ProbingError
 

@@ -3,7 +3,7 @@
 ``JobView`` asks the job through a ``probing.cli.export.Source`` (like the CLI,
 through ``probing.cli.client`` / ``probing.node.cluster``) and reuses the analysis
 ``diagnose`` runs: collectives matched across ranks
-(``analyze.collectives.match``), stragglers (``collectives.stragglers``),
+(``analyze.collectives.match``), stragglers (``stragglers.stragglers``),
 traced hangs (``hangs.traced_hangs``).
 """
 
@@ -191,7 +191,7 @@ class JobView:
         self._latest: dict[str, Latest] = {}
         self.trace_path: str | None = None
         self._tmp: str | None = None  # made by the first timeline export
-        self._groups: Any = None  # torch's names for the job's groups (analyze.watch.Groups)
+        self._groups: Any = None  # torch's names for the job's groups (node.detector.groups.Groups)
 
     def _cached(self, key: str, ttl: float, make: Any) -> Any:
         """One computation per ``ttl`` seconds, however many pages ask at once."""
@@ -210,6 +210,7 @@ class JobView:
     def _job(self, window_s: float) -> dict[str, Any]:
         from probing.analyze import collectives as coll
         from probing.analyze import hangs as hg
+        from probing.analyze import stragglers as sg
         from probing.analyze.queries import queries
         from probing.analyze.verdict import straggler_text
 
@@ -226,7 +227,7 @@ class JobView:
         ranks = sorted(nodes)
         matched = coll.match(table)
         hangs = hg.traced_hangs(matched, ranks, now, HANG_AFTER_S)
-        strag = [] if hangs else coll.stragglers(matched, nodes)
+        strag = [] if hangs else sg.stragglers(matched, nodes)
         lo = since
         if table.num_rows:
             lo = max(since, min(table.column("ts").to_pylist()))
@@ -268,10 +269,10 @@ class JobView:
 
     def _named(self, table: pa.Table, now: int) -> pa.Table:
         """``table`` with its groups named as the detector and ``diagnose`` name
-        them (``probing.analyze.watch.Groups``: torch's names where they name
+        them (``probing.node.detector.groups.Groups``: torch's names where they name
         every Gloo context of it, asked again while one is left unnamed)."""
         from probing.analyze.queries import optional, queries
-        from probing.analyze.watch import Groups
+        from probing.node.detector.groups import Groups
 
         with self._lock:
             if self._groups is None:

@@ -24,7 +24,7 @@ node's ``coordinate`` and ``control``:
   ``control``, the same request to every peer;
 * ``coordinator``: one query end to end, and a gatherer's answer;
 * ``endpoints``: the ``/cluster/*`` requests and answers over HTTP;
-* the always-on detector (``probing.analyze.watch``), made at the first
+* the always-on detector (``probing.node.detector``), made at the first
   trace by the factory the node's assembler gives (``detector``).
 """
 
@@ -102,7 +102,7 @@ class ClusterNode:
         self._join_lock = threading.Lock()
         self.share = Share(self)  # my share of a query, and what it caches
         self.watch: Detector | None = None  # the always-on detector, once made
-        # makes it (``probing.analyze.watch.Watch``: given by the node's assembler)
+        # makes it (``probing.node.detector.watch.Watch``: given by the node's assembler)
         self.detector: Callable[[], Detector] | None = None
         if self.learn is not None:
             self.error = join.WAITING

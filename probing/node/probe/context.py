@@ -279,7 +279,7 @@ class ProbeContext:
         server, self.server = self.server, None
         if server is not None:
             server.stop()
-        if self.cluster is not None:  # its detector too (probing.analyze.watch)
+        if self.cluster is not None:  # its detector too (probing.node.detector)
             self.cluster.stop()
 
     def _cluster_node(self) -> Member | None:

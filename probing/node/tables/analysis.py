@@ -9,8 +9,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from probing.analyze.diagnose import analyze, sql_tables
+from probing.analyze.diagnose import analyze
 from probing.analyze.queries import queries
+from probing.analyze.tables import sql_tables
 from probing.errors import ProbingError
 
 SQL_TABLES = (
