@@ -128,7 +128,7 @@ def job(
 def serve(rank: int, steps: int, kernels: int, base: int) -> None:
     """Rank ``rank``'s probe over its rows (an ``EngineProbe``'s tables and
     views), served on this process's socket until stdin closes."""
-    from probing.node.probe.runtime import disable, enable
+    from probing.node.probe.context import ProbeContext
 
     tables = rank_rows(rank, steps, kernels, base)
 
@@ -139,10 +139,11 @@ def serve(rank: int, steps: int, kernels: int, base: int) -> None:
         engine.register_view("comm", "collectives", COLLECTIVES_SQL)
         engine.register_view("python", "callsites", CALLSITES_SQL)
 
-    enable(installers=(install,))
+    ctx = ProbeContext(installers=(install,))  # a probe of this process, as tests build one
+    ctx.serve()
     print("serving", flush=True)
     sys.stdin.read()
-    disable()  # its socket removed
+    ctx.stop()  # its socket removed
 
 
 def query_only(src: Source, window_s: float) -> int:

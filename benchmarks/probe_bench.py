@@ -2,10 +2,11 @@
 
 Three copies of the same idle Python program run at once: without a probe,
 with an idle probe (PROBING=1, no query yet) and with a probe that has
-answered one query (SQL engine loaded). For each: RSS, and CPU time used
-over the same 10 s window. Also: time from process start to the first
-answered query, the latency of a small query (median of 20), and what
-each step of a probe's start and first query adds (RSS, time, packages).
+answered one query (the node's engine loaded its SQL engine). For each: RSS,
+and CPU time used over the same 10 s window. Also: time from process start
+to the first answered query, the latency of a small query (median of 20),
+and what each step of a job's probe start and first query adds to the job
+(RSS, time, packages).
 """
 
 from __future__ import annotations
@@ -45,22 +46,16 @@ def wait_socket(rt: str, pid: int) -> None:
         time.sleep(0.005)
 
 
-# what a probe loads, in the order it loads it: the package (the .pth hook),
-# serving (PROBING=1 / inject), then its first query's engine, step by step
+# what a job loads, in the order it loads it: the package (the .pth hook),
+# its guest serving and handed to the node's engine (PROBING=1 / inject /
+# probing.enable), then its first query, answered by the engine
 IMPORT_STEPS = (
     ("probing", "import probing"),
-    ("serving (probing.enable)", "import probing; probing.enable()"),
-    ("numpy", "import numpy"),
-    ("pyarrow", "import pyarrow"),
-    ("datafusion", "import datafusion"),
-    ("probing.node.store", "import probing.node.store"),
-    ("probing.node.sql", "import probing.node.sql"),
-    ("probing.node.tables", "import probing.node.tables"),
-    ("engine built, first query", "probing.context().engine.sql('SELECT pid FROM process.info')"),
+    ("serving (probing.enable)", "probing.enable()"),
+    ("first query (probing.query)", "probing.query('SELECT pid FROM process.info')"),
 )
-# loaded by none of the steps above, now (pyarrow.dataset: rows reach
-# DataFusion as batches; analyze: at the first query naming its schema)
-DEFERRED = ("pyarrow.dataset", "pyarrow.compute", "probing.analyze")
+# the engine's, never loaded into the job by any step above
+DEFERRED = ("numpy", "pyarrow", "datafusion", "probing.node", "probing.analyze")
 IMPORT_COST = """
 import json, resource, sys, time
 def rss():
@@ -83,10 +78,11 @@ import probing; probing.disable()
 
 
 def import_costs(root: str | None = None) -> dict[str, object]:
-    """What each step of a probe's start and first query adds, in one fresh
-    interpreter, in the order the probe takes them: RSS (MB), wall and CPU
-    ms, modules, and the top-level packages new in that step. ``root``: the
-    checkout to import probing from (None: this one)."""
+    """What each step of a job's probe start and first query adds to the job,
+    in one fresh interpreter, in the order it takes them: RSS (MB), wall and
+    CPU ms, modules, and the top-level packages new in that step; and which
+    of the engine's modules (``DEFERRED``) the job holds after them (none).
+    ``root``: the checkout to import probing from (None: this one)."""
     env = dict(os.environ, PYTHONPATH=root or os.path.join(os.path.dirname(__file__), ".."))
     code = IMPORT_COST.replace("DEFERRED", repr(DEFERRED))
     r = subprocess.run(
@@ -113,7 +109,7 @@ def import_costs(root: str | None = None) -> dict[str, object]:
         "total_rss_mb": round(sum(v["rss_mb"] for v in table.values()), 1),  # type: ignore[misc]
         "total_ms": round(sum(v["ms"] for v in table.values()), 1),  # type: ignore[misc]
         "total_cpu_ms": round(sum(v["cpu_ms"] for v in table.values()), 1),  # type: ignore[misc]
-        "optional_loaded_after_first_query": loaded,
+        "engine_modules_in_the_job": loaded,
     }
 
 
@@ -141,7 +137,7 @@ def import_costs_side_by_side(rounds: int = 5) -> dict[str, object]:
             },
             "total_ms_median": statistics.median(r["total_ms"] for r in results),  # type: ignore[misc]
             "total_cpu_ms_median": statistics.median(r["total_cpu_ms"] for r in results),  # type: ignore[misc]
-            "optional_loaded_after_first_query": results[0]["optional_loaded_after_first_query"],
+            "engine_modules_in_the_job": results[0]["engine_modules_in_the_job"],
         }
     return out
 

@@ -344,13 +344,15 @@ def loop(n):
 for _ in range(50):
     dist.all_reduce(t)
 base = loop(2000)
-from probing.node.probe.context import ProbeContext
-ctx = ProbeContext()
-tr = ctx.start_trace(["gloo"])
+import probing
+probing.enable()  # the guest, handed to the node's engine, which traces this rank
+from _probing_guest import agent, wire
+sock = agent.current().engine["socket"]
+wire.request(sock, "POST", "/trace/start", {"families": ["gloo"]}, timeout=120)
 dist.barrier()
 traced = loop(2000)
-events = tr.drain() + tr.status()["families"]["gloo"]["events"]
-ctx.stop_trace()
+status = wire.request(sock, "POST", "/trace/stop", None, timeout=120)  # drained first
+events = status["families"]["gloo"]["events"]
 print(json.dumps({"rank": rank, "untraced_us": base, "traced_us": traced, "events": events}))
 """
 

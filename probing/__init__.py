@@ -1,17 +1,18 @@
 """probing: an eBPF-assisted, system-level tracer for distributed AI training.
 
 The package import is cheap on purpose: the ``.pth`` hook imports it in every
-interpreter of the environment, so heavy modules (datafusion, pyarrow) load
-only when a probe answers its first query or a table is created.
-
-Start the probe from code with ``probing.enable()``, or without touching the
-code with ``PROBING=1 python train.py`` or ``python -m probing run train.py``.
+interpreter of the environment. In a job, probing is its guest
+(``probing.guest``, the standard library only, loaded as ``_probing_guest``)
+and the node's engine beside it: ``probing.enable()``, ``PROBING=1 python
+train.py`` and ``python -m probing run train.py`` all start the guest, which
+hands the process to the engine. Nothing of the engine (numpy, pyarrow,
+datafusion) is loaded into the job: ``probing.query`` answers plain rows.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probing.errors import (
     AccessDenied,
@@ -22,56 +23,73 @@ from probing.errors import (
     PeerUnreachable,
     ProbingError,
     QueryError,
+    from_wire,
 )
 from probing.guest.place import VERSION as __version__
 
-if TYPE_CHECKING:
-    from probing.node.probe.context import ProbeContext
-    from probing.node.tables.external import ExternalTable
+
+def _guest(module: str) -> Any:
+    """A module of this process's guest (``_probing_guest.<module>``),
+    loaded from its files, not started."""
+    import importlib
+
+    from probing import _boot
+
+    package = _boot.hook()["load"](_boot.guest_dir())
+    return importlib.import_module(f"{package.__name__}.{module}")
 
 
-def context() -> ProbeContext:
-    """This process's probe context (created on first use, not serving)."""
-    from probing.node import assemble
+def enable() -> None:
+    """Start this process's guest and hand the process to the node's engine
+    (started when none runs), waiting for its answer; idempotent. Then
+    ``probing query --pid <this pid>`` and ``probing trace`` reach it."""
+    from probing import _boot
 
-    return assemble.context()
-
-
-def enable() -> ProbeContext:
-    """Start the probe in this process (idempotent); returns its context."""
-    from probing.node import assemble
-
-    return assemble.enable()
+    _boot.start(wait=True)
 
 
 def disable() -> None:
-    """Stop this process's probe, if any. Data already stored stays."""
-    from probing.node import assemble
+    """Stop this process's guest, if any: the engine keeps what it recorded
+    (``probing query --pid`` still answers from it), and what only the
+    process knows (threads, stacks, ``python.*``) is not asked until
+    ``enable()`` again."""
+    guest = sys.modules.get("_probing_guest")
+    current = guest.current() if guest is not None else None
+    if current is not None:
+        current.stop()
 
-    assemble.disable()
 
+def query(sql: str, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Run read-only SQL over this process's tables in the node's engine,
+    through this process's guest (started, as ``enable()``, if it is not).
 
-def query(sql: str) -> Any:
-    """Run read-only SQL in this process's engine; returns a ``pyarrow.Table``."""
-    return context().engine.sql(sql)
+    Returns the rows as a list of dicts, column name to value: numbers,
+    text, booleans and None as they are, lists and structs as lists and
+    dicts, timestamps and other values as their text (the engine's JSON
+    answer; no pyarrow in the job). Raises ``QueryError`` (bad SQL, a
+    table that does not exist) or another ``ProbingError`` as the engine
+    says.
+    """
+    agent, wire = _guest("agent"), _guest("wire")
+    current = agent.current()
+    if current is None or current.server is None:
+        enable()
+        current = agent.current()
+    try:
+        return list(current.query(sql, timeout=timeout))
+    except wire.WireError as err:
+        if not err.status:  # no answer at all: the engine is gone or stuck
+            raise ProbingError(f"the engine did not answer: {err}") from None
+        raise from_wire(err.status, str(err), err.kind, detail=err.detail) from None
 
 
 def __getattr__(name: str) -> Any:
     if name == "ExternalTable":
-        guest = sys.modules.get("_probing_guest")
-        if guest is not None and guest.current() is not None:
-            # this process's probe is its guest: rows go to the engine through it
-            return guest.outbox.Table  # loaded with the guest
-        from probing.node.tables import external
-
-        class ExternalTable(external.ExternalTable):
-            __doc__ = external.ExternalTable.__doc__
-
-            def __init__(self, name: str, columns: Any, *, store: Any = None) -> None:
-                super().__init__(name, columns, store=store or context().store)
-
-        globals()["ExternalTable"] = ExternalTable
-        return ExternalTable
+        # rows wait in this process's guest until the engine takes them (at its
+        # next query of python.*): the guest is loaded here, started by enable()
+        table = _guest("outbox").Table
+        globals()["ExternalTable"] = table
+        return table
     raise AttributeError(f"module 'probing' has no attribute {name!r}")
 
 
@@ -86,7 +104,6 @@ __all__ = [
     "ProbingError",
     "QueryError",
     "__version__",
-    "context",
     "disable",
     "enable",
     "query",

@@ -95,7 +95,7 @@ class NotInCluster(ProbingError):
 
 class ProviderError(ProbingError):
     """A table's provider failed: a bug in probing, not in the SQL. The probe
-    answers 500 and writes the traceback to its log (the host's stderr)."""
+    answers 500 and writes the traceback to its log (the engine's)."""
 
 
 # -- over HTTP: every error answer is {"error": message, "type": name}; the
@@ -236,8 +236,8 @@ def _told_to(stderr: str, line: str) -> bool:
 
 
 def log_unexpected(what: str, err: BaseException, seen: set[str] | None = None) -> None:
-    """Log ``what``, ``err`` and its traceback as an error (the probe's log,
-    the host's stderr): for the boundaries that must catch everything (a
+    """Log ``what``, ``err`` and its traceback as an error (the engine's log,
+    a command's stderr): for the boundaries that must catch everything (a
     probe thread's loop, a handler running in someone else's process), so a
     bug there is seen, not swallowed. With ``seen`` (the caller's set), an
     error already logged (same type and message) is not logged again: a loop

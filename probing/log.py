@@ -5,8 +5,9 @@ entry point calls ``setup`` once (the engine's ``main``, the agent's, the
 command line's). A long-running process's lines say who wrote them and when,
 ``probing engine 12950: 06:55:48 attach pid 12860 (...)``; a command's are
 the ones it always wrote, ``probing: <message>`` (the user just typed it:
-its pid and the time are noise). Before any ``setup`` (a test, a job that
-runs ``probing.enable()``) the lines are a command's, at ``info``.
+its pid and the time are noise). Before any ``setup`` (a test, a script
+that uses the engine's parts in its own process) the lines are a command's,
+at ``info``.
 
 The handler writes to ``sys.stderr`` as it is at each line (a daemon's is
 its log file, a test's its capture) and never raises: a closed stderr

@@ -16,7 +16,7 @@ from probing.node.cluster.discovery import StoreDirectory
 from probing.node.cluster.identity import Identity
 from probing.node.cluster.node import ClusterNode
 from probing.node.cluster.tcpstore import StoreError, TCPStoreClient
-from probing.node.probe import imports
+from probing.node.probe import switch
 from probing.node.probe.server import UnixHTTPServer
 
 dist = pytest.importorskip("torch.distributed")
@@ -132,84 +132,21 @@ def test_a_query_joins_at_once_when_the_store_is_there(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_settle_waits_for_the_host_to_finish_importing(tmp_path: Path) -> None:
-    """A probe thread never imports while the host is half-way through an import."""
-    release, inside = threading.Event(), threading.Event()
-    mod = tmp_path / "slow_host_module.py"
-    mod.write_text(
-        "import builtins\nbuiltins._probing_inside.set()\nbuiltins._probing_release.wait(30)\n"
-    )
-    import builtins
-
-    builtins._probing_inside, builtins._probing_release = inside, release  # type: ignore[attr-defined]
-    sys.path.insert(0, str(tmp_path))
-    host = threading.Thread(target=__import__, args=("slow_host_module",))
-    host.start()
-    try:
-        assert inside.wait(10)
-        assert "slow_host_module" in imports.importing()
-        settled: list[list[str]] = []
-        probe = threading.Thread(target=lambda: settled.append(imports.settle(20)))
-        probe.start()
-        time.sleep(0.2)
-        assert not settled  # still waiting: the host is importing
-        release.set()
-        probe.join(20)
-        assert settled == [[]]  # it returned once the import finished, not at the timeout
-        assert "slow_host_module" not in imports.importing()
-    finally:
-        release.set()
-        host.join(10)
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("slow_host_module", None)
-        del builtins._probing_inside, builtins._probing_release  # type: ignore[attr-defined]
-
-
-def test_settle_gives_up_on_a_host_that_runs_inside_an_import(tmp_path: Path) -> None:
-    release, inside = threading.Event(), threading.Event()
-    (tmp_path / "forever_module.py").write_text(
-        "import builtins\nbuiltins._probing_inside2.set()\nbuiltins._probing_release2.wait(30)\n"
-    )
-    import builtins
-
-    builtins._probing_inside2, builtins._probing_release2 = inside, release  # type: ignore[attr-defined]
-    sys.path.insert(0, str(tmp_path))
-    host = threading.Thread(target=__import__, args=("forever_module",))
-    host.start()
-    out: list[list[str]] = []
-    try:
-        assert inside.wait(10)
-        probe = threading.Thread(target=lambda: out.append(imports.settle(0.3)))
-        probe.start()
-        probe.join(10)
-        assert out == [["forever_module"]]
-        assert "forever_module" not in imports.importing()  # from now on ignored
-    finally:
-        release.set()
-        host.join(10)
-        imports._stuck.discard("forever_module")
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("forever_module", None)
-        del builtins._probing_inside2, builtins._probing_release2  # type: ignore[attr-defined]
-
-
-def test_overlapping_holds_on_the_switch_interval_give_the_host_its_own_back() -> None:
-    """The boot, the engine's preload, requests and the server loop hold a
-    short GIL switch interval, overlapping in any order: the shortest held
-    is in force, the host's own comes back with the last, exactly (the
-    interpreter truncates to whole microseconds), and an interval the host
-    sets meanwhile is the one that comes back."""
+def test_overlapping_holds_on_the_switch_interval_give_the_process_its_own_back() -> None:
+    """Servers (one per served process) hold a short GIL switch interval,
+    overlapping in any order: the shortest held is in force, the process's
+    own comes back with the last, exactly (the interpreter truncates to
+    whole microseconds), and an interval set meanwhile is the one that
+    comes back."""
     old = sys.getswitchinterval()
-    reg = imports.SwitchInterval()
+    reg = switch.SwitchInterval()
     try:
         sys.setswitchinterval(0.007)
-        host = sys.getswitchinterval()
-        sys.setswitchinterval(0.00005)  # the boot sets it before the registry is importable
-        reg.take(0.00005, host=host)
-        reg.take(0.0005)  # the server loop
-        reg.give(0.00005)  # the boot is done first
+        reg.take(0.00005)
+        reg.take(0.0005)  # another server's loop
+        reg.give(0.00005)  # the first is done first
         assert sys.getswitchinterval() == pytest.approx(0.0005)
-        with reg.hold(0.00005):  # the preload
+        with reg.hold(0.00005):
             assert sys.getswitchinterval() == pytest.approx(0.00005)
         reg.give(0.0005)
         assert round(sys.getswitchinterval() * 1e6) == 7000
@@ -218,7 +155,7 @@ def test_overlapping_holds_on_the_switch_interval_give_the_host_its_own_back() -
                 pass
         assert round(sys.getswitchinterval() * 1e6) == 7000
         with reg.hold(0.00005):
-            sys.setswitchinterval(0.02)  # the host's own, while ours is held
+            sys.setswitchinterval(0.02)  # set by someone else, while ours is held
             with reg.hold(0.0005):
                 assert sys.getswitchinterval() == pytest.approx(0.00005)  # the shortest
         assert sys.getswitchinterval() == pytest.approx(0.02)

@@ -157,16 +157,6 @@ def test_table_exist_and_fresh_snapshots(engine: Engine) -> None:
     assert schema.table("ev") is not None  # planning-time path (pyarrow) still answers
 
 
-def test_in_process_query_api() -> None:
-    import probing
-
-    t = probing.ExternalTable("api_rows", ["k"])
-    t.append_many([[1], [2], [3]])
-    assert probing.query("SELECT sum(k) AS s FROM python.api_rows").to_pylist() == [{"s": 6}]
-    with pytest.raises(probing.QueryError):
-        probing.query("DROP TABLE python.api_rows")
-
-
 def test_process_stacks_in_process(engine) -> None:
     import threading
 
@@ -261,8 +251,10 @@ def test_probe_tables_leave_analyze_and_pyarrow_dataset_to_their_first_use() -> 
     import sys
 
     code = (
-        "import sys, probing\n"
-        "e = probing.context().engine\n"
+        "import sys\n"
+        "from probing.node.assemble import install_tables\n"
+        "from probing.node.probe.context import ProbeContext\n"
+        "e = ProbeContext(installers=(install_tables,)).engine\n"
         "e.sql('SELECT pid FROM process.info')\n"
         "print(sorted(m for m in ('probing.analyze', 'pyarrow.dataset') if m in sys.modules))\n"
         "e.sql('SELECT * FROM analyze.ranks')\n"

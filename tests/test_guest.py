@@ -138,3 +138,51 @@ def test_a_free_threaded_cpython_gets_one_line_and_no_probe(monkeypatch, capsys)
     from probing.guest import agent
 
     assert agent.current() is None
+
+
+ONE_WAY_JOB = """
+import json, os, sys
+import probing
+probing.enable()
+steps = probing.ExternalTable("one_way_steps", ["step", "loss"])
+steps.append_many([[1, 0.5], [2, 0.25]])
+print(json.dumps(probing.query("SELECT pid FROM process.info")))
+print(json.dumps(probing.query("SELECT step, loss FROM python.one_way_steps ORDER BY step")))
+print(json.dumps(probing.query("SELECT 1 AS one")))
+try:
+    probing.query("SELECT * FROM nowhere.nothing")
+except probing.QueryError as err:
+    print(json.dumps({"error": type(err).__name__}))
+print(json.dumps({m: m in sys.modules for m in ("pyarrow", "datafusion", "numpy")}))
+guest = sys.modules["_probing_guest"].current().server.path
+probing.disable()
+print(json.dumps({"guest_socket_left": os.path.exists(guest)}))
+probing.enable()  # handed to the engine again: what it recorded is still there
+print(json.dumps(probing.query("SELECT sum(step) AS s FROM python.one_way_steps")))
+probing.disable()
+"""
+
+
+def test_a_job_that_enables_and_queries_loads_neither_pyarrow_nor_datafusion(
+    runtime_dir,
+) -> None:
+    """``probing.enable()`` starts the guest and hands the process to the
+    node's engine; ``probing.query`` asks the engine through it and gets
+    plain rows; ``ExternalTable`` rows reach the engine from the guest;
+    ``disable`` stops the guest and the engine keeps what it recorded."""
+    env = {**os.environ, "PROBING_RUNTIME_DIR": str(runtime_dir)}
+    env.pop("PROBING", None)
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_WAY_JOB], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == 7, out.stdout
+    (info,) = lines[0]
+    assert set(info) == {"pid"} and info["pid"] > 0
+    assert lines[1] == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    assert lines[2] == [{"one": 1}]
+    assert lines[3] == {"error": "QueryError"}
+    assert lines[4] == {"pyarrow": False, "datafusion": False, "numpy": False}
+    assert lines[5] == {"guest_socket_left": False}
+    assert lines[6] == [{"s": 3}]

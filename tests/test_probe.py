@@ -231,13 +231,16 @@ def test_idle_probe_is_quiet(spawn) -> None:
 
 
 def test_subprocess_without_env_has_no_probe(runtime_dir) -> None:
+    """``PROBING=0``: importing probing starts no guest and loads none."""
+    code = "import sys, probing; print('_probing_guest' in sys.modules)"
     out = subprocess.run(
-        [sys.executable, "-c", "import probing.node.probe.runtime as r; print(r.current())"],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         env=dict(os.environ, PROBING="0"),
     )
-    assert out.stdout.strip() == "None"
+    assert out.stdout.strip() == "False", out.stderr
+    assert not list(runtime_dir.glob("probing-*/*.guest"))
 
 
 def test_request_threads_are_reused_then_leave(tmp_path, monkeypatch) -> None:

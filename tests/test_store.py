@@ -291,35 +291,6 @@ def test_chunk_files_live_in_one_directory_per_process(tmp_path, monkeypatch) ->
     assert not os.path.exists(clean.stdout.strip())  # and its own at exit
 
 
-def test_forked_child_keeps_its_own_copy_of_the_chunks(tmp_path, monkeypatch) -> None:
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "import os, numpy as np\n"
-        "import probing\n"
-        "s = probing.context().store; s.chunk_rows = 10\n"
-        "t = s.table('t', 'x'); t.append_batch({'a': np.arange(100)})\n"
-        "r, w = os.pipe(); r2, w2 = os.pipe()\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    os.write(w2, b'x')\n"  # the fork hook has run: chunks linked
-        "    os.read(r, 1)\n"
-        "    print('child', t.to_arrow().num_rows, flush=True); os._exit(0)\n"
-        "os.read(r2, 1)\n"
-        "s.max_bytes = 0; s.enforce_retention()\n"  # the parent retires everything
-        "os.write(w, b'x'); os.waitpid(pid, 0)\n"
-        "print('parent', t.stats().rows, t.stats().retired_rows, flush=True)\n"
-    )
-    env = {**os.environ, "PROBING_CHUNK_DIR": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["child 100", "parent 0 100"]
-
-
 def test_chunk_dir_never_follows_a_symlink(tmp_path, monkeypatch) -> None:
     """``probing-<uid>`` under the chunk base planted as a symlink (by another
     user, in a shared /dev/shm) is refused, never followed."""

@@ -174,6 +174,18 @@ class Guest:
         threading.Thread(target=os.waitpid, args=(pid, 0), name="probing-guest-reap",
                          daemon=True).start()  # fmt: skip
 
+    def query(self, sql: str, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """``sql`` run by the engine over this process's tables, asked on the
+        socket it serves for this pid (``POST /query``, as ``probing query
+        --pid`` asks): the rows as a list of dicts, column name to value.
+        The engine is handed this process first if it was only announced.
+        WireError for the engine's refusal (its ``kind``: QueryError, ...)."""
+        engine = self.engine if self.engine is not None else self.register()
+        probe = str(engine.get("socket") or os.path.join(self.directory, f"{self.pid}.sock"))
+        payload = {"sql": sql, "format": "json"}
+        rows = wire.request(probe, "POST", "/query", payload, timeout=timeout)
+        return list(rows)
+
     def _payload(self) -> dict[str, Any]:
         """The handshake: this pid, its guest's socket, this install of probing."""
         guest = place.guest_path(self.pid, self.directory)

@@ -13,12 +13,11 @@ Every exception is caught and reported; nothing is printed in the target.
 import sys
 
 NAME = "__probing_inject__"
-LOAD_SWITCH_S = 0.00005  # probing.node.probe.imports.LOAD_SWITCH_INTERVAL_S
+LOAD_SWITCH_S = 0.00005  # the switch interval while the guest loads
 
-# First of all, a short GIL switch interval (see
-# probing.node.probe.imports.SwitchInterval): in a host whose thread spins in
+# First of all, a short GIL switch interval: in a host whose thread spins in
 # Python, each file read of an import waits a whole switch interval (5 ms)
-# to get the GIL back.
+# to get the GIL back. The host's own comes back once the guest is loaded.
 HOST_SWITCH = sys.getswitchinterval()
 if __name__ == NAME:  # run in the target (the injector imports this file too)
     sys.setswitchinterval(min(HOST_SWITCH, LOAD_SWITCH_S))

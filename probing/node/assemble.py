@@ -1,8 +1,7 @@
 """A probe put together: the tables of the layers under the probe, the
 ``analyze`` tables, the cluster node and the always-on watch. The probe
 (``probing.node.probe``) never imports these layers itself; the engine's
-service (``probing.node.service``) and ``probing.enable()`` hand them to it
-from here.
+service (``probing.node.service``) hands them to it from here.
 """
 
 from __future__ import annotations
@@ -80,24 +79,3 @@ def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:
         return tracer.arrivals(since_ns) if tracer is not None else None
 
     return Watch(node, tracing, dropped, arrivals=arrivals)
-
-
-def context() -> ProbeContext:
-    """This process's probe context (created on first use, not serving)."""
-    from probing.node.probe import runtime
-
-    return runtime.context(installers=(install_tables,), cluster=cluster_node)
-
-
-def enable() -> ProbeContext:
-    """Start the probe in this process (idempotent); returns its context."""
-    from probing.node.probe import runtime
-
-    return runtime.enable(installers=(install_tables,), cluster=cluster_node)
-
-
-def disable() -> None:
-    """Stop this process's probe, if any. Data already stored stays."""
-    from probing.node.probe import runtime
-
-    runtime.disable()

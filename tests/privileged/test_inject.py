@@ -141,9 +141,9 @@ def test_the_engine_loads_its_libraries_before_the_first_query_and_the_job_none(
 
 
 def test_the_hosts_gil_switch_interval_comes_back_after_the_load(spawn) -> None:
-    """The probe loads with a short switch interval (the boot, the engine's
-    preload and each request hold it, overlapping); once they are done the
-    host has its own interval back, not a default and not ours."""
+    """The guest loads with a short switch interval (the injector's boot
+    holds it); once it is loaded and has answered, the host has its own
+    interval back, not a default and not ours."""
     t = spawn(
         "import sys, time\nsys.setswitchinterval(0.007)\nwhile True:\n"
         "    print(time.monotonic(), round(sys.getswitchinterval(), 6), flush=True)\n"

@@ -1,6 +1,6 @@
 """The BCC loader: BPF programs from ``bpf/``, uprobes, ring-buffer drain.
 
 ``ProbeContext.start_trace(["nccl", "gloo"])`` (a ``tracer.Tracer`` on the
-probe's store) traces this process into
-the store tables ``nccl.calls``, ``cuda.calls`` and ``gloo.calls``.
+probe's store, in the node's engine) traces the probe's process into the
+store tables ``nccl.calls``, ``cuda.calls`` and ``gloo.calls``.
 """

@@ -1,11 +1,10 @@
 """A client of torch's TCPStore that needs no torch: its wire protocol on a socket.
 
-The probe talks to the job's rendezvous store from its own threads. Importing
-``torch.distributed`` there while the host's main thread is still importing
-torch broke the host (issue 20: every rank of a ``PROBING=1 torchrun`` job
-died with a half-initialised ``torch._C``). The store's protocol is small and
-stable, and both of torch's servers (the libuv one and the legacy one) speak
-it, so the probe speaks it itself, with the standard library alone.
+The probe talks to the job's rendezvous store from the engine's threads,
+with no torch: probing's Python need not have it, and one engine serves
+jobs of any torch version. The store's protocol is small and stable, and
+both of torch's servers (the libuv one and the legacy one) speak it, so the
+probe speaks it itself, with the standard library alone.
 
 A request is one command byte and its arguments; a string or a byte vector
 goes as a native-endian uint64 length and the bytes. A client's first message

@@ -1,7 +1,7 @@
-"""The in-process runtime: the probe's context, HTTP server, endpoints.
+"""A probe of the engine: one served process's context, HTTP server, endpoints.
 
 Its names load on first use: a client that only needs the HTTP codec
-(``probing.node.probe.http``) does not import the runtime with it.
+(``probing.node.probe.http``) does not import the context with it.
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from probing.node.probe.context import ProbeContext
-    from probing.node.probe.runtime import context, current, disable, enable
 
-__all__ = ["ProbeContext", "context", "current", "disable", "enable"]
+__all__ = ["ProbeContext"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,8 +19,4 @@ def __getattr__(name: str) -> Any:
         from probing.node.probe.context import ProbeContext
 
         return ProbeContext
-    if name in __all__:
-        from probing.node.probe import runtime
-
-        return getattr(runtime, name)
     raise AttributeError(f"module 'probing.node.probe' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 The loop accepts at most 8 connections a wake-up from a listener; each is
 then admitted or refused at once, without reading anything:
 
-- File descriptors: a connection that would leave the host fewer than
+- File descriptors: a connection that would leave the engine fewer than
   ``fd_reserve()`` descriptors below ``RLIMIT_NOFILE`` is answered 503 and
   closed. When ``accept`` fails (EMFILE, ENFILE, ...), one spare descriptor
   is given up to accept and drop the waiting connection, and the listeners
@@ -15,7 +15,7 @@ then admitted or refused at once, without reading anything:
   for its request is dropped to make room; when none has, the new one gets
   503 and the listener stops accepting (``capped``) until a connection
   closes or one may make room: the next callers wait in the kernel's
-  backlog, and a flood costs the host no accept-and-refuse churn.
+  backlog, and a flood costs the engine no accept-and-refuse churn.
 
 The TCP port's listener is bound by ``UnixHTTPServer.listen_tcp`` from any
 thread and watched by the loop from its next wake-up (``on_wake``), which
@@ -52,7 +52,7 @@ _ACCEPT_ERRORS_TRANSIENT = {
 
 
 def fd_reserve(soft_limit: int) -> int:
-    """Descriptors always left to the host below its ``RLIMIT_NOFILE``.
+    """Descriptors always left to the rest of the engine below its ``RLIMIT_NOFILE``.
 
     >>> fd_reserve(1024), fd_reserve(200), fd_reserve(1 << 20)
     (128, 25, 256)
@@ -190,7 +190,7 @@ class Acceptor:
     def _cap(self, lst: Listener) -> None:
         """Stop accepting on ``lst`` until a connection closes or its oldest
         silent one may make room: the next callers wait in the kernel's
-        backlog, and a flood costs the host no accept-and-refuse churn."""
+        backlog, and a flood costs the engine no accept-and-refuse churn."""
         lst.capped = True
         first = self._conns.first_opened(lst)
         lst.retry_at = first + EVICT_AFTER_S if first is not None else 0.0
@@ -284,7 +284,3 @@ class Acceptor:
             except OSError:
                 pass
         self._spare = -1
-
-    def after_fork(self) -> None:
-        """In a forked child: no lock held by a thread that is not there."""
-        self._lock = threading.Lock()

@@ -29,7 +29,6 @@ from probing.errors import (
 )
 from probing.node import openmetrics
 from probing.node.probe.http import INSTALL, Request, Response
-from probing.node.probe.imports import quick_gil_handoff, settle
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -122,7 +121,7 @@ def _sql_request(req: Request) -> tuple[str, str]:
 
 
 # values (rows x columns) encoded per step: the GIL is held for one step at
-# a time (a few ms), so the host's threads never wait long for it
+# a time (a few ms), so the engine's other threads never wait long for it
 ENCODE_VALUES = 20_000
 
 
@@ -474,10 +473,8 @@ class ProbeApp:
             return Response.error(
                 403, f"{req.method} {req.path} is served on the local socket only", "AccessDenied"
             )
-        settle()  # what the route imports, the host is not importing now
         try:
-            with quick_gil_handoff():  # a host thread spinning in Python holds the GIL
-                return route(self.probe, req)
+            return route(self.probe, req)
         except ProbingError as err:
             return Response.error(http_status(err), str(err), wire_type(err))
 

@@ -363,8 +363,3 @@ class Connections:
             except OSError:
                 pass
         self._reading.clear()
-
-    def after_fork(self) -> None:
-        """In a forked child: no worker threads, no lock held by one."""
-        self.workers = Workers(self._serve, self.workers.limit)
-        self._lock = threading.Lock()

@@ -5,8 +5,8 @@ and the HTTP server of a probe live here, not in module globals: the HTTP
 app, the table installers and the tracer are handed the context. Two
 contexts in one process are two isolated probes (tests build them).
 
-Parts are built on first use: an idle probe imports neither pyarrow nor
-datafusion. The layers above the probe (``analyze``, ``cluster``) plug in
+Parts are built on first use: a probe that is never asked builds no SQL
+engine. The layers above the probe (``analyze``, ``cluster``) plug in
 through ``installers`` and ``cluster`` (given by the node's assembler,
 ``probing.node.assemble``), so this module never imports them; a cluster
 node registers its HTTP routes with the app before the socket opens.
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from probing import config, paths
 from probing.errors import ProbingError, log_unexpected, tell
 from probing.node.probe.history import TraceHistory
-from probing.node.probe.imports import quick_gil_handoff, settle
 from probing.target import Local, Target
 
 if TYPE_CHECKING:
@@ -49,11 +48,10 @@ def base_tables(engine: Engine, ctx: ProbeContext) -> None:
 
 
 class ProbeContext:
-    """One probe: its parts, its lifecycle, its fork.
+    """One probe: its parts and its lifecycle.
 
     ``serve()`` opens the unix socket (and the cluster node's TCP port);
-    ``stop()`` closes them and keeps the data. ``after_fork()`` carries the
-    context into a forked child, in one order.
+    ``stop()`` closes them and keeps the data.
     """
 
     def __init__(
@@ -109,40 +107,17 @@ class ProbeContext:
         if self._engine is None:
             with self._lock:
                 if self._engine is None:
-                    with quick_gil_handoff():
-                        from probing.node.sql import Engine
+                    from probing.node.sql import Engine
 
-                        eng = Engine(self.store)
-                        for install in self.installers:
-                            install(eng, self)
+                    eng = Engine(self.store)
+                    for install in self.installers:
+                        install(eng, self)
                     self._engine = eng
         return self._engine
 
     @property
     def engine_loaded(self) -> bool:
         return self._engine is not None
-
-    def preload(self) -> None:
-        """Build the engine in a thread of its own, now, and plan one query:
-        after ``probing inject`` a query is on its way, and finds it (partly)
-        loaded. It
-        imports once the host imports nothing (``settle``), as a query
-        would; a host already exiting is left alone."""
-
-        def load() -> None:
-            try:
-                settle()
-                if threading.main_thread().is_alive():
-                    engine = self.engine
-                    with quick_gil_handoff():
-                        # DataFusion's first plan sets up what every later one
-                        # reuses: 30 ms for the first query, 3 ms after this
-                        engine.sql("SELECT 1")
-            except Exception as err:  # the top of a probe thread; the query says it too
-                log_unexpected("SQL engine not preloaded", err)
-
-        # not a daemon: an exit waits for its imports rather than cutting them short
-        threading.Thread(target=load, name="probing-engine-load").start()
 
     @property
     def nvml(self) -> GpuSampler:
@@ -290,13 +265,12 @@ class ProbeContext:
         except (ProbingError, ValueError, OSError) as err:  # a bad PROBING_PEERS, no port
             tell(f"cluster mode off: {err}", self.pid)
             return None
-        except Exception as err:  # in the host's enable(): a bug is logged, not raised
+        except Exception as err:  # a bug is logged, not raised: the probe serves without
             log_unexpected("cluster mode off", err)
             return None
 
     def _start_nvml(self, interval: str) -> None:
         try:
-            settle()  # NVML and pyarrow load only once the host imports nothing
             from probing.config import parse_interval
 
             self.nvml.start(parse_interval(interval))
@@ -304,42 +278,3 @@ class ProbeContext:
             tell(f"NVML sampling not started: {err}", self.pid)
         except Exception as err:  # the top of a probe thread: a bug is logged
             log_unexpected("NVML sampling not started", err)
-
-    # -- fork ---------------------------------------------------------------------------
-
-    def after_fork(self) -> bool:
-        """In a forked child, in this order: fresh locks; the store's chunks
-        linked into a directory of the child's own; the query threads, the
-        tracer (its uprobes filter on the parent's pid) and the NVML thread
-        dropped; the parent's socket abandoned and its cluster node left to
-        the parent (the job's peer for this rank). With ``PROBING_FORK=child``
-        the child serves this context, with the data carried over, on its own
-        pid (a DataLoader worker gets no probe by default). True if it does."""
-        self._lock = threading.RLock()
-        self._trace_lock = threading.Lock()
-        self.target = Local()
-        self.pid = self.target.pid
-        if self._store is not None:
-            self._store.reinit_after_fork()
-        if self._engine is not None:
-            self._engine.threads.after_fork()
-        if self.tracer is not None:
-            self.tracer = None
-            from probing.node.bpf.pystacks import PyStacks
-
-            PyStacks.unhook_threads()
-        if self._sampler is not None:
-            self._sampler.after_fork()
-        was_serving = self.server is not None
-        if self.server is not None:
-            self.server.abandon_after_fork()
-            self.server = None
-        self.cluster = None
-        self.cluster_factory = None
-        if not was_serving or config.load().fork != "child":
-            return False
-        self.started_ns = time.time_ns()
-        self.queries = 0
-        self.socket_path = paths.socket_path(self.pid)
-        self.serve()
-        return True

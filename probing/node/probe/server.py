@@ -7,11 +7,11 @@ accepts connections and reads each request without blocking, under
 deadlines: a slow or silent client costs a file descriptor and a buffer,
 never a thread. A complete request goes to a bounded pool of worker
 threads, each kept 5 s after its last request (a cluster query's burst
-reuses them). Every exception ends as an HTTP error, never in the host;
+reuses them). Every exception ends as an HTTP error;
 the loop never ends but by ``stop()``.
 
 ``UnixHTTPServer`` owns the lifecycle (the sockets bound, the loop thread,
-its selector and wake-up pipe, a stop and a fork) and hands each event of
+its selector and wake-up pipe, a stop) and hands each event of
 the loop to the part that owns it:
 
 * ``accept``: the listeners and whom they let in (``Acceptor``: descriptor
@@ -32,7 +32,7 @@ Limits, read from the environment when the server starts:
 - ``PROBING_HEADER_TIMEOUT_S`` (10): time for the request line and headers.
 - ``PROBING_IDLE_TIMEOUT_S`` (10): longest silence while a body arrives.
 - File descriptors: ``fd_reserve()`` below ``RLIMIT_NOFILE`` are left to
-  the host (``accept``).
+  the rest of the engine (``accept``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from probing.node.probe.accept import Acceptor
 from probing.node.probe.access import Access, Token
 from probing.node.probe.connections import Connections, Listener
 from probing.node.probe.http import App
-from probing.node.probe.imports import SWITCH
+from probing.node.probe.switch import SWITCH
 from probing.worker import named
 
 BUSY_SWITCH_S = 0.0005  # the GIL switch interval while connections are in flight
@@ -90,7 +90,7 @@ class UnixHTTPServer:
         self._sel: selectors.BaseSelector | None = None
         self._wake_r = self._wake_w = -1
         self._stopping = False
-        self._switch_held = False  # a hold on the GIL switch interval (imports.SWITCH)
+        self._switch_held = False  # a hold on the GIL switch interval (switch.SWITCH)
         self._thread: threading.Thread | None = None
 
     @property
@@ -234,10 +234,10 @@ class UnixHTTPServer:
     def _busy(self, busy: bool) -> None:
         """A short GIL switch interval while connections are in flight.
 
-        Every socket call of this loop lets go of the GIL; in a host whose
-        thread spins in Python, taking it back waits a whole switch interval
-        (5 ms), so a burst of connections would crawl. The hold is let go
-        when the loop is idle (``imports.SWITCH`` counts the probe's holds).
+        Every socket call of this loop lets go of the GIL; while another of
+        the engine's threads runs Python, taking it back waits a whole switch
+        interval (5 ms), so a burst of connections would crawl. The hold is
+        let go when the loop is idle (``switch.SWITCH`` counts the holds).
         """
         if busy != self._switch_held:
             (SWITCH.take if busy else SWITCH.give)(BUSY_SWITCH_S)
@@ -269,14 +269,6 @@ class UnixHTTPServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-    def abandon_after_fork(self) -> None:
-        """In a forked child: drop the parent's sockets without touching its path."""
-        self._thread = None
-        self._stopping = True
-        self._connections.after_fork()  # no threads here
-        self._acceptor.after_fork()
-        self._close_fds()
 
     def _close_fds(self) -> None:
         sel, self._sel = self._sel, None

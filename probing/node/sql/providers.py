@@ -43,7 +43,7 @@ _failed = threading.local()  # .error: a provider that failed in this thread's q
 
 def produce(schema: str, name: str, producer: Producer) -> TableData:
     """``producer()``, a provider's bug turned into ``ProviderError``: its
-    traceback goes to the probe's log (the host's stderr) and the query
+    traceback goes to the engine's log and the query
     answers it (500), never as bad SQL (DataFusion wraps what a provider
     raises; ``provider_failure()`` finds it again)."""
     try:

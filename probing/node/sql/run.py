@@ -206,12 +206,6 @@ class QueryThreads:
             _local.job = None
             job.done.set()
 
-    def after_fork(self) -> None:
-        """In a forked child: the parent's threads do not exist here."""
-        self._lock = threading.Lock()
-        self._jobs = queue.SimpleQueue()
-        self._threads = self._busy = 0
-
 
 def _safe(check: Callable[[], bool]) -> bool:
     try:

@@ -3,9 +3,8 @@
 Each chunk lies at ``<table's chunk dir>/__probing_chunk=<id>/<id><ext>``
 (hive-style: DataFusion reads the id as the partition column ``CHUNK_COL``,
 so a query can keep to the chunks of its snapshot). The files are written,
-removed, taken over from another store and linked into a forked child's
-directory here; which chunks a table holds, and its lock, stay with the
-table (``table.EventTable``).
+removed and taken over from another store here; which chunks a table holds,
+and its lock, stay with the table (``table.EventTable``).
 """
 
 from __future__ import annotations
@@ -91,19 +90,3 @@ def move(path: str, chunk_dir: str, codec: Codec, rows: int, raw_bytes: int) -> 
     except OSError:
         return None
     return Chunk(chunk_id, new, rows, raw_bytes, size, time.monotonic())
-
-
-def link(chunk: Chunk, old_root: str, new_root: str) -> bool:
-    """After fork: ``chunk`` hard-linked from under ``old_root`` (the parent's
-    directory) to the same place under ``new_root`` (the child's), and its
-    path moved there; False where the parent retired it meanwhile."""
-    new = new_root + chunk.path[len(old_root) :]
-    os.makedirs(os.path.dirname(new), exist_ok=True)
-    try:
-        os.link(chunk.path, new)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:  # the parent retired it meanwhile
-        return False
-    chunk.path = new
-    return True

@@ -123,7 +123,6 @@ class Store:
         self.codec = get_codec(codec or env.store_codec or DEFAULT_CODEC)
         self.seal_after_s = seal_after_s
         self._root: str | None = None
-        self._root_pid = 0
         # the process whose data this is, when not this one's (an engine's)
         self.owner = owner
         self._owner_start = started(owner) if owner else None
@@ -134,7 +133,6 @@ class Store:
             queue.SimpleQueue()
         )
         self._sealer: threading.Thread | None = None
-        self._sealer_pid = 0
         self._queued = 0
 
     def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
@@ -145,13 +143,12 @@ class Store:
         with self._lock:
             if self._queued >= SEAL_QUEUE:
                 return False
-            if self._sealer is None or self._sealer_pid != os.getpid():
+            if self._sealer is None:
                 self._sealer = threading.Thread(
                     target=named("probing-seal", self._seal_forever),
                     name="probing-seal",
                     daemon=True,
                 )
-                self._sealer_pid = os.getpid()
                 self._sealer.start()
             self._queued += 1
         self._seal_queue.put((table, chunk_id, batches))
@@ -182,18 +179,17 @@ class Store:
         chunk handed over later starts another (``seal_later``)."""
         with self._lock:
             sealer, self._sealer = self._sealer, None
-        if sealer is not None and self._sealer_pid == os.getpid():
+        if sealer is not None:
             self._seal_queue.put(None)
 
     def chunk_root(self) -> str:
         """This process's chunk directory, created on first use."""
         with self._lock:
-            if self._root is None or self._root_pid != os.getpid():
+            if self._root is None:
                 user_dir = os.path.join(chunk_base(self.max_bytes), f"probing-{os.getuid()}")
                 ensure_private_dir(user_dir)  # never through another user's symlink
                 remove_stale_roots(user_dir)
                 self._root = tempfile.mkdtemp(prefix=self._prefix(), dir=user_dir)
-                self._root_pid = os.getpid()
                 atexit.register(self.close)
             return self._root
 
@@ -208,7 +204,7 @@ class Store:
         self.settle()
         with self._lock:
             root, self._root = self._root, None
-        if root is not None and self._root_pid == os.getpid():
+        if root is not None:
             atexit.unregister(self.close)
 
     def adopt(self) -> int:
@@ -250,7 +246,7 @@ class Store:
         self._stop_sealer()
         with self._lock:
             root, self._root = self._root, None
-        if root is not None and self._root_pid == os.getpid():
+        if root is not None:
             atexit.unregister(self.close)
             shutil.rmtree(root, ignore_errors=True)
 
@@ -291,20 +287,3 @@ class Store:
                 _, victim = min(candidates, key=lambda pair: pair[0])
                 chunk = victim.retire_oldest()
                 total -= chunk.stored_bytes if chunk else 0
-
-    def reinit_after_fork(self) -> None:
-        """In a forked child: fresh locks, and the chunks hard-linked into a
-        directory of the child's own, so the two processes never share files."""
-        self._lock = threading.RLock()
-        # the parent's sealer thread is not in this process; what it had
-        # queued is pending again in each table (EventTable.reinit_after_fork)
-        self._seal_queue = queue.SimpleQueue()
-        self._sealer, self._queued = None, 0
-        old_root = self._root
-        self._root = None
-        for t in self._tables.values():
-            t.reinit_after_fork()
-        if old_root is not None:
-            new_root = self.chunk_root()
-            for t in self._tables.values():
-                t.relink_chunks(old_root, new_root)

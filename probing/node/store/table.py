@@ -124,18 +124,6 @@ class EventTable:
     def schema(self) -> pa.Schema | None:
         return self._schema
 
-    def reinit_after_fork(self) -> None:
-        self._lock = threading.Lock()
-        self._sealed = threading.Condition(self._lock)
-        # chunks the parent's sealer thread had not written: pending again here
-        # (that thread is not in this process)
-        waiting = [b for group in self._sealing.values() for b in group]
-        if waiting:
-            self._pending[:0] = waiting
-            self._pending_rows += sum(b.num_rows for b in waiting)
-            self._pending_since = self._pending_since or time.monotonic()
-        self._sealing = {}
-
     # -- writing -------------------------------------------------------------
     def append_batch(
         self,
@@ -286,18 +274,6 @@ class EventTable:
             if self._schema is None:
                 self._schema = schema
             return bool(schema == self._schema)
-
-    def relink_chunks(self, old_root: str, new_root: str) -> None:
-        """After fork: hard-link this table's chunks into the child's own directory."""
-        with self._lock:
-            kept = []
-            for c in self._chunks:
-                if chunks.link(c, old_root, new_root):
-                    kept.append(c)
-                else:  # the parent retired it meanwhile
-                    self.retired_rows += c.rows
-                    self.retired_bytes += c.raw_bytes
-            self._chunks = kept
 
     def stored_bytes(self) -> int:
         with self._lock:

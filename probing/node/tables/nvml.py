@@ -202,13 +202,6 @@ class GpuSampler:
             on_error=lambda err: self._note(err, "sample"),  # NVML's own: counted in _call
         )  # fmt: skip
 
-    def after_fork(self) -> None:
-        """A forked child has no sampler thread: say so instead of claiming to sample."""
-        self._lock, self._stop = threading.Lock(), threading.Event()
-        self._worker = self._sampling()
-        if self.state == "sampling":
-            self.state, self.reason = "stopped", "not inherited by a forked child: start it again"
-
     def stop(self) -> None:
         with self._lock:  # after a start() in progress, not lost in it
             self._stop.set()
