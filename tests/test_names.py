@@ -16,16 +16,11 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 import probing
 
 ROOT = Path(probing.__file__).parent
 # "the same ... as ``probing.x.Y``", over line breaks
 SAME_AS = re.compile(r"\bthe\s+same\b[^`]*?\bas\s+``(probing(?:\.\w+)+)``", re.IGNORECASE)
-# left while analyze/ is restructured: Collective in analyze/collectives and
-# analyze/steps, Transfer in analyze/pipeline and analyze/steps
-LEFT = ("Collective", "Transfer")
 
 
 def _module(path: Path) -> str:
@@ -82,18 +77,9 @@ def duplicates(found: dict[str, list[tuple[str, str]]]) -> dict[str, list[str]]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=f"left while analyze/ is restructured: {', '.join(LEFT)}",
-)
 def test_no_class_name_is_defined_in_two_modules() -> None:
     twice = duplicates(classes())
     assert not twice, f"one name, one thing: rename one of each: {twice}"
-
-
-def test_no_duplicate_but_those_the_mark_names() -> None:
-    """While the mark above stands: a name defined twice anew fails here."""
-    assert set(duplicates(classes())) <= set(LEFT)
 
 
 def test_a_pair_across_the_guest_passes_only_when_both_docstrings_say_so() -> None:

@@ -22,7 +22,7 @@ period itself. An evaluation every N steps only moves the medians a little
 (a longer step); a collective of its own, far rarer than the step's kinds
 (``RARE``), is a chore left out of the pattern it would shift.
 
-Pure: ``Collective`` rows in, a ``Step`` out.
+Pure: ``CollectiveLike`` rows in, a ``Step`` out.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ RARE = 0.25  # a kind of collective this many times rarer than the median kind: 
 GAP_CAP = 10.0  # a gap off by more than this many median gaps counts as this many
 
 
-class Collective(Protocol):
+class CollectiveLike(Protocol):
     """What a step is found from: a collective as every rank saw it
     (``probing.analyze.collectives.Collective``)."""
 
@@ -90,7 +90,7 @@ class Step:
         return (seq - bisect.bisect_left(self.chores, seq) - self.start) // self.period
 
 
-def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
+def of_comm(comm: str, cs: Sequence[CollectiveLike]) -> Step | None:
     """The step of one communicator's collectives (any order; complete or not:
     a rank's arrival says when each began), or None where fewer than
     ``MIN_STEPS`` periods are seen or nothing repeats."""
@@ -144,7 +144,7 @@ def of_comm(comm: str, cs: Sequence[Collective]) -> Step | None:
     return dataclasses.replace(step, chores=chores) if step is not None else None
 
 
-def _released(c: Collective) -> float:
+def _released(c: CollectiveLike) -> float:
     """When the last rank returned from ``c`` (NaN: one has not, or no returns kept)."""
     ends = list(getattr(c, "end", {}).values())
     return float(max(ends)) if ends and None not in ends and len(ends) >= len(c.ts) else np.nan
@@ -191,9 +191,9 @@ class Steps:
     comms: dict[str, Step]
 
 
-def find(collectives: Sequence[Collective]) -> Steps:
+def find(collectives: Sequence[CollectiveLike]) -> Steps:
     """Each communicator's step and the job's (``job_step``)."""
-    by: dict[str, list[Collective]] = defaultdict(list)
+    by: dict[str, list[CollectiveLike]] = defaultdict(list)
     for c in collectives:
         if c.nranks > 1:
             by[c.comm].append(c)
@@ -217,8 +217,8 @@ def job_step(found: Sequence[Step]) -> Step | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Transfer:
-    """A rank's send or receive as a one-rank ``Collective``: a pipeline's
+class OneRankTransfer:
+    """A rank's send or receive as a one-rank ``CollectiveLike``: a pipeline's
     stages talk by point-to-point transfers only, in a pattern its
     microbatches repeat every step (``of_transfers``)."""
 
@@ -230,7 +230,7 @@ class Transfer:
     ts: dict[int, int]
 
 
-def of_transfers(rows: Sequence[dict[str, Any]]) -> list[Transfer]:
+def of_transfers(rows: Sequence[dict[str, Any]]) -> list[OneRankTransfer]:
     """Each rank's sends and receives (``pipeline.p2p_rows``, tagged ``rank``),
     in its order, as a sequence of its own (``p2p/rank3``) whose step
     ``find`` tells: the op and peer of each is what repeats."""
@@ -242,7 +242,7 @@ def of_transfers(rows: Sequence[dict[str, Any]]) -> list[Transfer]:
     for rank, mine in sorted(per.items()):
         for seq, row in enumerate(sorted(mine, key=lambda r: r["ts"])):
             out.append(
-                Transfer(
+                OneRankTransfer(
                     f"p2p/rank{rank}",
                     seq,
                     f"{row.get('op')}/{row.get('peer')}",
