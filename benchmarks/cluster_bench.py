@@ -50,10 +50,10 @@ FANOUT_ONLY = "SELECT rank, count(*) AS n FROM bench.one GROUP BY rank"  # one r
 
 
 class PeerHost:
-    """What the probe's HTTP app needs of a probe: an engine and a cluster node."""
+    """What the probe's HTTP app needs of a probe: a database and a cluster node."""
 
-    def __init__(self, engine, cluster) -> None:  # type: ignore[no-untyped-def]
-        self.engine = engine
+    def __init__(self, database, cluster) -> None:  # type: ignore[no-untyped-def]
+        self.database = database
         self.cluster = cluster
         self.queries = 0
 
@@ -76,7 +76,7 @@ def bench_rank(rank: int, world: int, per_node: bool, ports: dict, servers: list
     from probing.node.cluster.port import NodePort
     from probing.node.probe.api import make_app
     from probing.node.probe.server import UnixHTTPServer
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
     rows = NODE_ROWS if per_node else ROWS
@@ -92,7 +92,7 @@ def bench_rank(rank: int, world: int, per_node: bool, ports: dict, servers: list
     if per_node:  # sealed now, as a traced process's rows are 2 s on: not at the first query
         for name in ("events", "one"):
             store.table("bench", name).flush()
-    eng = Engine(store)
+    eng = Database(store)
     ident = Identity(
         rank=rank,
         world_size=world,
@@ -143,7 +143,7 @@ def one_node(runs: int) -> dict:
         out = {}
         for name, sql, table in (("fanout", FANOUT_ONLY, "bench.one"),
                                  ("pushed", PUSHED, "bench.events")):  # fmt: skip
-            eng = nodes[0].engine()
+            eng = nodes[0].database()
             schema = eng.sql(f"SELECT * FROM {table} LIMIT 0", allow_code=False).schema
             known = set(eng.catalog.schema_names())
             work = planner.plan(sql, {table: planner.tagged_schema(schema)}, known).work()

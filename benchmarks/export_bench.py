@@ -1,7 +1,7 @@
 """``probing export``: time and file size per million events; prints JSON.
 
-A scripted 4-rank job (``tests/test_export.py``'s ``EngineProbe``: each rank a
-real probing Engine over known rows, asked through the same ``Source`` the CLI
+A scripted 4-rank job (``tests/test_export.py``'s ``DatabaseProbe``: each rank a
+real probing Database over known rows, asked through the same ``Source`` the CLI
 uses) holds ``--events`` events: per step one Gloo all-reduce, ``--kernels``
 CUDA kernel launches and one stream sync per rank, NVML samples at 10 Hz.
 With ``--probes processes`` (the default) each rank's probe is served by a
@@ -44,7 +44,7 @@ from probing.cli.export.window import EVENT_TABLES, ExportWindow  # noqa: E402
 from probing.node.bpf import families  # noqa: E402
 from probing.node.bpf.pystacks import CALLSITES_SQL  # noqa: E402
 from probing.node.tables.trace import COLLECTIVES_SQL  # noqa: E402
-from tests.test_export import EngineProbe, ScriptedJob, rank_tables  # noqa: E402
+from tests.test_export import DatabaseProbe, ScriptedJob, rank_tables  # noqa: E402
 
 WORLD = 4
 
@@ -101,7 +101,7 @@ def job(
     events: int, kernels: int, probes: list[subprocess.Popen[str]] | None
 ) -> tuple[Source, int]:
     """The scripted job's source and window. ``probes`` None: each rank an
-    ``EngineProbe`` in this process; else each rank's probe served by a process
+    ``DatabaseProbe`` in this process; else each rank's probe served by a process
     of its own (started here, appended to ``probes``) and asked over its
     socket, as ``probing export --pid`` asks a job's."""
     per_step = 1 + kernels + 1  # all-reduce + launches + sync
@@ -111,7 +111,7 @@ def job(
     if probes is None:
         src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
         src.probes = {
-            1000 + r: EngineProbe(rank_rows(r, steps, kernels, base)) for r in range(WORLD)
+            1000 + r: DatabaseProbe(rank_rows(r, steps, kernels, base)) for r in range(WORLD)
         }
         return src, window_s
     for r in range(WORLD):
@@ -126,18 +126,18 @@ def job(
 
 
 def serve(rank: int, steps: int, kernels: int, base: int) -> None:
-    """Rank ``rank``'s probe over its rows (an ``EngineProbe``'s tables and
+    """Rank ``rank``'s probe over its rows (an ``DatabaseProbe``'s tables and
     views), served on this process's socket until stdin closes."""
     from probing.node.probe.context import ProbeContext
 
     tables = rank_rows(rank, steps, kernels, base)
 
-    def install(engine: Any, ctx: Any) -> None:
+    def install(database: Any, ctx: Any) -> None:
         for qualified, t in tables.items():
             schema, name = qualified.split(".")
-            engine.register_table(schema, name, lambda t=t: t)
-        engine.register_view("comm", "collectives", COLLECTIVES_SQL)
-        engine.register_view("python", "callsites", CALLSITES_SQL)
+            database.register_table(schema, name, lambda t=t: t)
+        database.register_view("comm", "collectives", COLLECTIVES_SQL)
+        database.register_view("python", "callsites", CALLSITES_SQL)
 
     ctx = ProbeContext(installers=(install,))  # a probe of this process, as tests build one
     ctx.serve()

@@ -2,7 +2,7 @@
 
 Three copies of the same idle Python program run at once: without a probe,
 with an idle probe (PROBING=1, no query yet) and with a probe that has
-answered one query (the node's engine loaded its SQL engine). For each: RSS,
+answered one query (the node's engine loaded its database). For each: RSS,
 and CPU time used over the same 10 s window. Also: time from process start
 to the first answered query, the latency of a small query (median of 20),
 and what each step of a job's probe start and first query adds to the job

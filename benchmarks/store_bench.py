@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import pyarrow as pa
 
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import CODECS, DEFAULT_CODEC, Store
 from probing.node.tables import ExternalTable, install
 
@@ -60,8 +60,8 @@ def event_batches(rows: int) -> list[pa.RecordBatch]:
 
 def bench_codec(codec: str, batches: list[pa.RecordBatch]) -> dict:
     store = Store(codec=codec, max_bytes=4 << 30)
-    engine = Engine(store)
-    install(engine)
+    database = Database(store)
+    install(database)
     tbl = store.table("bench", "events")
     t0 = time.perf_counter()
     for b in batches:
@@ -76,12 +76,12 @@ def bench_codec(codec: str, batches: list[pa.RecordBatch]) -> dict:
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
-        engine.sql(sql)
+        database.sql(sql)
         times.append(time.perf_counter() - t0)
-    busy_ms, stall_ms = busy_host(lambda: engine.sql(sql))
+    busy_ms, stall_ms = busy_host(lambda: database.sql(sql))
     window = f"SELECT count(*) FROM bench.events WHERE ts > {batches[-1].column('ts')[0].as_py()}"
     t0 = time.perf_counter()
-    engine.sql(window)
+    database.sql(window)
     window_ms = (time.perf_counter() - t0) * 1e3
     return {
         "rows": st.rows,

@@ -257,7 +257,7 @@ class Job:
 
     def ready(self, timeout: float = 60.0) -> None:
         """Until its probe answers with its cluster side up (the address bound
-        and published), and its SQL engine has loaded."""
+        and published), and its database has loaded."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

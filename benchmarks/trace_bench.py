@@ -346,8 +346,8 @@ for _ in range(50):
 base = loop(2000)
 import probing
 probing.enable()  # the guest, handed to the node's engine, which traces this rank
-from _probing_guest import agent, wire
-sock = agent.current().engine["socket"]
+from _probing_guest import life, wire
+sock = life.current().engine["socket"]
 wire.request(sock, "POST", "/trace/start", {"families": ["gloo"]}, timeout=120)
 dist.barrier()
 traced = loop(2000)

@@ -70,11 +70,11 @@ def query(sql: str, timeout: float = 60.0) -> list[dict[str, Any]]:
     table that does not exist) or another ``ProbingError`` as the engine
     says.
     """
-    agent, wire = _guest("agent"), _guest("wire")
-    current = agent.current()
+    life, wire = _guest("life"), _guest("wire")
+    current = life.current()
     if current is None or current.server is None:
         enable()
-        current = agent.current()
+        current = life.current()
     try:
         return list(current.query(sql, timeout=timeout))
     except wire.WireError as err:

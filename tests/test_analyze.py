@@ -17,7 +17,7 @@ from probing.analyze import hangs as hg
 from probing.analyze import stragglers as sg
 from probing.analyze.tables import sql_tables
 from probing.cli.render import diagnosis as render
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 
 T0 = 1_763_880_000 * 10**9  # a wall-clock ns
@@ -262,18 +262,18 @@ def test_json_shape_and_sql_tables() -> None:
     s = out["stragglers"][0]
     assert {"rank", "node", "lag_ms_mean", "lag_ms_p99", "share_of_step", "since"} <= set(s)
     assert s["since"].endswith("Z")
-    engine = Engine(Store())
+    database = Database(Store())
     for name, table in sql_tables(d, t).items():
-        engine.register_table("analyze", name, lambda table=table: table)
-    rows = engine.sql(
+        database.register_table("analyze", name, lambda table=table: table)
+    rows = database.sql(
         "SELECT rank, last_share, since_ns, since_utc FROM analyze.stragglers"
     ).to_pylist()
     assert [r["rank"] for r in rows] == [1]
     # times in SQL are integer ns; the ISO text is an explicitly named extra column
     assert rows[0]["since_ns"] == s["since_ns"] and rows[0]["since_utc"] == s["since"]
-    ranks = engine.sql("SELECT rank FROM analyze.ranks ORDER BY last_pct DESC LIMIT 1")
+    ranks = database.sql("SELECT rank FROM analyze.ranks ORDER BY last_pct DESC LIMIT 1")
     assert ranks.to_pylist() == [{"rank": 1}]
-    assert engine.sql("SELECT count(*) AS n FROM analyze.hangs").to_pylist() == [{"n": 0}]
+    assert database.sql("SELECT count(*) AS n FROM analyze.hangs").to_pylist() == [{"n": 0}]
 
 
 def test_the_json_and_the_tables_have_every_field_of_a_finding() -> None:
@@ -331,8 +331,8 @@ def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
     from probing.node.assemble import install_tables
     from probing.node.bpf.families import GLOO_SCHEMA
 
-    engine = Engine(Store())
-    install_tables(engine)
+    database = Database(Store())
+    install_tables(database)
     now = time.time_ns()
     rows = [
         {"event_id": k, "ts": now - (50 - k) * 10**8, "dur_ns": 10**6, "pid": 7, "tid": 7,
@@ -340,13 +340,13 @@ def test_analyze_tables_in_a_probe_read_its_own_rows() -> None:
          "nranks": 4, "elements": 10, "bytes": 40}
         for k in range(50)
     ]  # fmt: skip
-    engine.store.table("gloo", "calls").append_batch(
+    database.store.table("gloo", "calls").append_batch(
         pa.RecordBatch.from_pylist(rows, schema=GLOO_SCHEMA)
     )
-    got = engine.sql("SELECT count(*) AS n FROM analyze.collectives").to_pylist()
+    got = database.sql("SELECT count(*) AS n FROM analyze.collectives").to_pylist()
     assert got == [{"n": 50}]
-    assert engine.sql("SELECT count(*) AS n FROM analyze.stragglers").to_pylist() == [{"n": 0}]
-    [rank] = engine.sql("SELECT collectives FROM analyze.ranks").to_pylist()
+    assert database.sql("SELECT count(*) AS n FROM analyze.stragglers").to_pylist() == [{"n": 0}]
+    [rank] = database.sql("SELECT collectives FROM analyze.ranks").to_pylist()
     assert rank == {"collectives": 0}  # one rank alone completes no collective
 
 
@@ -408,14 +408,14 @@ def test_callsites_pick_each_ranks_most_frequent() -> None:
     assert "rank 2 issues its collectives at train.py:69 main" in render(d)
     # the query plans against a probe's real tables (comm.collectives with
     # stack_id, the python.callsites view); nothing traced: no rows
-    engine = Engine(Store())
+    database = Database(Store())
     from probing.node.tables import install
 
-    install(engine)
-    assert engine.sql(queries(False)["callsites"].format(since_ns=0)).num_rows == 0
+    install(database)
+    assert database.sql(queries(False)["callsites"].format(since_ns=0)).num_rows == 0
     # and so do the questions of why: which thread issued what, samples and CUDA calls
     for name in ("samples", "cuda"):
-        asked = engine.sql(queries(False)[name].format(since_ns=0))
+        asked = database.sql(queries(False)[name].format(since_ns=0))
         assert asked.num_rows == 0 and "tid" in asked.column_names
 
 

@@ -21,7 +21,7 @@ from probing.node.probe import server as srv
 from probing.node.probe.context import ProbeContext, base_tables
 from probing.node.probe.http import Response
 from probing.node.probe.request import Head, answer
-from probing.node.sql import Engine, run
+from probing.node.sql import Database, run
 from probing.node.store import Store
 
 
@@ -65,25 +65,25 @@ def test_datafusion_error_tells_the_engines_answers_from_a_bug() -> None:
 
 
 def test_sql_errors_stay_400_and_a_bug_in_the_engine_is_not_bad_sql(monkeypatch) -> None:
-    engine = Engine(Store())
+    database = Database(Store())
     with pytest.raises(errors.QueryError, match="Divide by zero"):
-        engine.sql("SELECT 1/0")
+        database.sql("SELECT 1/0")
     with pytest.raises(errors.QueryError):
-        engine.sql("SELEC 1")
+        database.sql("SELEC 1")
 
     def denied() -> pa.Table:
         raise PermissionError("a table raises this on purpose")
 
-    engine.register_table("test", "denied", denied)
+    database.register_table("test", "denied", denied)
     with pytest.raises(errors.QueryError, match="on purpose"):  # as before: 400
-        engine.sql("SELECT * FROM test.denied")
+        database.sql("SELECT * FROM test.denied")
 
     def broken(df: Any, limits: Any, schema: Any = None) -> pa.Table:
         raise TypeError("a bug in probing")
 
     monkeypatch.setattr(run, "collect", broken)
     with pytest.raises(TypeError, match="a bug in probing"):
-        engine.sql("SELECT 1")
+        database.sql("SELECT 1")
 
 
 def test_the_final_step_of_a_cluster_query_sorts_its_errors_alike(monkeypatch) -> None:

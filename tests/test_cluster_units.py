@@ -485,7 +485,7 @@ def _one_engines_ranks(n: int) -> list[Any]:
     from probing.node.cluster.port import NodePort
     from probing.node.probe.api import make_app
     from probing.node.probe.server import UnixHTTPServer
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
     port = NodePort(first=0)
@@ -502,7 +502,7 @@ def _one_engines_ranks(n: int) -> list[Any]:
                 events.flush()
                 events.append_batch({"ts": rows + 10, "dur_ns": rows * 10 + 7})
                 assert events.snapshot().chunk_dir is not None
-        eng = Engine(store)
+        eng = Database(store)
         eng.register_table("live", "t", lambda rank=rank: pa.table({"x": [rank * 100]}))
         ident = identity.Identity(
             rank=rank, world_size=n, local_rank=rank, node="n0", group_rank=0, master=None,
@@ -510,7 +510,7 @@ def _one_engines_ranks(n: int) -> list[Any]:
         )  # fmt: skip
         node = ClusterNode(ident, lambda eng=eng: eng, token=b"t", pid=(1 << 22) + rank)
         node.port = port
-        host = types.SimpleNamespace(engine=eng, cluster=node, note_query=lambda: None)
+        host = types.SimpleNamespace(database=eng, cluster=node, note_query=lambda: None)
         app = make_app(host)
         node.register(app.routes)
         node.setup(types.SimpleNamespace(app=app))
@@ -583,7 +583,7 @@ def test_the_ranks_together_follow_their_chunks_as_they_are_sealed_and_retired(
         "SELECT rank, count(*) AS n, sum(dur_ns) AS d FROM bench.events GROUP BY rank ORDER BY rank"
     )
     nodes = _one_engines_ranks(4)
-    events = [n.engine().store.table("bench", "events") for n in nodes[:3]]
+    events = [n.database().store.table("bench", "events") for n in nodes[:3]]
     runs: list[int] = []
     real = Together.run
     monkeypatch.setattr(Together, "run", lambda self: runs.append(1) or real(self))
@@ -627,7 +627,7 @@ def test_a_range_a_query_reads_stays_registered_until_it_is_done(monkeypatch) ->
     from probing.node.cluster import share
 
     monkeypatch.setattr(share, "SMALL_BYTES", 0)  # scanned, not read into memory
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
     store = Store()
@@ -637,7 +637,7 @@ def test_a_range_a_query_reads_stays_registered_until_it_is_done(monkeypatch) ->
         events.append_batch({"ts": np.arange(3, dtype=np.int64) + 10 * i})
         events.flush()
         snaps.append(events.snapshot())
-    session = share._Session(Engine(store).limits)
+    session = share._Session(Database(store).limits)
     owner = types.SimpleNamespace(ident=types.SimpleNamespace(node="n0"), rank=0)
     mem1, old = session.enter("bench.events", [(owner, snaps[0])])
     mem2, new = session.enter("bench.events", [(owner, snaps[1])])
@@ -659,7 +659,7 @@ def test_a_retired_ranks_ranges_are_forgotten(monkeypatch, small) -> None:  # ty
     import numpy as np
 
     from probing.node.cluster import share
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
     if not small:
@@ -671,7 +671,7 @@ def test_a_retired_ranks_ranges_are_forgotten(monkeypatch, small) -> None:  # ty
         events.append_batch({"ts": np.arange(3, dtype=np.int64)})
         events.flush()
         snaps.append(events.snapshot())
-    session = share._Session(Engine(stores[0]).limits)
+    session = share._Session(Database(stores[0]).limits)
     owners = [types.SimpleNamespace(ident=types.SimpleNamespace(node="n0"), rank=r) for r in (0, 1)]
     got = list(zip(owners, snaps, strict=True))
     mem, sealed = session.enter("bench.events", got)
@@ -718,7 +718,7 @@ def test_the_ranks_an_engine_serves_answer_without_the_jobs_store() -> None:
     from probing.node.cluster import coordinator
     from probing.node.cluster.node import ClusterNode
     from probing.node.cluster.port import NodePort
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -726,7 +726,7 @@ def test_the_ranks_an_engine_serves_answer_without_the_jobs_store() -> None:
     port, nodes = NodePort(first=0), []
     try:
         for rank, sleeper in enumerate(sleepers):
-            eng = Engine(Store())
+            eng = Database(Store())
             eng.register_table("live", "t", lambda rank=rank: pa.table({"x": [rank]}))
             master = ("127.0.0.1", 1 if rank < 3 else 2)  # nothing listens on port 1 or 2
             ident = identity.Identity(

@@ -21,8 +21,8 @@ def test_two_probes_in_one_process_are_isolated(runtime_dir) -> None:
         steps = ExternalTable("steps", ["step"], store=a.store)
         steps.append_many([[1], [2], [3]])
         ExternalTable("steps", ["step"], store=b.store).append([7])
-        assert a.store is not b.store and a.engine is not b.engine
-        assert a.engine.threads is not b.engine.threads
+        assert a.store is not b.store and a.database is not b.database
+        assert a.database.threads is not b.database.threads
 
         def ask(ctx: ProbeContext, sql: str) -> list[dict]:
             client = ProbeClient(UnixTransport(ctx.socket_path, pid=os.getpid()))
@@ -37,7 +37,7 @@ def test_two_probes_in_one_process_are_isolated(runtime_dir) -> None:
         a.stop()
         assert not os.path.exists(a.socket_path) and not a.serving
         assert ask(b, "SELECT count(*) AS n FROM python.steps") == [{"n": 1}]
-        assert a.engine.sql("SELECT count(*) AS n FROM python.steps").to_pylist() == [{"n": 3}]
+        assert a.database.sql("SELECT count(*) AS n FROM python.steps").to_pylist() == [{"n": 3}]
     finally:
         a.stop()
         b.stop()
@@ -50,9 +50,9 @@ def test_tables_see_their_own_probes_tracer_and_peers() -> None:
 
     a, b = ProbeContext(), ProbeContext()
     a.tracer = FakeTracer()  # type: ignore[assignment]
-    assert a.engine.sql("SELECT family FROM probing.uprobes").to_pylist() == [{"family": "gloo"}]
-    assert b.engine.sql("SELECT count(*) AS n FROM probing.uprobes").to_pylist() == [{"n": 0}]
-    assert b.engine.sql("SELECT count(*) AS n FROM probing.peers").to_pylist() == [{"n": 0}]
+    assert a.database.sql("SELECT family FROM probing.uprobes").to_pylist() == [{"family": "gloo"}]
+    assert b.database.sql("SELECT count(*) AS n FROM probing.uprobes").to_pylist() == [{"n": 0}]
+    assert b.database.sql("SELECT count(*) AS n FROM probing.peers").to_pylist() == [{"n": 0}]
 
 
 def test_the_probe_keeps_no_module_state() -> None:

@@ -25,15 +25,15 @@ def test_every_cli_command_is_in_the_cli_reference() -> None:
 
 def test_every_table_a_probe_answers_is_in_the_sql_reference() -> None:
     from probing.node import assemble
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
-    engine = Engine(Store())
-    assemble.install_tables(engine)
+    database = Database(Store())
+    assemble.install_tables(database)
     names = [  # static tables, views and store tables: what the catalog knows
         f"{schema}.{table}"
-        for schema in engine.catalog.schema_names()
-        for table in engine.schema(schema).table_names
+        for schema in database.catalog.schema_names()
+        for table in database.schema(schema).table_names
     ]
     assert {"comm.collectives", "process.threads", "probing.tables"} <= set(names)
     text = (DOCS / "sql.md").read_text()

@@ -9,31 +9,31 @@ import pytest
 
 from probing.errors import QueryError
 from probing.guest.inside import columns, expr
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from probing.node.tables import ExternalTable, install
 from probing.node.tables.python import to_arrow
 
 
 @pytest.fixture
-def engine() -> Engine:
-    eng = Engine(Store())
+def database() -> Database:
+    eng = Database(Store())
     install(eng)
     return eng
 
 
-def test_process_info_is_this_process(engine: Engine) -> None:
-    row = engine.sql("SELECT pid, ppid, num_threads FROM process.info").to_pylist()[0]
+def test_process_info_is_this_process(database: Database) -> None:
+    row = database.sql("SELECT pid, ppid, num_threads FROM process.info").to_pylist()[0]
     assert row["pid"] == os.getpid() and row["ppid"] == os.getppid()
     assert row["num_threads"] >= 1
 
 
-def test_process_threads_names_python_threads(engine: Engine) -> None:
+def test_process_threads_names_python_threads(database: Database) -> None:
     stop = threading.Event()
     t = threading.Thread(target=stop.wait, name="data-loader-7")
     t.start()
     try:
-        rows = engine.sql("SELECT tid, name, is_python, is_main FROM process.threads").to_pylist()
+        rows = database.sql("SELECT tid, name, is_python, is_main FROM process.threads").to_pylist()
     finally:
         stop.set()
         t.join()
@@ -53,41 +53,43 @@ def test_process_threads_names_python_threads(engine: Engine) -> None:
         "DROP TABLE probing.tables",
     ],
 )
-def test_writes_and_statements_are_refused(engine: Engine, sql: str) -> None:
+def test_writes_and_statements_are_refused(database: Database, sql: str) -> None:
     with pytest.raises(QueryError):
-        engine.sql(sql)
-    # and the engine keeps answering
-    assert engine.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
+        database.sql(sql)
+    # and the database keeps answering
+    assert database.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
 
 
-def test_bad_sql_names_the_problem(engine: Engine) -> None:
+def test_bad_sql_names_the_problem(database: Database) -> None:
     with pytest.raises(QueryError, match="no table process.nope"):
-        engine.sql("SELECT * FROM process.nope")
+        database.sql("SELECT * FROM process.nope")
     with pytest.raises(QueryError):
-        engine.sql("SELEC 1")
+        database.sql("SELEC 1")
     with pytest.raises(QueryError, match="empty"):
-        engine.sql("  ")
+        database.sql("  ")
 
 
-def test_python_expressions_become_tables(engine: Engine) -> None:
-    assert engine.sql("SELECT * FROM python.`1 + 2`").to_pylist() == [{"value": 3}]
-    t = engine.sql("SELECT value FROM python.`time.time()`").column(0)[0].as_py()
+def test_python_expressions_become_tables(database: Database) -> None:
+    assert database.sql("SELECT * FROM python.`1 + 2`").to_pylist() == [{"value": 3}]
+    t = database.sql("SELECT value FROM python.`time.time()`").column(0)[0].as_py()
     assert isinstance(t, float) and t > 1.6e9  # `time` imported on demand
-    assert engine.sql("SELECT a, b FROM python.`{'a': 1, 'b': 'x'}`").to_pylist() == [
+    assert database.sql("SELECT a, b FROM python.`{'a': 1, 'b': 'x'}`").to_pylist() == [
         {"a": 1, "b": "x"}
     ]
-    assert engine.sql("SELECT * FROM python.`{'a': [1, 2], 'b': [3, 4]}`").num_rows == 2
-    assert engine.sql(
+    assert database.sql("SELECT * FROM python.`{'a': [1, 2], 'b': [3, 4]}`").num_rows == 2
+    assert database.sql(
         "SELECT sum(k) AS s FROM python.`[{'k': i} for i in range(5)]`"
     ).to_pylist() == [{"s": 10}]
-    assert engine.sql("SELECT count(*) AS n FROM python.`list(range(7))`").to_pylist() == [{"n": 7}]
+    assert database.sql("SELECT count(*) AS n FROM python.`list(range(7))`").to_pylist() == [
+        {"n": 7}
+    ]
 
 
-def test_python_expression_errors_are_query_errors(engine: Engine) -> None:
+def test_python_expression_errors_are_query_errors(database: Database) -> None:
     with pytest.raises(QueryError, match="ZeroDivisionError"):
-        engine.sql("SELECT * FROM python.`1/0`")
+        database.sql("SELECT * FROM python.`1/0`")
     with pytest.raises(QueryError, match="no_such_name_xyz"):
-        engine.sql("SELECT * FROM python.`no_such_name_xyz + 1`")
+        database.sql("SELECT * FROM python.`no_such_name_xyz + 1`")
 
 
 def test_to_arrow_handles_odd_values() -> None:
@@ -106,58 +108,58 @@ def test_values_cross_as_plain_data() -> None:
     assert expr("object")["value"][0].startswith("<class")
 
 
-def test_external_table_is_queryable(engine: Engine) -> None:
-    t = ExternalTable("loss", ["step", "loss"], store=engine.store)
+def test_external_table_is_queryable(database: Database) -> None:
+    t = ExternalTable("loss", ["step", "loss"], store=database.store)
     for i in range(10):
         t.append([i, 1.0 / (i + 1)])
     t.append({"step": 10, "loss": 0.0})
     t.append_many([[11, 0.5], [12, 0.25]])
-    rows = engine.sql("SELECT count(*) AS n, max(step) AS m FROM python.loss").to_pylist()
+    rows = database.sql("SELECT count(*) AS n, max(step) AS m FROM python.loss").to_pylist()
     assert rows == [{"n": 13, "m": 12}]
-    assert "loss" in engine.sql("SHOW TABLES").column("table_name").to_pylist()
+    assert "loss" in database.sql("SHOW TABLES").column("table_name").to_pylist()
 
 
-def test_empty_external_table_has_its_columns(engine: Engine) -> None:
-    ExternalTable("later", ["step", "loss"], store=engine.store)
-    assert engine.sql("SELECT step, loss FROM python.later").num_rows == 0
+def test_empty_external_table_has_its_columns(database: Database) -> None:
+    ExternalTable("later", ["step", "loss"], store=database.store)
+    assert database.sql("SELECT step, loss FROM python.later").num_rows == 0
 
 
-def test_external_table_checks_rows(engine: Engine) -> None:
-    t = ExternalTable("typed", [("a", pa.int32()), ("b", pa.string())], store=engine.store)
+def test_external_table_checks_rows(database: Database) -> None:
+    t = ExternalTable("typed", [("a", pa.int32()), ("b", pa.string())], store=database.store)
     with pytest.raises(ValueError, match="2 columns"):
         t.append([1])
     with pytest.raises(ValueError, match="no column"):
         t.append({"zzz": 1})
     t.append([1, "x"])
-    assert engine.sql("SELECT arrow_typeof(a) AS t FROM python.typed").to_pylist() == [
+    assert database.sql("SELECT arrow_typeof(a) AS t FROM python.typed").to_pylist() == [
         {"t": "Int32"}
     ]
     with pytest.raises(ValueError, match="already exists"):
-        ExternalTable("typed", ["other"], store=engine.store)
+        ExternalTable("typed", ["other"], store=database.store)
 
 
-def test_store_tables_appear_in_their_schema(engine: Engine) -> None:
+def test_store_tables_appear_in_their_schema(database: Database) -> None:
     with pytest.raises(QueryError):
-        engine.sql("SELECT * FROM demo.calls")
-    engine.store.table("demo", "calls").append_batch({"x": [1, 2, 3]})
-    assert engine.sql("SELECT sum(x) AS s FROM demo.calls").to_pylist() == [{"s": 6}]
-    assert engine.sql("SELECT rows FROM probing.tables WHERE \"schema\" = 'demo'").to_pylist() == [
-        {"rows": 3}
-    ]
+        database.sql("SELECT * FROM demo.calls")
+    database.store.table("demo", "calls").append_batch({"x": [1, 2, 3]})
+    assert database.sql("SELECT sum(x) AS s FROM demo.calls").to_pylist() == [{"s": 6}]
+    assert database.sql(
+        "SELECT rows FROM probing.tables WHERE \"schema\" = 'demo'"
+    ).to_pylist() == [{"rows": 3}]
 
 
-def test_table_exist_and_fresh_snapshots(engine: Engine) -> None:
-    schema = engine.schema("demo2")
-    engine.store.table("demo2", "ev").append_batch({"x": [1]})
+def test_table_exist_and_fresh_snapshots(database: Database) -> None:
+    schema = database.schema("demo2")
+    database.store.table("demo2", "ev").append_batch({"x": [1]})
     assert schema.table_exist("ev") and not schema.table_exist("nope")
-    assert engine.sql("SELECT count(*) AS n FROM demo2.ev").to_pylist() == [{"n": 1}]
-    engine.store.table("demo2", "ev").append_batch({"x": [2]})
-    engine.sql("SELECT 1")  # a query that does not name the table
-    assert engine.sql("SELECT count(*) AS n FROM demo2.ev").to_pylist() == [{"n": 2}]
+    assert database.sql("SELECT count(*) AS n FROM demo2.ev").to_pylist() == [{"n": 1}]
+    database.store.table("demo2", "ev").append_batch({"x": [2]})
+    database.sql("SELECT 1")  # a query that does not name the table
+    assert database.sql("SELECT count(*) AS n FROM demo2.ev").to_pylist() == [{"n": 2}]
     assert schema.table("ev") is not None  # planning-time path (pyarrow) still answers
 
 
-def test_process_stacks_in_process(engine) -> None:
+def test_process_stacks_in_process(database) -> None:
     import threading
 
     ready, stop = threading.Event(), threading.Event()
@@ -170,7 +172,7 @@ def test_process_stacks_in_process(engine) -> None:
     t.start()
     ready.wait()
     try:
-        rows = engine.sql(
+        rows = database.sql(
             "SELECT tid, state, syscall, func, depth FROM process.stacks "
             "WHERE thread = 'parked' ORDER BY depth"
         ).to_pylist()
@@ -180,25 +182,25 @@ def test_process_stacks_in_process(engine) -> None:
     funcs = [r["func"].rsplit(".", 1)[-1] for r in rows]  # qualified names on 3.11+
     assert funcs.index("wait") < funcs.index("parked_here") < funcs.index("run")
     assert rows[0]["state"] == "waiting" and rows[0]["syscall"] == "futex"
-    mine = engine.sql("SELECT func FROM process.stacks WHERE thread = 'MainThread'")
+    mine = database.sql("SELECT func FROM process.stacks WHERE thread = 'MainThread'")
     assert "test_process_stacks_in_process" in mine.column(0).to_pylist()
 
 
-def test_concurrent_queries_keep_their_own_snapshots(engine: Engine) -> None:
+def test_concurrent_queries_keep_their_own_snapshots(database: Database) -> None:
     """Each query plans over its own snapshots: another thread's query, or a
     query that a table's producer runs while this one is planned (the
     ``analyze.*`` tables do), never drops them (issue 20: 1 in 150 failed
     with "table 'probing.comm.collectives' not found")."""
-    calls = engine.store.table("gloo", "calls")
+    calls = database.store.table("gloo", "calls")
     row = {n: [0] for n in calls.schema.names}
     calls.append_batch(row)
 
     def inner() -> pa.Table:  # as analyze.* does: the inner query on a thread of its own
         with ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(engine.sql, "SELECT count(*) AS n FROM demo3.other").result()
+            return pool.submit(database.sql, "SELECT count(*) AS n FROM demo3.other").result()
 
-    engine.register_table("nested", "inner", inner)
-    engine.store.table("demo3", "other").append_batch({"x": [1]})
+    database.register_table("nested", "inner", inner)
+    database.store.table("demo3", "other").append_batch({"x": [1]})
     queries = [
         "SELECT count(*) AS n FROM comm.collectives",
         "SELECT count(*) AS n FROM gloo.calls",
@@ -210,7 +212,7 @@ def test_concurrent_queries_keep_their_own_snapshots(engine: Engine) -> None:
     def client(k: int) -> None:
         try:
             for i in range(60):
-                engine.sql(queries[(i + k) % len(queries)])
+                database.sql(queries[(i + k) % len(queries)])
         except Exception as err:  # collected and asserted below
             errors.append(f"{type(err).__name__}: {err}")
 
@@ -225,24 +227,24 @@ def test_concurrent_queries_keep_their_own_snapshots(engine: Engine) -> None:
     for t in threads:
         t.join()
     assert errors == []
-    assert engine.sql("SELECT count(*) AS n FROM gloo.calls").to_pylist() == [{"n": 61}]
+    assert database.sql("SELECT count(*) AS n FROM gloo.calls").to_pylist() == [{"n": 61}]
 
 
-def test_deferred_tables_install_at_the_first_query_that_needs_them(engine: Engine) -> None:
+def test_deferred_tables_install_at_the_first_query_that_needs_them(database: Database) -> None:
     calls = []
 
     def install_late() -> None:
         calls.append(1)
-        engine.register_table("late", "rows", lambda: pa.table({"x": [1, 2]}))
+        database.register_table("late", "rows", lambda: pa.table({"x": [1, 2]}))
 
-    engine.defer("late", install_late)
-    engine.sql("SELECT pid FROM process.info")
+    database.defer("late", install_late)
+    database.sql("SELECT pid FROM process.info")
     assert calls == []  # a query over another schema does not install them
-    names = engine.sql(
+    names = database.sql(
         "SELECT table_name FROM information_schema.tables WHERE table_schema = 'late'"
     )
     assert names.column(0).to_pylist() == ["rows"]
-    assert engine.sql("SELECT sum(x) AS s FROM late.rows").column(0).to_pylist() == [3]
+    assert database.sql("SELECT sum(x) AS s FROM late.rows").column(0).to_pylist() == [3]
     assert calls == [1]  # once
 
 
@@ -254,7 +256,7 @@ def test_probe_tables_leave_analyze_and_pyarrow_dataset_to_their_first_use() -> 
         "import sys\n"
         "from probing.node.assemble import install_tables\n"
         "from probing.node.probe.context import ProbeContext\n"
-        "e = ProbeContext(installers=(install_tables,)).engine\n"
+        "e = ProbeContext(installers=(install_tables,)).database\n"
         "e.sql('SELECT pid FROM process.info')\n"
         "print(sorted(m for m in ('probing.analyze', 'pyarrow.dataset') if m in sys.modules))\n"
         "e.sql('SELECT * FROM analyze.ranks')\n"

@@ -1,5 +1,5 @@
 """``probing export`` over a scripted 4-rank job: each rank is a real probing
-``Engine`` (DataFusion, the real ``comm.collectives`` and ``python.callsites``
+``Database`` (DataFusion, the real ``comm.collectives`` and ``python.callsites``
 views) holding known rows, asked through ``Source`` as local probes. The
 Perfetto file is parsed back with Perfetto's protos; Parquet with pyarrow.
 """
@@ -23,7 +23,7 @@ from probing.cli.export.perfetto import read_trace
 from probing.node.bpf import families
 from probing.node.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
 from probing.node.bpf.sampler import SCHEMA as SAMPLES_SCHEMA
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from probing.node.tables.nvml import GPU_SCHEMA
 from probing.node.tables.trace import COLLECTIVES_SQL, INTERVALS_SCHEMA
@@ -198,28 +198,28 @@ def rank_tables(rank: int, base: int) -> dict[str, pa.Table]:
     }
 
 
-class EngineProbe:
-    """A rank's probe without the process: a real Engine over known tables."""
+class DatabaseProbe:
+    """A rank's probe without the process: a real Database over known tables."""
 
     def __init__(self, tables: dict[str, pa.Table]) -> None:
-        self.engine = Engine(Store())
+        self.database = Database(Store())
         for qualified, t in tables.items():
             schema, name = qualified.split(".")
-            self.engine.register_table(schema, name, lambda t=t: t)
-        self.engine.register_view("comm", "collectives", COLLECTIVES_SQL)
-        self.engine.register_view("python", "callsites", CALLSITES_SQL)
+            self.database.register_table(schema, name, lambda t=t: t)
+        self.database.register_view("comm", "collectives", COLLECTIVES_SQL)
+        self.database.register_view("python", "callsites", CALLSITES_SQL)
 
     def query(self, sql: str) -> pa.Table:
-        return self.engine.sql(sql)
+        return self.database.sql(sql)
 
 
 class ScriptedJob(Source):
-    """Ranks 0..3 as local probes (pids 1000..1003), answered by ``EngineProbe``s."""
+    """Ranks 0..3 as local probes (pids 1000..1003), answered by ``DatabaseProbe``s."""
 
-    probes: dict[int, EngineProbe]
+    probes: dict[int, DatabaseProbe]
     base: int  # wall-clock ns of the first step
 
-    def client(self, pid: int) -> EngineProbe:
+    def client(self, pid: int) -> DatabaseProbe:
         return self.probes[pid]
 
 
@@ -228,7 +228,7 @@ def job() -> ScriptedJob:
     src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
     # the job ran 30 s before the module's tests (the export's window ends at its now)
     src.base = time.time_ns() - 30_000_000_000
-    src.probes = {1000 + r: EngineProbe(rank_tables(r, src.base)) for r in range(WORLD)}
+    src.probes = {1000 + r: DatabaseProbe(rank_tables(r, src.base)) for r in range(WORLD)}
     return src
 
 

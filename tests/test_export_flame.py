@@ -23,7 +23,7 @@ from tests.test_export import (  # noqa: F401
     SLOW,
     STEPS,
     WORLD,
-    EngineProbe,
+    DatabaseProbe,
     ScriptedJob,
     job,
     parse,
@@ -92,7 +92,7 @@ def test_the_spans_a_rank_was_not_tracing_are_marked(tmp_path: Path) -> None:
     }
     src = ScriptedJob(pids=[1000 + r for r in range(WORLD)])
     src.base = base
-    src.probes = {1000 + r: EngineProbe({**rank_tables(r, base), "trace.intervals": traced[r]})
+    src.probes = {1000 + r: DatabaseProbe({**rank_tables(r, base), "trace.intervals": traced[r]})
                   for r in range(WORLD)}  # fmt: skip
     before = time.time_ns()
     report = export(src, str(tmp_path / "gaps.pftrace"), window_s=60)

@@ -24,7 +24,7 @@ from probing.cli.asking import diagnose
 from probing.cli.render import diagnosis as render
 from probing.errors import ProbingError
 from probing.guest import flight as guest
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from probing.node.tables import flight as tables
 from tests.conftest import REPO
@@ -113,11 +113,11 @@ def test_a_process_without_torch_distributed_is_told_off(monkeypatch) -> None:  
 RECORDING_JOB = """
 import json, os, sys, torch, torch.distributed as dist
 from probing.node import assemble
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
-engine = Engine(Store())
-assemble.install_tables(engine)
-ask = lambda sql: engine.sql(sql).to_pylist()
+database = Database(Store())
+assemble.install_tables(database)
+ask = lambda sql: database.sql(sql).to_pylist()
 before = ask("SELECT state, records FROM comm.flight_status")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -161,26 +161,28 @@ def test_a_real_process_group_through_sql(size: str) -> None:
 
 
 def test_the_tables_are_typed_and_empty_when_off() -> None:
-    engine = Engine(Store())
+    database = Database(Store())
     answer = {"state": "on", "reason": "", "version": "2.10", "buffer_size": 64,
               "rows": guest.records(dump(2))}  # fmt: skip
     off = {"state": "off", "reason": "the job set TORCH_FR_BUFFER_SIZE=0", "rows": []}
-    engine.register_table("comm", "flight", tables.provider(lambda: answer))
-    engine.register_table("comm", "flight_status", tables.status_provider(lambda: answer))
-    engine.register_table("fr_off", "flight", tables.provider(lambda: off))
-    engine.register_table("fr_off", "flight_status", tables.status_provider(lambda: off))
-    got = engine.sql(
+    database.register_table("comm", "flight", tables.provider(lambda: answer))
+    database.register_table("comm", "flight_status", tables.status_provider(lambda: answer))
+    database.register_table("fr_off", "flight", tables.provider(lambda: off))
+    database.register_table("fr_off", "flight_status", tables.status_provider(lambda: off))
+    got = database.sql(
         "SELECT pg, max(seq) AS last, sum(bytes) AS bytes FROM comm.flight "
         "WHERE NOT is_p2p GROUP BY pg ORDER BY pg"
     ).to_pylist()
     assert got == [{"pg": "0", "last": 4, "bytes": 64 + 2 * 2048 + 16},
                    {"pg": "2", "last": 2, "bytes": 32}]  # fmt: skip
-    empty = engine.sql("SELECT * FROM fr_off.flight")
+    empty = database.sql("SELECT * FROM fr_off.flight")
     assert empty.num_rows == 0 and empty.schema.equals(tables.SCHEMA)
-    [status] = engine.sql("SELECT * FROM fr_off.flight_status").to_pylist()
+    [status] = database.sql("SELECT * FROM fr_off.flight_status").to_pylist()
     assert status == {"state": "off", "reason": "the job set TORCH_FR_BUFFER_SIZE=0",
                       "records": 0, "buffer_size": None, "version": None}  # fmt: skip
-    [status] = engine.sql("SELECT state, records, buffer_size FROM comm.flight_status").to_pylist()
+    [status] = database.sql(
+        "SELECT state, records, buffer_size FROM comm.flight_status"
+    ).to_pylist()
     assert status == {"state": "on", "records": 6, "buffer_size": 64}
 
 

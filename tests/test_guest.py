@@ -26,7 +26,7 @@ before_path, before_mods = list(sys.path), set(sys.modules)
 ns = {"__name__": "_probing_hook"}
 exec(compile(open(GUEST_DIR + "/hook.py").read(), "hook.py", "exec"), ns)
 guest = ns["load"](GUEST_DIR)
-from _probing_guest import inside, outbox, wire, agent
+from _probing_guest import inside, outbox, wire, life
 info = inside.info()
 rows = inside.stacks(0.01)
 new = sorted(set(sys.modules) - before_mods)
@@ -66,12 +66,12 @@ def test_the_guest_loads_in_every_cpython_with_the_standard_library_only(version
 @pytest.fixture
 def guest(runtime_dir) -> GuestProcess:  # type: ignore[no-untyped-def]
     """This process's guest serving on its socket, asked as the engine asks."""
-    from probing.guest.agent import Guest as Agent
+    from probing.guest.life import Guest
 
-    agent = Agent(sys.executable)
-    agent.serve()
-    yield GuestProcess(os.getpid(), place.guest_path(os.getpid(), agent.directory))
-    agent.stop()
+    served = Guest(sys.executable)
+    served.serve()
+    yield GuestProcess(os.getpid(), place.guest_path(os.getpid(), served.directory))
+    served.stop()
 
 
 def test_the_guest_answers_what_only_the_process_knows(guest: GuestProcess) -> None:
@@ -135,9 +135,9 @@ def test_a_free_threaded_cpython_gets_one_line_and_no_probe(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "free-threaded CPython (3." in err, err
     assert "not supported yet" in err
-    from probing.guest import agent
+    from probing.guest import life
 
-    assert agent.current() is None
+    assert life.current() is None
 
 
 ONE_WAY_JOB = """

@@ -453,17 +453,17 @@ def test_every_table_a_probe_answers_has_its_reference() -> None:
     probe's catalog finds its section, with the page's words for its columns."""
     from probing.cli.mcp import reference
     from probing.node import assemble
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
     ref = reference.load()
     assert ref.source == REPO / "docs" / "sql.md"
-    engine = Engine(Store())
-    assemble.install_tables(engine)
+    database = Database(Store())
+    assemble.install_tables(database)
     names = [
         f"{schema}.{table}"
-        for schema in engine.catalog.schema_names()
-        for table in engine.schema(schema).table_names
+        for schema in database.catalog.schema_names()
+        for table in database.schema(schema).table_names
     ]
     assert len(names) > 20
     missing = [n for n in names if ref.find(n) is None]

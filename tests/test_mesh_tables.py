@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from probing.analyze import mesh
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from probing.node.tables import groups, install, nvml, process
 from probing.target import Local
@@ -35,11 +35,11 @@ class Canned(Local):
 class Probe:
     """A probe's ``Context`` (``probing.node.tables.Context``) over ``target``."""
 
-    def __init__(self, engine: Engine, target: Local) -> None:
+    def __init__(self, database: Database, target: Local) -> None:
         self.tracer = None
         self.cluster = None
         self.target = target
-        self.nvml = nvml.GpuSampler(engine.store)
+        self.nvml = nvml.GpuSampler(database.store)
 
     def trace_intervals(self) -> list[dict[str, Any]]:
         return []
@@ -60,51 +60,51 @@ MEGATRON_RANK_3 = [
 ]
 
 
-def probe_of(rows: list[dict[str, Any]], traced: list[int]) -> Engine:
-    """An engine over a process with ``rows`` for groups, ``traced`` its
+def probe_of(rows: list[dict[str, Any]], traced: list[int]) -> Database:
+    """A database over a process with ``rows`` for groups, ``traced`` its
     contexts seen in ``gloo.calls``."""
-    engine = Engine(Store())
-    install(engine, Probe(engine, Canned(rows)))
+    database = Database(Store())
+    install(database, Probe(database, Canned(rows)))
     if traced:
-        calls = engine.store.get("gloo", "calls")
+        calls = database.store.get("gloo", "calls")
         assert calls is not None and calls.schema is not None
         rows = [{"comm": c} for c in traced]  # the other columns NULL: only comm is read
         calls.append_batch(pa.Table.from_pylist(rows, schema=calls.schema))
-    return engine
+    return database
 
 
 def test_comm_groups_says_each_groups_role() -> None:
-    engine = probe_of(MEGATRON_RANK_3, [r["comm"] for r in MEGATRON_RANK_3])
-    got = engine.sql("SELECT pg, role FROM comm.groups ORDER BY comm").to_pylist()
+    database = probe_of(MEGATRON_RANK_3, [r["comm"] for r in MEGATRON_RANK_3])
+    got = database.sql("SELECT pg, role FROM comm.groups ORDER BY comm").to_pylist()
     assert [(r["pg"].split()[0], r["role"]) for r in got] == [
         ("0", None), ("22", "tp"), ("25", "pp"), ("20", "dp"), ("19", None),
     ]  # fmt: skip
 
 
 def test_process_info_says_where_the_process_sits() -> None:
-    engine = probe_of(MEGATRON_RANK_3, [r["comm"] for r in MEGATRON_RANK_3])
-    [row] = engine.sql("SELECT coords, tp, pp, dp, cp, ep FROM process.info").to_pylist()
+    database = probe_of(MEGATRON_RANK_3, [r["comm"] for r in MEGATRON_RANK_3])
+    [row] = database.sql("SELECT coords, tp, pp, dp, cp, ep FROM process.info").to_pylist()
     assert row == {"coords": "tp 1/2, pp 1/2, dp 0/1", "tp": 1, "pp": 1, "dp": 0, "cp": None,
                    "ep": None}  # fmt: skip
     # SQL picks ranks by place: this one is TP rank 1 of stage 1
-    assert engine.sql("SELECT pid FROM process.info WHERE tp = 1 AND pp = 1").num_rows == 1
+    assert database.sql("SELECT pid FROM process.info WHERE tp = 1 AND pp = 1").num_rows == 1
 
 
 def test_a_device_meshs_own_dimension_names_are_its_roles() -> None:
     rows = [group(0x10, "1 (mesh_dp_shard)", [0, 2], 2), group(0x20, "2 (mesh_tp)", [2, 3], 2),
             group(0x30, "3 (mesh_dim_0)", [0, 2], 2)]  # fmt: skip
-    engine = probe_of(rows, [0x10, 0x20, 0x30])
-    roles = engine.sql("SELECT role FROM comm.groups ORDER BY comm").column("role").to_pylist()
+    database = probe_of(rows, [0x10, 0x20, 0x30])
+    roles = database.sql("SELECT role FROM comm.groups ORDER BY comm").column("role").to_pylist()
     assert roles == ["dp_shard", "tp", None]
-    [row] = engine.sql("SELECT coords, tp, dp FROM process.info").to_pylist()
+    [row] = database.sql("SELECT coords, tp, dp FROM process.info").to_pylist()
     assert row == {"coords": "tp 0/2, dp_shard 1/2", "tp": 0, "dp": None}
 
 
 def test_no_traced_group_no_place() -> None:
     """Nothing traced: no group to read, every place column NULL."""
-    engine = probe_of(MEGATRON_RANK_3, [])
-    assert engine.sql("SELECT * FROM comm.groups").num_rows == 0
-    [row] = engine.sql("SELECT coords, tp, pp, dp FROM process.info").to_pylist()
+    database = probe_of(MEGATRON_RANK_3, [])
+    assert database.sql("SELECT * FROM comm.groups").num_rows == 0
+    [row] = database.sql("SELECT coords, tp, pp, dp FROM process.info").to_pylist()
     assert set(row.values()) == {None}
 
 
@@ -135,8 +135,8 @@ def test_two_groups_of_one_role_that_disagree_say_nothing_of_it() -> None:
 
 @pytest.mark.parametrize("table", ["process.info", "comm.groups"])
 def test_docs_name_every_column(table: str) -> None:
-    engine = probe_of([], [])
-    columns = engine.sql(f"SELECT * FROM {table} LIMIT 0").column_names
+    database = probe_of([], [])
+    columns = database.sql(f"SELECT * FROM {table} LIMIT 0").column_names
     text = DOCS.read_text()
     section = re.search(rf"## `{re.escape(table)}`.*?(?=\n## |\Z)", text, re.DOTALL)
     assert section, f"docs/sql.md has no section for {table}"

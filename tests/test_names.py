@@ -97,3 +97,19 @@ def test_a_pair_across_the_guest_passes_only_when_both_docstrings_say_so() -> No
 def test_a_class_inside_a_function_is_not_the_modules_own() -> None:
     tree = ast.parse("class A: pass\nif X:\n    class B: pass\ndef f():\n    class C: pass\n")
     assert [c.name for c in _own_classes(tree.body)] == ["A", "B"]
+
+
+def test_engine_is_the_node_process_and_agent_the_node_agent() -> None:
+    """The word "engine" names the node's process (``probing.node.service``) and
+    "agent" the node agent (``probing.node.agent``): no module of the guest
+    takes either name, and no class is called ``Engine`` (the SQL layer is
+    ``probing.node.sql.Database``)."""
+    guest = {p.name for p in (ROOT / "guest").rglob("*.py")}
+    assert not guest & {"agent.py", "engine.py"}, "the guest's modules: neither agent nor engine"
+    engines = [
+        f"{path.relative_to(ROOT.parent)}:{node.lineno}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.ClassDef) and node.name == "Engine"
+    ]
+    assert not engines, f"a class Engine (the node's process is no class): {engines}"

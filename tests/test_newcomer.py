@@ -20,7 +20,7 @@ from probing.cli.doctor import Check, check_ptrace, format_checks
 from probing.cli.render import format_rows, untraced
 from probing.errors import QueryError
 from probing.node import assemble
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from tests.conftest import IDLE_LOOP, SLOWDOWN, cli
 
@@ -28,54 +28,54 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def engine() -> Engine:
-    e = Engine(Store())
+def database() -> Database:
+    e = Database(Store())
     assemble.install_tables(e)
     return e
 
 
-def _names(engine: Engine, sql: str) -> set[str]:
-    rows = engine.sql(sql).to_pylist()
+def _names(database: Database, sql: str) -> set[str]:
+    rows = database.sql(sql).to_pylist()
     return {f"{r['table_schema']}.{r['table_name']}" for r in rows}
 
 
 # -- 1. every table a probe answers is listed, its columns too ------------------------
 
 
-def test_show_tables_lists_the_views_and_the_lazy_schemas(engine: Engine) -> None:
-    assert engine.schema("analyze")._pending  # registered at the first listing
+def test_show_tables_lists_the_views_and_the_lazy_schemas(database: Database) -> None:
+    assert database.schema("analyze")._pending  # registered at the first listing
     for sql in (
         "SHOW TABLES",
         "SELECT table_schema, table_name FROM information_schema.tables",
     ):
-        names = _names(engine, sql)
+        names = _names(database, sql)
         assert {"comm.collectives", "python.callsites", "analyze.stragglers"} <= names, sql
         assert {"nccl.calls", "process.threads", "trace.intervals"} <= names, sql
 
 
-def test_show_columns_of_a_view(engine: Engine) -> None:
-    cols = engine.sql("SHOW COLUMNS FROM comm.collectives").column("column_name").to_pylist()
+def test_show_columns_of_a_view(database: Database) -> None:
+    cols = database.sql("SHOW COLUMNS FROM comm.collectives").column("column_name").to_pylist()
     assert {"backend", "op", "ts", "dur_ns", "rank"} <= set(cols)
     # filtered information_schema runs on DataFusion's own threads
-    got = engine.sql(
+    got = database.sql(
         "SELECT DISTINCT table_name FROM information_schema.columns "
         "WHERE table_schema = 'python' AND column_name = 'stack_id'"
     )
     assert "callsites" in got.column(0).to_pylist()
     # and the view still answers its rows afterwards
-    assert engine.sql("SELECT count(*) AS n FROM comm.collectives").to_pylist() == [{"n": 0}]
+    assert database.sql("SELECT count(*) AS n FROM comm.collectives").to_pylist() == [{"n": 0}]
 
 
 # -- 2. probing tables: how each table answers --------------------------------------------
 
 
-def test_every_table_has_its_kind(engine: Engine) -> None:
-    kinds = {f"{k['schema']}.{k['table']}": k["kind"] for k in engine.kinds()}
+def test_every_table_has_its_kind(database: Database) -> None:
+    kinds = {f"{k['schema']}.{k['table']}": k["kind"] for k in database.kinds()}
     assert kinds["comm.collectives"] == "view" and kinds["python.callsites"] == "view"
     assert kinds["nccl.calls"] == "stored" and kinds["python.stacks"] == "stored"
     assert kinds["process.info"] == "live" and kinds["analyze.stragglers"] == "live"
-    assert set(kinds) == _names(engine, "SHOW TABLES") - {
-        n for n in _names(engine, "SHOW TABLES") if n.startswith("information_schema.")
+    assert set(kinds) == _names(database, "SHOW TABLES") - {
+        n for n in _names(database, "SHOW TABLES") if n.startswith("information_schema.")
     }
 
 
@@ -112,8 +112,8 @@ def test_timestamps_are_documented() -> None:
     assert "to_timestamp_nanos(ts)" in doc and "wall-clock nanoseconds" in doc
 
 
-def test_to_timestamp_nanos_reads_ts(engine: Engine) -> None:
-    got = engine.sql("SELECT CAST(to_timestamp_nanos(1767323045123456789) AS VARCHAR) AS t")
+def test_to_timestamp_nanos_reads_ts(database: Database) -> None:
+    got = database.sql("SELECT CAST(to_timestamp_nanos(1767323045123456789) AS VARCHAR) AS t")
     assert got.to_pylist() == [{"t": "2026-01-02T03:04:05.123456789"}]
 
 
@@ -171,19 +171,19 @@ def test_a_probe_that_traced_once_gets_no_hint() -> None:
     ],
 )
 def test_a_misspelt_table_gets_the_nearest_names(
-    engine: Engine, sql: str, said: str, meant: str
+    database: Database, sql: str, said: str, meant: str
 ) -> None:
     with pytest.raises(QueryError) as err:
-        engine.sql(sql)
+        database.sql(sql)
     msg = str(err.value)
     assert msg.startswith(f"no table {said}; did you mean {meant}"), msg
     assert "probing.probing" not in msg and "probing.comm" not in msg
     assert "SHOW TABLES lists them" in msg
 
 
-def test_a_table_like_no_other_gets_no_guess(engine: Engine) -> None:
+def test_a_table_like_no_other_gets_no_guess(database: Database) -> None:
     with pytest.raises(QueryError, match=r"^no table zzz\.qqq \(SHOW TABLES lists them\)$"):
-        engine.sql("SELECT * FROM zzz.qqq")
+        database.sql("SELECT * FROM zzz.qqq")
 
 
 def test_the_command_line_names_its_own_listing(spawn) -> None:

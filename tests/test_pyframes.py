@@ -263,7 +263,7 @@ def test_callsites_view_gives_the_innermost_user_frame() -> None:
     import pyarrow as pa
 
     from probing.node.bpf.pystacks import STACKS_SCHEMA, is_user_file
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
     from probing.node.tables import install
 
@@ -277,16 +277,16 @@ def test_callsites_view_gives_the_innermost_user_frame() -> None:
         (9, 0, lib, "barrier", 20),
         (9, 1, lib, "wrapper", 5),
     ]
-    engine = Engine(Store())
-    install(engine)
+    database = Database(Store())
+    install(database)
     cols = list(zip(*frames, strict=True))
     batch = pa.RecordBatch.from_arrays(
         [*(pa.array(c, type=f.type) for c, f in zip(cols, STACKS_SCHEMA, strict=False)),
          pa.array([is_user_file(f[2]) for f in frames])],
         schema=STACKS_SCHEMA,
     )  # fmt: skip
-    engine.store.table("python", "stacks").append_batch(batch)
-    rows = engine.sql(
+    database.store.table("python", "stacks").append_batch(batch)
+    rows = database.sql(
         "SELECT stack_id, callsite AS site FROM python.callsites ORDER BY 1"
     ).to_pylist()
     assert rows == [

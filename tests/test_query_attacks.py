@@ -24,7 +24,7 @@ import pytest
 
 from probing.cli.client import ProbeClient
 from probing.node.probe.api import json_rows
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.sql.limits import LimitExceeded, Limits, check_sql
 from probing.node.store import Store
 from tests.conftest import REPO
@@ -147,9 +147,9 @@ def test_the_deepest_allowed_query_plans_on_a_host_with_tiny_thread_stacks() -> 
     code = textwrap.dedent(
         """
         import sys, threading
-        from probing.node.sql import Engine
+        from probing.node.sql import Database
         threading.stack_size(256 << 10)
-        eng = Engine()
+        eng = Database()
         for sql in sys.argv[1:]:
             out = []
             t = threading.Thread(target=lambda: out.append(eng.sql(sql).num_rows))
@@ -170,13 +170,13 @@ def test_the_deepest_allowed_query_plans_on_a_host_with_tiny_thread_stacks() -> 
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
-# -- the engine's limits, in this process --------------------------------------------
+# -- the database's limits, in this process --------------------------------------------
 
 
 @pytest.fixture
-def small() -> Callable[..., Engine]:
-    def make(**limits: float) -> Engine:
-        return Engine(Store(), limits=Limits(**limits))  # type: ignore[arg-type]
+def small() -> Callable[..., Database]:
+    def make(**limits: float) -> Database:
+        return Database(Store(), limits=Limits(**limits))  # type: ignore[arg-type]
 
     return make
 
@@ -247,7 +247,7 @@ class Host:
         self.pid = target.pid
         self.sock = str(target.socket())
         self.stalls = StallHost(target.proc)
-        # the engine loads on the first query: not part of what is measured
+        # the database loads on the first query: not part of what is measured
         assert self.query("SELECT 1 AS one")[0] == 200
         self.stalls.report()
 
@@ -473,13 +473,13 @@ def test_hypothesis_sql_against_a_live_probe(host) -> None:  # type: ignore[no-u
 def test_functions_that_allocate_outside_the_pool_are_bounded(sql: str) -> None:
     """Output-growing functions allocate outside DataFusion's memory pool
     (``repeat('x', 1e9)``: 7 GB): refused before planning, naming the setting."""
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.sql.limits import LimitExceeded
     from probing.node.store import Store
 
     t0 = time.monotonic()
     with pytest.raises(LimitExceeded, match="PROBING_SQL_MAX_REPEAT"):
-        Engine(Store()).sql(sql)
+        Database(Store()).sql(sql)
     assert time.monotonic() - t0 < 5
 
 
@@ -493,7 +493,7 @@ def test_functions_that_allocate_outside_the_pool_are_bounded(sql: str) -> None:
     ],
 )
 def test_bounded_uses_of_those_functions_still_run(sql: str) -> None:
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
-    assert Engine(Store()).sql(sql).num_rows >= 1
+    assert Database(Store()).sql(sql).num_rows >= 1

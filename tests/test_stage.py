@@ -15,7 +15,7 @@ import pytest
 
 from probing.errors import AttachError
 from probing.guest import wire
-from probing.guest.agent import Guest
+from probing.guest.life import Guest
 from probing.inject import stage
 from probing.inject.injector import guest_dir
 
@@ -51,7 +51,7 @@ def test_the_stage_holds_the_library_and_the_guest_once_per_contents(tmp_path: P
     )
     assert oct(made.stat().st_mode & 0o777) == "0o755"
     assert oct(Path(got.lib).stat().st_mode & 0o777) == "0o755"
-    assert oct((made / "guest" / "agent.py").stat().st_mode & 0o777) == "0o644"
+    assert oct((made / "guest" / "life.py").stat().st_mode & 0o777) == "0o644"
     # the same contents: the same stage, not written again
     before = made.stat().st_mtime_ns
     assert stage.stage(_target(root), lib, guest_dir()) == got

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import CODECS, Store
 from probing.node.tables import ExternalTable, install
 
@@ -115,18 +115,18 @@ def test_age_limit_retires_sealed_chunks() -> None:
 
 def test_a_million_events_compress_5x_and_sum_right() -> None:
     store = Store()
-    engine = Engine(store)
-    install(engine)
+    database = Database(store)
+    install(database)
     ext = ExternalTable("events", ["ts", "name", "dur_ns", "rank", "bytes"], store=store)
     data = events(1_000_000, seed=7)
     cols = [data.column(i).to_pylist() for i in range(data.num_columns)]
     ext.append_many(zip(*cols, strict=True))
-    stats = engine.sql(
+    stats = database.sql(
         "SELECT rows, compression_ratio FROM probing.tables WHERE \"table\" = 'events'"
     ).to_pylist()[0]
     assert stats["rows"] == 1_000_000
     assert stats["compression_ratio"] >= 5.0, stats
-    got = engine.sql(
+    got = database.sql(
         "SELECT name, count(*) AS n, sum(dur_ns) AS d, sum(bytes) AS b "
         "FROM python.events GROUP BY name ORDER BY name"
     ).to_pylist()
@@ -159,8 +159,8 @@ def test_queries_during_appends_never_see_a_row_twice(defer_seal: bool) -> None:
     import threading
 
     store = Store(chunk_rows=3000, max_bytes=1 << 30)
-    engine = Engine(store)
-    install(engine)
+    database = Database(store)
+    install(database)
     tbl = store.table("t", "seqs")
     stop = threading.Event()
     batch = 1000
@@ -179,7 +179,7 @@ def test_queries_during_appends_never_see_a_row_twice(defer_seal: bool) -> None:
     seen = []
     try:
         for _ in range(40):
-            r = engine.sql(
+            r = database.sql(
                 "SELECT count(*) AS n, count(DISTINCT seq) AS d, max(seq) AS m FROM t.seqs"
             ).to_pylist()[0]
             seen.append(r)
@@ -336,10 +336,10 @@ def test_a_new_engine_takes_over_what_the_last_one_sealed_for_a_live_process(
         n = 105  # sealed at once, in one chunk
         assert mine.adopt() == n
         assert not os.path.exists(old)
-        got = Engine(mine).sql("SELECT count(*) AS n, sum(a) AS s FROM t.x").to_pylist()
+        got = Database(mine).sql("SELECT count(*) AS n, sum(a) AS s FROM t.x").to_pylist()
         assert got == [{"n": n, "s": sum(range(n))}]
         mine.table("t", "x").append_batch({"a": np.arange(3)})  # and it goes on
-        assert Engine(mine).sql("SELECT count(*) AS n FROM t.x").to_pylist() == [{"n": n + 3}]
+        assert Database(mine).sql("SELECT count(*) AS n FROM t.x").to_pylist() == [{"n": n + 3}]
         mine.close()
     finally:
         owner.kill()

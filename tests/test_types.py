@@ -12,7 +12,7 @@ from probing import errors
 from probing.cli.client import ProbeClient, UnixTransport
 from probing.node.bpf.state import TracerState
 from probing.node.probe.context import ProbeContext, base_tables
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.sql.limits import LimitExceeded
 from probing.node.store import Store
 
@@ -37,9 +37,9 @@ def test_a_providers_bug_answers_500_with_its_traceback_in_the_log(runtime_dir, 
     def broken() -> pa.Table:
         return {}["no such key"]  # type: ignore[return-value]
 
-    def tables(engine: Engine, ctx: ProbeContext) -> None:
-        base_tables(engine, ctx)
-        engine.register_table("test", "broken", broken)
+    def tables(database: Database, ctx: ProbeContext) -> None:
+        base_tables(database, ctx)
+        database.register_table("test", "broken", broken)
 
     path = runtime_dir / f"probing-{os.getuid()}" / "bug.sock"
     ctx = ProbeContext(installers=(tables,), socket_path=str(path))
@@ -62,11 +62,11 @@ def test_a_providers_bug_answers_500_with_its_traceback_in_the_log(runtime_dir, 
 
 
 def test_a_failed_flush_before_a_read_is_counted_in_probing_tables() -> None:
-    engine = Engine(Store())
+    database = Database(Store())
     from probing.node.tables import install
 
-    install(engine)
-    table = engine.store.table("test", "rows")
+    install(database)
+    table = database.store.table("test", "rows")
     table.append_batch(pa.RecordBatch.from_pydict({"a": [1, 2]}))
     calls = []
 
@@ -75,8 +75,8 @@ def test_a_failed_flush_before_a_read_is_counted_in_probing_tables() -> None:
         raise ValueError("undecodable event")
 
     table.add_before_read(drain)
-    assert engine.sql("SELECT count(*) AS n FROM test.rows").to_pylist() == [{"n": 2}]
-    row = engine.sql(
+    assert database.sql("SELECT count(*) AS n FROM test.rows").to_pylist() == [{"n": 2}]
+    row = database.sql(
         "SELECT read_errors FROM probing.tables WHERE schema = 'test' AND \"table\" = 'rows'"
     ).to_pylist()
     assert row == [{"read_errors": len(calls)}] and len(calls) >= 2

@@ -90,12 +90,12 @@ class Node:
             table, got = self.answers.pop(0)
         return _ended_since(table, sql), got, None
 
-    def engine(self) -> Own:
+    def database(self) -> Own:
         return Own(self)
 
 
 class Own:
-    """The detector's own engine: its rank's tables of the live job."""
+    """The detector's own database: its rank's tables of the live job."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -816,7 +816,7 @@ def test_a_look_reads_its_tracers_arrivals_and_asks_no_sql() -> None:
         got = np.concatenate(served)
         return got[got >= since_ns][::-1]  # unsorted, as drained
 
-    no_sql = SimpleNamespace(engine=lambda: pytest.fail("a look planned SQL"))
+    no_sql = SimpleNamespace(database=lambda: pytest.fail("a look planned SQL"))
     pace = Pace(arrivals)
     now = int(every[-1]) + 1
     assert not pace.look(no_sql, now) and pace.ts == every.tolist()

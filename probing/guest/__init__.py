@@ -10,7 +10,7 @@ What it keeps in the process is what only the process knows (``inside``):
 its threads and stacks, ``python.`expr```, ``eval``, torch's process groups.
 Everything else (BPF, the store, SQL, NVML, the cluster) is the node's
 engine (``probing.node.service``), run by probing's own Python beside the job;
-the guest hands it the process at start (``agent``) over a unix socket.
+the guest hands it the process at start (``life``) over a unix socket.
 Nothing starts on import: ``start()`` does.
 """
 
@@ -26,19 +26,19 @@ FREE_THREADED = (
 
 
 def start(engine_python: str, *, wait: bool = True, spawn: bool = True) -> "Any":
-    """This process's guest, serving and handed to the engine (``agent.start``).
+    """This process's guest, serving and handed to the engine (``life.start``).
     A free-threaded build is refused: the engine cannot read its frames."""
     import sys
 
     if "t" in getattr(sys, "abiflags", ""):
         raise RuntimeError(FREE_THREADED.format("{}.{}".format(*sys.version_info[:2])))
-    from .agent import start as _start
+    from .life import start as _start
 
     return _start(engine_python, wait=wait, spawn=spawn)
 
 
 def current() -> "Any":
     """This process's guest, or None."""
-    from .agent import current as _current
+    from .life import current as _current
 
     return _current()

@@ -1,7 +1,7 @@
 """What only the process itself knows, as plain data (stdlib only).
 
 Each function returns lists, dicts, strings and numbers, the same whether
-the engine asks through the guest's socket (``probing.guest.agent``) or a
+the engine asks through the guest's socket (``probing.guest.life``) or a
 probe in the same process calls it directly (``probing.target``):
 its threads, their stacks, ``python.`expr```, ``eval``, and which torch
 process group each traced Gloo context belongs to. torch is only read

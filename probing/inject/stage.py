@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 from probing import proc
 from probing.errors import AttachError, NoSuchProcess
 from probing.guest import place, wire
-from probing.guest.agent import KEEP_ENV
+from probing.guest.life import KEEP_ENV
 
 PREFIX = "probing-stage-"
 ENGINE_SPAWN_S = 30.0  # the engine's parent forks its daemon and exits at once
@@ -224,7 +224,7 @@ def engine_env(environ: dict[str, str]) -> dict[str, str]:
     """The engine's environment: ours for where things are, the target's
     ``PROBING_*`` settings (those its guest hashes into the engine's key)."""
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
-    env["MALLOC_ARENA_MAX"] = "2"  # as the guest starts it (guest.agent)
+    env["MALLOC_ARENA_MAX"] = "2"  # as the guest starts it (guest.life)
     env.update(place.engine_settings(environ))
     return env
 

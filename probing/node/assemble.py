@@ -1,6 +1,6 @@
 """A probe put together: the tables of the layers under the probe, the
 ``analyze`` tables, the cluster node and the always-on watch. The probe
-(``probing.node.probe``) never imports these layers itself; the engine's
+(``probing.node.probe``) never imports these layers itself; the database's
 service (``probing.node.service``) hands them to it from here.
 """
 
@@ -14,31 +14,31 @@ if TYPE_CHECKING:
     from probing.node.cluster.node import ClusterNode
     from probing.node.detector.watch import Watch
     from probing.node.probe.context import ProbeContext
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
 
 
-def install_tables(engine: Engine, ctx: ProbeContext | None = None) -> None:
+def install_tables(database: Database, ctx: ProbeContext | None = None) -> None:
     """Every table of a probe: the base tables, then ``analyze.*`` (which read
     ``comm.collectives``). ``probing.analyze`` is imported at the first query
-    that names the schema ``analyze`` or lists tables, not with the engine."""
+    that names the schema ``analyze`` or lists tables, not with the database."""
     from probing.node.tables import install
 
-    install(engine, ctx)
-    engine.defer("analyze", lambda: _install_analyze(engine, ctx))
+    install(database, ctx)
+    database.defer("analyze", lambda: _install_analyze(database, ctx))
 
 
-def _install_analyze(engine: Engine, ctx: ProbeContext | None) -> None:
+def _install_analyze(database: Database, ctx: ProbeContext | None) -> None:
     from probing.analyze import findings as kept
     from probing.node.tables import analysis
 
-    analysis.install(engine)
+    analysis.install(database)
 
     def findings() -> pa.Table:
         node = ctx.cluster if ctx is not None else None
         detector = node.watch if node is not None else None
         return detector.table() if detector is not None else kept.empty()
 
-    engine.register_table("analyze", "findings", findings)
+    database.register_table("analyze", "findings", findings)
 
 
 def cluster_node(ctx: ProbeContext) -> ClusterNode | None:
@@ -56,7 +56,7 @@ def cluster_node(ctx: ProbeContext) -> ClusterNode | None:
     from probing.node.cluster.node import ClusterNode
 
     ident = identity.from_env(environ)
-    node = ClusterNode(ident, lambda: ctx.engine, pid=ctx.pid, learn=ctx.target.distributed)
+    node = ClusterNode(ident, lambda: ctx.database, pid=ctx.pid, learn=ctx.target.distributed)
     node.detector = lambda: _detector(ctx, node)  # made at the first trace (POST /trace/start)
     return node
 

@@ -14,7 +14,7 @@ import pytest
 
 from probing.node.bpf import drain as drain_mod
 from probing.node.bpf.tracer import Tracer
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from tests.conftest import require_bpf
 from tests.jobs.lib_loop import installed_libraries
@@ -56,7 +56,7 @@ def test_a_burst_of_many_slices_reaches_the_store_whole(launches) -> None:  # ty
         st = table.stats()
         assert st.rows == n and st.dropped_events == 0 and st.pending_rows == 0
         assert st.chunks >= 2  # slices of up to a chunk each (stages sent part full make them less)
-        rows = Engine(store).sql(
+        rows = Database(store).sql(
             "SELECT event_id, ts, api, kernel, grid, block FROM cuda.calls ORDER BY event_id"
         )
         ids = rows.column("event_id").to_numpy()
@@ -123,7 +123,7 @@ def test_staged_launches_of_threads_that_move_between_cpus_keep_their_order(laun
             t.start()
         for t in threads:
             t.join()
-        rows = Engine(store).sql("SELECT event_id, ts, tid FROM cuda.calls ORDER BY event_id")
+        rows = Database(store).sql("SELECT event_id, ts, tid FROM cuda.calls ORDER BY event_id")
         assert rows.num_rows == 2 * bursts * size
         tids = rows.column("tid").to_numpy()
         ts = rows.column("ts").to_numpy()

@@ -156,7 +156,7 @@ def test_the_hosts_gil_switch_interval_comes_back_after_the_load(spawn) -> None:
     client = ProbeClient.for_pid(t.pid, timeout=30 * SLOWDOWN)
     assert client.query("SELECT pid FROM process.info").num_rows == 1
     deadline = time.monotonic() + 30 * SLOWDOWN
-    while not client.health()["engine_loaded"]:
+    while not client.health()["database_loaded"]:
         assert time.monotonic() < deadline, "the engine was never preloaded"
         time.sleep(0.05)
     loaded = time.monotonic()

@@ -24,7 +24,7 @@ from probing.cli.client import ProbeClient
 from probing.cli.demo import free_port
 from probing.node.bpf import families as fam
 from probing.node.bpf.tracer import Tracer
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.store import Store
 from tests.conftest import SLOWDOWN, build_lib, cli
 from tests.privileged.helpers import (
@@ -63,7 +63,7 @@ class _Traced:
 
     def rows(self, sql: str) -> list[dict]:  # type: ignore[type-arg]
         self.tracer.drain()
-        return Engine(self.store).sql(sql).to_pylist()
+        return Database(self.store).sql(sql).to_pylist()
 
     def __exit__(self, *exc: object) -> None:
         self.tracer.stop()

@@ -97,13 +97,13 @@ def print_sql(d: Diagnosis, table: pa.Table, sql: str, fmt: str) -> None:
     """``sql`` over the diagnosis's ``analyze.*`` tables, printed as ``fmt``."""
     from probing.analyze.tables import sql_tables
     from probing.cli.render import format_arrow
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
 
-    engine = Engine(Store())
+    database = Database(Store())
     for name, t in sql_tables(d, table).items():
-        engine.register_table("analyze", name, _constant(t))
-    result = engine.sql(sql)
+        database.register_table("analyze", name, _constant(t))
+    result = database.sql(sql)
     if fmt == "json":
         typer.echo(json.dumps(result.to_pylist(), default=str))
     else:

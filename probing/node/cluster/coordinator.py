@@ -1,7 +1,7 @@
 """One cluster query, end to end: plan it, gather the shares, run the final SQL.
 
 ``coordinate`` is the asker's side (``POST /cluster/query``): it learns the
-schema of every table the query names from its own engine, plans the query
+schema of every table the query names from its own database, plans the query
 (``probing.node.cluster.plan``), gathers every peer's share (``fanout.gather``;
 a flat fan-out aggregates ``GROUP BY node`` here, not on the gatherers)
 and runs the final SQL over what came. ``answer_gather`` is a gatherer's
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
 
 MAX_MEMBERS = 65536  # ranks one gather request may name (a job's size bounds them anyway)
 MAX_GATHER_S = 300.0  # the longest a gather request may ask me to wait for its members
@@ -43,7 +43,7 @@ class Asker(asking.Peer, Protocol):
     ident: Identity
     rank: int
     pid: int
-    engine: Callable[[], Engine]
+    database: Callable[[], Database]
     registry: Registry
     directory: StoreDirectory | None
 
@@ -61,7 +61,7 @@ def coordinate(
     if fanout not in FANOUTS:
         raise QueryError(f"unknown fan-out {fanout!r} (use one of {', '.join(FANOUTS)})")
     deadline = time.monotonic() + timeout
-    eng = node.engine()
+    eng = node.database()
     node.refresh(budget=min(2.0, max(1.0, timeout / 4)))
     known = set(eng.catalog.schema_names())
     schemas = _schemas(sql, eng, known)
@@ -177,7 +177,7 @@ def answer_gather(node: Asker, payload: dict[str, Any], t_recv_ns: int) -> bytes
         refs = list(work.scans)
         inputs: dict[str, pa.Table | pa.Schema] = {n: tables[n] for n in refs if n in tables}
         if inputs:
-            threads = node.engine().threads
+            threads = node.database().threads
             tables = {planner.PARTIAL: planner.run_final(work.sql, inputs, threads)}
         else:
             tables = {}

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from probing.node.cluster.port import NodePort
     from probing.node.probe.api import Detector, Routes
     from probing.node.probe.server import UnixHTTPServer
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
 
 
 class ClusterNode:
@@ -75,7 +75,7 @@ class ClusterNode:
     def __init__(
         self,
         ident: Identity,
-        engine: Callable[[], Engine],
+        database: Callable[[], Database],
         *,
         token: bytes | None = None,
         pid: int | None = None,
@@ -85,7 +85,7 @@ class ClusterNode:
         # where rank, size and store come from when the environment does not
         # say (``Target.distributed``): None once known
         self.learn = None if known(ident) else learn
-        self.engine = engine
+        self.database = database
         self.token = token
         self.pid = pid if pid is not None else os.getpid()
         self.rank = ident.rank

@@ -1,14 +1,14 @@
-"""This peer's share of a cluster query: its own tables, tagged, through its engine.
+"""This peer's share of a cluster query: its own tables, tagged, through its database.
 
 A peer answers the ``Work`` of a query (``probing.node.cluster.plan``) from its
-own engine: in ``agg`` mode the whole query over its tagged tables, else
+own database: in ``agg`` mode the whole query over its tagged tables, else
 one scan per table (the columns and filters the asker pushed down). The
 SQL text comes from ``plan`` (``tagged_sql``, ``scan_sql``,
 ``over_tagged``); kept here are the columns of each table and the
 rewritten aggregate queries, both dropped when a query fails (a table's
 columns changed). A table this peer lacks adds no rows.
 
-``Owner`` is what the share needs of the cluster node: its engine, node
+``Owner`` is what the share needs of the cluster node: its database, node
 name and rank (the rank may be learned after the share was made).
 
 ``Together``: the shares of the ranks one engine serves, as one query over
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
     import pyarrow as pa
 
     from probing.node.cluster import plan as planner
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store.table import Snapshot
 
 # A process runs at most this many peers' shares at once (one probe per
@@ -52,7 +52,7 @@ class Owner(Protocol):
 
     ident: Identity
     rank: int
-    engine: Callable[[], Engine]
+    database: Callable[[], Database]
 
 
 class Share:
@@ -78,7 +78,7 @@ class Share:
     def _run(self, work: planner.Work) -> dict[str, pa.Table]:
         from probing.node.cluster import plan as planner
 
-        eng = self.owner.engine()
+        eng = self.owner.database()
         out: dict[str, pa.Table] = {}
         if work.mode is planner.Mode.AGG:
             sql = self._agg_sql(work.sql, eng)
@@ -154,10 +154,10 @@ class Together:
 
         if len(owners) < 2:
             return None
-        engines = [o.engine() for o in owners]
+        databases = [o.database() for o in owners]
         refs: list[planner.TableRef] = []
         if work.mode is planner.Mode.AGG:
-            refs = planner.table_refs(work.sql, set(engines[0].catalog.schema_names()))
+            refs = planner.table_refs(work.sql, set(databases[0].catalog.schema_names()))
             if len(refs) != 1:
                 return None
             names = [refs[0].name]
@@ -165,7 +165,7 @@ class Together:
             names = list(work.scans)
         snaps: dict[str, list[Any]] = {}
         for table in names:
-            got = _stored(table, owners, engines)
+            got = _stored(table, owners, databases)
             if got is None:
                 return None
             snaps[table] = got
@@ -178,7 +178,7 @@ class Together:
         from probing.node.sql.limits import check_sql
         from probing.node.sql.session import READ_ONLY
 
-        eng = self.owners[0].engine()
+        eng = self.owners[0].database()
         limits = eng.limits
         session = _session(limits)
         names: dict[str, tuple[str, dict[int, str]]] = {}
@@ -214,12 +214,12 @@ class Together:
             session.leave([n for mem, sealed in names.values() for n in (mem, *sealed.values())])
 
 
-def _stored(table: str, owners: list[Owner], engines: list[Any]) -> list[Any] | None:
+def _stored(table: str, owners: list[Owner], databases: list[Any]) -> list[Any] | None:
     """``table``'s snapshot on each rank that has it; None where one serves
     it otherwise than stored, or with other columns."""
     sch, name = table.split(".", 1)
     got: list[tuple[Owner, Snapshot]] = []
-    for owner, eng in zip(owners, engines, strict=True):
+    for owner, eng in zip(owners, databases, strict=True):
         schema = eng.catalog.schema(sch)
         kind = None if schema is None else schema.kind(name)
         if kind is None:

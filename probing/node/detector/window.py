@@ -49,7 +49,7 @@ class Pace:
         else:
             sql = f"SELECT ts FROM comm.collectives WHERE ts >= {lo}"
             try:
-                fresh = sorted(node.engine().sql(sql, allow_code=False)["ts"].to_pylist())
+                fresh = sorted(node.database().sql(sql, allow_code=False)["ts"].to_pylist())
             except ProbingError:  # no such table yet: nothing traced
                 fresh = []
         keep = now - int(PACE_S * 1e9)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from probing.node.bpf.tracer import Tracer
     from probing.node.probe.server import UnixHTTPServer
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.tables.nvml import GpuSampler
     from probing.target import Target
 
@@ -81,7 +81,7 @@ class Probe(Protocol):
     target: Target  # the process described
 
     @property
-    def engine(self) -> Engine: ...
+    def database(self) -> Database: ...
 
     @property
     def nvml(self) -> GpuSampler: ...
@@ -134,7 +134,7 @@ def _steps(table: object) -> Iterator[object]:
 
 
 def _over(what: str, size: int, limit: int) -> ProbingError:
-    from probing.node.sql.limits import LimitExceeded  # the engine loads on the first query
+    from probing.node.sql.limits import LimitExceeded  # the database loads on the first query
 
     return LimitExceeded(
         f"the result as {what} is over the limit of {limit >> 20} MiB (at {size >> 20} MiB); "
@@ -246,7 +246,7 @@ def health(probe: Probe, req: Request) -> Response:
 
 def query(probe: Probe, req: Request) -> Response:
     sql, fmt = _sql_request(req)
-    resp = encode(probe.engine.sql(sql, allow_code=_code_allowed(req), gone=req.gone), fmt)
+    resp = encode(probe.database.sql(sql, allow_code=_code_allowed(req), gone=req.gone), fmt)
     probe.note_query()
     return resp
 
@@ -254,7 +254,7 @@ def query(probe: Probe, req: Request) -> Response:
 def tables(probe: Probe, req: Request) -> Response:
     """GET /tables: schema, table and kind (live, view, stored) of every
     table, none of them read."""
-    return Response.json(probe.engine.kinds())
+    return Response.json(probe.database.kinds())
 
 
 def evaluate(probe: Probe, req: Request) -> Response:

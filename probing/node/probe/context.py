@@ -1,6 +1,6 @@
 """``ProbeContext``: everything one probe owns, in one object.
 
-The store, the SQL engine, the tracer, the NVML sampler, the cluster node
+The store, the database, the tracer, the NVML sampler, the cluster node
 and the HTTP server of a probe live here, not in module globals: the HTTP
 app, the table installers and the tracer are handed the context. Two
 contexts in one process are two isolated probes (tests build them).
@@ -30,21 +30,21 @@ if TYPE_CHECKING:
     from probing.node.bpf.tracer import Tracer
     from probing.node.probe.api import Member
     from probing.node.probe.server import UnixHTTPServer
-    from probing.node.sql import Engine
+    from probing.node.sql import Database
     from probing.node.store import Store
     from probing.node.tables.nvml import GpuSampler
 
-# registers tables on a new engine: (engine, context)
-Installer = Callable[["Engine", "ProbeContext"], None]
+# registers tables on a new database: (database, context)
+Installer = Callable[["Database", "ProbeContext"], None]
 # the cluster node of a context in cluster mode, or None (probing.node.cluster)
 ClusterFactory = Callable[["ProbeContext"], "Member | None"]
 
 
-def base_tables(engine: Engine, ctx: ProbeContext) -> None:
+def base_tables(database: Database, ctx: ProbeContext) -> None:
     """The tables of the layers under the probe (``probing.tables``)."""
     from probing.node.tables import install
 
-    install(engine, ctx)
+    install(database, ctx)
 
 
 class ProbeContext:
@@ -78,7 +78,7 @@ class ProbeContext:
         self.cluster: Member | None = None  # a ClusterNode in cluster mode (probing.node.cluster)
         self.server: UnixHTTPServer | None = None
         self._store = store
-        self._engine: Engine | None = None
+        self._database: Database | None = None
         self._sampler: GpuSampler | None = None
         self._lock = threading.RLock()
         self._trace_lock = threading.Lock()
@@ -102,22 +102,22 @@ class ProbeContext:
         return self._store
 
     @property
-    def engine(self) -> Engine:
-        """The SQL engine over every table, built on the first query."""
-        if self._engine is None:
+    def database(self) -> Database:
+        """The database over every table, built on the first query."""
+        if self._database is None:
             with self._lock:
-                if self._engine is None:
-                    from probing.node.sql import Engine
+                if self._database is None:
+                    from probing.node.sql import Database
 
-                    eng = Engine(self.store)
+                    eng = Database(self.store)
                     for install in self.installers:
                         install(eng, self)
-                    self._engine = eng
-        return self._engine
+                    self._database = eng
+        return self._database
 
     @property
-    def engine_loaded(self) -> bool:
-        return self._engine is not None
+    def database_loaded(self) -> bool:
+        return self._database is not None
 
     @property
     def nvml(self) -> GpuSampler:
@@ -151,7 +151,7 @@ class ProbeContext:
                     f"({', '.join(f.name for f in current.families)}); stop it first",
                     hint=f"probing trace --pid {self.pid} --stop",
                 )
-            _ = self.engine  # the tables exist before the first event arrives
+            _ = self.database  # the tables exist before the first event arrives
             tracer = Tracer(families, store=self.store, target=self.target, **options)
             tracer.start()
             self.history.replaced(current)
@@ -200,7 +200,7 @@ class ProbeContext:
             "engine_pid": os.getpid(),
             "started_ns": self.started_ns,
             "socket": self.socket_path,
-            "engine_loaded": self.engine_loaded,
+            "database_loaded": self.database_loaded,
             "queries": self.queries,
             "cluster": self.cluster.describe() if self.cluster is not None else None,
         }
@@ -243,9 +243,9 @@ class ProbeContext:
         """Stop, and let go of the tables and their data (an engine retiring
         the probe of a process that exited)."""
         self.stop()
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
+        database, self._database = self._database, None
+        if database is not None:
+            database.close()
         if self._store is not None:
             self._store.close()
 

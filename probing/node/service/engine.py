@@ -444,15 +444,15 @@ def _unpin() -> None:
 
 
 def _preload() -> None:
-    """The query engine's libraries, loaded once for every process of the
+    """The database's libraries, loaded once for every process of the
     node before the first query needs them."""
     try:
-        from probing.node.sql import Engine
+        from probing.node.sql import Database
         from probing.node.store import Store
 
-        Engine(Store()).sql("SELECT 1")
+        Database(Store()).sql("SELECT 1")
     except Exception as err:  # the first query says it again
-        log_unexpected("SQL engine not preloaded", err)
+        log_unexpected("database not preloaded", err)
 
 
 def main(argv: list[str] | None = None) -> None:

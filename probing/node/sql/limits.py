@@ -8,7 +8,7 @@ alone: the nesting depth the plan will have, and the planner's work.
 
 The other limits are applied where the query runs (``probing.node.sql.run``):
 a memory pool, a time limit with cancellation and a cap on the result. Each
-has a ``PROBING_*`` setting, read when the engine is built, and every refusal
+has a ``PROBING_*`` setting, read when the database is built, and every refusal
 names the limit and the setting that raises it.
 """
 

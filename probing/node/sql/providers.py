@@ -77,7 +77,7 @@ def current_snapshots() -> Prepared:
 def code_allowed() -> bool:
     """Whether a resolver that runs code may run on this thread now.
 
-    Fail closed: only inside ``Engine.sql(..., allow_code=True)`` on the
+    Fail closed: only inside ``Database.sql(..., allow_code=True)`` on the
     calling thread. A query from a peer (TCP) never evaluates expressions.
     """
     return getattr(_code, "allowed", False)
@@ -196,7 +196,7 @@ class ProbeSchema(SchemaProvider):
 
     def defer(self, install: Callable[[], None]) -> None:
         """``install()`` registers more of this schema's tables, at the first
-        query that names the schema or lists tables (not at engine build):
+        query that names the schema or lists tables (not at database build):
         a layer whose tables few queries read is not imported before."""
         with self._load_lock:
             self._deferred.append(install)
@@ -301,12 +301,12 @@ class ProbeCatalog(CatalogProvider):
         self._schemas: dict[str, ProbeSchema] = {}
         self._views: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
-        self.ctx: SessionContext | None = None  # set by the Engine that owns it
+        self.ctx: SessionContext | None = None  # set by the Database that owns it
 
     def close(self) -> None:
         """Let go of every schema, view and the session: the session holds
         this catalog in Rust, where Python's collector cannot see the cycle
-        (catalog -> tables -> the probe -> its engine -> the session), so a
+        (catalog -> tables -> the probe -> its database -> the session), so a
         retired probe would never be freed."""
         with self._lock:
             self._schemas.clear()

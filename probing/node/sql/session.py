@@ -1,4 +1,4 @@
-"""The probe's SQL engine: one DataFusion session over the ``probing`` catalog."""
+"""The probe's database: one DataFusion session over the ``probing`` catalog."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _MISSING_TABLE = re.compile(r"table '([^']+)' not found")
 READ_ONLY = SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
 
 
-class Engine:
+class Database:
     """Read-only SQL over every table the probe knows.
 
     Tables are addressed ``schema.table``; the catalog is ``probing``.
@@ -45,7 +45,7 @@ class Engine:
     ) -> None:
         self.store = store if store is not None else Store()
         self.limits = limits or Limits.from_env()
-        self.threads = run.QueryThreads()  # the threads this engine's queries run on
+        self.threads = run.QueryThreads()  # the threads this database's queries run on
         self.catalog = ProbeCatalog(self.store)
         config = (
             SessionConfig()

@@ -1,8 +1,8 @@
 """Table providers: process, python, probing (store statistics), external.
 
-``install(engine, ctx)`` registers them; ``ctx`` (a ``ProbeContext``) gives
+``install(database, ctx)`` registers them; ``ctx`` (a ``ProbeContext``) gives
 the parts of the probe they show: its tracer, NVML sampler and cluster
-node. Without one (an engine built alone, as in tests) those tables answer
+node. Without one (a database built alone, as in tests) those tables answer
 as an idle probe's would.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from probing.node.sql import Engine
+from probing.node.sql import Database
 from probing.node.tables import flight, groups, meta, nvml, process, python, samples, stacks, trace
 from probing.node.tables.external import ExternalTable, Puller
 
@@ -47,48 +47,48 @@ class Context(Protocol):
 
 
 class Alone:
-    """The ``Context`` of an engine outside a probe: no tracer, no peers."""
+    """The ``Context`` of a database outside a probe: no tracer, no peers."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, database: Database) -> None:
         from probing.target import Local
 
         self.tracer: Tracer | None = None
         self.cluster: Peers | None = None
         self.target: Target = Local()
-        self.nvml = nvml.GpuSampler(engine.store)
+        self.nvml = nvml.GpuSampler(database.store)
 
     def trace_intervals(self) -> list[dict[str, object]]:
         return []
 
 
-def install(engine: Engine, ctx: Context | None = None) -> None:
-    """Register every built-in table with ``engine``."""
-    probe: Context = ctx if ctx is not None else Alone(engine)
+def install(database: Database, ctx: Context | None = None) -> None:
+    """Register every built-in table with ``database``."""
+    probe: Context = ctx if ctx is not None else Alone(database)
     target = probe.target
-    comm_groups = groups.provider(target.groups, engine.store)
+    comm_groups = groups.provider(target.groups, database.store)
     where = process.PlaceCache(comm_groups)
-    engine.register_table("process", "info", lambda: process.info(target, where))
-    engine.register_table("process", "threads", lambda: process.threads(target))
-    engine.register_table("process", "cpu", lambda: process.cpu(target))
-    engine.register_table("process", "stacks", stacks.provider(target.stacks))
-    engine.register_table("probing", "tables", lambda: _pulled(puller, engine))
+    database.register_table("process", "info", lambda: process.info(target, where))
+    database.register_table("process", "threads", lambda: process.threads(target))
+    database.register_table("process", "cpu", lambda: process.cpu(target))
+    database.register_table("process", "stacks", stacks.provider(target.stacks))
+    database.register_table("probing", "tables", lambda: _pulled(puller, database))
     gpu = probe.nvml  # creates the (typed, maybe empty) nvml.gpu table
-    engine.register_table("nvml", "status", gpu.status_table)
-    engine.register_table("nvml", "devices", gpu.devices_table)
-    puller = Puller(target.external, engine.store)
-    engine.register_resolver("python", python.resolver(target.expr, puller.pull, engine.store))
-    trace.install(engine, lambda: probe.tracer, probe.trace_intervals)
-    samples.install(engine)
-    engine.register_table("comm", "groups", comm_groups)
-    engine.register_table("comm", "flight", flight.provider(target.flight))
-    engine.register_table("comm", "flight_status", flight.status_provider(target.flight))
-    engine.register_table("probing", "peers", lambda: _peers(probe.cluster))
+    database.register_table("nvml", "status", gpu.status_table)
+    database.register_table("nvml", "devices", gpu.devices_table)
+    puller = Puller(target.external, database.store)
+    database.register_resolver("python", python.resolver(target.expr, puller.pull, database.store))
+    trace.install(database, lambda: probe.tracer, probe.trace_intervals)
+    samples.install(database)
+    database.register_table("comm", "groups", comm_groups)
+    database.register_table("comm", "flight", flight.provider(target.flight))
+    database.register_table("comm", "flight_status", flight.status_provider(target.flight))
+    database.register_table("probing", "peers", lambda: _peers(probe.cluster))
 
 
-def _pulled(puller: Any, engine: Engine) -> Any:
+def _pulled(puller: Any, database: Database) -> Any:
     """``probing.tables``, with the process's ExternalTables taken first."""
     puller.pull()
-    return meta.tables(engine.store)
+    return meta.tables(database.store)
 
 
 def _peers(node: Peers | None) -> pa.Table:

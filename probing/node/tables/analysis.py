@@ -1,5 +1,5 @@
-"""``analyze.*`` in an engine: the diagnosis tables over the rows one probe
-holds (its own rank), registered with its SQL engine (``install``)."""
+"""``analyze.*`` in a database: the diagnosis tables over the rows one probe
+holds (its own rank), registered with its database (``install``)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ SQL_TABLES = (
 )  # fmt: skip
 
 
-def install(engine: Any) -> None:
+def install(database: Any) -> None:
     """``analyze.*`` in a probe: over this probe's own rows (one rank)."""
 
     def producer(name: str) -> Callable[[], Any]:
-        return lambda: local_tables(engine)[name]
+        return lambda: local_tables(database)[name]
 
     for name in SQL_TABLES:
-        engine.register_table("analyze", name, producer(name))
+        database.register_table("analyze", name, producer(name))
 
 
-def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
+def local_tables(database: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
     """The analyze.* tables over the data this one probe holds (its own rank)."""
     import os
     import socket
@@ -39,12 +39,12 @@ def local_tables(engine: Any, window_s: float = 60.0) -> dict[str, pa.Table]:
 
     now = time.time_ns()
     sql = queries(remote=False)["collectives"].format(since_ns=now - int(window_s * 1e9))
-    # a table is produced inside the engine's own query: the query it needs runs
+    # a table is produced inside the database's own query: the query it needs runs
     # on a thread of its own (DataFusion cannot block inside its runtime)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        rows = pool.submit(engine.sql, sql).result()
+        rows = pool.submit(database.sql, sql).result()
         try:  # the process's rank, as the process itself tells it
-            asked = pool.submit(engine.sql, f"SELECT value FROM python.`{RANK_EXPR}`").result()
+            asked = pool.submit(database.sql, f"SELECT value FROM python.`{RANK_EXPR}`").result()
             rank = int(asked.column("value")[0].as_py())
         except (ProbingError, ValueError, TypeError, IndexError):  # no number; torch's refusal
             rank = -1

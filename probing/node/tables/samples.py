@@ -4,8 +4,8 @@ stack (``probing.node.bpf.sampler``, while tracing); typed and empty before."""
 from __future__ import annotations
 
 from probing.node.bpf.sampler import SCHEMA
-from probing.node.sql import Engine
+from probing.node.sql import Database
 
 
-def install(engine: Engine) -> None:
-    engine.store.table("python", "samples", SCHEMA)
+def install(database: Database) -> None:
+    database.store.table("python", "samples", SCHEMA)

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from probing.node.bpf import families
 from probing.node.bpf.pystacks import CALLSITES_SQL, STACKS_SCHEMA
-from probing.node.sql import Engine
+from probing.node.sql import Database
 
 if TYPE_CHECKING:
     from probing.node.bpf.tracer import Tracer
@@ -75,17 +75,17 @@ INTERVALS_SCHEMA = pa.schema(
 
 
 def install(
-    engine: Engine,
+    database: Database,
     current: CurrentTracer = lambda: None,
     intervals: Callable[[], list[dict[str, Any]]] = list,
 ) -> None:
     for name, family in families.FAMILIES.items():
-        engine.store.table(family.table, "calls", family.schema)
-        engine.register_table(family.table, "inflight", _inflight(name, current))
-    engine.register_table("probing", "uprobes", _uprobes(current))
-    engine.register_table(
+        database.store.table(family.table, "calls", family.schema)
+        database.register_table(family.table, "inflight", _inflight(name, current))
+    database.register_table("probing", "uprobes", _uprobes(current))
+    database.register_table(
         "trace", "intervals", lambda: pa.Table.from_pylist(intervals(), schema=INTERVALS_SCHEMA)
     )
-    engine.register_view("comm", "collectives", COLLECTIVES_SQL)
-    engine.store.table("python", "stacks", STACKS_SCHEMA)
-    engine.register_view("python", "callsites", CALLSITES_SQL)
+    database.register_view("comm", "collectives", COLLECTIVES_SQL)
+    database.store.table("python", "stacks", STACKS_SCHEMA)
+    database.register_view("python", "callsites", CALLSITES_SQL)
