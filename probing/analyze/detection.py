@@ -8,7 +8,7 @@ tracing (``all_tracing``), how late a straggler was when written
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -178,3 +178,16 @@ def over(key: tuple[Any, ...], d: Any, got: Any, late: tuple[str, float] | None)
     mine = next((r for r in d.ranks if r["rank"] == rank and r["collectives"]), None)
     figure, then = late or ("excess_ms_median", 0.0)
     return None if mine is None or mine[figure] is None else bool(mine[figure] < HOLD * then)
+
+
+def gone(row: Mapping[str, object]) -> bool:
+    """Whether a rank below the detector, asked whether it lives (``row``:
+    the node's ``control`` answer), is out of the election: it died (its
+    probe answered that no process is alive) or is gone (refused,
+    unreachable, no answer in time). False: it lives, or is not known yet
+    (not discovered)."""
+    reply = row.get("reply")
+    alive = isinstance(reply, list) and any(isinstance(r, dict) and r.get("alive") for r in reply)
+    if row.get("status") == 200:
+        return not alive
+    return row.get("status") == 0 and bool(row.get("addr"))

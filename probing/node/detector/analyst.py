@@ -12,6 +12,8 @@ from probing.node.detector.window import ask_cluster
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from probing.node.detector import Answers, Job
+
 
 class Analyst:
     """The analysis of a window of the job's collectives, as ``diagnose``
@@ -19,14 +21,14 @@ class Analyst:
     groups (``groups``), the ranks that died and who traced when (``aux``,
     asked at full detections), the span judged, the stragglers' causes."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Job) -> None:
         self.node = node
         self.groups = Groups()  # torch's names for the job's groups
         self.aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
         self._aux_ns = 0  # when they were asked, and who answered then
         self._aux_who: set[int] = set()
 
-    def ask_aux(self, now: int, table: pa.Table, got: Any) -> None:
+    def ask_aux(self, now: int, table: pa.Table, got: Answers) -> None:
         """The ranks that died and who traced when, and torch's groups where
         due for the window ``table`` (``Groups.due``) that ``got`` answered:
         asked at full detections, used by the analyses the screen starts
@@ -58,7 +60,7 @@ class Analyst:
         aux["intervals"] = optional(ask, sql["intervals"])
         self.aux = aux
 
-    def judged(self, table: pa.Table, got: Any, now: int, runq: bool) -> tuple[pa.Table, Any]:
+    def judged(self, table: pa.Table, got: Answers, now: int, runq: bool) -> tuple[pa.Table, Any]:
         """``table`` named by torch's groups and cut to the span every rank
         that answered (``got``) traced in, and its analysis."""
         from probing.analyze.diagnose import analyze, judge

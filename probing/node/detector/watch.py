@@ -74,6 +74,7 @@ from probing.analyze.detection import (
     WINDOW_S,
     calm,
     full_period_s,
+    gone,
     held_by,
     latest_ts,
     over,
@@ -87,6 +88,8 @@ from probing.worker import Worker, error_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from probing.node.detector import Answers, Job
 
 ELECT_S = 30.0  # how often a rank above the detector checks that the ranks below live
 ALIVE = json.dumps({"sql": "SELECT alive FROM process.info", "format": "json"}).encode()
@@ -108,7 +111,7 @@ class Watch:
 
     def __init__(
         self,
-        node: Any,
+        node: Job,
         tracing: Callable[[], bool],
         dropped: Callable[[], dict[str, int]],
         every_s: float | None = None,
@@ -165,11 +168,8 @@ class Watch:
         mine = True
         for rank in range(self.node.rank):  # from the lowest: rank 0 answers, as a rule
             asked = self.node.control("/query", ALIVE, 3.0, {rank})
-            [row] = asked or [{"status": 0, "addr": ""}]
-            if row["status"] == 200 and not any(r.get("alive") for r in row.get("reply") or []):
-                continue  # died: its probe answers for it
-            if row["status"] == 0 and row.get("addr"):
-                continue  # gone: refused, unreachable, no answer in time
+            if not asked or gone(asked[0]):  # died (its probe answers for it), or gone
+                continue
             mine = False  # it lives, or is not known yet (not discovered): not me
             break
         self._elected = (now, mine)
@@ -293,7 +293,7 @@ class Watch:
         return self._detect(table, got, now)
 
     def _analyze(
-        self, table: pa.Table, got: Any, now: int, runq: bool
+        self, table: pa.Table, got: Answers, now: int, runq: bool
     ) -> tuple[Any, dict[Key, dict[str, Any]]]:
         """The whole analysis of the window ``table``, and the stragglers it
         names to write (``_stragglers``): torch's names for the groups
@@ -315,7 +315,7 @@ class Watch:
         with self.book.lock:
             return d, self._stragglers(d, latest)
 
-    def _detect(self, table: pa.Table, got: Any, now: int) -> list[dict[str, Any]]:
+    def _detect(self, table: pa.Table, got: Answers, now: int) -> list[dict[str, Any]]:
         """The whole analysis of the window ``table``, recorded: every kind of
         finding, and what is over counted towards its clearing (``over``)."""
         from probing.analyze.deaths import death_text

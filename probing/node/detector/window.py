@@ -15,8 +15,10 @@ from probing.errors import ProbingError
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from probing.node.detector import Job
 
-def ask_cluster(node: Any, sql: str) -> pa.Table:
+
+def ask_cluster(node: Job, sql: str) -> pa.Table:
     """``sql`` over every rank of ``node``'s job (the node's ``coordinate``)."""
     table: pa.Table = node.coordinate(sql, timeout=ASK_S)[0]
     return table
@@ -38,7 +40,7 @@ class Pace:
         self.ts = []
         self.looked_ns = 0
 
-    def look(self, node: Any, now: int) -> bool:
+    def look(self, node: Job, now: int) -> bool:
         """This rank's arrivals asked again; whether their pace dropped."""
         lo = now - int(PACE_S * 1e9)
         if self.looked_ns:
@@ -71,7 +73,7 @@ class Window:
     def forget(self) -> None:
         self.rows = None
 
-    def fetch(self, node: Any, now: int) -> tuple[pa.Table, Any]:
+    def fetch(self, node: Job, now: int) -> tuple[pa.Table, Any]:
         """The window's collectives at ``now`` (finished and in flight) and who
         answered; the whole window where nothing is kept, every ``RESYNC_S``,
         and after a rank missed a fetch."""
