@@ -113,6 +113,10 @@ def traced(j: DemoJob, truth: Truth) -> float:
     return began
 
 
+# once in a run beside other privileged tests on 2 CPUs the cause's share came
+# out 0.79 against the 0.8 asked (30.1 of 37.8 ms late): a rerun, as the
+# other verdict tests beside a busy suite have
+@pytest.mark.flaky(reruns=1)
 def test_a_ddp_jobs_step_lateness_and_loss_are_its_own(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     require_bpf()
     slow = random.randrange(WORLD)
