@@ -52,7 +52,7 @@ class Node:
         self.runq: list[dict[str, Any]] = []  # python.samples' runq and tick sums per rank
         self.samples: pa.Table = pa.table({})  # SAMPLES_SQL's rows (where each rank's time went)
         self.asked: list[str] = []
-        self.lower: dict[int, dict[str, Any]] = {}  # what the ranks below answer (alive?)
+        self.lower: dict[int, dict[str, Any] | None] = {}  # what the ranks below answer (alive?)
         self.asked_ranks: list[int] = []
         self.groups: list[dict[str, Any]] = []  # comm.groups rows
         # trace.intervals: every rank tracing since long ago, unless a test says
@@ -62,7 +62,7 @@ class Node:
     def control(self, path: str, body: bytes, timeout: float, ranks: set[int]) -> list[dict]:  # type: ignore[type-arg]
         assert path == "/query" and b"process.info" in body
         self.asked_ranks += sorted(ranks)
-        return [dict(self.lower[r], rank=r) for r in sorted(ranks)]
+        return [dict(self.lower[r], rank=r) for r in sorted(ranks) if self.lower[r] is not None]
 
     def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Got, Any]:
         self.asked.append(sql)
@@ -410,8 +410,10 @@ def test_only_the_lowest_rank_that_lives_detects() -> None:
     assert Watch(node, lambda: True, dict).detector()
     node.lower[1] = {"status": 0, "addr": "", "reason": "not discovered"}
     assert not Watch(node, lambda: True, dict).detector()  # not known yet: not me
+    node.lower[1] = None  # no row for it at all: not known either
+    assert not Watch(node, lambda: True, dict).detector()
     assert Watch(Node(0), lambda: True, dict).detector()
-    assert node.asked_ranks == [0, 0, 1, 0, 1]  # the first that lives ends the look
+    assert node.asked_ranks == [0, 0, 1, 0, 1, 0, 1]  # the first that lives ends the look
 
 
 def test_metrics_parse_as_openmetrics_with_the_stragglers_lateness() -> None:

@@ -168,7 +168,7 @@ class Watch:
         mine = True
         for rank in range(self.node.rank):  # from the lowest: rank 0 answers, as a rule
             asked = self.node.control("/query", ALIVE, 3.0, {rank})
-            if not asked or gone(asked[0]):  # died (its probe answers for it), or gone
+            if asked and gone(asked[0]):  # died (its probe answers for it), or gone
                 continue
             mine = False  # it lives, or is not known yet (not discovered): not me
             break
