@@ -35,8 +35,7 @@ def _guest(module: str) -> Any:
 
     from probing import _boot
 
-    package = _boot.hook()["load"](_boot.guest_dir())
-    return importlib.import_module(f"{package.__name__}.{module}")
+    return importlib.import_module(f"{_boot.guest().__name__}.{module}")
 
 
 def enable() -> None:
@@ -53,7 +52,9 @@ def disable() -> None:
     (``probing query --pid`` still answers from it), and what only the
     process knows (threads, stacks, ``python.*``) is not asked until
     ``enable()`` again."""
-    guest = sys.modules.get("_probing_guest")
+    from probing import _boot
+
+    guest = sys.modules.get(_boot.GUEST)
     current = guest.current() if guest is not None else None
     if current is not None:
         current.stop()

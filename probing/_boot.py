@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Any
 
+GUEST = "_probing_guest"  # the name probing.guest.hook loads the guest under
+
 
 def guest_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest")
@@ -34,6 +36,12 @@ def boot() -> None:
     ns["boot"](guest_dir(), sys.executable)
 
 
+def guest() -> Any:
+    """This process's guest package (``_probing_guest``), loaded from its
+    files once: the hook's file is read only while it is not loaded."""
+    return sys.modules.get(GUEST) or hook()["load"](guest_dir())
+
+
 def start(wait: bool = True) -> Any:
     """The guest of this process, serving and handed to the engine."""
-    return hook()["load"](guest_dir()).start(sys.executable, wait=wait)
+    return guest().start(sys.executable, wait=wait)
