@@ -19,6 +19,12 @@ Two ways to loop:
 * once (``every_s`` None): ``step`` is the loop itself, and looks at
   ``stopping`` or sleeps with ``wait`` to end when asked.
 
+A periodic worker made with ``shared=True`` runs on its name's ``Beat``:
+one thread for every worker of that name in the process, each step when
+it is due (the engine's ranks' drains, samplers and detectors: as many
+threads as kinds of loop, not as ranks). Its steps must not wait on each
+other: one that takes long delays the others of its name.
+
 A step that raises never ends the loop: it is counted (``errors``), kept in
 ``last_error`` (a ``ProbingError`` by its text, anything else, a bug, as
 ``Type: text``), a bug is written to the log once (``log_unexpected``, when
@@ -28,7 +34,10 @@ show it in its own status. The next step tries again.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
+import time
 from collections.abc import Callable
 
 from probing.errors import ProbingError, log_unexpected
@@ -100,7 +109,10 @@ class Worker:
         on_error: Callable[[Exception], None] | None = None,
         wake: Callable[[], None] | None = None,
         event: threading.Event | None = None,
+        shared: bool = False,
     ) -> None:
+        if shared and every_s is None:
+            raise ValueError("a shared worker is periodic: give every_s")
         self.name = name
         self.step = step
         self.every_s = every_s  # read before each wait: a running loop takes a new period
@@ -118,6 +130,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._here = 0  # run() in progress on a caller's thread
         self._logged: set[str] = set()  # the bugs written to the log (each once)
+        self._beat = Beat.of(name) if shared else None
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -138,6 +151,8 @@ class Worker:
         return "stopping" if self._stop.is_set() else "running"
 
     def _alive(self) -> bool:
+        if self._beat is not None:
+            return self._beat.holds(self)
         thread = self._thread
         return self._here > 0 or (thread is not None and thread.is_alive())
 
@@ -151,6 +166,9 @@ class Worker:
                 return
             if self._own_event:
                 self._stop.clear()
+            if self._beat is not None:
+                self._beat.add(self, 0.0 if self.at_once else float(self.every_s or 0.0))
+                return
             self._thread = threading.Thread(
                 target=named(self.name, self.run), name=self.name, daemon=True
             )
@@ -163,6 +181,9 @@ class Worker:
         self._stop.set()
         if self.wake is not None:
             self.wake()
+        if self._beat is not None:
+            self._beat.remove(self, timeout)
+            return
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -216,6 +237,110 @@ class Worker:
             log_unexpected(self.what, err, self._logged)
         if self.on_error is not None:
             self.on_error(err)
+
+
+class Beat:
+    """The one thread ``name`` that runs every shared worker of that name,
+    each step when it is due (``Worker(shared=True)``). The thread starts
+    with the first worker and ends once none is left."""
+
+    _all: dict[str, Beat] = {}
+    _all_lock = threading.Lock()
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Worker]] = []  # (monotonic s, order, worker)
+        self._members: set[Worker] = set()
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._running: Worker | None = None  # the worker whose step runs now
+
+    @classmethod
+    def of(cls, name: str) -> Beat:
+        """The process's beat of ``name``."""
+        with cls._all_lock:
+            beat = cls._all.get(name)
+            if beat is None:
+                beat = cls._all[name] = cls(name)
+            return beat
+
+    def holds(self, worker: Worker) -> bool:
+        """Whether ``worker`` is on this beat (or its step runs)."""
+        with self._cond:
+            return worker in self._members or self._running is worker
+
+    def threads(self) -> int:
+        """1 while the beat has workers, else 0."""
+        with self._cond:
+            return int(self._thread is not None)
+
+    def add(self, worker: Worker, first_s: float) -> None:
+        with self._cond:
+            self._members.add(worker)
+            heapq.heappush(self._due, (time.monotonic() + first_s, next(self._order), worker))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=named(self.name, self._loop), name=self.name, daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def remove(self, worker: Worker, timeout: float | None) -> None:
+        """Take ``worker`` off; wait at most ``timeout`` s for its step in
+        progress (none from the beat's own thread: a step that stops one)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._members.discard(worker)
+            self._cond.notify_all()
+            if threading.current_thread() is self._thread:
+                return
+            while self._running is worker:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._cond.wait(left)
+
+    def _next(self) -> Worker | None:
+        """The next worker due, once it is; None once none is left (the
+        thread then ends). Called with the condition held."""
+        while True:
+            while self._due and self._due[0][2] not in self._members:
+                heapq.heappop(self._due)  # taken off meanwhile
+            if not self._due:
+                self._thread = None
+                return None
+            at, _, worker = self._due[0]
+            if worker.stopping:  # its event was set without stop(): off, as a thread ends
+                heapq.heappop(self._due)
+                self._members.discard(worker)
+                continue
+            wait = at - time.monotonic()
+            if wait <= 0:
+                heapq.heappop(self._due)
+                self._running = worker
+                return worker
+            self._cond.wait(wait)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                worker = self._next()
+            if worker is None:
+                return
+            wait = float(worker.every_s or 0.0)
+            try:
+                worker._step()
+                wait = worker._next_wait()
+            finally:
+                with self._cond:
+                    self._running = None
+                    if worker in self._members and not worker.stopping:
+                        at = time.monotonic() + wait
+                        heapq.heappush(self._due, (at, next(self._order), worker))
+                    else:
+                        self._members.discard(worker)
+                    self._cond.notify_all()
 
 
 def stop_on_signals(stop: Callable[[], None], signals: tuple[int, ...]) -> None:

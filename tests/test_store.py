@@ -206,45 +206,69 @@ def test_deferred_seals_keep_rows_readable_and_flush_waits_for_them() -> None:
     assert st.stored_bytes < st.raw_bytes
 
 
-def test_a_closed_store_ends_its_sealer_and_is_let_go() -> None:
-    """An engine retires the store of every process it served: the sealer
-    thread ends with it, and nothing keeps the store alive after."""
-    import gc
+def _sealers() -> int:
     import threading
+
+    return sum(1 for t in threading.enumerate() if t.name == "probing-seal")
+
+
+def test_stores_share_one_sealer_thread_that_ends_once_idle(monkeypatch) -> None:
+    """An engine's ranks each have a store: one sealer thread for all of
+    them, which ends once no chunk comes (and the next starts it again)."""
+    import time
+
+    from probing.node.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "SEALER_IDLE_S", 0.1)
+    stores = [Store(chunk_rows=1_000) for _ in range(4)]
+    tables = [s.table("t", f"shared{i}") for i, s in enumerate(stores)]
+    for tbl in tables:
+        tbl.append_batch(events(2_500), defer_seal=True)  # two chunks each to the sealer
+    assert store_mod.SEALER.running and _sealers() == 1
+    for tbl in tables:
+        tbl.flush()
+        assert tbl.stats().chunks >= 1 and tbl.stats().pending_rows == 0
+        assert tbl.stats().rows == 2_500
+    deadline = time.monotonic() + 10
+    while _sealers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _sealers() == 0 and not store_mod.SEALER.running
+    chunks = tables[0].stats().chunks
+    tables[0].append_batch(events(1_000), defer_seal=True)
+    assert _sealers() == 1
+    tables[0].flush()
+    assert tables[0].stats().chunks == chunks + 1
+    for s in stores:
+        s.close()
+
+
+def test_a_closed_store_is_let_go_by_the_sealer() -> None:
+    """An engine retires the store of every process it served: nothing
+    keeps it alive after, a chunk it handed over too."""
+    import gc
     import weakref
 
-    def sealers() -> int:
-        return sum(1 for t in threading.enumerate() if t.name == "probing-seal")
-
-    before = sealers()
     store = Store(chunk_rows=1_000)
     tbl = store.table("t", "c")
     tbl.append_batch(events(2_500), defer_seal=True)  # two chunks to the sealer
-    thread = store._sealer
-    assert thread is not None and sealers() == before + 1
     tbl.flush()
     store.close()
-    thread.join(timeout=10)
-    assert not thread.is_alive() and sealers() == before
+    assert not store.seal_later(tbl, 99, [])  # closed: nothing more queued
     gone = weakref.ref(store)
     del store, tbl
     gc.collect()
     assert gone() is None
 
 
-def test_a_settled_store_ends_its_sealer_and_keeps_its_rows() -> None:
-    """A process that exited writes no more: its store's sealer ends, what it
-    left stays queryable until the engine retires it."""
+def test_a_settled_store_keeps_its_rows_sealed() -> None:
+    """A process that exited writes no more: what it left is sealed and
+    stays queryable until the engine retires it."""
     store = Store(chunk_rows=1_000)
     tbl = store.table("t", "s")
     data = events(2_500)
     tbl.append_batch(data, defer_seal=True)
-    thread = store._sealer
-    assert thread is not None
     store.settle()
-    thread.join(timeout=10)
-    assert not thread.is_alive() and store._sealer is None
-    assert tbl.stats().pending_rows == 0
+    assert tbl.stats().pending_rows == 0 and tbl.stats().rows == 2_500
     assert tbl.to_arrow().sort_by("ts").equals(data.sort_by("ts"))
     store.close()
 

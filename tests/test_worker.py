@@ -289,3 +289,89 @@ def test_a_worker_thread_is_named_in_the_kernel_too() -> None:
     assert seen == ["probing-test-lo"]  # the kernel keeps 15 bytes
     with open(f"/proc/{os.getpid()}/comm") as f:
         assert f.read().strip() != "probing-test-lo"  # the process keeps its name
+
+
+def test_shared_workers_of_one_name_run_on_one_thread_that_ends_with_the_last(workers) -> None:  # type: ignore[no-untyped-def]
+    """An engine's ranks each drain, sample and look: one thread a kind of
+    loop (``Beat``), however many ranks; each worker keeps its own period,
+    and the thread ends once none is left."""
+    ran: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    made = [
+        Worker(
+            "probing-test-beat",
+            lambda i=i: ran[i].append(threading.current_thread().name),  # type: ignore[misc]
+            0.002 if i < 2 else 3600,
+            at_once=i == 2,
+            shared=True,
+        )
+        for i in range(3)
+    ]
+    workers.extend(made)
+    for w in made:
+        w.start()
+    _until(lambda: len(ran[0]) >= 5 and len(ran[1]) >= 5)
+    assert len(_threads("probing-test-beat")) == 1
+    assert {n for names in ran.values() for n in names} == {"probing-test-beat"}
+    assert len(ran[2]) == 1  # at once, then its own hour
+    assert all(w.running and w.state == "running" for w in made)
+    made[0].stop()
+    assert made[0].state == "stopped" and made[1].running
+    steps = made[0].steps
+    _until(lambda: len(ran[1]) >= steps + 10)
+    assert made[0].steps == steps  # taken off, never stepped again
+    made[1].stop()
+    made[2].stop()
+    _until(lambda: not _threads("probing-test-beat"))
+    made[1].start()  # a new one starts the thread again
+    _until(lambda: made[1].steps > steps)
+    assert len(_threads("probing-test-beat")) == 1
+
+
+def test_a_shared_workers_stop_waits_for_its_step_and_not_for_the_others(workers) -> None:  # type: ignore[no-untyped-def]
+    """``stop`` returns once the worker's own step in progress ended; a step
+    that stops its own worker, or another on the beat, does not wait."""
+    inside, release = threading.Event(), threading.Event()
+    others: list[Worker] = []
+
+    def slow() -> None:
+        inside.set()
+        release.wait(10)
+
+    def stopper() -> None:
+        others[0].stop(timeout=None)  # from the beat's thread: no wait
+
+    a = Worker("probing-test-beat-stop", slow, 0.001, at_once=True, shared=True)
+    b = Worker("probing-test-beat-stop", stopper, 3600, shared=True)
+    others.append(b)
+    workers.extend([a, b])
+    a.start()
+    inside.wait(10)
+    stopped = threading.Thread(target=a.stop)
+    stopped.start()
+    stopped.join(0.2)
+    assert stopped.is_alive() and a.state == "stopping"  # its step runs on
+    release.set()
+    stopped.join(10)
+    assert not stopped.is_alive() and a.state == "stopped"
+    b.start()
+    b.every_s = 3600
+    c = Worker("probing-test-beat-stop", lambda: b.stop(timeout=None), 0.001, shared=True)
+    workers.append(c)
+    c.start()
+    _until(lambda: b.state == "stopped")
+
+
+def test_a_shared_worker_ends_when_the_event_its_owner_holds_is_set(workers) -> None:  # type: ignore[no-untyped-def]
+    event = threading.Event()
+    w = Worker("probing-test-beat-event", lambda: None, 0.001, event=event, shared=True)
+    workers.append(w)
+    w.start()
+    _until(lambda: w.steps >= 2)
+    event.set()
+    _until(lambda: w.state == "stopped")
+    _until(lambda: not _threads("probing-test-beat-event"))
+
+
+def test_a_shared_worker_is_periodic() -> None:
+    with pytest.raises(ValueError, match="periodic"):
+        Worker("probing-test-beat-once", lambda: None, shared=True)

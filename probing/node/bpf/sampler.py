@@ -35,8 +35,8 @@ from probing.errors import BPFUnavailable
 from probing.worker import Worker, error_text
 
 SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
-DEFAULT_INTERVAL_S = 0.5
-NAMES_S = 2.0  # a traced process's thread names, asked of its guest this often at most
+DEFAULT_INTERVAL_S = 1.0  # a query reads first anyway (``add_before_read``)
+NAMES_S = 6.0  # a traced process's thread names, asked of its guest this often at most
 KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
 SAMPLES_MAX = 16384
 # threads the probe's query engine (DataFusion's tokio runtime) starts in the host:
@@ -98,8 +98,8 @@ class Sampler:
         self._named: tuple[float, dict[int, str | None]] = (0.0, {})  # (when, a guest's names)
         self._lock = threading.Lock()
         self._worker = Worker(
-            "probing-sampler", self.read, interval_s, on_error=self._read_failed
-        )  # a read every interval_s
+            "probing-sampler", self.read, interval_s, on_error=self._read_failed, shared=True
+        )  # a read every interval_s, on the process's one sampler thread
 
     def start(self) -> None:
         """Load (from the node's cache: BCC runs once per node) and attach."""

@@ -48,8 +48,9 @@ if TYPE_CHECKING:
     from probing.node.bpf.sampler import Sampler
 
 # a drain costs about the same for 1 event as for 100 (its columns' set-up):
-# every 0.2 s, sooner for a ring filling fast; a query drains first anyway
-DEFAULT_INTERVAL_S = 0.2
+# every 0.5 s, sooner for a ring filling fast; a query and the detector's
+# look at its rank's arrivals drain first anyway
+DEFAULT_INTERVAL_S = 0.5
 BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
 REFILL_TO = 0.25  # the next drain comes when the fastest ring may be this full again
 RESCAN_EVERY_S = 0.5
@@ -156,7 +157,7 @@ class Tracer:
         # the drain thread: every interval_s, sooner for a ring filling fast (_tick)
         self._worker = Worker(
             "probing-trace", self._tick, interval_s, sooner=lambda: self._next_s,
-            on_error=self._tick_failed,
+            on_error=self._tick_failed, shared=True,
         )  # fmt: skip
         self._next_s: float | None = None  # the wait a fast-filling ring asks for
         self._last_drain = self._last_scan = 0.0  # monotonic s

@@ -206,7 +206,7 @@ class Watch:
 
         return Worker(
             name, detect, every_s, sooner=due, what="detection", on_error=self._failed,
-            event=self._stop,
+            event=self._stop, shared=True,
         )  # fmt: skip
 
     def _failed(self, err: Exception) -> None:

@@ -21,7 +21,8 @@ from probing.worker import named
 
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_CHUNK_ROWS = 1 << 16
-SEAL_QUEUE = 4  # chunks waiting for the sealer thread; past that, the writer seals
+SEAL_QUEUE = 4  # a store's chunks waiting for the sealer thread; past that, the writer seals
+SEALER_IDLE_S = 2.0  # the sealer thread ends once no chunk came for this long
 
 
 # chunks-<engine pid>-[p<process pid>s<its start, clock ticks>-]<random>: a store
@@ -95,6 +96,52 @@ def remove_stale_roots(user_dir: str) -> None:
         shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
 
 
+class Sealer:
+    """The process's one sealer thread (``probing-seal``), for every store:
+    it compresses the chunks handed over, oldest first, and ends once none
+    came for ``SEALER_IDLE_S`` (the next chunk starts it again): an engine
+    serving many ranks has one, and none once they are done."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Store, EventTable, int, list[pa.RecordBatch]]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def put(
+        self, store: Store, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]
+    ) -> None:
+        self._queue.put((store, table, chunk_id, batches))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=named("probing-seal", self._run), name="probing-seal", daemon=True
+                )
+                self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                store, table, chunk_id, batches = self._queue.get(timeout=SEALER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():  # a put after this starts a new thread
+                        self._thread = None
+                        return
+                continue
+            store._sealed_one(table, chunk_id, batches)
+            del store, table, batches  # nothing of a store kept while idle
+
+
+SEALER = Sealer()
+
+
 class Store:
     """Append-only compressed column tables with retention by bytes and age.
 
@@ -128,59 +175,37 @@ class Store:
         self._owner_start = started(owner) if owner else None
         self._tables: dict[tuple[str, str], EventTable] = {}
         self._lock = threading.RLock()
-        # the chunks to seal; None: the sealer's end (``close``)
-        self._seal_queue: queue.SimpleQueue[tuple[EventTable, int, list[pa.RecordBatch]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._sealer: threading.Thread | None = None
-        self._queued = 0
+        self._queued = 0  # chunks handed to the sealer, not sealed yet
+        self._closed = False  # its files removed: a chunk still queued is let go
 
     def seal_later(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> bool:
-        """Hand a chunk to the sealer thread, which compresses it (the Parquet
-        and IPC writers let go of the GIL meanwhile). False when SEAL_QUEUE
-        chunks already wait: the caller seals this one itself, which bounds
-        the rows held in memory and slows a writer that outruns the sealer."""
+        """Hand a chunk to the process's sealer thread, which compresses it
+        (the Parquet and IPC writers let go of the GIL meanwhile). False
+        when SEAL_QUEUE chunks of this store already wait: the caller seals
+        this one itself, which bounds the rows held in memory and slows a
+        writer that outruns the sealer."""
         with self._lock:
-            if self._queued >= SEAL_QUEUE:
+            if self._queued >= SEAL_QUEUE or self._closed:
                 return False
-            if self._sealer is None:
-                self._sealer = threading.Thread(
-                    target=named("probing-seal", self._seal_forever),
-                    name="probing-seal",
-                    daemon=True,
-                )
-                self._sealer.start()
             self._queued += 1
-        self._seal_queue.put((table, chunk_id, batches))
+        SEALER.put(self, table, chunk_id, batches)
         return True
 
-    def _seal_forever(self) -> None:
-        while True:
-            item = self._seal_queue.get()
-            if item is None:  # closed: what was queued before is sealed, and it ends
-                return
-            table, chunk_id, batches = item
-            try:
+    def _sealed_one(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> None:
+        """On the sealer thread: seal one chunk this store handed over."""
+        try:
+            if not self._closed:
                 table._seal(chunk_id, batches)  # never raises: a failure is counted there
-            finally:
-                with self._lock:
-                    self._queued -= 1
+        finally:
+            with self._lock:
+                self._queued -= 1
 
     def settle(self) -> None:
-        """Seal what is pending and end the sealer thread: the process whose
-        data this is has exited and writes no more; its rows stay queryable
-        until ``close`` (an engine keeps what a dead process left a while)."""
+        """Seal what is pending: the process whose data this is has exited
+        and writes no more; its rows stay queryable until ``close`` (an
+        engine keeps what a dead process left a while)."""
         for t in self.tables():
             t.flush()
-        self._stop_sealer()
-
-    def _stop_sealer(self) -> None:
-        """The sealer thread ends once what is queued before now is sealed; a
-        chunk handed over later starts another (``seal_later``)."""
-        with self._lock:
-            sealer, self._sealer = self._sealer, None
-        if sealer is not None:
-            self._seal_queue.put(None)
 
     def chunk_root(self) -> str:
         """This process's chunk directory, created on first use."""
@@ -241,10 +266,10 @@ class Store:
     def close(self) -> None:
         """Remove this process's chunk files (at exit; safe to call twice).
         Closed before the exit (an engine retiring a process's store), it
-        lets go of its exit hook and ends its sealer thread, either of which
-        would keep the store alive (an engine serves hundreds of jobs)."""
-        self._stop_sealer()
+        lets go of its exit hook, which would keep the store alive (an
+        engine serves hundreds of jobs); a chunk still queued is let go."""
         with self._lock:
+            self._closed = True
             root, self._root = self._root, None
         if root is not None:
             atexit.unregister(self.close)
