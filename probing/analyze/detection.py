@@ -26,7 +26,7 @@ STILL_S = 2.0
 GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes) ...
 GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)
 GROUPS_KEEP = 65536  # contexts whose group is kept (past it, only the last answer's)
-# a call reaches its rank's store within this of its end (drained every 0.2 s):
+# a call reaches its rank's store within this of its end (drained every 0.5 s):
 # the calls that ended this long before the last ask are asked again
 LAG_S = 2.0
 RESYNC_S = 60.0  # the whole window asked again this often, and after a rank missed an ask

@@ -23,9 +23,10 @@ from probing.analyze.evidence import (
     SHARE_ALWAYS,
     SHARE_NAMED,
     VERY_FAR,
+    Seen,
     change_point,
     evidence,
-    excess_matrix,
+    median,
 )
 
 
@@ -78,13 +79,15 @@ def stragglers(
             continue
         ranks = sorted({r for c in cs for r in c.ts})
         starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
-        matrix = np.nan_to_num(excess_matrix(cs, ranks), nan=0.0)
+        seen = Seen.of(cs, ranks)  # read once for every rank's evidence
         for j, r in enumerate(ranks):
-            excess = matrix[:, j]
+            excess = seen.excess[:, j]
             if float(np.median(excess)) < 0:
                 waits[comm].add(r)
             mine = steps.comms.get(comm)
-            s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine)
+            s = _straggler_on(
+                comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine, seen
+            )
             if s is None and mine is not None and steps.job is not None:
                 s = _late_at_one(comm, cs, r, excess, len(ranks), nodes.get(r, ""), mine, steps.job)
             if s is None:
@@ -111,10 +114,12 @@ def stragglers(
 def _straggler_on(
     comm: str, cs: list[Collective], r: int, excess: np.ndarray, starts: np.ndarray,
     nranks: int, node: str, step: st.Step | None = None,
+    seen: Seen | None = None,
 ) -> Straggler | None:  # fmt: skip
     """Rank ``r`` as a straggler on ``comm``, or None: over ``cs`` (its complete
     collectives, starting at ``starts``, ns), where ``r`` arrived ``excess``
-    ms after the others' median (``excess_matrix``), of ``nranks`` ranks. Tested
+    ms after the others' median (``excess_matrix``; ``seen``: the window's
+    ``Seen``), of ``nranks`` ranks. Tested
     (``Evidence.named``) first since the change point where its excess rose
     (``change_point``), where there is one, then over the whole window; one
     only released late by the collective before (``released_late``, over
@@ -124,7 +129,7 @@ def _straggler_on(
     seg_from = [0, k] if began and len(cs) - k >= MIN_COLLECTIVES else [0]
     ev = None
     for k0 in reversed(seg_from):  # the slow period alone first
-        e = evidence(cs[k0:], r)
+        e = evidence(cs[k0:], r, None if seen is None else seen.since(k0))
         if e.named(nranks):
             ev = e
             break
@@ -271,7 +276,7 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
                 gaps[o] = t - (before if t < end else end)
         if rank in gaps and len(gaps) > 1:
             others = [g for o, g in gaps.items() if o != rank]
-            own.append((c.seq, (gaps[rank] - float(np.median(others))) / 1e6))
+            own.append((c.seq, (gaps[rank] - median(others)) / 1e6))
     return own
 
 
