@@ -234,7 +234,8 @@ class Sampler:
             self._prev = {}
         self.dropped = int(bpf["dropped"][ctypes.c_int(0)].value)
         self.py.collect(bpf, np.array(rows["stack_id"], dtype=np.uint32))
-        self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA))
+        # a chunk this completes is compressed by the store's sealer thread
+        self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA), defer_seal=True)
         self.reads += 1
         return len(rows["ts"])
 

@@ -22,6 +22,10 @@ from probing.worker import named
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_CHUNK_ROWS = 1 << 16
 SEAL_QUEUE = 4  # a store's chunks waiting for the sealer thread; past that, the writer seals
+# rows pending this long are sealed at the next append or read: a chunk costs
+# a file and a writer's set-up whatever its rows (a traced rank seals each
+# table every few seconds, not every second)
+SEAL_AFTER_S = 5.0
 SEALER_IDLE_S = 2.0  # the sealer thread ends once no chunk came for this long
 
 
@@ -160,7 +164,7 @@ class Store:
         max_age_s: float | None = None,
         chunk_rows: int | None = None,
         codec: str | None = None,
-        seal_after_s: float = 2.0,
+        seal_after_s: float = SEAL_AFTER_S,
         owner: int | None = None,
     ) -> None:
         env = config.load()
