@@ -104,6 +104,7 @@ class Job:
             assert p.stdout is not None
             line = p.stdout.readline()
             if not line.startswith("ready"):
+                self.stop()  # the ranks that did start
                 raise RuntimeError(f"a rank did not start: {line!r} (exit {p.poll()})")
             self.pids.append(p.pid)
 
@@ -137,6 +138,45 @@ def engine_pid(rt: str) -> int:
             if psutil.pid_exists(pid):
                 return pid
     return 0
+
+
+def job_env(tmp: str, tree: Path = REPO, detect: bool = True) -> tuple[dict[str, str], str]:
+    """The environment of a job and of the CLI that traces it, and their
+    runtime directory: ``tmp``/rt, of its own (so a fresh engine)."""
+    rt = os.path.join(tmp, "rt")
+    os.mkdir(rt, 0o700)
+    os.environ["PROBING_RUNTIME_DIR"] = rt  # the probes this process asks (detections)
+    # the tree's probing for the CLI, the guest it injects and the engine
+    env = dict(os.environ, PYTHONPATH=str(tree), PROBING_ENGINE_ENV="PYTHONPATH")
+    env.pop("PROBING", None)
+    if not detect:  # the job's watch off: what the detector costs, by difference
+        env["PROBING_DETECT_S"] = "0"
+    return env, rt
+
+
+def trace(env: dict[str, str], job: Job, rt: str) -> psutil.Process:
+    """``probing trace --pid R0 --cluster --background``, as a user starts
+    it (stacks and the job's watch on); the engine that traces."""
+    r = probing(env, "trace", "--pid", str(job.pids[0]), "--cluster", "--background")
+    if r.returncode != 0:
+        raise RuntimeError(f"trace failed: {r.stderr.strip()}")
+    return psutil.Process(engine_pid(rt))
+
+
+def stop(job: Job, rt: str) -> None:
+    """The job's ranks killed, and the engine stopped (SIGTERM; SIGKILL
+    after 30 s)."""
+    job.stop()
+    engine = engine_pid(rt)
+    if engine:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(engine)
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -203,14 +243,7 @@ def case(
     tree: Path = REPO,
 ) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="probing-cost-")
-    rt = os.path.join(tmp, "rt")
-    os.mkdir(rt, 0o700)
-    os.environ["PROBING_RUNTIME_DIR"] = rt  # the probes this process asks (detections)
-    # the tree's probing for the CLI, the guest it injects and the engine
-    env = dict(os.environ, PYTHONPATH=str(tree), PROBING_ENGINE_ENV="PYTHONPATH")
-    env.pop("PROBING", None)
-    if not detect:  # the job's watch off: what the detector costs, by difference
-        env["PROBING_DETECT_S"] = "0"
+    env, rt = job_env(tmp, tree, detect)
     step_ms = 1e3 * PER_STEP[shape] / rate
     job = Job(shape, world, step_ms, env, tmp)
     out: dict[str, Any] = {"tree": "this" if tree == REPO else "baseline", "shape": shape,
@@ -223,11 +256,8 @@ def case(
         out["job_cpu_untraced"] = round((c1 - c0) / (t1 - t0), 4)
         if shape == "ddp":
             out["rate_untraced"] = round((n1 - n0) / world / (t1 - t0), 1)
-        r = probing(env, "trace", "--pid", str(job.pids[0]), "--cluster", "--background")
-        if r.returncode != 0:
-            raise RuntimeError(f"trace failed: {r.stderr.strip()}")
-        engine = engine_pid(rt)
-        proc = psutil.Process(engine)
+        proc = trace(env, job, rt)
+        engine = proc.pid
         time.sleep(settle)
         e0, th0, d0 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
         c0, w0, t0 = job.cpu(), time.time(), time.monotonic()
@@ -249,12 +279,7 @@ def case(
             parts=breakdown(th0, th1, e1 - e0, engine, span),
         )
     finally:
-        job.stop()
-        engine = engine_pid(rt)
-        if engine:
-            os.kill(engine, signal.SIGTERM)
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(engine).wait(timeout=30)
+        stop(job, rt)
     return out
 
 

@@ -5,12 +5,16 @@ srun/mpirun way, ``tests/jobs/ddp_job.py``, or with ``--kind plain`` four
 plain Python processes joined by ``PROBING_PEERS``, the same four ports
 for every job: the same settings, so the same engine), are traced over the
 cluster, asked two cluster queries (a live table, a stored one), and
-stopped. After each job, and once every exited process was retired
-(``PROBING_KEEP_DEAD_S``), the engine's RSS, threads, descriptors,
-listening TCP ports and the files it keeps (sockets, state and chunk
-directories) are read. Printed: those figures once the first job was
-retired (the baseline), after the last job, once every job was retired,
-and the growth per job between the baseline and the end.
+stopped. A torch job, once traced, runs until the engine's store sealer has
+sealed a chunk of its traced calls (``gloo.calls``, for one of its ranks;
+``SEAL_TIMEOUT_S`` at most): the sealer thread each job starts is part of
+what the engine must let go; the jobs that got one are counted. After each
+job, and once every exited process was retired (``PROBING_KEEP_DEAD_S``),
+the engine's RSS, threads, descriptors, listening TCP ports and the files
+it keeps (sockets, state and chunk directories) are read. Printed: those
+figures once the first job was retired (the baseline), after the last job,
+once every job was retired, the growth per job between the baseline and
+the end, and the jobs sealed.
 
     python benchmarks/engine_soak.py [--jobs 300] [--kind torch|plain] [--keep-dead-s 3]
 """
@@ -41,6 +45,9 @@ WORLD = 4
 STORED = "SELECT rank, count(*) AS n FROM python.stacks GROUP BY rank"
 PLAIN = "import time\nwhile True:\n    time.sleep(0.05)\n"
 JOB = REPO / "tests" / "jobs" / "ddp_job.py"
+# the first collectives come a few seconds after the trace on 2 busy CPUs,
+# and their rows are sealed once 2 s old (Store.seal_after_s)
+SEAL_TIMEOUT_S = 60.0
 
 
 def start_job(kind: str, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
@@ -116,6 +123,23 @@ def retired(directory: Path, timeout: float = 120.0) -> None:
         time.sleep(0.25)
 
 
+def sealed(directory: Path, chunks: Path, pids: list[int]) -> bool:
+    """Whether the engine's sealer wrote a chunk of ``gloo.calls`` (the
+    drain's table, sealed by the store's ``probing-seal`` thread; samples
+    and stacks are sealed by their writer) for one of ``pids`` within
+    ``SEAL_TIMEOUT_S``; waits until it did."""
+    engine = engine_pid(directory)
+    deadline = time.monotonic() + SEAL_TIMEOUT_S
+    while engine and time.monotonic() < deadline:
+        for pid in pids:
+            # chunks-<engine>-p<pid>s<start>-*/gloo/calls/__probing_chunk=<id>/<id>.<ext>
+            for path in chunks.glob(f"chunks-{engine}-p{pid}s*/gloo/calls/*/*"):
+                if not path.name.endswith(".tmp"):  # written aside, then renamed
+                    return True
+        time.sleep(0.2)
+    return False
+
+
 def figures(pid: int, directory: Path, chunks: Path) -> dict[str, float]:
     """What the engine holds now."""
     p = psutil.Process(pid)
@@ -138,7 +162,9 @@ def figures(pid: int, directory: Path, chunks: Path) -> dict[str, float]:
     }
 
 
-def one_job(kind: str, env: dict[str, str]) -> None:
+def one_job(kind: str, env: dict[str, str], directory: Path, chunks: Path) -> bool:
+    """One job through the engine; whether the sealer sealed a chunk of it
+    (a torch job's; a plain one traces no calls)."""
     procs = start_job(kind, env)
     try:
         for p in procs:
@@ -146,6 +172,7 @@ def one_job(kind: str, env: dict[str, str]) -> None:
         rows = ProbeClient.for_pid(procs[0].pid).cluster_trace("start", families=["gloo"])
         if not all(r["ok"] for r in rows):
             raise RuntimeError(f"not every rank traced: {rows}")
+        got_chunk = kind == "torch" and sealed(directory, chunks, [p.pid for p in procs])
         got = cluster_query("SELECT rank FROM process.info", pid=procs[1].pid, timeout=30)
         if got.table.num_rows != WORLD:
             raise RuntimeError(f"{got.table.num_rows} of {WORLD} ranks answered")
@@ -165,6 +192,7 @@ def one_job(kind: str, env: dict[str, str]) -> None:
                 p.kill()
                 p.wait()
         seen_dead(env, [p.pid for p in procs])
+    return got_chunk
 
 
 def seen_dead(env: dict[str, str], pids: list[int], timeout: float = 30.0) -> None:
@@ -202,19 +230,20 @@ def main() -> None:
     if args.kind == "plain":  # one peer list for every job: ranks started again on their ports
         env["PROBING_PEERS"] = ",".join(f"127.0.0.1:{free_port()}" for _ in range(WORLD))
     os.environ.update({k: v for k, v in env.items() if k.startswith("PROBING")})
-    rows, t0, engine = [], time.monotonic(), None
+    rows, t0, engine, n_sealed = [], time.monotonic(), None, 0
     first: dict[str, float] = {}
     for n in range(1, args.jobs + 1):
-        one_job(args.kind, env)
+        n_sealed += one_job(args.kind, env, directory, chunks)
         engine = engine or engine_pid(directory)
         if engine is None:
             raise RuntimeError("no engine ran the jobs")
         if n == 1:  # the baseline: the first job's processes retired
             retired(directory)
             first = figures(engine, directory, chunks)
-            rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1), **first})
+            rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1), "sealed": n_sealed,
+                         **first})  # fmt: skip
         elif n % args.every == 0 or n == args.jobs:
-            rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1),
+            rows.append({"jobs": n, "s": round(time.monotonic() - t0, 1), "sealed": n_sealed,
                          **figures(engine, directory, chunks)})  # fmt: skip
         else:
             continue
@@ -230,7 +259,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "engine_soak", "kind": args.kind, "jobs": args.jobs,
         "seconds": round(time.monotonic() - t0, 1), "after_first_job_retired": first,
-        "after_last_job": {k: v for k, v in rows[-1].items() if k not in ("jobs", "s")},
+        "jobs_sealed": n_sealed if args.kind == "torch" else None,
+        "after_last_job": {k: v for k, v in rows[-1].items() if k not in ("jobs", "s", "sealed")},
         "after_all_retired": at_end, "growth_per_job": per_job, "rows": rows,
     }, indent=1))  # fmt: skip
 
