@@ -250,8 +250,10 @@ class Beat:
     def __init__(self, name: str) -> None:
         self.name = name
         self._cond = threading.Condition()
-        self._due: list[tuple[float, int, Worker]] = []  # (monotonic s, order, worker)
-        self._members: set[Worker] = set()
+        self._due: list[tuple[float, int, Worker]] = []  # (monotonic s, token, worker)
+        # each worker on it, by the token of its entry in _due (an entry of
+        # another token is one left by a stop and a start since: skipped)
+        self._members: dict[Worker, int] = {}
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
         self._running: Worker | None = None  # the worker whose step runs now
@@ -277,8 +279,9 @@ class Beat:
 
     def add(self, worker: Worker, first_s: float) -> None:
         with self._cond:
-            self._members.add(worker)
-            heapq.heappush(self._due, (time.monotonic() + first_s, next(self._order), worker))
+            token = self._members[worker] = next(self._order)
+            if self._running is not worker:  # else its step, once done, puts it back
+                heapq.heappush(self._due, (time.monotonic() + first_s, token, worker))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=named(self.name, self._loop), name=self.name, daemon=True
@@ -291,7 +294,7 @@ class Beat:
         progress (none from the beat's own thread: a step that stops one)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            self._members.discard(worker)
+            self._members.pop(worker, None)
             self._cond.notify_all()
             if threading.current_thread() is self._thread:
                 return
@@ -305,15 +308,15 @@ class Beat:
         """The next worker due, once it is; None once none is left (the
         thread then ends). Called with the condition held."""
         while True:
-            while self._due and self._due[0][2] not in self._members:
-                heapq.heappop(self._due)  # taken off meanwhile
+            while self._due and self._members.get(self._due[0][2]) != self._due[0][1]:
+                heapq.heappop(self._due)  # taken off meanwhile (or off and on again)
             if not self._due:
                 self._thread = None
                 return None
             at, _, worker = self._due[0]
             if worker.stopping:  # its event was set without stop(): off, as a thread ends
                 heapq.heappop(self._due)
-                self._members.discard(worker)
+                self._members.pop(worker, None)
                 continue
             wait = at - time.monotonic()
             if wait <= 0:
@@ -335,11 +338,11 @@ class Beat:
             finally:
                 with self._cond:
                     self._running = None
-                    if worker in self._members and not worker.stopping:
-                        at = time.monotonic() + wait
-                        heapq.heappush(self._due, (at, next(self._order), worker))
+                    token = self._members.get(worker)
+                    if token is not None and not worker.stopping:
+                        heapq.heappush(self._due, (time.monotonic() + wait, token, worker))
                     else:
-                        self._members.discard(worker)
+                        self._members.pop(worker, None)
                     self._cond.notify_all()
 
 

@@ -656,12 +656,12 @@ def test_a_steady_pace_asks_the_ranks_only_at_full_detections() -> None:
     at most), the deaths and who traced asked once in AUX_S at most, torch's
     groups once in GROUPS_S."""
     node = Node()
-    node.live = synchronous(lambda k: 0.0, steps=720)
+    node.live = synchronous(lambda k: 0.0, steps=1600)
     node.groups = groups_of(node.live)
     w = Watch(node, tracing=lambda: True, dropped=dict, every_s=0.25)
     start = ended(node.live, 0, 300)
     asked_at: list[float] = []
-    for k in range(int(30.5 / w.every_s) + 1):
+    for k in range(int(70.5 / w.every_s) + 1):
         node.clock = start + int(k * w.every_s * 1e9)
         before = len(node.asked)
         assert not w.tick(node.clock)
@@ -671,10 +671,11 @@ def test_a_steady_pace_asks_the_ranks_only_at_full_detections() -> None:
         (0.0, "comm.collectives"), (0.0, "comm.groups"), (0.0, "process.info"),
         (0.0, "trace.intervals"),
         (2 * dt.FULL_S, "comm.collectives"),
-        (6 * dt.FULL_S, "comm.collectives"), (6 * dt.FULL_S, "comm.groups"),
-        (6 * dt.FULL_S, "process.info"), (6 * dt.FULL_S, "trace.intervals"),
+        (6 * dt.FULL_S, "comm.collectives"),
+        (14 * dt.FULL_S, "comm.collectives"), (14 * dt.FULL_S, "comm.groups"),
+        (14 * dt.FULL_S, "process.info"), (14 * dt.FULL_S, "trace.intervals"),
     ]  # fmt: skip
-    assert w.book.detections == 3
+    assert w.book.detections == 4
     assert w.full_s() == dt.QUIET_S
 
 

@@ -375,3 +375,27 @@ def test_a_shared_worker_ends_when_the_event_its_owner_holds_is_set(workers) -> 
 def test_a_shared_worker_is_periodic() -> None:
     with pytest.raises(ValueError, match="periodic"):
         Worker("probing-test-beat-once", lambda: None, shared=True)
+
+
+def test_a_shared_worker_started_again_while_its_step_ends_steps_once_a_period(workers) -> None:  # type: ignore[no-untyped-def]
+    """A stop that gave up waiting, then a start, while the step still runs:
+    one entry on the beat, not two (it would step twice a period)."""
+    inside, release = threading.Event(), threading.Event()
+    times: list[float] = []
+
+    def step() -> None:
+        times.append(time.monotonic())
+        if len(times) == 1:
+            inside.set()
+            release.wait(10)
+
+    w = Worker("probing-test-beat-again", step, 0.05, at_once=True, shared=True)
+    workers.append(w)
+    w.start()
+    inside.wait(10)
+    w.stop(timeout=0.01)  # its step runs on
+    w.start()
+    release.set()
+    _until(lambda: len(times) >= 6)
+    gaps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+    assert min(gaps) >= 0.04, gaps

@@ -18,15 +18,15 @@ WINDOW_S = 30.0  # the collectives each detection looks at
 HANG_AFTER_S = 10.0  # a collective some rank never entered for this long is a hang
 GONE_AFTER = 2  # full detections in a row: a peer missing to be gone, a link slow to be slow
 FULL_S = 5.0  # a full detection (every kind of finding, clearing, /metrics) this often ...
-QUIET_S = 30.0  # ... doubled after each that found nothing, up to this (a steady healthy job)
+QUIET_S = 60.0  # ... doubled after each that found nothing, up to this (a steady healthy job)
 ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
-AUX_S = 15.0  # the ranks' deaths and traced spans asked again this often, or at once
+AUX_S = 60.0  # the ranks' deaths and traced spans asked again this often, or at once
 # where who answered changed or a rank's newest collective began STILL_S ago
 STILL_S = 2.0
-GROUPS_S = 30.0  # torch's groups asked again this often (a job makes them as it goes) ...
+GROUPS_S = 60.0  # torch's groups asked again this often (a job makes them as it goes) ...
 GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)
 GROUPS_KEEP = 65536  # contexts whose group is kept (past it, only the last answer's)
-# a call reaches its rank's store within this of its end (drained every 0.5 s):
+# a call reaches its rank's store within this of its end (drained every 1 s):
 # the calls that ended this long before the last ask are asked again
 LAG_S = 2.0
 RESYNC_S = 60.0  # the whole window asked again this often, and after a rank missed an ask
@@ -145,7 +145,7 @@ def unnamed(table: pa.Table, known: Container[tuple[Any, ...]]) -> set[tuple[Any
 def full_period_s(base_s: float, quiet: int) -> float:
     """The full detections' period after ``quiet`` of them in a row found
     nothing: ``base_s``, doubled after each, ``QUIET_S`` at most (a steady
-    healthy job is asked for its window twice a minute, not twelve times)."""
+    healthy job is asked for its window once a minute, not twelve times)."""
     return max(base_s, min(base_s * float(2**quiet), QUIET_S))
 
 

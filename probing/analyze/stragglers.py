@@ -85,9 +85,7 @@ def stragglers(
             if float(np.median(excess)) < 0:
                 waits[comm].add(r)
             mine = steps.comms.get(comm)
-            s = _straggler_on(
-                comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine, seen
-            )
+            s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine, seen)
             if s is None and mine is not None and steps.job is not None:
                 s = _late_at_one(comm, cs, r, excess, len(ranks), nodes.get(r, ""), mine, steps.job)
             if s is None:

@@ -35,7 +35,7 @@ from probing.errors import BPFUnavailable
 from probing.worker import Worker, error_text
 
 SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
-DEFAULT_INTERVAL_S = 1.0  # a query reads first anyway (``add_before_read``)
+DEFAULT_INTERVAL_S = 2.0  # a query reads first anyway (``add_before_read``)
 NAMES_S = 6.0  # a traced process's thread names, asked of its guest this often at most
 KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
 SAMPLES_MAX = 16384

@@ -48,12 +48,12 @@ if TYPE_CHECKING:
     from probing.node.bpf.sampler import Sampler
 
 # a drain costs about the same for 1 event as for 100 (its columns' set-up):
-# every 0.5 s, sooner for a ring filling fast; a query and the detector's
+# every second, sooner for a ring filling fast; a query and the detector's
 # look at its rank's arrivals drain first anyway
-DEFAULT_INTERVAL_S = 0.5
+DEFAULT_INTERVAL_S = 1.0
 BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
 REFILL_TO = 0.25  # the next drain comes when the fastest ring may be this full again
-RESCAN_EVERY_S = 0.5
+RESCAN_EVERY_S = 1.0
 
 
 def require_bpf() -> None:
