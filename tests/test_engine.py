@@ -266,3 +266,39 @@ def test_probe_tables_leave_analyze_and_pyarrow_dataset_to_their_first_use() -> 
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split("\n")
     assert out[:2] == ["[]", "True"]
+
+
+ENGINE_POOLS = """
+import collections, os, sys
+import pyarrow as pa
+from probing.node.service.engine import _few_threads
+_few_threads()
+import pyarrow.parquet as pq
+from probing.node.sql import Database
+from probing.node.store import Store
+t = pa.table({"a": list(range(50_000)), "b": [str(i % 7) for i in range(50_000)]})
+pq.write_table(t, sys.argv[1])
+pq.read_table(sys.argv[1]).sort_by("a")
+store = Store()
+store.table("t", "x").append_batch(t)
+Database(store).sql("SELECT b, sum(a) FROM t.x GROUP BY b")
+names = collections.Counter(
+    open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task"))
+tokio = os.environ["TOKIO_WORKER_THREADS"]
+print(pa.cpu_count(), pa.io_thread_count(), tokio, names["tokio-rt-worker"])
+"""
+
+
+def test_the_engines_native_pools_are_a_few_threads_whatever_the_cores(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Arrow's CPU and I/O pools and DataFusion's runtime are sized by the
+    node (a thread a core; eight for I/O): the engine takes two each."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKIO_WORKER_THREADS"}
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_POOLS, str(tmp_path / "t.parquet")],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    ).stdout.split()  # fmt: skip
+    cpu, io, tokio, workers = (int(x) for x in out)
+    assert cpu <= 2 and io == 2 and tokio == 2 and workers <= 3, out

@@ -455,6 +455,22 @@ def _preload() -> None:
         log_unexpected("database not preloaded", err)
 
 
+POOL_THREADS = 2  # the engine's native pools' threads: Arrow's CPU and I/O pools, DataFusion's
+
+
+def _few_threads() -> None:
+    """The native pools sized for a tracer, not for the node: Arrow's CPU
+    pool and DataFusion's runtime take a thread per core (hundreds on a
+    GPU node), Arrow's I/O pool eight, each started by whichever thread of
+    ours first needs it. Before pyarrow or datafusion is loaded (tokio
+    reads ``TOKIO_WORKER_THREADS`` when the runtime starts)."""
+    os.environ.setdefault("TOKIO_WORKER_THREADS", str(POOL_THREADS))
+    import pyarrow as pa
+
+    pa.set_cpu_count(min(pa.cpu_count(), POOL_THREADS))
+    pa.set_io_thread_count(min(pa.io_thread_count(), POOL_THREADS))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m probing.node.service [--daemon]``: run the node's engine for this
     environment's settings unless one runs already (``engine-<key>.lock``);
@@ -467,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--daemon" in args and os.fork() != 0:
         os._exit(0)  # the guest that started us reaps this parent at once
     key = place.engine_key(dict(os.environ))  # the guest gave us the settings it hashed
+    _few_threads()
     lock = open(place.engine_path(directory, key, "lock"), "a")  # held for life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
