@@ -66,7 +66,10 @@ class Family:
     dtype: np.dtype
     schema: pa.Schema
     decode: Callable[[np.ndarray, Decoded], dict[str, Any]]
-    ringbuf_pages: int = 1024  # 4 MiB
+    # 1 MiB: ~8,000 events, seconds of a busy rank's collectives between two
+    # drains (a ring filling fast is drained sooner); the engine maps each
+    # rank's twice (its RSS), so no larger than that needs
+    ringbuf_pages: int = 256
     # events per ring record: >1 stages the hot calls' events per CPU and
     # sends them together (bpf/preamble.c: STAGE_EVENTS)
     stage: int = 1
