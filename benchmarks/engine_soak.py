@@ -226,7 +226,9 @@ def main() -> None:
     chunks = Path("/dev/shm") / f"probing-{os.getuid()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBING")}
     env.update(PROBING_RUNTIME_DIR=str(runtime), PROBING_KEEP_DEAD_S=str(args.keep_dead_s),
-               PROBING_ENGINE_IDLE_S="3600", PROBING_TOKEN="soak")  # fmt: skip
+               PROBING_ENGINE_IDLE_S="3600", PROBING_TOKEN="soak",
+               # this tree's probing in the jobs and their engine (a worktree's too)
+               PYTHONPATH=str(REPO), PROBING_ENGINE_ENV="PYTHONPATH")  # fmt: skip
     if args.kind == "plain":  # one peer list for every job: ranks started again on their ports
         env["PROBING_PEERS"] = ",".join(f"127.0.0.1:{free_port()}" for _ in range(WORLD))
     os.environ.update({k: v for k, v in env.items() if k.startswith("PROBING")})
