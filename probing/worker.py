@@ -272,22 +272,20 @@ class Beat:
         with self._cond:
             return worker in self._members or self._running is worker
 
-    def threads(self) -> int:
-        """1 while the beat has workers, else 0."""
-        with self._cond:
-            return int(self._thread is not None)
-
     def add(self, worker: Worker, first_s: float) -> None:
         with self._cond:
             token = self._members[worker] = next(self._order)
             if self._running is not worker:  # else its step, once done, puts it back
                 heapq.heappush(self._due, (time.monotonic() + first_s, token, worker))
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=named(self.name, self._loop), name=self.name, daemon=True
-                )
-                self._thread.start()
+                self._start_locked()
             self._cond.notify_all()
+
+    def _start_locked(self) -> None:
+        self._thread = threading.Thread(
+            target=named(self.name, self._loop), name=self.name, daemon=True
+        )
+        self._thread.start()
 
     def remove(self, worker: Worker, timeout: float | None) -> None:
         """Take ``worker`` off; wait at most ``timeout`` s for its step in
@@ -326,24 +324,36 @@ class Beat:
             self._cond.wait(wait)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                worker = self._next()
-            if worker is None:
-                return
-            wait = float(worker.every_s or 0.0)
-            try:
-                worker._step()
-                wait = worker._next_wait()
-            finally:
+        try:
+            while True:
                 with self._cond:
-                    self._running = None
-                    token = self._members.get(worker)
-                    if token is not None and not worker.stopping:
-                        heapq.heappush(self._due, (time.monotonic() + wait, token, worker))
-                    else:
-                        self._members.pop(worker, None)
-                    self._cond.notify_all()
+                    worker = self._next()
+                if worker is None:
+                    return
+                self._turn(worker)
+        except BaseException:  # not a step's error (those are counted): the
+            with self._cond:  # others of the name go on, on a thread of their own
+                self._running = None
+                self._thread = None
+                if self._members:
+                    self._start_locked()
+            raise
+
+    def _turn(self, worker: Worker) -> None:
+        """``worker``'s step, then its next turn (unless taken off meanwhile)."""
+        wait = float(worker.every_s or 0.0)
+        try:
+            worker._step()
+            wait = worker._next_wait()
+        finally:
+            with self._cond:
+                self._running = None
+                token = self._members.get(worker)
+                if token is not None and not worker.stopping:
+                    heapq.heappush(self._due, (time.monotonic() + wait, token, worker))
+                else:
+                    self._members.pop(worker, None)
+                self._cond.notify_all()
 
 
 def stop_on_signals(stop: Callable[[], None], signals: tuple[int, ...]) -> None:

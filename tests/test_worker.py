@@ -399,3 +399,27 @@ def test_a_shared_worker_started_again_while_its_step_ends_steps_once_a_period(w
     _until(lambda: len(times) >= 6)
     gaps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]
     assert min(gaps) >= 0.04, gaps
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_step_that_escapes_its_loop_leaves_the_others_of_its_beat_running(workers) -> None:  # type: ignore[no-untyped-def]
+    """Only an Exception is a step's error; anything else ends the thread it
+    ran on (as a thread of its own would end). The others of the name go on."""
+
+    class Escapes(BaseException):
+        pass
+
+    ran: list[int] = []
+
+    def escape() -> None:
+        raise Escapes
+
+    a = Worker("probing-test-beat-escape", escape, 3600, at_once=True, shared=True)
+    b = Worker("probing-test-beat-escape", lambda: ran.append(1), 0.005, shared=True)
+    workers.extend([a, b])
+    b.start()
+    _until(lambda: len(ran) >= 2)
+    a.start()
+    seen = len(ran)
+    _until(lambda: len(ran) >= seen + 5)
+    assert len(_threads("probing-test-beat-escape")) == 1
