@@ -39,8 +39,10 @@ static __always_inline u32 py_stack_id(void) {
     int zero = 0;
     struct py_stack *st = tstate ? py_scratch.lookup(&zero) : 0;
     u32 id = st ? py_walk(*tstate, st) : 0;
-    if (id)
-        py_stacks.insert(&id, st); /* no-op when this stack is known already */
+    /* a known stack (most calls' after the first few) is found without the
+     * bucket lock an insert takes, even one that finds it there */
+    if (id && !py_stacks.lookup(&id))
+        py_stacks.insert(&id, st);
     return id;
 }
 #else
