@@ -355,7 +355,7 @@ def run_final(
                 raise memory_exceeded(msg, limits) from err
             raise QueryError(msg) from err
 
-    return (threads or run.QueryThreads()).run(job, timeout_s=limits.timeout_s)
+    return (threads or run.QUERY_THREADS).run(job, timeout_s=limits.timeout_s)
 
 
 # shapes the peers cannot finish on their own (OFFSET: each would skip its own first rows)

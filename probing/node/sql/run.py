@@ -207,6 +207,12 @@ class QueryThreads:
             job.done.set()
 
 
+# every database of the process runs its queries here: an engine's ranks share
+# the threads idle between their queries (one pool a rank kept each rank's
+# threads lingering after a detection asked every rank at once)
+QUERY_THREADS = QueryThreads()
+
+
 def _safe(check: Callable[[], bool]) -> bool:
     try:
         return bool(check())

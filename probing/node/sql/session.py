@@ -45,7 +45,7 @@ class Database:
     ) -> None:
         self.store = store if store is not None else Store()
         self.limits = limits or Limits.from_env()
-        self.threads = run.QueryThreads()  # the threads this database's queries run on
+        self.threads = run.QUERY_THREADS  # the process's query threads
         self.catalog = ProbeCatalog(self.store)
         config = (
             SessionConfig()
