@@ -175,6 +175,31 @@ def test_an_engine_that_served_20_jobs_holds_what_it_held_after_the_first() -> N
     assert last["rss_mb"] - first["rss_mb"] < 50, got["rows"]
 
 
+def test_an_engine_that_served_torch_jobs_that_seal_holds_what_it_held_after_the_first() -> None:
+    """Three 4-rank torch DDP jobs, each traced until the engine sealed a
+    chunk of its calls (the sealer thread ran), then stopped: once they are
+    retired, the engine's threads and descriptors are the first job's."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    require_bpf()
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_soak.py"), "--jobs", "3",
+         "--kind", "torch", "--keep-dead-s", "1", "--every", "1"],
+        capture_output=True, text=True, timeout=600 * SLOWDOWN,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["jobs_sealed"] == 3, got["rows"]
+    first, last = got["after_first_job_retired"], got["after_all_retired"]
+    assert last["threads"] == first["threads"], got["rows"]
+    assert abs(last["fds"] - first["fds"]) <= 2, got["rows"]
+    assert last["files"] == first["files"], got["rows"]
+
+
 def test_one_peer_port_per_engine_and_none_per_exited_process(spawn, runtime_dir) -> None:  # type: ignore[no-untyped-def]
     """Every rank an engine serves is reached through the engine's one TCP
     port; once the job exited, that port alone still answers for it."""
