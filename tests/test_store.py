@@ -368,3 +368,34 @@ def test_a_new_engine_takes_over_what_the_last_one_sealed_for_a_live_process(
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_chunk_queued_behind_another_stores_is_let_go_once_its_store_closed(monkeypatch) -> None:
+    """One sealer for every store: a store retired while its chunk waits
+    behind another store's has that chunk dropped, its directory not made
+    again, and nothing of it kept."""
+    import threading
+
+    from probing.node.store.table import EventTable
+
+    busy, release = threading.Event(), threading.Event()
+    slow_seal = EventTable._seal
+
+    def seal(self, chunk_id, batches):  # type: ignore[no-untyped-def]
+        if self.name == "slow":
+            busy.set()
+            release.wait(10)
+        slow_seal(self, chunk_id, batches)
+
+    monkeypatch.setattr(EventTable, "_seal", seal)
+    first, second = Store(chunk_rows=1_000), Store(chunk_rows=1_000)
+    first.table("t", "slow").append_batch(events(1_000), defer_seal=True)
+    assert busy.wait(10)
+    queued = second.table("t", "queued")
+    queued.append_batch(events(1_000), defer_seal=True)  # behind the slow one
+    second.close()
+    release.set()
+    queued.flush(timeout_s=10)  # returns once the chunk was let go
+    assert not queued._sealing  # its rows not held
+    assert queued.stats().chunks == 0 and second._root is None and second._queued == 0
+    first.close()

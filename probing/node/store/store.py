@@ -198,7 +198,9 @@ class Store:
     def _sealed_one(self, table: EventTable, chunk_id: int, batches: list[pa.RecordBatch]) -> None:
         """On the sealer thread: seal one chunk this store handed over."""
         try:
-            if not self._closed:
+            if self._closed:  # its files are gone: the rows with them
+                table._let_go(chunk_id)
+            else:
                 table._seal(chunk_id, batches)  # never raises: a failure is counted there
         finally:
             with self._lock:

@@ -233,6 +233,12 @@ class EventTable:
             self._sealed.notify_all()
         self._store.enforce_retention()
 
+    def _let_go(self, chunk_id: int) -> None:
+        """A chunk handed to the sealer after its store was closed: dropped."""
+        with self._lock:
+            self._sealing.pop(chunk_id, None)
+            self._sealed.notify_all()
+
     # -- retention (called by the store) --------------------------------------
     def oldest_chunk(self) -> Chunk | None:
         with self._lock:
