@@ -143,8 +143,10 @@ class Watch:
         self._threads: list[Worker] = []  # the looks' and the full detections'
 
     def start(self) -> None:
-        """The looks and the full detections, each on a thread of its own (a
-        full detection of a busy node takes seconds: the looks go on)."""
+        """The looks and the full detections, each on its name's beat (one
+        thread for every rank's of the engine, and for the looks apart from
+        the full detections: a full detection of a busy node takes seconds,
+        the looks go on)."""
         if self.every_s <= 0 or self._threads:
             return
         full_s = max(FULL_S, self.every_s)
