@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from probing.node.sql import Database
@@ -399,3 +400,70 @@ def test_a_chunk_queued_behind_another_stores_is_let_go_once_its_store_closed(mo
     assert not queued._sealing  # its rows not held
     assert queued.stats().chunks == 0 and second._root is None and second._queued == 0
     first.close()
+
+
+def _sealed_by_age(store: Store, name: str, batches: int, rows: int = 50) -> pa.Table:
+    """``batches`` appends to ``name``, each sealed at once (rows pending
+    longer than ``seal_after_s`` 0): as many small chunks, merged on the way."""
+    tbl = store.table("t", name)
+    data = events(batches * rows, seed=3)
+    for i in range(batches):
+        tbl.append_batch(data.slice(i * rows, rows))
+    tbl.flush()
+    return data
+
+
+def test_small_chunks_are_merged_and_every_row_read_once(monkeypatch) -> None:
+    """A long trace seals a chunk every few seconds: every MERGE_AT small
+    ones become one, so queries list and open a few files, not thousands;
+    SQL, ``to_arrow`` and a snapshot taken before a merge read every row
+    exactly once, and the merged parts go once MERGED_KEPT_S passed."""
+    from probing.node.sql.providers import snapshot_frame
+    from probing.node.store import table as table_mod
+
+    store = Store(chunk_rows=10_000, seal_after_s=0.0)
+    db = Database(store)
+    tbl = store.table("t", "m")
+    data = events(50 * 40, seed=3)
+    tbl.append_batch(data.slice(0, 50))
+    tbl.flush()
+    for i in range(1, 15):
+        tbl.append_batch(data.slice(i * 50, 50))
+    tbl.flush()
+    before = tbl.snapshot()  # 15 chunks: the next makes 16, merged
+    assert len(before.paths) == 15
+    for i in range(15, 40):
+        tbl.append_batch(data.slice(i * 50, 50))
+    tbl.flush()
+    assert tbl.stats().chunks < 40 - table_mod.MERGE_AT + 2
+    assert tbl.stats().rows == 2_000
+    got = db.sql("SELECT count(*) AS n, count(DISTINCT ts) AS d, sum(dur_ns) AS s FROM t.m")
+    assert got.to_pylist() == [{"n": 2_000, "d": 2_000, "s": pc.sum(data["dur_ns"]).as_py()}]
+    assert tbl.to_arrow().sort_by("ts").equals(data.sort_by("ts"))
+    # the snapshot before the merge still reads its 750 rows from the parts, kept
+    old = snapshot_frame(db.ctx, before).count()
+    assert old == 750
+    monkeypatch.setattr(table_mod, "MERGED_KEPT_S", 0.0)
+    kept = tbl._merged[:]
+    assert kept and all(os.path.exists(c.path) for _, c in kept)
+    tbl.append_batch(data.slice(0, 1).set_column(0, "ts", pa.array([1], pa.int64())))
+    tbl.flush()
+    assert not tbl._merged and not any(os.path.exists(c.path) for _, c in kept)
+    store.close()
+
+
+def test_a_new_engine_takes_over_a_merged_chunk_not_its_parts_left_beside_it(tmp_path) -> None:
+    """An engine killed while a merge's parts are still on disk: the next
+    one takes over the merged chunk, and skips the parts (no row twice)."""
+    old = Store(chunk_rows=10_000, seal_after_s=0.0)
+    data = _sealed_by_age(old, "x", 20)
+    tbl = old.table("t", "x")
+    assert tbl._merged  # parts kept on disk, out of every snapshot
+    new = Store(chunk_rows=10_000)
+    took = new.table("t", "x").take_chunks(tbl.chunk_dir, old.codec)
+    assert took == 1_000
+    got = Database(new).sql("SELECT count(*) AS n, count(DISTINCT ts) AS d FROM t.x").to_pylist()
+    assert got == [{"n": 1_000, "d": 1_000}]
+    assert new.table("t", "x").to_arrow().sort_by("ts").equals(data.sort_by("ts"))
+    new.close()
+    old.close()

@@ -270,7 +270,7 @@ class _Session:
         from datafusion import SessionConfig, SessionContext
         from datafusion.catalog import Catalog, Schema
 
-        from probing.node.sql.session import runtime_env
+        from probing.node.sql.session import FOOTERS_CACHE, runtime_env
 
         self.ctx = SessionContext(
             SessionConfig()
@@ -282,7 +282,7 @@ class _Session:
         # here may be scanned after more chunks were sealed beside it); the
         # footers of chunk files, immutable, are kept
         self.ctx.sql("SET datafusion.runtime.list_files_cache_limit = 0")
-        self.ctx.sql("SET datafusion.runtime.metadata_cache_limit = '16M'")
+        self.ctx.sql(f"SET datafusion.runtime.metadata_cache_limit = '{FOOTERS_CACHE}'")
         catalog = Catalog.memory_catalog()
         self.ctx.register_catalog_provider("probing", catalog)
         self.schema = Schema.memory_schema()
@@ -311,7 +311,7 @@ class _Session:
             if snap.chunk_dir is None:
                 continue
             key = (snap.chunk_dir, snap.container, snap.schema.to_string(),  # its directory,
-                   snap.first_chunk, snap.last_chunk, snap.sealing)  # fmt: skip
+                   snap.first_chunk, snap.last_chunk, snap.sealing, snap.merged)  # fmt: skip
             name = self._read(key)
             if name is None:  # its pending rows are in the memory table
                 only = snap._replace(pending=snap.pending.schema.empty_table())

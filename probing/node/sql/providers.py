@@ -145,7 +145,8 @@ def snapshot_frame(ctx: SessionContext, snap: Snapshot) -> DataFrame:
         in_range = (col(CHUNK_COL) >= _int_lit(snap.first_chunk)) & (
             col(CHUNK_COL) <= _int_lit(snap.last_chunk)
         )
-        for chunk_id in snap.sealing:  # rows in flight are read from `pending`
+        # rows in flight are read from `pending`; a merged chunk's parts, from it
+        for chunk_id in (*snap.sealing, *snap.merged):
             in_range = in_range & (col(CHUNK_COL) != _int_lit(chunk_id))
         frames.append(df.filter(in_range).select(*[col(n) for n in snap.schema.names]))
     if snap.pending.num_rows:

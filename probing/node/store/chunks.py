@@ -19,6 +19,9 @@ import pyarrow as pa
 from probing.node.store.codec import Codec
 
 CHUNK_COL = "__probing_chunk"  # hive-style partition column: one directory per chunk
+# a merged chunk's schema metadata: the ids of the chunks it holds the rows of
+# (files that may outlive it a while: an engine taking the directory over skips them)
+MERGED_KEY = b"probing.merged"
 
 _chunk_ids = itertools.count()
 
@@ -65,6 +68,17 @@ def remove(chunk: Chunk) -> None:
         os.rmdir(os.path.dirname(chunk.path))
     except OSError:
         pass
+
+
+def id_of(path: str) -> int:
+    """The id of the chunk file at ``path``."""
+    return int(os.path.basename(os.path.dirname(path)).partition("=")[2])
+
+
+def merged_ids(schema: pa.Schema) -> set[int]:
+    """The chunks a merged chunk of ``schema`` holds the rows of (none: not merged)."""
+    value = (schema.metadata or {}).get(MERGED_KEY, b"")
+    return {int(x) for x in value.split(b",") if x}
 
 
 def found(directory: str, codec: Codec) -> list[str]:

@@ -17,6 +17,14 @@ from probing.node.store import chunks
 from probing.node.store.chunks import Chunk
 from probing.node.store.codec import Codec
 
+# sealed by age (a chunk every few seconds), a long trace leaves thousands of
+# small files, which every query lists and whose footers it reads: every
+# MERGE_AT chunks of fewer than chunk_rows rows become one
+MERGE_AT = 16
+# a merged chunk's parts stay on disk this long, out of every snapshot taken
+# since, for the queries whose snapshot was taken before (past their time limit)
+MERGED_KEPT_S = 120.0
+
 
 class Host(Protocol):
     """What a table needs of the store that holds it (``probing.node.store.Store``)."""
@@ -51,6 +59,7 @@ class Snapshot(NamedTuple):
     sealing: tuple[int, ...]  # ids in that range whose files may appear: not ours
     paths: tuple[str, ...]
     pending: pa.Table
+    merged: tuple[int, ...] = ()  # ids in that range merged into another since: not ours
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +112,7 @@ class EventTable:
         self._pending_since = 0.0
         self._sealing: dict[int, list[pa.RecordBatch]] = {}  # chunk id -> rows
         self._chunks: list[Chunk] = []
+        self._merged: list[tuple[float, Chunk]] = []  # (when, part): a merged chunk's, kept a while
         self.retired_rows = 0
         self.retired_bytes = 0
         self.dropped_events = 0
@@ -231,7 +241,45 @@ class EventTable:
             self._chunks.append(chunk)
             del self._sealing[chunk_id]
             self._sealed.notify_all()
+        self._merge_small()
         self._store.enforce_retention()
+
+    def _merge_small(self) -> None:
+        """The oldest MERGE_AT chunks of fewer than ``chunk_rows`` rows, where
+        there are that many, merged into one new chunk (a failure leaves them
+        as they are); the parts of merges MERGED_KEPT_S ago removed."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [c for at, c in self._merged if now - at >= MERGED_KEPT_S]
+            self._merged = [(at, c) for at, c in self._merged if now - at < MERGED_KEPT_S]
+            parts = [c for c in self._chunks if c.rows < self._store.chunk_rows][:MERGE_AT]
+            schema = self._schema
+        for c in expired:
+            chunks.remove(c)
+        if len(parts) < MERGE_AT or schema is None:
+            return
+        codec = self._store.codec
+        try:
+            table = pa.concat_tables([codec.decode(c.path, schema) for c in parts])
+            ids = ",".join(str(c.id) for c in parts).encode()
+            table = table.replace_schema_metadata(
+                {**(schema.metadata or {}), chunks.MERGED_KEY: ids}
+            )
+            merged = chunks.write(self.chunk_dir, chunks.next_id(), table, codec)
+        except (OSError, pa.ArrowException):  # retired meanwhile, or the disk: as they were
+            return
+        merged.sealed_at = max(c.sealed_at for c in parts)
+        with self._lock:
+            if any(c not in self._chunks for c in parts):  # retired meanwhile
+                keep = False
+            else:
+                keep = True
+                at = self._chunks.index(parts[0])
+                rest = [c for c in self._chunks if c not in parts]
+                self._chunks = [*rest[:at], merged, *rest[at:]]
+                self._merged += [(now, c) for c in parts]
+        if not keep:
+            chunks.remove(merged)
 
     def _let_go(self, chunk_id: int) -> None:
         """A chunk handed to the sealer after its store was closed: dropped."""
@@ -259,10 +307,16 @@ class EventTable:
         this table), moved into mine, oldest first; returns their rows. A
         file that cannot be read is left where it is."""
         rows = 0
+        described = []
         for path in chunks.found(found, codec):
             try:
-                schema, n, raw = codec.describe(path)
+                described.append((path, *codec.describe(path)))
             except (OSError, pa.ArrowException):
+                continue
+        # the parts of a merged chunk left beside it: their rows are in it
+        merged = {i for _, schema, _, _ in described for i in chunks.merged_ids(schema)}
+        for path, schema, n, raw in described:
+            if chunks.id_of(path) in merged:
                 continue
             if not self._fits(schema):
                 continue  # written for other columns: not this table's any more
@@ -296,6 +350,7 @@ class EventTable:
             schema = self._schema or pa.schema([(n, pa.null()) for n in self.column_names or []])
             chunks = list(self._chunks)
             sealing = tuple(self._sealing)
+            merged = tuple(c.id for _, c in self._merged)
             batches = self._unsealed_locked()
         ids = [c.id for c in chunks]
         return Snapshot(
@@ -307,6 +362,7 @@ class EventTable:
             sealing,
             tuple(c.path for c in chunks),
             pa.Table.from_batches(batches, schema=schema),
+            tuple(i for i in merged if min(ids, default=0) <= i <= max(ids, default=-1)),
         )
 
     def _unsealed_locked(self) -> list[pa.RecordBatch]:
