@@ -45,7 +45,7 @@ static __always_inline u32 py_stack_id(u32 tid) {
     int zero = 0;
     struct py_stack *st = tstate ? py_scratch.lookup(&zero) : 0;
     u32 id = st ? py_walk(*tstate, st) : 0;
-    if (id)
+    if (id && !py_stacks.lookup(&id)) /* known: found without the insert's lock */
         py_stacks.insert(&id, st);
     return id;
 }

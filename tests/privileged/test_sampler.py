@@ -190,5 +190,13 @@ def test_a_hash_map_read_in_batches_is_the_map_read_key_by_key() -> None:
                    for k, v in zip(keys, vals, strict=True)}  # fmt: skip
         one_by_one = {(k.tid, k.stack_id): (v.count, v.ns) for k, v in m.items()}
         assert len(batched) == 3000 and batched == one_by_one
+        # read and deleted at once (the sampler's reads): each entry once, then none
+        keys, vals = m.arrays(delete=True)
+        taken = {(int(k["tid"]), int(k["stack_id"])): (int(v["count"]), int(v["ns"]))
+                 for k, v in zip(keys, vals, strict=True)}  # fmt: skip
+        assert taken == one_by_one and not m.items()
+        m[Key(1, 1)] = Val(5, 6)
+        keys, vals = m.arrays(delete=True)
+        assert len(keys) == 1 and int(vals["count"][0]) == 5 and not m.items()
     finally:
         os.close(fd)

@@ -37,6 +37,7 @@ PROG_TEST_RUN = 10
 OBJ_GET_INFO_BY_FD = 15
 RAW_TRACEPOINT_OPEN = 17
 MAP_LOOKUP_BATCH = 24  # kernels >= 5.6
+MAP_LOOKUP_AND_DELETE_BATCH = 25
 LINK_CREATE = 28
 LINK_GET_FD_BY_ID = 30
 LINK_GET_NEXT_ID = 31
@@ -297,29 +298,33 @@ def map_delete(fd: int, key: CData) -> bool:
     return True
 
 
-def map_lookup_batch(fd: int, key_size: int, value_size: int, count: int) -> tuple[bytes, bytes]:
+def map_lookup_batch(
+    fd: int, key_size: int, value_size: int, count: int, *, delete: bool = False
+) -> tuple[bytes, bytes]:
     """Every entry of a hash map, ``count`` at a time, in a few bpf() calls
     (BPF_MAP_LOOKUP_BATCH) where reading it key by key takes two per entry:
-    the keys and the values, packed. ``BPFError`` where the kernel has no batch
-    operations (EINVAL before 5.6): the caller reads it key by key."""
+    the keys and the values, packed; ``delete``: each entry deleted as it is
+    read (BPF_MAP_LOOKUP_AND_DELETE_BATCH). ``BPFError`` where the kernel has
+    no batch operations (EINVAL before 5.6): the caller reads it key by key."""
     count = max(count, 1)
-    keys = ctypes.create_string_buffer(key_size * count)
-    values = ctypes.create_string_buffer(value_size * count)
     token = max(key_size, 8)  # the position between calls: opaque, a key's size at most
     at, after = ctypes.create_string_buffer(token), ctypes.create_string_buffer(token)
     out_keys, out_values = bytearray(), bytearray()
     start = True
     while True:
+        keys = ctypes.create_string_buffer(key_size * count)
+        values = ctypes.create_string_buffer(value_size * count)
         attr = MapBatchAttr(
             0 if start else ctypes.addressof(at), ctypes.addressof(after),
             ctypes.addressof(keys), ctypes.addressof(values), count, fd, 0, 0,
         )  # fmt: skip
         try:
-            bpf(MAP_LOOKUP_BATCH, attr)
+            bpf(MAP_LOOKUP_AND_DELETE_BATCH if delete else MAP_LOOKUP_BATCH, attr)
             done = False
         except BPFError as err:
-            if err.errno == errno.ENOSPC:  # one bucket holds more than count: a bigger count
-                return map_lookup_batch(fd, key_size, value_size, count * 2)
+            if err.errno == errno.ENOSPC:  # one bucket holds more than count: that
+                count *= 2  # bucket again (nothing of it was read), room for it
+                continue
             if err.errno != errno.ENOENT:
                 raise
             done = True  # the last entries (count of them) came with the end

@@ -409,15 +409,16 @@ class Map:
                 continue
         return out
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    def arrays(self, *, delete: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Every entry as two numpy record arrays (keys, values: the C types'
         fields), read in a few bpf() calls (``kernel.map_lookup_batch``), or
-        key by key on a kernel without batch operations."""
+        key by key on a kernel without batch operations; ``delete``: each
+        entry deleted as it is read (key by key: after it was)."""
         kd, vd = np.dtype(self.Key), np.dtype(self.Leaf)
         if self.batched:
             try:
                 keys, values = kernel.map_lookup_batch(
-                    self.map_fd, kd.itemsize, vd.itemsize, self.spec.max_entries
+                    self.map_fd, kd.itemsize, vd.itemsize, self.spec.max_entries, delete=delete
                 )
                 return np.frombuffer(keys, dtype=kd), np.frombuffer(values, dtype=vd)
             except kernel.BPFError as err:
@@ -425,6 +426,9 @@ class Map:
                     raise
                 self.batched = False  # this kernel has none: key by key from now on
         pairs = self.items()
+        for k, _ in pairs if delete else ():
+            with contextlib.suppress(KeyError):
+                del self[k]
         keys = b"".join(bytes(k) for k, _ in pairs)
         values = b"".join(bytes(v) for _, v in pairs)
         return np.frombuffer(keys, dtype=kd), np.frombuffer(values, dtype=vd)

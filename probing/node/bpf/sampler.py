@@ -8,8 +8,8 @@ every CPU (``SAMPLE_HZ``); the ``sched_switch`` raw tracepoint charges the
 time each thread of this process spends off a CPU to the stack it left
 with, and the ``sched_wakeup`` tracepoints split it: blocked (``off``) until
 it was woken, then waiting for a CPU (``runq``), as is all of a preempted
-thread's wait. The kernel keeps running totals per (thread, stack, kind); a
-thread of ours reads them every ``interval_s`` and appends the differences
+thread's wait. The kernel counts per (thread, stack, kind); a thread of ours
+reads and deletes the counts every ``interval_s`` and appends them
 to ``python.samples``, plus one ``tick`` row per read (its ``dur_ns``: the
 wall time that read covers). Stacks resolve into ``python.stacks`` like the
 families' (``PyStacks``). The probe's own threads are left out (its Python
@@ -91,7 +91,6 @@ class Sampler:
         self.reads = 0
         self.dropped = 0
         self.last_error: str | None = None
-        self._prev: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._last_read = 0
         self._ours: set[int] = set()  # the probe's own threads, left out
         self._comms: dict[int, str | None] = {}  # threads without Python: the kernel's name
@@ -214,24 +213,22 @@ class Sampler:
 
         put(0, 0, "tick", 1, now_mono - self._last_read)
         self._last_read = now_mono
-        keys, vals = m.arrays()  # a few bpf() calls, not two an entry
+        # what was counted since the last read, each entry deleted as it is
+        # read (a few bpf() calls): a read costs what the interval holds, not
+        # every (thread, stack) a long trace ever saw. An add the kernel makes
+        # to an entry just as it goes may be lost, or counted to the next key
+        # that takes its place: a sample in millions.
+        keys, vals = m.arrays(delete=True)
         tid, sid, kind = (keys[f].tolist() for f in ("tid", "stack_id", "kind"))
-        ids = zip(tid, sid, kind, strict=True)
-        totals = zip(vals["count"].tolist(), vals["ns"].tolist(), strict=True)
-        cur = dict(zip(ids, totals, strict=True))
-        for key, (count, ns) in cur.items():
-            pc, pn = self._prev.get(key, (0, 0))
-            if count > pc and key[0] not in ours and key[2] < len(KINDS):
+        counts, spans = vals["count"].tolist(), vals["ns"].tolist()
+        for key, count, ns in zip(zip(tid, sid, kind, strict=True), counts, spans, strict=True):
+            if count > 0 and key[0] not in ours and key[2] < len(KINDS):
                 if key[0] not in names:  # a thread Python did not start: its comm
                     names[key[0]] = self._comm(key[0])
                     if names[key[0]] in ENGINE_THREADS:  # the probe's query engine
                         ours.add(key[0])
                         continue
-                put(key[0], key[1], KINDS[key[2]], count - pc, ns - pn)
-        self._prev = cur
-        if len(cur) > SAMPLES_MAX // 2:  # start over before the map fills
-            m.clear()
-            self._prev = {}
+                put(key[0], key[1], KINDS[key[2]], count, ns)
         self.dropped = int(bpf["dropped"][ctypes.c_int(0)].value)
         self.py.collect(bpf, np.array(rows["stack_id"], dtype=np.uint32))
         # a chunk this completes is compressed by the store's sealer thread
