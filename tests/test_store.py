@@ -444,11 +444,11 @@ def test_small_chunks_are_merged_and_every_row_read_once(monkeypatch) -> None:
     old = snapshot_frame(db.ctx, before).count()
     assert old == 750
     monkeypatch.setattr(table_mod, "MERGED_KEPT_S", 0.0)
-    kept = tbl._merged[:]
+    kept = tbl._merged.parts[:]
     assert kept and all(os.path.exists(c.path) for _, c in kept)
     tbl.append_batch(data.slice(0, 1).set_column(0, "ts", pa.array([1], pa.int64())))
     tbl.flush()
-    assert not tbl._merged and not any(os.path.exists(c.path) for _, c in kept)
+    assert not tbl._merged.parts and not any(os.path.exists(c.path) for _, c in kept)
     store.close()
 
 
@@ -458,7 +458,7 @@ def test_a_new_engine_takes_over_a_merged_chunk_not_its_parts_left_beside_it(tmp
     old = Store(chunk_rows=10_000, seal_after_s=0.0)
     data = _sealed_by_age(old, "x", 20)
     tbl = old.table("t", "x")
-    assert tbl._merged  # parts kept on disk, out of every snapshot
+    assert tbl._merged.parts  # parts kept on disk, out of every snapshot
     new = Store(chunk_rows=10_000)
     took = new.table("t", "x").take_chunks(tbl.chunk_dir, old.codec)
     assert took == 1_000

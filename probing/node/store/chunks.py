@@ -41,6 +41,44 @@ class Chunk:
     sealed_at: float  # time.monotonic()
 
 
+@dataclasses.dataclass
+class Merged:
+    """The parts of a table's merges, each kept on disk a while after (for
+    the queries whose snapshot was taken before) and out of every snapshot
+    taken since. The table's lock guards it."""
+
+    parts: list[tuple[float, Chunk]] = dataclasses.field(default_factory=list)  # (when, part)
+
+    @staticmethod
+    def due(held: list[Chunk], chunk_rows: int, at: int) -> list[Chunk]:
+        """The oldest ``at`` chunks of ``held`` of fewer than ``chunk_rows``
+        rows, where there are that many (else none): to merge."""
+        small = [c for c in held if c.rows < chunk_rows][:at]
+        return small if len(small) == at else []
+
+    def commit(
+        self, held: list[Chunk], parts: list[Chunk], merged: Chunk, now: float
+    ) -> list[Chunk] | None:
+        """``held`` with ``parts`` replaced by ``merged`` (where the first was),
+        the parts kept from now; None where one of them is gone (retired)."""
+        if not all(c in held for c in parts):
+            return None
+        at = held.index(parts[0])
+        rest = [c for c in held if c not in parts]
+        self.parts += [(now, c) for c in parts]
+        return [*rest[:at], merged, *rest[at:]]
+
+    def expire(self, now: float, kept_s: float) -> list[Chunk]:
+        """The parts merged ``kept_s`` ago or more, no longer kept (to remove)."""
+        gone = [c for at, c in self.parts if now - at >= kept_s]
+        self.parts = [(at, c) for at, c in self.parts if now - at < kept_s]
+        return gone
+
+    def ids(self, first: int, last: int) -> tuple[int, ...]:
+        """The ids of the parts kept, from ``first`` to ``last``."""
+        return tuple(c.id for _, c in self.parts if first <= c.id <= last)
+
+
 def path_of(chunk_dir: str, chunk_id: int, codec: Codec) -> str:
     """Where chunk ``chunk_id`` of the table whose chunks are in ``chunk_dir`` lies."""
     return os.path.join(chunk_dir, f"{CHUNK_COL}={chunk_id}", f"{chunk_id}{codec.extension}")
@@ -90,6 +128,36 @@ def found(directory: str, codec: Codec) -> list[str]:
         if col == CHUNK_COL and number.isdigit():
             ids.append(int(number))
     return [path_of(directory, old, codec) for old in sorted(ids)]
+
+
+def described(directory: str, codec: Codec) -> list[tuple[str, pa.Schema, int, int]]:
+    """The chunk files under ``directory`` (another store's directory of a
+    table), oldest first, each with its schema, rows and bytes decoded; one
+    that cannot be read, and the parts of a merged chunk left beside it
+    (their rows are in it), left out."""
+    out = []
+    for path in found(directory, codec):
+        try:
+            out.append((path, *codec.describe(path)))
+        except (OSError, pa.ArrowException):
+            continue
+    merged = {i for _, schema, _, _ in out for i in merged_ids(schema)}
+    return [d for d in out if id_of(d[0]) not in merged]
+
+
+def merge(parts: list[Chunk], schema: pa.Schema, chunk_dir: str, codec: Codec) -> Chunk | None:
+    """One new chunk of every row of ``parts`` (``schema``'s), which names
+    them (``MERGED_KEY``) and counts as sealed when the newest was; None
+    where a part cannot be read (retired meanwhile) or the disk refuses."""
+    try:
+        table = pa.concat_tables([codec.decode(c.path, schema) for c in parts])
+        ids = ",".join(str(c.id) for c in parts).encode()
+        table = table.replace_schema_metadata({**(schema.metadata or {}), MERGED_KEY: ids})
+        merged = write(chunk_dir, next_id(), table, codec)
+    except (OSError, pa.ArrowException):
+        return None
+    merged.sealed_at = max(c.sealed_at for c in parts)
+    return merged
 
 
 def move(path: str, chunk_dir: str, codec: Codec, rows: int, raw_bytes: int) -> Chunk | None:

@@ -112,7 +112,7 @@ class EventTable:
         self._pending_since = 0.0
         self._sealing: dict[int, list[pa.RecordBatch]] = {}  # chunk id -> rows
         self._chunks: list[Chunk] = []
-        self._merged: list[tuple[float, Chunk]] = []  # (when, part): a merged chunk's, kept a while
+        self._merged = chunks.Merged()  # the merges' parts, kept a while
         self.retired_rows = 0
         self.retired_bytes = 0
         self.dropped_events = 0
@@ -245,40 +245,25 @@ class EventTable:
         self._store.enforce_retention()
 
     def _merge_small(self) -> None:
-        """The oldest MERGE_AT chunks of fewer than ``chunk_rows`` rows, where
-        there are that many, merged into one new chunk (a failure leaves them
-        as they are); the parts of merges MERGED_KEPT_S ago removed."""
+        """The oldest MERGE_AT chunks of fewer than ``chunk_rows`` rows merged
+        into one, where there are that many; the parts of merges
+        MERGED_KEPT_S ago removed."""
         now = time.monotonic()
         with self._lock:
-            expired = [c for at, c in self._merged if now - at >= MERGED_KEPT_S]
-            self._merged = [(at, c) for at, c in self._merged if now - at < MERGED_KEPT_S]
-            parts = [c for c in self._chunks if c.rows < self._store.chunk_rows][:MERGE_AT]
+            expired = self._merged.expire(now, MERGED_KEPT_S)
+            parts = self._merged.due(self._chunks, self._store.chunk_rows, MERGE_AT)
             schema = self._schema
         for c in expired:
             chunks.remove(c)
-        if len(parts) < MERGE_AT or schema is None:
-            return
         codec = self._store.codec
-        try:
-            table = pa.concat_tables([codec.decode(c.path, schema) for c in parts])
-            ids = ",".join(str(c.id) for c in parts).encode()
-            table = table.replace_schema_metadata(
-                {**(schema.metadata or {}), chunks.MERGED_KEY: ids}
-            )
-            merged = chunks.write(self.chunk_dir, chunks.next_id(), table, codec)
-        except (OSError, pa.ArrowException):  # retired meanwhile, or the disk: as they were
+        merged = chunks.merge(parts, schema, self.chunk_dir, codec) if parts and schema else None
+        if merged is None:  # none due, a part retired meanwhile, or the disk: as they were
             return
-        merged.sealed_at = max(c.sealed_at for c in parts)
         with self._lock:
-            if any(c not in self._chunks for c in parts):  # retired meanwhile
-                keep = False
-            else:
-                keep = True
-                at = self._chunks.index(parts[0])
-                rest = [c for c in self._chunks if c not in parts]
-                self._chunks = [*rest[:at], merged, *rest[at:]]
-                self._merged += [(now, c) for c in parts]
-        if not keep:
+            held = self._merged.commit(self._chunks, parts, merged, now)
+            if held is not None:
+                self._chunks = held
+        if held is None:  # a part retired meanwhile
             chunks.remove(merged)
 
     def _let_go(self, chunk_id: int) -> None:
@@ -307,25 +292,13 @@ class EventTable:
         this table), moved into mine, oldest first; returns their rows. A
         file that cannot be read is left where it is."""
         rows = 0
-        described = []
-        for path in chunks.found(found, codec):
-            try:
-                described.append((path, *codec.describe(path)))
-            except (OSError, pa.ArrowException):
-                continue
-        # the parts of a merged chunk left beside it: their rows are in it
-        merged = {i for _, schema, _, _ in described for i in chunks.merged_ids(schema)}
-        for path, schema, n, raw in described:
-            if chunks.id_of(path) in merged:
-                continue
-            if not self._fits(schema):
-                continue  # written for other columns: not this table's any more
-            chunk = chunks.move(path, self.chunk_dir, codec, n, raw)
-            if chunk is None:
-                continue
-            with self._lock:
-                self._chunks.append(chunk)
-            rows += n
+        for path, schema, n, raw in chunks.described(found, codec):
+            # a file written for other columns is not this table's any more
+            chunk = chunks.move(path, self.chunk_dir, codec, n, raw) if self._fits(schema) else None
+            if chunk is not None:
+                with self._lock:
+                    self._chunks.append(chunk)
+                rows += n
         return rows
 
     def _fits(self, schema: pa.Schema) -> bool:
@@ -350,7 +323,6 @@ class EventTable:
             schema = self._schema or pa.schema([(n, pa.null()) for n in self.column_names or []])
             chunks = list(self._chunks)
             sealing = tuple(self._sealing)
-            merged = tuple(c.id for _, c in self._merged)
             batches = self._unsealed_locked()
         ids = [c.id for c in chunks]
         return Snapshot(
@@ -362,7 +334,7 @@ class EventTable:
             sealing,
             tuple(c.path for c in chunks),
             pa.Table.from_batches(batches, schema=schema),
-            tuple(i for i in merged if min(ids, default=0) <= i <= max(ids, default=-1)),
+            self._merged.ids(min(ids, default=0), max(ids, default=-1)),
         )
 
     def _unsealed_locked(self) -> list[pa.RecordBatch]:
