@@ -467,3 +467,19 @@ def test_a_new_engine_takes_over_a_merged_chunk_not_its_parts_left_beside_it(tmp
     assert new.table("t", "x").to_arrow().sort_by("ts").equals(data.sort_by("ts"))
     new.close()
     old.close()
+
+
+def test_a_table_taken_over_never_carries_a_merged_chunks_list_of_parts() -> None:
+    """The schema a table takes from a merged chunk it took over has no list
+    of parts: chunks it seals later, in an engine whose ids start again,
+    would name other chunks as parts of theirs."""
+    from probing.node.store import chunks
+
+    old = Store(chunk_rows=10_000, seal_after_s=0.0)
+    _sealed_by_age(old, "y", 20)
+    new = Store(chunk_rows=10_000)
+    tbl = new.table("t", "y")
+    tbl.take_chunks(old.table("t", "y").chunk_dir, old.codec)
+    assert tbl.schema is not None and not chunks.merged_ids(tbl.schema)
+    new.close()
+    old.close()

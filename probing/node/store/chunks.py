@@ -142,7 +142,14 @@ def described(directory: str, codec: Codec) -> list[tuple[str, pa.Schema, int, i
         except (OSError, pa.ArrowException):
             continue
     merged = {i for _, schema, _, _ in out for i in merged_ids(schema)}
-    return [d for d in out if id_of(d[0]) not in merged]
+    return [(p, unmerged(schema), n, raw) for p, schema, n, raw in out if id_of(p) not in merged]
+
+
+def unmerged(schema: pa.Schema) -> pa.Schema:
+    """``schema`` without a merged chunk's list of parts (a table's schema
+    never carries it: its ids would name other chunks later)."""
+    meta = {k: v for k, v in (schema.metadata or {}).items() if k != MERGED_KEY}
+    return schema.with_metadata(meta) if meta else schema.remove_metadata()
 
 
 def merge(parts: list[Chunk], schema: pa.Schema, chunk_dir: str, codec: Codec) -> Chunk | None:
