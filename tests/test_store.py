@@ -213,10 +213,18 @@ def _sealers() -> int:
     return sum(1 for t in threading.enumerate() if t.name == "probing-seal")
 
 
+def _until_sealers(n: int, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _sealers() != n:
+        assert time.monotonic() < deadline, f"{_sealers()} sealer threads, not {n}"
+        time.sleep(0.01)
+
+
 def test_stores_share_one_sealer_thread_that_ends_once_idle(monkeypatch) -> None:
     """An engine's ranks each have a store: one sealer thread for all of
     them, which ends once no chunk comes (and the next starts it again)."""
-    import time
 
     from probing.node.store import store as store_mod
 
@@ -225,18 +233,17 @@ def test_stores_share_one_sealer_thread_that_ends_once_idle(monkeypatch) -> None
     tables = [s.table("t", f"shared{i}") for i, s in enumerate(stores)]
     for tbl in tables:
         tbl.append_batch(events(2_500), defer_seal=True)  # two chunks each to the sealer
-    assert store_mod.SEALER.running and _sealers() == 1
+    assert store_mod.SEALER.running
+    _until_sealers(1)  # one for the four (a thread of an earlier test's may be ending)
     for tbl in tables:
         tbl.flush()
         assert tbl.stats().chunks >= 1 and tbl.stats().pending_rows == 0
         assert tbl.stats().rows == 2_500
-    deadline = time.monotonic() + 10
-    while _sealers() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _sealers() == 0 and not store_mod.SEALER.running
+    _until_sealers(0)
+    assert not store_mod.SEALER.running
     chunks = tables[0].stats().chunks
     tables[0].append_batch(events(1_000), defer_seal=True)
-    assert _sealers() == 1
+    assert store_mod.SEALER.running
     tables[0].flush()
     assert tables[0].stats().chunks == chunks + 1
     for s in stores:
