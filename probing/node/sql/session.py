@@ -30,8 +30,8 @@ READ_ONLY = SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_
 
 # the chunk files' footers kept by each session (one a rank, and the node's
 # together): bounded low, as each is filled by every chunk a long trace seals
-# and an engine keeps its sessions for hours (16 MB each grew its RSS by ~90 MB
-# over the first 20 minutes of a 4-rank trace)
+# and an engine keeps its sessions for hours (the RSS growth of an hour's trace
+# stayed with 2 MB as with 16: it is not here; docs/measurements.md, issue 52)
 FOOTERS_CACHE = "2M"
 
 
