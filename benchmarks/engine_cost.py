@@ -26,7 +26,7 @@ rank it asks for; the step is paced to it (``--step-ms`` = per step / rate),
 and what it got is printed (a 2-CPU machine cannot give 4 ranks 1,000).
 
     python benchmarks/engine_cost.py [--cases ddp:4,fsdp2:4,ddp:8] [--rates 10,100,1000]
-        [--window 20] [--settle 5] [--detect-off] [--baseline REV]
+        [--window 20] [--settle 5] [--detect-off] [--baseline REV] [--profile DIR]
 
 ``--baseline REV`` (or ``BENCH_BASELINE``) runs each case on that revision's
 tree first (a temporary worktree: its CLI, guest and engine), then on this one.
@@ -241,6 +241,7 @@ def case(
     settle: float,
     detect: bool = True,
     tree: Path = REPO,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="probing-cost-")
     env, rt = job_env(tmp, tree, detect)
@@ -261,7 +262,10 @@ def case(
         time.sleep(settle)
         e0, th0, d0 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
         c0, w0, t0 = job.cpu(), time.time(), time.monotonic()
+        spy = record(engine, window, profile, f"{out['tree']}-{shape}-{world}-{rate:g}")
         time.sleep(window)
+        if spy is not None:
+            spy.wait(timeout=window + 30)
         e1, th1, d1 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
         c1, w1, t1 = job.cpu(), time.time(), time.monotonic()
         span = t1 - t0
@@ -283,6 +287,21 @@ def case(
     return out
 
 
+def record(pid: int, window: float, profile: str | None, name: str) -> subprocess.Popen | None:
+    """With ``--profile DIR``: py-spy samples the engine over the window (100
+    Hz, every thread while it runs) into DIR/name.txt, folded stacks
+    (one line a stack, its count last). Its own sampling costs the machine
+    CPU: a profiled run's figures are not the benchmark's."""
+    if profile is None:
+        return None
+    os.makedirs(profile, exist_ok=True)
+    out = os.path.join(profile, f"{name}.txt")
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(window)),
+                             "--rate", "100", "--format", "raw", "--threads",
+                             "--nonblocking", "--output", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--cases", default="ddp:4,fsdp2:4,ddp:8", help="shape:ranks, comma-separated")
@@ -290,6 +309,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=20.0, help="seconds measured, each way")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before each window")
     p.add_argument("--detect-off", action="store_true", help="PROBING_DETECT_S=0: no watch")
+    p.add_argument("--profile", help="a folder: py-spy's folded stacks of the engine, a case each")
     p.add_argument("--baseline", default=os.environ.get("BENCH_BASELINE"),
                    help="a git revision: each case on its tree too, first")  # fmt: skip
     args = p.parse_args()
@@ -308,7 +328,8 @@ def main() -> None:
                 for tree in trees:
                     try:
                         got = case(shape, int(world), float(rate), args.window, args.settle,
-                                   detect=not args.detect_off, tree=tree)  # fmt: skip
+                                   detect=not args.detect_off, tree=tree,
+                                   profile=args.profile)  # fmt: skip
                     except Exception as err:
                         got = {"tree": str(tree), "shape": shape, "ranks": int(world),
                                "rate_asked": float(rate), "error": str(err)}  # fmt: skip

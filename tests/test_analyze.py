@@ -5,6 +5,7 @@ pointers, arrival noise, and one straggler, a slow link, jitter or a hang."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from probing.analyze import collectives as coll
 from probing.analyze import evidence as ev
 from probing.analyze import hangs as hg
 from probing.analyze import stragglers as sg
+from probing.analyze.diagnose import _rank_rows
 from probing.analyze.tables import sql_tables
 from probing.cli.render import diagnosis as render
 from probing.node.sql import Database
@@ -252,6 +254,50 @@ def test_change_point_and_binomial_tail() -> None:
     assert k == 30 and score > 3
     assert ev.binom_tail(10, 10, 0.25) == pytest.approx(0.25**10)
     assert ev.binom_tail(0, 10, 0.25) == 1.0
+    # a long window's tail, summed term by term from lgamma
+    n, p = 3000, 0.25
+    for k in (700, 760, 900, 3000):
+        terms = [
+            math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                     + i * math.log(p) + (n - i) * math.log1p(-p))
+            for i in range(k, n + 1)
+        ]  # fmt: skip
+        assert ev.binom_tail(k, n, p) == pytest.approx(min(1.0, sum(terms)), rel=1e-9)
+
+
+def _collective(seq: int, ts: dict[int, int]) -> coll.Collective:
+    return coll.Collective("c", seq, "allreduce", 4, 8, ts, {r: t + 5 for r, t in ts.items()})
+
+
+def test_a_window_is_read_as_each_collective_says() -> None:
+    """``Seen`` and ``evidence`` read the window as arrays: what they say of
+    each collective is what its own arrivals say, with ties, ranks missing
+    and a rank alone."""
+    cs = [
+        _collective(0, {0: 10, 1: 30, 2: 20, 3: 25}),
+        _collective(1, {3: 100, 1: 140, 0: 140, 2: 90}),  # a tie last: 0, after 1 in its order
+        _collective(2, {0: 200, 2: 260}),  # ranks 1 and 3 not there
+        _collective(3, {1: 300}),  # alone
+        _collective(4, {2: 410, 1: 400, 0: 460, 3: 400}),
+    ]
+    seen = ev.Seen.of(cs)
+    assert seen.ranks == [0, 1, 2, 3]
+    assert seen.last.tolist() == [1, 0, 2, -1, 0]
+    assert np.allclose(seen.lead_ms[[0, 1, 2, 4]], np.array([5, 0, 60, 50]) / 1e6)
+    assert np.isnan(seen.lead_ms[3])
+    assert seen.arrive[2].tolist()[0] == 190 and np.isnan(seen.arrive[2, 1])
+    both = [c for c in cs if 0 in c.ts]
+    e = ev.evidence(both, 0)
+    # last at the 2nd (tie: not after every other) no; at the 5th yes, by 50 ns
+    assert (e.collectives, e.last) == (4, 1)
+    assert e.p_excess == ev.order_p(np.array([0, 2, 0, 3]), np.array([4, 4, 2, 4]))
+    assert e.step_ms == pytest.approx(np.median(np.diff([10, 90, 200, 400])) / 1e6)
+    # every rank's row: of the 3 collectives every rank returned from
+    rows = {r["rank"]: r for r in _rank_rows(cs, [0, 1, 2, 3], {}, {}, [])}
+    assert [rows[r]["collectives"] for r in range(4)] == [3, 3, 3, 3]
+    assert rows[0]["lag_ms_mean"] == round((0 + 50 + 60) / 3 / 1e6, 2)
+    # the last of a tie is the first of them in its order (the 2nd: rank 1)
+    assert (rows[0]["last_pct"], rows[1]["last_pct"], rows[2]["last_pct"]) == (33.3, 66.7, 0.0)
 
 
 def test_json_shape_and_sql_tables() -> None:

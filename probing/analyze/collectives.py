@@ -50,20 +50,34 @@ class Collective:
     ts: dict[int, int]  # rank -> arrival (wall ns)
     end: dict[int, int | None]  # rank -> return (None: still inside)
 
-    @property
-    def complete(self) -> bool:
-        return len(self.ts) >= self.nranks and all(e is not None for e in self.end.values())
+    # worked out once, as it is made (a window's analysis asks each several
+    # times): ``ts`` and ``end`` are never changed after
+    complete: bool = dataclasses.field(init=False, repr=False, compare=False)
+    skew_ns: int = dataclasses.field(init=False, repr=False, compare=False)  # last arrival - first
+    last_rank: int = dataclasses.field(init=False, repr=False, compare=False)  # of a tie, the first
+    _lags: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False)
+    _transfer: int | None = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ts, ends = self.ts, [e for e in self.end.values() if e is not None]
+        self.complete = len(ts) >= self.nranks and len(ends) == len(self.end)
+        if not ts:  # nobody arrived: nothing to say (never one ``match`` makes)
+            self.last_rank, self.skew_ns, self._lags, self._transfer = -1, 0, {}, None
+            return
+        first, self.last_rank = min(ts.values()), max(ts, key=ts.__getitem__)
+        self._lags = {r: t - first for r, t in ts.items()}
+        self.skew_ns = ts[self.last_rank] - first
+        whole = ends and len(ends) == len(self.end)
+        self._transfer = max(0, min(ends) - ts[self.last_rank]) if whole else None
 
     def lags_ns(self) -> dict[int, int]:
-        first = min(self.ts.values())
-        return {r: t - first for r, t in self.ts.items()}
+        """Each rank's arrival after the first's (the same dict each call:
+        read it, never change it)."""
+        return self._lags
 
     def transfer_ns(self) -> int | None:
         """Time from the last arrival to the first return: what the wire took."""
-        ends = [e for e in self.end.values() if e is not None]
-        if len(ends) < len(self.end) or not ends:
-            return None
-        return max(0, min(ends) - max(self.ts.values()))
+        return self._transfer
 
 
 def iso(ns: int) -> str:
@@ -407,13 +421,14 @@ def summarize(collectives: list[Collective], steps: st.Steps | None = None) -> S
     here where not given)."""
     done = complete(collectives)
     counts = Counter(c.comm for c in done)
-    busiest = [c for c in done if counts and c.comm == counts.most_common(1)[0][0]]
+    top = counts.most_common(1)[0][0] if counts else None
+    busiest = [c for c in done if c.comm == top]
     job = (st.find(collectives) if steps is None else steps).job
     step = job.ms if job is not None else None
-    skew = np.array([max(c.lags_ns().values()) / 1e6 for c in done])
+    skew = np.array([c.skew_ns / 1e6 for c in done])
     transfer = [c.transfer_ns() for c in done]
     tr = np.array([t / 1e6 for t in transfer if t is not None])
-    last = Counter(max(c.ts, key=c.ts.__getitem__) for c in done)
+    last = Counter(c.last_rank for c in done)
     every = set.intersection(*(set(c.ts) for c in busiest)) if busiest else set()
     skew_med = float(np.median(skew)) if len(skew) else 0.0
     return Summary(

@@ -436,20 +436,24 @@ def _rank_rows(
 ) -> list[dict[str, Any]]:
     done = coll.complete(matched)
     counts = {s.rank: sum(s.counts.values()) if s.counts else None for s in states}
+    arrive = ev.arrivals(done, ranks)
     # after the others' median arrival: a straggler's lateness, whoever else is late
-    matrix = ev.excess_matrix(done, ranks)
+    matrix = ev.excess_of(arrive)
+    lag = arrive - np.nanmin(arrive, axis=1, initial=np.inf)[:, None] if len(done) else arrive
+    last_rank = np.array([c.last_rank for c in done], dtype=np.int64)
     rows = []
     for j, r in enumerate(ranks):
-        mine = [c for c in done if r in c.ts]
-        lags = np.array([c.lags_ns()[r] / 1e6 for c in mine])
-        last = sum(1 for c in mine if max(c.ts, key=c.ts.__getitem__) == r)
+        there = ~np.isnan(arrive[:, j])
+        n_mine = int(there.sum())
+        lags = lag[there, j] / 1e6
+        last = int((last_rank[there] == r).sum())
         excess = matrix[:, j][~np.isnan(matrix[:, j])] if len(done) else []
         rows.append(
             {
                 "rank": r,
                 "node": nodes.get(r, ""),
-                "collectives": len(mine),
-                "last_pct": round(100 * last / len(mine), 1) if mine else None,
+                "collectives": n_mine,
+                "last_pct": round(100 * last / n_mine, 1) if n_mine else None,
                 "lag_ms_mean": round(float(lags.mean()), 2) if len(lags) else None,
                 "lag_ms_p99": round(float(np.percentile(lags, 99)), 2) if len(lags) else None,
                 "excess_ms_median": round(float(np.median(excess)), 2) if len(excess) else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -37,24 +38,31 @@ SHARE_NAMED = 0.03
 # -- robust statistics ----------------------------------------------------------------
 
 
-def excess_matrix(cs: list[Collective], ranks: list[int]) -> np.ndarray:
-    """``E[k, j]``: how long after the median arrival of the others
-    ``ranks[j]`` entered ``cs[k]``, in ms; NaN where it was not there or was
-    alone. One ``nanmedian`` per rank over every collective: a window of
-    FSDP's gathers is thousands of collectives."""
+def arrivals(cs: list[Collective], ranks: list[int]) -> np.ndarray:
+    """``A[k, j]``: when ``ranks[j]`` entered ``cs[k]``, ns after the first
+    arrival at any of them (a float64: exact to the ns over days); NaN where
+    it was not there."""
     arrive = np.full((len(cs), len(ranks)), np.nan)
     if not cs or not ranks:
         return arrive
     col = {r: j for j, r in enumerate(ranks)}
-    base = min(min(c.ts.values()) for c in cs)  # ns since it: exact in a float64
-    for k, c in enumerate(cs):
-        for r, t in c.ts.items():
-            j = col.get(r)
-            if j is not None:
-                arrive[k, j] = (t - base) / 1e6
+    sizes = [len(c.ts) for c in cs]
+    total = sum(sizes)
+    rows = np.repeat(np.arange(len(cs)), sizes)
+    every = chain.from_iterable
+    cols = np.fromiter(map(col.get, every(c.ts for c in cs), repeat(-1)), np.intp, total)
+    ts = np.fromiter(every(c.ts.values() for c in cs), np.int64, total)
+    there = cols >= 0
+    arrive[rows[there], cols[there]] = ts[there] - ts.min()
+    return arrive
+
+
+def excess_of(arrive: np.ndarray) -> np.ndarray:
+    """``excess_matrix`` of ``arrivals``."""
+    arrive = arrive / 1e6
     out = np.full_like(arrive, np.nan)
     whole = not np.isnan(arrive).any()  # every rank at every one: no NaN to skip
-    for j in range(len(ranks)):
+    for j in range(arrive.shape[1]):
         others = np.delete(arrive, j, axis=1)
         if whole and others.shape[1]:
             out[:, j] = arrive[:, j] - np.median(others, axis=1)  # nanmedian's, 10x faster
@@ -63,6 +71,14 @@ def excess_matrix(cs: list[Collective], ranks: list[int]) -> np.ndarray:
         if there.any():
             out[there, j] = arrive[there, j] - np.nanmedian(others[there], axis=1)
     return out
+
+
+def excess_matrix(cs: list[Collective], ranks: list[int]) -> np.ndarray:
+    """``E[k, j]``: how long after the median arrival of the others
+    ``ranks[j]`` entered ``cs[k]``, in ms; NaN where it was not there or was
+    alone. One ``nanmedian`` per rank over every collective: a window of
+    FSDP's gathers is thousands of collectives."""
+    return excess_of(arrivals(cs, ranks))
 
 
 def median(values: list[float] | list[int]) -> float:
@@ -84,13 +100,17 @@ def binom_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p), in log space (no scipy)."""
     if k <= 0:
         return 1.0
-    logs = [
-        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
-        + i * math.log(p) + (n - i) * math.log1p(-p)
-        for i in range(k, n + 1)
-    ]  # fmt: skip
-    top = max(logs)
-    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))
+    if k > n:
+        return 0.0
+    # log C(n, i) for i = k..n: the first from lgamma, each next from the one
+    # before (times (n-i)/(i+1)), in numpy (a window's n is thousands)
+    i = np.arange(k, n + 1, dtype=np.float64)
+    step = np.log(n - i[:-1]) - np.log(i[:-1] + 1)
+    first = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+    log_c = first + np.concatenate(([0.0], np.cumsum(step)))
+    logs = log_c + i * math.log(p) + (n - i) * math.log1p(-p)
+    top = float(logs.max())
+    return min(1.0, math.exp(top) * float(np.exp(logs - top).sum()))
 
 
 def change_point(x: np.ndarray, min_size: int = 3) -> tuple[int, float]:
@@ -200,12 +220,15 @@ MIN_FAR = 5  # a rank last by very far at this many collectives, beyond chance, 
 @dataclasses.dataclass(frozen=True)
 class Seen:
     """A window's collectives, read once for every rank's ``evidence``: its
-    ranks, ``excess`` (``excess_matrix``, NaN as 0), and at each collective
-    how far the last arrival came after the one before it (``lead_ms``; NaN:
-    one rank alone) and who that was (``last``; -1: alone). Each row is its
-    own collective's: the rows from ``k0`` serve the slice ``cs[k0:]``."""
+    ranks, when each arrived (``arrive``: ``arrivals``), ``excess``
+    (``excess_matrix``, NaN as 0), and at each collective how far the last
+    arrival came after the one before it (``lead_ms``; NaN: one rank alone)
+    and who that was (``last``; -1: alone; of a tie, the later in the
+    collective's order of ranks). Each row is its own collective's: the rows
+    from ``k0`` serve the slice ``cs[k0:]``."""
 
     ranks: list[int]
+    arrive: np.ndarray
     excess: np.ndarray
     lead_ms: np.ndarray
     last: np.ndarray
@@ -213,17 +236,25 @@ class Seen:
     @classmethod
     def of(cls, cs: list[Collective], ranks: list[int] | None = None) -> Seen:
         ranks = sorted({r for c in cs for r in c.ts}) if ranks is None else ranks
+        arrive = arrivals(cs, ranks)
         lead_ms, last = np.full(len(cs), np.nan), np.full(len(cs), -1, dtype=np.int64)
-        for k, c in enumerate(cs):
-            order = sorted(c.ts.items(), key=lambda kv: kv[1])
-            if len(order) > 1:
-                lead_ms[k] = (order[-1][1] - order[-2][1]) / 1e6
-                last[k] = order[-1][0]
-        excess = np.nan_to_num(excess_matrix(cs, ranks), nan=0.0)  # alone: not late
-        return cls(ranks, excess, lead_ms, last)
+        if len(cs) and ranks:
+            there = (~np.isnan(arrive)).sum(axis=1)
+            order = np.sort(arrive, axis=1)  # NaN last
+            k = np.flatnonzero(there > 1)
+            top, next_ = order[k, there[k] - 1], order[k, there[k] - 2]
+            lead_ms[k] = (top - next_) / 1e6
+            last[k] = np.asarray(ranks)[np.nanargmax(arrive[k], axis=1)]
+            for i in k[top == next_].tolist():  # a tie: the later of them in its order
+                c = cs[i]
+                last[i] = sorted(c.ts.items(), key=lambda kv: kv[1])[-1][0]
+        excess = np.nan_to_num(excess_of(arrive), nan=0.0)  # alone: not late
+        return cls(ranks, arrive, excess, lead_ms, last)
 
     def since(self, k0: int) -> Seen:
-        return Seen(self.ranks, self.excess[k0:], self.lead_ms[k0:], self.last[k0:])
+        return Seen(
+            self.ranks, self.arrive[k0:], self.excess[k0:], self.lead_ms[k0:], self.last[k0:]
+        )
 
     def far_last(self, rank: int, lead: float = FAR_LEAD) -> tuple[int, int]:
         """How many collectives ``rank`` arrived last at by far, of how many
@@ -254,27 +285,25 @@ def evidence(cs: list[Collective], rank: int, seen: Seen | None = None) -> Evide
         seen = Seen.of(cs, ranks)
     matrix = seen.excess
     excess = {r: matrix[:, j] for j, r in enumerate(ranks)}
-    lost = 0.0
-    last = 0
-    place = np.zeros(n)
-    size = np.zeros(n)
-    for k, c in enumerate(cs):
-        ts = c.ts
-        place[k] = sum(1 for t in ts.values() if t < ts[rank])
-        size[k] = len(ts)
-        others = [t for o, t in ts.items() if o != rank]
-        if others and ts[rank] > max(others):
-            last += 1
-            lost += (ts[rank] - max(others)) / 1e6
+    arrive = seen.arrive  # rank is at every one of cs
+    j = ranks.index(rank)
+    mine = arrive[:, j]
+    place = (arrive < mine[:, None]).sum(axis=1)  # NaN: not there, never before
+    size = (~np.isnan(arrive)).sum(axis=1)
+    others = np.delete(arrive, j, axis=1)
+    first_max = np.max(np.nan_to_num(others, nan=-np.inf), axis=1, initial=-np.inf)
+    late = mine > first_max  # after every other (of none: never)
+    last = int(late.sum())
+    lost = float((mine[late] - first_max[late]).sum()) / 1e6
     # last by far (a slow step now and then), and by very far: the noise's far-last
     # arrivals, spread over every rank, thin out there while a slow step's stay
     lasts = [seen.far_last(rank), seen.far_last(rank, VERY_FAR * FAR_LEAD)]
-    starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
+    starts = np.nanmin(arrive, axis=1) if n else np.zeros(0)
     span_ms = (starts[-1] - starts[0]) / 1e6 if n > 1 else 0.0
     # the last collective's wait belongs to a step after the span: n-1 steps, n waits
     share = lost * (n - 1) / n / span_ms if span_ms > 0 else 0.0
-    others = [o for o in ranks if o != rank]
-    noise = float(np.median([MAD_SCALE * mad(excess[o]) for o in others])) if others else 0.0
+    rest = [o for o in ranks if o != rank]
+    noise = float(np.median([MAD_SCALE * mad(excess[o]) for o in rest])) if rest else 0.0
     return Evidence(
         rank=rank,
         collectives=n,

@@ -57,7 +57,7 @@ def slow_links(
         if len(cs) < MIN_COLLECTIVES:
             continue
         transfer = np.array([c.transfer_ns() for c in cs], dtype=np.float64) / 1e6
-        skew = np.array([max(c.lags_ns().values()) for c in cs], dtype=np.float64) / 1e6
+        skew = np.array([c.skew_ns for c in cs], dtype=np.float64) / 1e6
         baseline = float(np.median([model_ms(c.bytes, c.nranks) for c in cs]))
         med = float(np.median(transfer))
         starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)

@@ -44,6 +44,7 @@ DIVISOR_SLACK = 2.0  # ... and a divisor of it within this many times its error 
 AGREE = 0.1  # two groups' steps this close (a share of the longer) are one step
 RARE = 0.25  # a kind of collective this many times rarer than the median kind: a chore
 GAP_CAP = 10.0  # a gap off by more than this many median gaps counts as this many
+BLOCK = 64  # periods tried at once (a block of a window's collectives by as many)
 
 
 class CollectiveLike(Protocol):
@@ -118,17 +119,7 @@ def of_comm(comm: str, cs: Sequence[CollectiveLike]) -> Step | None:
     typical = float(np.median(apart)) if len(apart) else 0.0
     if not typical > 0:
         return None
-    fits: list[tuple[int, float, float]] = []  # (period, ops matched, gap error)
-    for p in range(1, min(MAX_PERIOD, n // MIN_STEPS) + 1):
-        seen = (sig[:-p] >= 0) & (sig[p:] >= 0)
-        both = np.isfinite(gap[:-p]) & np.isfinite(gap[p:])
-        if seen.sum() < MIN_STEPS * p or not both.any():
-            continue
-        matched = float(np.mean(sig[:-p][seen] == sig[p:][seen]))
-        # single gaps one period apart, each at most GAP_CAP typical gaps off: a
-        # minority of phases (a step's one long gap) counts, a rare outlier little
-        off = np.abs(gap[p:][both] - gap[:-p][both]) / typical
-        fits.append((p, matched, float(np.mean(np.minimum(off, GAP_CAP)))))
+    fits = _fits(sig, gap, typical, min(MAX_PERIOD, n // MIN_STEPS))
     if not fits:
         return None
     best_match = max(m for _, m, _ in fits)
@@ -142,6 +133,44 @@ def of_comm(comm: str, cs: Sequence[CollectiveLike]) -> Step | None:
     fit = [d for d in divisors if error[d] <= DIVISOR_SLACK * error[period] + GAP_FLOOR]
     step = _step(comm, first, t, gap, min(fit, default=period))
     return dataclasses.replace(step, chores=chores) if step is not None else None
+
+
+def _fits(
+    sig: np.ndarray, gap: np.ndarray, typical: float, most: int
+) -> list[tuple[int, float, float]]:
+    """How well each period 1..``most`` repeats (period, ops matched, gap
+    error): of the collectives seen one period apart, the share whose op and
+    bytes (``sig``, -1: unseen) match; of the gaps known one period apart,
+    how far off, each at most ``GAP_CAP`` typical gaps (a minority of phases,
+    a step's one long gap, counts; a rare outlier little). Periods of too
+    few collectives seen (``MIN_STEPS`` periods) or no gap known are left
+    out. Every period at once, a block at a time (each column one period,
+    each row one collective; past the end, unseen)."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    n = len(sig)
+    if most < 1:
+        return []
+    # later[i, p] = x[i + p]: a view, no copy
+    sig_later = sliding_window_view(np.concatenate([sig, np.full(most, -1)]), most + 1)[:n]
+    gap_later = sliding_window_view(np.concatenate([gap, np.full(most, np.nan)]), most + 1)[:n]
+    seen_here, known_here = (sig >= 0)[:, None], np.isfinite(gap)[:, None]
+    fits = []
+    for lo in range(1, most + 1, BLOCK):
+        hi = min(lo + BLOCK, most + 1)
+        later = sig_later[:, lo:hi]
+        seen = seen_here & (later >= 0)
+        same = (seen & (later == sig[:, None])).sum(axis=0)
+        off = np.abs(gap_later[:, lo:hi] - gap[:, None]) / typical  # NaN: a gap unknown
+        both = known_here & np.isfinite(off)
+        err = np.where(both, np.minimum(off, GAP_CAP), 0.0).sum(axis=0)
+        n_seen, n_both = seen.sum(axis=0), both.sum(axis=0)
+        for p in range(lo, hi):
+            k = p - lo
+            if n_seen[k] < MIN_STEPS * p or not n_both[k]:
+                continue
+            fits.append((p, float(same[k] / n_seen[k]), float(err[k] / n_both[k])))
+    return fits
 
 
 def _released(c: CollectiveLike) -> float:
