@@ -13,7 +13,11 @@ runtime directory go at the end, on Ctrl-C (the rows so far are printed)
 or SIGTERM too.
 
     python benchmarks/engine_hour.py [--case ddp:4] [--rate 100] [--duration 3600]
-        [--every 30] [--first-s 300]
+        [--every 30] [--first-s 300] [--detect-off] [--engine-env NAME=VALUE ...]
+
+``--detect-off``: the job's watch off (what the detector holds, by
+difference); ``--engine-env``: a variable set in the engine's environment
+(an allocator's options, tried side by side).
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ def main() -> None:
     p.add_argument("--every", type=float, default=30.0, help="seconds between rows")
     p.add_argument("--first-s", type=float, default=300.0,
                    help="seconds of tracing whose RSS maximum the growth is from")  # fmt: skip
+    p.add_argument("--detect-off", action="store_true", help="PROBING_DETECT_S=0: no watch")
+    p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in the engine's environment (again for more)")  # fmt: skip
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("engine_hour: needs root (BPF)")
@@ -110,10 +117,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, interrupted)
     out: dict[str, Any] = {"benchmark": "engine_hour", "case": args.case, "rate_asked": args.rate,
                            "duration_s": args.duration, "every_s": args.every,
-                           "first_s": args.first_s}  # fmt: skip
+                           "first_s": args.first_s, "detect": not args.detect_off,
+                           "engine_env": args.engine_env}  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="probing-hour-")
     try:
-        env, rt = job_env(tmp)
+        env, rt = job_env(tmp, detect=not args.detect_off)
+        for pair in args.engine_env:  # the engine takes the names PROBING_ENGINE_ENV lists
+            name, _, value = pair.partition("=")
+            env[name] = value
+            env["PROBING_ENGINE_ENV"] += f",{name}"
         job = Job(shape, int(world), 1e3 * PER_STEP[shape] / args.rate, env, tmp)
         try:
             rows = watch(trace(env, job, rt), job, shape, args.duration, args.every, out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from time import time_ns
 from types import SimpleNamespace
 from typing import Any
 
@@ -876,3 +877,89 @@ def test_a_rank_late_now_and_then_stays_a_finding_while_it_is(monkeypatch) -> No
     for _ in range(CLEAR_AFTER):
         w.once(now_ns=_now(healthy))
     assert w.table()["cleared_ns"].to_pylist() == [_now(healthy)]
+
+
+def _calls(family: str, rows: list[dict[str, Any]]) -> pa.Table:
+    """``family``'s ``calls`` rows, every other column null."""
+    from probing.node.bpf.families import FAMILIES
+
+    schema = FAMILIES[family].schema
+    return pa.Table.from_pylist([{n: r.get(n) for n in schema.names} for r in rows], schema=schema)
+
+
+def test_the_calls_a_tracer_kept_answer_as_the_peers_sql_does() -> None:
+    """``collectives_rows`` (the detector's ask between full detections,
+    answered from a tracer's kept calls) says what ``comm.collectives``'s
+    SQL says of the same calls, row for row and type for type: each
+    backend's branch, calls in flight, from ``since`` and ended from
+    ``cursor`` on, rows without an op left out."""
+    from probing.analyze.queries import queries
+    from probing.node.sql import Database
+    from probing.node.store import Store
+    from probing.node.tables import trace
+
+    s = int(1e9)
+    since, cursor = 100 * s, 120 * s
+    common = {"pid": 7, "tid": 8, "nranks": 4, "bytes": 64, "rank": 2}
+    gloo_done = _calls("gloo", [
+        {**common, "op": "allreduce", "comm": 5, "seq": 1, "ts": 90 * s, "dur_ns": 40 * s},
+        {**common, "op": "allreduce", "comm": 5, "seq": 2, "ts": 110 * s, "dur_ns": 5 * s},
+        {**common, "op": "allreduce", "comm": 5, "seq": 3, "ts": 119 * s, "dur_ns": 2 * s},
+        {**common, "op": "send", "comm": 5, "seq": 4, "ts": 125 * s, "dur_ns": s, "peer": 3,
+         "tag": 9, "wait_ns": 77},
+        {**common, "op": None, "comm": 5, "ts": 126 * s, "dur_ns": s},  # a wait
+    ])  # fmt: skip
+    gloo_flying = _calls("gloo", [{**common, "op": "broadcast", "comm": 5, "seq": 5, "ts": 50 * s}])
+    nccl_done = _calls("nccl", [
+        {**common, "op": "allgather", "comm": 11, "comm_id": 12, "seq": 1, "ts": 121 * s,
+         "dur_ns": s, "peer": 0},
+        {**common, "op": "recv", "comm": 11, "seq": 2, "ts": 122 * s, "dur_ns": s, "peer": 1},
+    ])  # fmt: skip
+    nccl_flying = _calls("nccl", [])
+    flying = {"gloo": gloo_flying, "nccl": nccl_flying}
+    tracer = SimpleNamespace(inflight=lambda family: flying[family])
+    db = Database(Store())
+    trace.install(db, current=lambda: tracer)  # type: ignore[arg-type,return-value]
+    db.store.table("gloo", "calls").append_batch(gloo_done)
+    db.store.table("nccl", "calls").append_batch(nccl_done)
+    sql = queries(remote=False)["collectives"].format(since_ns=since)
+    ask = f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
+    by_sql = db.sql(ask)
+    kept = [
+        trace.collectives_rows(b, pa.concat_tables([done, flying[b]]), "n1", 6, since, cursor)
+        for b, done in (("gloo", gloo_done), ("nccl", nccl_done))
+    ]
+    mine = pa.concat_tables(kept)
+    assert mine.column("node").to_pylist() == ["n1"] * mine.num_rows
+    assert set(mine.column("rank").to_pylist()) == {6} and mine.schema.field("rank").type == "int64"
+    mine = mine.drop_columns(["node", "rank"])
+    assert mine.column_names == by_sql.column_names
+    assert [f.type for f in mine.schema] == [f.type for f in by_sql.schema]
+    order = [("backend", "ascending"), ("seq", "ascending")]
+    assert mine.sort_by(order).to_pylist() == by_sql.sort_by(order).to_pylist()
+    # gloo's 3rd, 4th and 5th (in flight), nccl's both; gloo's 1st began before
+    # since, its 2nd ended before the cursor, its wait has no op
+    assert sorted(mine.column("seq").to_pylist()) == [1, 2, 3, 4, 5]
+
+
+def test_the_drain_keeps_the_calls_of_collectives_while_it_can_say_what_ended() -> None:
+    """``Drainer.calls_since``: the collective families' batches drained
+    since the cursor (a call ends before it is drained), or None once the
+    cursor is older than what it kept (``RECENT_S``)."""
+    from probing.node.bpf import drain
+
+    d = drain.Drainer(store=None, decoded=None)  # no family loaded: its drain is a no-op
+    assert d.calls_since(time_ns()) is None  # it began just now: it cannot say what ended before
+    d._kept_ns -= int(10e9)  # as if it began 10 s ago
+    first = _calls("gloo", [{"op": "allreduce", "ts": 1, "dur_ns": 1}]).to_batches()[0]
+    d._keep("gloo", first)
+    later = time_ns() + 2 * drain.CLOCK_SLACK_NS
+    got = d.calls_since(time_ns())
+    assert got == {"gloo": [first]}
+    assert d.calls_since(later) == {}
+    old = d._recent[0][0] - int(2 * drain.RECENT_S * 1e9)
+    d._recent[0] = (old, "gloo", first)
+    d._keep("gloo", first)  # the first batch is older than RECENT_S now: let go
+    assert len(d._recent) == 1 and d._kept_ns == old
+    assert d.calls_since(old) is None  # what ended then went with it
+    assert d.calls_since(old + 2 * drain.CLOCK_SLACK_NS) == {"gloo": [first]}

@@ -22,6 +22,7 @@ QUIET_S = 60.0  # ... doubled after each that found nothing, up to this (a stead
 ASK_S = 5.0  # how long a detection waits for the ranks' answers, whatever the period
 AUX_S = 60.0  # the ranks' deaths and traced spans asked again this often, or at once
 # where who answered changed or a rank's newest collective began STILL_S ago
+RUNQ_S = 20.0  # how long each rank waited for a CPU (a slow link suspected) asked this often
 STILL_S = 2.0
 GROUPS_S = 60.0  # torch's groups asked again this often (a job makes them as it goes) ...
 GROUPS_RETRY_S = FULL_S  # ... or this soon where they left a Gloo context unnamed (doubling)

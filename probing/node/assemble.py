@@ -58,7 +58,25 @@ def cluster_node(ctx: ProbeContext) -> ClusterNode | None:
     ident = identity.from_env(environ)
     node = ClusterNode(ident, lambda: ctx.database, pid=ctx.pid, learn=ctx.target.distributed)
     node.detector = lambda: _detector(ctx, node)  # made at the first trace (POST /trace/start)
+    node.recent = lambda since_ns, cursor_ns: _recent(ctx, node, since_ns, cursor_ns)
     return node
+
+
+def _recent(ctx: ProbeContext, node: ClusterNode, since_ns: int, cursor_ns: int) -> Any:
+    """``node``'s collectives from ``since_ns`` ended from ``cursor_ns`` on
+    or in flight, as a peer answers the detector's ask, from what its tracer
+    kept (``ClusterNode.recent``); None where it cannot say."""
+    import pyarrow as pa
+
+    from probing.node.tables.trace import collectives_rows
+
+    tracer = ctx.tracer
+    got = tracer.calls_since(cursor_ns) if tracer is not None else None
+    if got is None:
+        return None
+    node_name, rank = node.ident.node, node.rank
+    parts = [collectives_rows(b, t, node_name, rank, since_ns, cursor_ns) for b, t in got.items()]
+    return pa.concat_tables(parts) if parts else None
 
 
 def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:

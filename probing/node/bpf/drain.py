@@ -41,6 +41,11 @@ from probing.node.bpf.ringbuf import RingReader, unstage
 DRAIN_SLICE = 16384  # events decoded at a time; the GIL is let go between slices
 FLUSH_EVERY_S = 0.5  # the timer's drain sends every CPU's staged events this often
 ARRIVALS_S = 15.0  # the collectives' arrivals kept for the detector's looks (its PACE_S, and more)
+# the collectives' calls kept as drained, for the detector's asks between full
+# detections (each asks for the calls ended since the one before, less LAG_S:
+# 5, 10, 20, 40 s apart while a job is new, every RESYNC_S the whole window by SQL)
+RECENT_S = 45.0
+CLOCK_SLACK_NS = 1_000_000_000  # a call's end (BPF's clock, made wall) and the drain's wall clock
 
 
 def compile_family(f: fam.Family, extra_cflags: list[str]) -> tuple[Any, bool]:
@@ -159,6 +164,10 @@ class Drainer:
         # the collectives' arrivals (ts, wall ns) of the last ARRIVALS_S, as
         # drained: (newest, ts) a slice; the detector's looks read them
         self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        # ... and their calls: (drained, wall ns; family; rows), every call
+        # drained after ``_kept_ns`` (wall ns)
+        self._recent: collections.deque[tuple[int, str, pa.RecordBatch]] = collections.deque()
+        self._kept_ns = time.time_ns()
 
     def add(self, live: Live) -> None:
         self.live.append(live)
@@ -226,8 +235,9 @@ class Drainer:
         batch = fam.to_batch(live.family, ev, self.decoded, live.next_id)
         live.next_id += len(ev)
         live.events += len(ev)
-        if "op" in batch.schema.names:  # a collective's family: its arrivals kept
+        if "op" in batch.schema.names:  # a collective's family: its arrivals and calls kept
             self._arrived(batch)
+            self._keep(live.family.name, batch)
         # a chunk this completes is compressed by the store's sealer thread
         table.append_batch(batch, defer_seal=True)
         if self.writer is not None:
@@ -243,6 +253,27 @@ class Drainer:
         self._arrivals.append((newest, ts))
         while self._arrivals and self._arrivals[0][0] < newest - ARRIVALS_S * 1e9:
             self._arrivals.popleft()
+
+    def _keep(self, family: str, batch: pa.RecordBatch) -> None:
+        now = time.time_ns()
+        self._recent.append((now, family, batch))
+        while self._recent and self._recent[0][0] < now - RECENT_S * 1e9:
+            self._kept_ns = self._recent.popleft()[0]
+
+    def calls_since(self, cursor_ns: int) -> dict[str, list[pa.RecordBatch]] | None:
+        """Every collective family's calls drained (the rings drained first)
+        that may have ended from ``cursor_ns`` (wall ns) on, by family; more
+        may come with them (the caller filters). None where some may have
+        gone: the last ``RECENT_S`` are kept. No SQL: the detector's asks."""
+        self.drain()
+        with self._lock:
+            if cursor_ns - CLOCK_SLACK_NS <= self._kept_ns:
+                return None
+            out: dict[str, list[pa.RecordBatch]] = {}
+            for drained, family, batch in self._recent:
+                if drained >= cursor_ns - CLOCK_SLACK_NS:  # a call ends before it is drained
+                    out.setdefault(family, []).append(batch)
+            return out
 
     def arrivals(self, since_ns: int) -> np.ndarray:
         """The collectives entered from ``since_ns`` (wall ns) to now, by

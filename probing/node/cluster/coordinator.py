@@ -53,9 +53,16 @@ class Asker(asking.Peer, Protocol):
 
 
 def coordinate(
-    node: Asker, sql: str, *, timeout: float = 5.0, strict: bool = False, fanout: str = "auto"
+    node: Asker,
+    sql: str,
+    *,
+    timeout: float = 5.0,
+    strict: bool = False,
+    fanout: str = "auto",
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[pa.Table, Collected, planner.Plan]:
-    """Run ``sql`` over every peer's tables; returns (result, who answered, plan)."""
+    """Run ``sql`` over every peer's tables, but the ranks ``skip`` names
+    (the caller has theirs); returns (result, who answered, plan)."""
     from probing.node.cluster import plan as planner
 
     if fanout not in FANOUTS:
@@ -69,8 +76,10 @@ def coordinate(
     if the_plan.mode is planner.Mode.AGG_NODE and not is_tree(node.others(), fanout):
         the_plan = planner.plan_scan(sql, schemas, known)  # flat: the asker aggregates
     left = max(0.0, deadline - time.monotonic())
-    got = asking.gather(node, the_plan.work(), node.others(), left, fanout)
-    _undiscovered(node, got)
+    members = [p for p in node.others() if p.rank not in skip]
+    got = asking.gather(node, the_plan.work(), members, left, fanout,
+                        with_self=node.rank not in skip)  # fmt: skip
+    _undiscovered(node, got, skip)
     if strict and got.missing:
         names = ", ".join(f"rank {m.rank} ({m.addr}: {m.reason})" for m in got.missing)
         raise PeerUnreachable(f"{len(got.missing)} peer(s) did not answer: {names}")
@@ -97,13 +106,13 @@ def _schemas(sql: str, eng: Any, known: set[str]) -> dict[str, pa.Schema | None]
     return schemas
 
 
-def _undiscovered(node: Asker, got: Collected) -> None:
+def _undiscovered(node: Asker, got: Collected, skip: frozenset[int] = frozenset()) -> None:
     """torchrun: the ranks never discovered are missing too; one its launcher
     started on this node with no process left here, as exited
     (``procs.NO_PROCESS``)."""
     if node.directory is None:
         return
-    answered = {t.rank for t in got.peers} | {m.rank for m in got.missing}
+    answered = {t.rank for t in got.peers} | {m.rank for m in got.missing} | skip
     never = [r for r in range(node.ident.world_size) if r not in answered]
     exited = set(procs.exited_ranks(node.pid)) if never else set()
     for rank in never:

@@ -239,7 +239,7 @@ def gather(
     deadline = time.monotonic() + timeout
     exchange = Exchange(deadline)
     asked: list[_Ask] = []
-    siblings, members = _siblings(node, members)
+    siblings, members = siblings_of(node, members)
     for peer, sub in _route(node, members, fanout):
         # a peer of my own node sends me its rows: I aggregate my node
         w = work.for_member() if node_key(peer) == node.ident.node else work
@@ -259,7 +259,7 @@ def gather(
     return result
 
 
-def _siblings(node: Peer, members: list[PeerInfo]) -> tuple[list[Peer], list[PeerInfo]]:
+def siblings_of(node: Peer, members: list[PeerInfo]) -> tuple[list[Peer], list[PeerInfo]]:
     """The members my engine serves too (their cluster nodes: they answer
     in-process), and the others."""
     port = node.port

@@ -104,6 +104,10 @@ class ClusterNode:
         self.watch: Detector | None = None  # the always-on detector, once made
         # makes it (``probing.node.detector.watch.Watch``: given by the node's assembler)
         self.detector: Callable[[], Detector] | None = None
+        # my tracer's collectives ended since a cursor, as the detector asks
+        # them of a peer, with no SQL: (since_ns, cursor_ns) -> rows, or None
+        # where it cannot say (``probing.node.assemble``)
+        self.recent: Callable[[int, int], pa.Table | None] | None = None
         if self.learn is not None:
             self.error = join.WAITING
 
@@ -266,6 +270,37 @@ class ClusterNode:
     def coordinate(self, sql: str, *, timeout: float) -> tuple[pa.Table, Collected, planner.Plan]:
         """``sql`` over every rank of the job (``coordinator.coordinate``)."""
         return coordinator.coordinate(self, sql, timeout=timeout)
+
+    def collectives_since(
+        self, sql: str, since_ns: int, cursor_ns: int, *, timeout: float
+    ) -> tuple[pa.Table, Collected] | None:
+        """The detector's ask between its full detections (``sql``: the
+        collectives from ``since_ns`` ended from ``cursor_ns`` on, or in
+        flight): the ranks this engine serves, me among them, from what their
+        tracers keep (``recent``: no SQL, no HTTP), the others by ``sql``
+        (``coordinate``); None where no rank here can say."""
+        from probing.node.cluster.fanout import Collected, concat
+        from probing.node.cluster.wire import PeerTiming
+
+        here = [self, *fanout.siblings_of(self, self.others())[0]]
+        local: dict[int, pa.Table] = {}
+        for node in here:
+            recent = getattr(node, "recent", None)
+            got = recent(since_ns, cursor_ns) if recent is not None else None
+            if got is not None:
+                local[node.rank] = got
+        if not local:
+            return None
+        world = self.ident.world_size
+        if world and all(r in local for r in range(world)):  # every rank here
+            table, answers = None, Collected()
+        else:
+            table, answers, _ = coordinator.coordinate(
+                self, sql, timeout=timeout, skip=frozenset(local)
+            )
+        answers.peers.extend(PeerTiming(r, self.ident.node, "local", 0.0, 0) for r in local)
+        tables = [t for t in (table, *local.values()) if t is not None]
+        return concat(tables), answers
 
     def control(
         self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None

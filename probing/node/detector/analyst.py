@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from probing.analyze.detection import AUX_S, EXPLAIN, HANG_AFTER_S, WINDOW_S, all_tracing, still
+from probing.analyze.detection import (
+    AUX_S,
+    EXPLAIN,
+    HANG_AFTER_S,
+    RUNQ_S,
+    WINDOW_S,
+    all_tracing,
+    still,
+)
 from probing.node.detector.groups import Groups
 from probing.node.detector.window import ask_cluster
 
@@ -27,6 +35,7 @@ class Analyst:
         self.aux: dict[str, Any] = {}  # dead, intervals: asked at full detections
         self._aux_ns = 0  # when they were asked, and who answered then
         self._aux_who: set[int] = set()
+        self._runq: tuple[int, pa.Table | None] | None = None  # (when asked, the answer)
 
     def ask_aux(self, now: int, table: pa.Table, got: Answers) -> None:
         """The ranks that died and who traced when, and torch's groups where
@@ -72,7 +81,11 @@ class Analyst:
         runq_sql = queries(remote=True)["runq"].format(since_ns=since)
 
         def ask_runq() -> pa.Table | None:
-            return optional(lambda q: ask_cluster(self.node, q), runq_sql)
+            # a rank's wait for a CPU changes slowly, and a slow link is
+            # written after GONE_AFTER detections in a row: asked every RUNQ_S
+            if self._runq is None or now - self._runq[0] >= RUNQ_S * 1e9 or now < self._runq[0]:
+                self._runq = (now, optional(lambda q: ask_cluster(self.node, q), runq_sql))
+            return self._runq[1]
 
         answered = sorted({t.rank for t in got.peers})
         table, cov = judge(table, self.aux["intervals"], answered, dead, since, now)

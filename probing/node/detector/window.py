@@ -88,11 +88,15 @@ class Window:
         if now - self.whole_ns >= RESYNC_S * 1e9 or now < self.asked_ns:
             kept = None
         cursor = self.asked_ns - int(LAG_S * 1e9)
+        asked = None
         if kept is not None:
             sql = (
                 f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
             )
-        table, got, _ = node.coordinate(sql, timeout=ASK_S)
+            # the ranks of this engine from their tracers (no SQL), where it can
+            here = getattr(node, "collectives_since", None)
+            asked = here(sql, since, cursor, timeout=ASK_S) if here is not None else None
+        table, got = asked if asked is not None else node.coordinate(sql, timeout=ASK_S)[:2]
         if kept is not None and kept.num_rows:
             ts, dur = kept.column("ts"), kept.column("dur_ns")
             old = kept.filter(

@@ -42,6 +42,47 @@ COLLECTIVES_SQL = "\nUNION ALL\n".join(
 )
 
 
+def collectives_rows(
+    backend: str, calls: pa.Table, node: str, rank: int, since_ns: int, cursor_ns: int
+) -> pa.Table:
+    """What a peer answers the detector's ask of ``comm.collectives``
+    (``queries(remote=True)["collectives"]`` from ``since_ns``, the calls
+    ended from ``cursor_ns`` on or in flight) of ``calls`` (``backend``'s
+    ``calls`` rows, finished or not), as its branch of ``COLLECTIVES_SQL``
+    makes them and a peer tags them (``node``, ``rank``; the table's own
+    rank is ``comm_rank``), with no SQL: the rows a tracer of this engine
+    kept (``Tracer.calls_since``). ``tests/test_watch.py`` holds the two alike."""
+    import pyarrow.compute as pc
+
+    if calls.num_rows:
+        end = pc.add(calls["ts"], calls["dur_ns"])
+        flying = pc.is_null(calls["dur_ns"])
+        keep = pc.and_kleene(
+            pc.is_valid(calls["op"]),
+            pc.and_kleene(
+                pc.or_kleene(pc.greater_equal(calls["ts"], since_ns), flying),
+                pc.or_kleene(flying, pc.greater_equal(end, cursor_ns)),
+            ),
+        )
+        calls = calls.filter(pc.fill_null(keep, False))
+    n = calls.num_rows
+    if backend == "nccl":
+        comm = pc.coalesce(calls["comm_id"], calls["comm"])
+        p2p = pc.is_in(calls["op"], pa.array(["send", "recv"]))
+        peer = pc.if_else(pc.fill_null(p2p, False), calls["peer"], pa.nulls(n, pa.int32()))
+        tag, wait = pa.nulls(n, pa.int32()), pa.nulls(n, pa.int64())
+    else:
+        comm, peer, tag, wait = calls["comm"], calls["peer"], calls["tag"], calls["wait_ns"]
+    columns = {
+        "backend": pa.array([backend] * n, pa.string()), "op": calls["op"], "comm": comm,
+        "seq": calls["seq"], "comm_rank": calls["rank"], "nranks": calls["nranks"],
+        "bytes": calls["bytes"], "ts": calls["ts"], "dur_ns": calls["dur_ns"],
+        "pid": calls["pid"], "tid": calls["tid"], "peer": peer, "tag": tag, "wait_ns": wait,
+        "node": pa.array([node] * n, pa.string()), "rank": pa.array([rank] * n, pa.int64()),
+    }  # fmt: skip
+    return pa.table(columns)
+
+
 # the probe's tracer now (None before the first trace): ProbeContext.tracer
 CurrentTracer = Callable[[], "Tracer | None"]
 
