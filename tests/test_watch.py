@@ -963,3 +963,23 @@ def test_the_drain_keeps_the_calls_of_collectives_while_it_can_say_what_ended() 
     assert len(d._recent) == 1 and d._kept_ns == old
     assert d.calls_since(old) is None  # what ended then went with it
     assert d.calls_since(old + 2 * drain.CLOCK_SLACK_NS) == {"gloo": [first]}
+
+
+def test_each_ranks_wait_for_a_cpu_is_asked_again_only_after_runq_s() -> None:
+    """Where a slow link is suspected, every rank is asked how long it waited
+    for a CPU: the answer serves the detections of the next ``RUNQ_S``."""
+    from probing.node.detector.analyst import Analyst
+
+    node = Node()
+    node.runq = [{"rank": 0, "runq_ns": 5}]
+    analyst = Analyst(node)
+    s = int(1e9)
+    sql = "SELECT * FROM python.samples"
+    first = analyst.runq(100 * s, sql)
+    assert first is not None and first.to_pylist() == node.runq
+    node.runq = [{"rank": 0, "runq_ns": 9}]
+    assert analyst.runq(int((100 + dt.RUNQ_S - 1) * s), sql) is first
+    assert len([q for q in node.asked if "python.samples" in q]) == 1
+    again = analyst.runq(int((100 + dt.RUNQ_S) * s), sql)
+    assert again is not None and again.to_pylist() == node.runq
+    assert analyst.runq(50 * s, sql) is not again  # a clock set back: asked again

@@ -71,7 +71,8 @@ def _recent(ctx: ProbeContext, node: ClusterNode, since_ns: int, cursor_ns: int)
     from probing.node.tables.trace import collectives_rows
 
     tracer = ctx.tracer
-    got = tracer.calls_since(cursor_ns) if tracer is not None else None
+    kept = None if tracer is None else tracer.drained()
+    got = None if kept is None else kept.collectives_since(cursor_ns, ctx.pid)
     if got is None:
         return None
     node_name, rank = node.ident.node, node.rank
@@ -94,6 +95,7 @@ def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:
 
     def arrivals(since_ns: int) -> Any:
         tracer = ctx.tracer
-        return tracer.arrivals(since_ns) if tracer is not None else None
+        kept = tracer.drained() if tracer is not None else None
+        return kept.arrivals(since_ns) if kept is not None else None
 
     return Watch(node, tracing, dropped, arrivals=arrivals)

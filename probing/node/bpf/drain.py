@@ -275,6 +275,21 @@ class Drainer:
                     out.setdefault(family, []).append(batch)
             return out
 
+    def collectives_since(self, cursor_ns: int, pid: int) -> dict[str, pa.Table] | None:
+        """Each collective family's calls that may have ended from
+        ``cursor_ns`` on (``calls_since``) and those of ``pid`` in flight,
+        as rows of ``<family>.calls``; None where some may have gone."""
+        got = self.calls_since(cursor_ns)
+        if got is None:
+            return None
+        out = {}
+        for live in list(self.live):
+            f = live.family
+            if "op" in f.schema.names:
+                done = pa.Table.from_batches(got.get(f.name, []), schema=f.schema)
+                out[f.name] = pa.concat_tables([done, self.inflight(f.name, pid)])
+        return out
+
     def arrivals(self, since_ns: int) -> np.ndarray:
         """The collectives entered from ``since_ns`` (wall ns) to now, by
         the calls drained (the rings drained first; calls still in flight

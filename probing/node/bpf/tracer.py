@@ -381,31 +381,10 @@ class Tracer:
         returns how many."""
         return self._drainer.drain()
 
-    def arrivals(self, since_ns: int) -> Any:
-        """The collectives this process entered since ``since_ns`` (wall ns),
-        as drained (``Drainer.arrivals``); None when it does not trace."""
-        if self.state is not TracerState.TRACING:
-            return None
-        return self._drainer.arrivals(since_ns)
-
-    def calls_since(self, cursor_ns: int) -> dict[str, pa.Table] | None:
-        """Each collective family's calls that may have ended from
-        ``cursor_ns`` (wall ns) on, as drained (``Drainer.calls_since``), and
-        those in flight, as rows of ``<family>.calls``; None when it does not
-        trace, or some may have gone."""
-        if self.state is not TracerState.TRACING:
-            return None
-        got = self._drainer.calls_since(cursor_ns)
-        if got is None:
-            return None
-        out = {}
-        for live in list(self._drainer.live):
-            f = live.family
-            if "op" not in f.schema.names:
-                continue
-            done = pa.Table.from_batches(got.get(f.name, []), schema=f.schema)
-            out[f.name] = pa.concat_tables([done, self._drainer.inflight(f.name, self.pid)])
-        return out
+    def drained(self) -> Drainer | None:
+        """What it drained and keeps for the detector (``Drainer.arrivals``,
+        ``Drainer.collectives_since``); None when it does not trace."""
+        return self._drainer if self.state is TracerState.TRACING else None
 
     def inflight(self, family: str) -> pa.Table:
         """Calls entered and not returned yet (from the pairing map), as rows

@@ -73,7 +73,7 @@ class Analyst:
         """``table`` named by torch's groups and cut to the span every rank
         that answered (``got``) traced in, and its analysis."""
         from probing.analyze.diagnose import analyze, judge
-        from probing.analyze.queries import optional, queries
+        from probing.analyze.queries import queries
 
         dead = self.aux["dead"]
         table = self.groups.names(table)
@@ -81,11 +81,7 @@ class Analyst:
         runq_sql = queries(remote=True)["runq"].format(since_ns=since)
 
         def ask_runq() -> pa.Table | None:
-            # a rank's wait for a CPU changes slowly, and a slow link is
-            # written after GONE_AFTER detections in a row: asked every RUNQ_S
-            if self._runq is None or now - self._runq[0] >= RUNQ_S * 1e9 or now < self._runq[0]:
-                self._runq = (now, optional(lambda q: ask_cluster(self.node, q), runq_sql))
-            return self._runq[1]
+            return self.runq(now, runq_sql)
 
         answered = sorted({t.rank for t in got.peers})
         table, cov = judge(table, self.aux["intervals"], answered, dead, since, now)
@@ -94,6 +90,18 @@ class Analyst:
             dead=dead, runq=ask_runq if runq else None, coverage=cov,
         )  # fmt: skip
         return table, d
+
+    def runq(self, now: int, sql: str) -> pa.Table | None:
+        """How long each rank waited for a CPU (``sql``, RUNQ_SQL), asked of
+        every rank where a slow link is suspected: again every ``RUNQ_S``
+        only (a rank's wait changes slowly, and a slow link is written after
+        ``GONE_AFTER`` detections in a row that found it)."""
+        from probing.analyze.queries import optional
+
+        kept = self._runq
+        if kept is None or not 0 <= now - kept[0] < RUNQ_S * 1e9:
+            kept = self._runq = (now, optional(lambda q: ask_cluster(self.node, q), sql))
+        return kept[1]
 
     def learn_groups(self, now: int, table: pa.Table) -> None:
         """torch's groups asked of every rank, for the window ``table``."""

@@ -51,7 +51,7 @@ def collectives_rows(
     ``calls`` rows, finished or not), as its branch of ``COLLECTIVES_SQL``
     makes them and a peer tags them (``node``, ``rank``; the table's own
     rank is ``comm_rank``), with no SQL: the rows a tracer of this engine
-    kept (``Tracer.calls_since``). ``tests/test_watch.py`` holds the two alike."""
+    kept (``Drainer.collectives_since``). ``tests/test_watch.py`` holds the two alike."""
     import pyarrow.compute as pc
 
     if calls.num_rows:
