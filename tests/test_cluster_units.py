@@ -750,3 +750,44 @@ def test_the_ranks_an_engine_serves_answer_without_the_jobs_store() -> None:
         for s in sleepers:
             s.kill()
             s.wait()
+
+
+def test_the_detectors_ask_takes_this_engines_ranks_from_their_tracers(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``ClusterNode.collectives_since``: the ranks one engine serves whose
+    tracer keeps their calls (``recent``) answer from it with no query; the
+    others by SQL (``coordinate``'s ``skip``), each rank once; every rank
+    here answering from its tracer, no query is planned at all."""
+    from probing.node.cluster import coordinator
+
+    nodes = _one_engines_ranks(4)
+    sql = "SELECT ts, dur_ns, node, rank FROM bench.events WHERE dur_ns > 5"
+    asked: list[tuple[int, int]] = []
+
+    def kept(rank: int) -> Any:
+        def recent(since_ns: int, cursor_ns: int) -> pa.Table:
+            asked.append((since_ns, cursor_ns))
+            one = pa.array([rank], pa.int64())
+            return pa.table({"ts": one, "dur_ns": pa.array([-1]), "node": ["n0"], "rank": one})
+
+        return recent
+
+    try:
+        nodes[0].recent, nodes[2].recent = kept(0), kept(2)
+        table, got = nodes[0].collectives_since(sql, 1, 2, timeout=3)
+        assert asked == [(1, 2), (1, 2)]
+        assert not got.missing and sorted(t.rank for t in got.peers) == [0, 1, 2, 3]
+        by_rank = {r: [] for r in range(4)}
+        for row in table.to_pylist():
+            by_rank[row["rank"]].append(row["dur_ns"])
+        assert by_rank[0] == [-1] and by_rank[2] == [-1]  # the tracers' rows, not the tables'
+        assert sorted(by_rank[1]) == [7, 11, 17] and by_rank[3] == []  # rank 3 has no such table
+        nodes[1].recent, nodes[3].recent = kept(1), kept(3)
+        monkeypatch.setattr(coordinator, "coordinate", lambda *a, **k: pytest.fail("SQL asked"))
+        table, got = nodes[0].collectives_since(sql, 1, 2, timeout=3)
+        assert sorted(table.column("rank").to_pylist()) == [0, 1, 2, 3]
+        assert sorted(t.rank for t in got.peers) == [0, 1, 2, 3]
+        for node in nodes:
+            node.recent = lambda since_ns, cursor_ns: None  # none can say: SQL, as before
+        assert nodes[0].collectives_since(sql, 1, 2, timeout=3) is None
+    finally:
+        nodes[0].stop_port()
