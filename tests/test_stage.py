@@ -114,8 +114,23 @@ def test_the_engine_gets_the_targets_settings_and_our_paths(
     assert env == {
         "PATH": "/opt/probing/bin:/usr/bin",
         "MALLOC_ARENA_MAX": "2",
+        "MIMALLOC_PURGE_DELAY": "0",
+        "MIMALLOC_ARENA_EAGER_COMMIT": "0",
         "PROBING_RUNTIME_DIR": "/tmp/x",
     }
+
+
+def test_the_guests_engine_lets_its_allocators_give_back_what_they_freed() -> None:
+    """The engine a guest starts runs with the allocator settings the
+    injector's does (``place.ENGINE_ALLOCATOR``), unless the job names its
+    own in ``PROBING_ENGINE_ENV``."""
+    from probing.guest import place
+
+    env = Guest("/usr/bin/python3", {"PATH": "/bin"}, spawn=False)._engine_env()
+    assert {k: env[k] for k in place.ENGINE_ALLOCATOR} == place.ENGINE_ALLOCATOR
+    mine = {"PROBING_ENGINE_ENV": "MIMALLOC_PURGE_DELAY", "MIMALLOC_PURGE_DELAY": "10"}
+    env = Guest("/usr/bin/python3", mine, spawn=False)._engine_env()
+    assert env["MIMALLOC_PURGE_DELAY"] == "10" and env["MALLOC_ARENA_MAX"] == "2"
 
 
 def test_a_guest_told_not_to_start_the_engine_waits_for_it(tmp_path: Path) -> None:

@@ -252,9 +252,7 @@ class Guest:
 
     def _engine_env(self) -> dict[str, str]:
         env = {k: v for k, v in self.environ.items() if k in KEEP_ENV}
-        # a daemon that serves hundreds of jobs from many threads: glibc's
-        # arenas (one per thread, up to 8 a core) keep what each job freed
-        env["MALLOC_ARENA_MAX"] = "2"
+        env.update(place.ENGINE_ALLOCATOR)
         env.update(place.engine_settings(self.environ))
         return env
 

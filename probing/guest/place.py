@@ -42,6 +42,17 @@ def trace_path(pid: int, directory: str | None = None) -> str:
 # settings that differ between the ranks of one job: they reach the engine
 # through each process's own environment (probing.target), not the engine's
 PER_PROCESS = ("PROBING", "PROBING_RANK", "PROBING_FORK")
+# the engine's allocators: a daemon that serves hundreds of jobs from many
+# threads, for hours. glibc's arenas (one a thread, up to 8 a core) keep what
+# each job freed; mimalloc's (Arrow's and DataFusion's) keep the pages they
+# freed and their arenas committed: let go at once, a 4-rank trace's engine
+# held 42 MB more after 25 min than in its first 5, not 111, and 60 MB less
+# all along (``engine_hour.py --engine-env``, docs/measurements.md, issue 52)
+ENGINE_ALLOCATOR = {
+    "MALLOC_ARENA_MAX": "2",
+    "MIMALLOC_PURGE_DELAY": "0",
+    "MIMALLOC_ARENA_EAGER_COMMIT": "0",
+}
 
 
 def engine_settings(environ: dict[str, str]) -> dict[str, str]:

@@ -224,7 +224,7 @@ def engine_env(environ: dict[str, str]) -> dict[str, str]:
     """The engine's environment: ours for where things are, the target's
     ``PROBING_*`` settings (those its guest hashes into the engine's key)."""
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
-    env["MALLOC_ARENA_MAX"] = "2"  # as the guest starts it (guest.life)
+    env.update(place.ENGINE_ALLOCATOR)  # as the guest starts it (guest.life)
     env.update(place.engine_settings(environ))
     return env
 
