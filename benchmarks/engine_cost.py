@@ -27,6 +27,7 @@ and what it got is printed (a 2-CPU machine cannot give 4 ranks 1,000).
 
     python benchmarks/engine_cost.py [--cases ddp:4,fsdp2:4,ddp:8] [--rates 10,100,1000]
         [--window 20] [--settle 5] [--detect-off] [--baseline REV] [--profile DIR]
+        [--engine-env NAME=VALUE ...]
 
 ``--baseline REV`` (or ``BENCH_BASELINE``) runs each case on that revision's
 tree first (a temporary worktree: its CLI, guest and engine), then on this one.
@@ -154,6 +155,15 @@ def job_env(tmp: str, tree: Path = REPO, detect: bool = True) -> tuple[dict[str,
     return env, rt
 
 
+def with_engine_env(env: dict[str, str], pairs: list[str]) -> None:
+    """``NAME=VALUE`` each set in ``env`` and passed on to the engine (the
+    names ``PROBING_ENGINE_ENV`` lists), over what it sets itself."""
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        env[name] = value
+        env["PROBING_ENGINE_ENV"] += f",{name}"
+
+
 def trace(env: dict[str, str], job: Job, rt: str) -> psutil.Process:
     """``probing trace --pid R0 --cluster --background``, as a user starts
     it (stacks and the job's watch on); the engine that traces."""
@@ -242,9 +252,11 @@ def case(
     detect: bool = True,
     tree: Path = REPO,
     profile: str | None = None,
+    engine_env: list[str] | None = None,
 ) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="probing-cost-")
     env, rt = job_env(tmp, tree, detect)
+    with_engine_env(env, engine_env or [])
     step_ms = 1e3 * PER_STEP[shape] / rate
     job = Job(shape, world, step_ms, env, tmp)
     out: dict[str, Any] = {"tree": "this" if tree == REPO else "baseline", "shape": shape,
@@ -310,6 +322,8 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=5.0, help="seconds before each window")
     p.add_argument("--detect-off", action="store_true", help="PROBING_DETECT_S=0: no watch")
     p.add_argument("--profile", help="a folder: py-spy's folded stacks of the engine, a case each")
+    p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in the engine's environment (again for more)")  # fmt: skip
     p.add_argument("--baseline", default=os.environ.get("BENCH_BASELINE"),
                    help="a git revision: each case on its tree too, first")  # fmt: skip
     args = p.parse_args()
@@ -329,7 +343,7 @@ def main() -> None:
                     try:
                         got = case(shape, int(world), float(rate), args.window, args.settle,
                                    detect=not args.detect_off, tree=tree,
-                                   profile=args.profile)  # fmt: skip
+                                   profile=args.profile, engine_env=args.engine_env)  # fmt: skip
                     except Exception as err:
                         got = {"tree": str(tree), "shape": shape, "ranks": int(world),
                                "rate_asked": float(rate), "error": str(err)}  # fmt: skip

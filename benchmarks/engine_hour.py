@@ -36,7 +36,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_cost import PER_STEP, Job, job_env, stop, trace
+from engine_cost import PER_STEP, Job, job_env, stop, trace, with_engine_env
 
 
 def sample(proc: psutil.Process) -> dict[str, Any]:
@@ -122,10 +122,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="probing-hour-")
     try:
         env, rt = job_env(tmp, detect=not args.detect_off)
-        for pair in args.engine_env:  # the engine takes the names PROBING_ENGINE_ENV lists
-            name, _, value = pair.partition("=")
-            env[name] = value
-            env["PROBING_ENGINE_ENV"] += f",{name}"
+        with_engine_env(env, args.engine_env)
         job = Job(shape, int(world), 1e3 * PER_STEP[shape] / args.rate, env, tmp)
         try:
             rows = watch(trace(env, job, rt), job, shape, args.duration, args.every, out)
