@@ -718,3 +718,26 @@ def test_noise_now_and_then_on_every_rank_names_none() -> None:
             r["ts"] += 20_000_000
     d = analyze(pa.Table.from_pylist(rows, schema=t.schema), now_ns=T0)
     assert not d.stragglers, d.verdict
+
+
+def test_a_ranks_own_delay_counts_from_where_the_collective_before_left_it() -> None:
+    """``own_delays``: from its return from the one before (held there), or
+    from its arrival there where it came to the next first (launched
+    asynchronously); only consecutive collectives every rank at the next
+    returned from, and never a rank alone."""
+
+    def c(seq: int, ts: dict[int, int], end: dict[int, int | None]) -> coll.Collective:
+        return coll.Collective("c", seq, "allreduce", 3, 8, ts, end)
+
+    cs = [
+        c(0, {0: 0, 1: 0, 2: 0}, {0: 100, 1: 100, 2: 100}),
+        c(1, {0: 90, 1: 160, 2: 300}, {0: 400, 1: 400, 2: 400}),  # rank 0 came before its return
+        c(2, {0: 450, 1: 450, 2: 700}, {0: 800, 1: None, 2: 800}),
+        c(3, {0: 900, 1: 900, 2: 900}, {0: 950, 1: 950, 2: 950}),  # rank 1 still inside at 2
+        c(5, {0: 1000, 1: 1000, 2: 1100}, {0: 1200, 1: 1200, 2: 1200}),  # 4 not seen
+    ]
+    # at 1: gaps 90 (from its arrival at 0), 60, 200: rank 2's own delay 200 - 75 ns
+    # at 2: 50, 50, 300 from their returns: 250 ns
+    assert sg.own_delays(cs, 2) == [(1, 125 / 1e6), (2, 250 / 1e6)]
+    assert sg.own_delays(cs, 0) == [(1, (90 - 130) / 1e6), (2, (50 - 175) / 1e6)]
+    assert sg.own_delays(cs[:1], 2) == [] and sg.own_delays(cs, 7) == []

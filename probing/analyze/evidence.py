@@ -42,19 +42,29 @@ def arrivals(cs: list[Collective], ranks: list[int]) -> np.ndarray:
     """``A[k, j]``: when ``ranks[j]`` entered ``cs[k]``, ns after the first
     arrival at any of them (a float64: exact to the ns over days); NaN where
     it was not there."""
-    arrive = np.full((len(cs), len(ranks)), np.nan)
     if not cs or not ranks:
-        return arrive
+        return np.full((len(cs), len(ranks)), np.nan)
+    return by_rank([c.ts for c in cs], ranks, min(min(c.ts.values()) for c in cs if c.ts))
+
+
+def by_rank(of: list[dict[int, int]] | list[dict[int, int | None]], ranks: list[int],
+            base: int) -> np.ndarray:  # fmt: skip
+    """``M[k, j]``: ``of[k][ranks[j]]`` (a collective's arrivals or
+    returns), ns after ``base`` (a float64: exact to the ns over days); NaN
+    where it has none (or None: still inside)."""
+    out = np.full((len(of), len(ranks)), np.nan)
     col = {r: j for j, r in enumerate(ranks)}
-    sizes = [len(c.ts) for c in cs]
+    sizes = [len(d) for d in of]
     total = sum(sizes)
-    rows = np.repeat(np.arange(len(cs)), sizes)
+    rows = np.repeat(np.arange(len(of)), sizes)
     every = chain.from_iterable
-    cols = np.fromiter(map(col.get, every(c.ts for c in cs), repeat(-1)), np.intp, total)
-    ts = np.fromiter(every(c.ts.values() for c in cs), np.int64, total)
-    there = cols >= 0
-    arrive[rows[there], cols[there]] = ts[there] - ts.min()
-    return arrive
+    cols = np.fromiter(map(col.get, every(of), repeat(-1)), np.intp, total)
+    values = list(every(d.values() for d in of))
+    none = np.fromiter((v is None for v in values), bool, total)
+    ns = np.fromiter((base if v is None else v for v in values), np.int64, total)
+    there = (cols >= 0) & ~none
+    out[rows[there], cols[there]] = ns[there] - base
+    return out
 
 
 def excess_of(arrive: np.ndarray) -> np.ndarray:

@@ -24,9 +24,9 @@ from probing.analyze.evidence import (
     SHARE_NAMED,
     VERY_FAR,
     Seen,
+    by_rank,
     change_point,
     evidence,
-    median,
 )
 
 
@@ -263,19 +263,26 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
     carries its lateness on: its delay counts from its arrival there; one held
     until the previous was done (Gloo's synchronous calls, a bucket waited
     for at the step's end) goes on with the others: from its return."""
-    own = []
-    for prev, c in zip(cs, cs[1:], strict=False):
-        if c.seq != prev.seq + 1 or any(prev.end.get(o) is None for o in c.ts):
-            continue
-        gaps = {}
-        for o, t in c.ts.items():
-            end, before = prev.end.get(o), prev.ts.get(o)
-            if end is not None and before is not None:
-                gaps[o] = t - (before if t < end else end)
-        if rank in gaps and len(gaps) > 1:
-            others = [g for o, g in gaps.items() if o != rank]
-            own.append((c.seq, (gaps[rank] - median(others)) / 1e6))
-    return own
+    ranks = sorted({r for c in cs for r in (*c.ts, *c.end)})
+    if len(cs) < 2 or rank not in ranks:
+        return []
+    base = min(min(c.ts.values()) for c in cs if c.ts)
+    arrive = by_rank([c.ts for c in cs], ranks, base)
+    back = by_rank([c.end for c in cs], ranks, base)  # NaN: never there, or still inside
+    seq = np.array([c.seq for c in cs], dtype=np.int64)
+    at, before, end = arrive[1:], arrive[:-1], back[:-1]  # each collective, and the one before
+    # consecutive, and every rank at the next returned from the one before
+    pairs = (seq[1:] == seq[:-1] + 1) & ~np.any(~np.isnan(at) & np.isnan(end), axis=1)
+    gaps = np.where(at < end, at - before, at - end)  # NaN where any of the three is
+    j = ranks.index(rank)
+    others = np.delete(gaps, j, axis=1)
+    use = pairs & ~np.isnan(gaps[:, j]) & (~np.isnan(others)).any(axis=1)
+    if not use.any():
+        return []
+    them = others[use]
+    typical = np.median(them, axis=1) if not np.isnan(them).any() else np.nanmedian(them, axis=1)
+    delay = (gaps[use, j] - typical) / 1e6
+    return list(zip(seq[1:][use].tolist(), delay.tolist(), strict=True))
 
 
 def _late_at_one(
