@@ -18,6 +18,7 @@ the same for both trees.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -29,6 +30,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from surface_diff import worktree
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1_765_000_000 * 10**9
@@ -93,36 +98,33 @@ def main() -> None:
     p.add_argument("--baseline", default=os.environ.get("BENCH_BASELINE"),
                    help="a git revision: its analysis, side by side")  # fmt: skip
     args = p.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="probing-analyze-base-")) / "tree"
-    if args.baseline:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base),
-                        args.baseline], check=True, capture_output=True)  # fmt: skip
-    try:
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(worktree(args.baseline)) if args.baseline else None
         for ranks in (int(r) for r in args.ranks.split(",")):
             for late in (None, ranks - 2):
-                rows = window(ranks, args.rate, args.window, args.buckets, late)
-                now = int(rows.column("ts")[-1].as_py()) + 10**9
-                with tempfile.NamedTemporaryFile(suffix=".arrow") as f:
-                    feather.write_feather(rows, f.name)
-                    after = run(REPO, f.name, now, args.window, args.repeat)
-                    before = (
-                        run(base, f.name, now, args.window, args.repeat) if args.baseline else None
-                    )
-                out: dict[str, Any] = {"ranks": ranks, "rows": rows.num_rows, "late_rank": late,
-                                       "after_ms": after["ms"], "verdict": after["verdict"][:120],
-                                       "stragglers": after["stragglers"]}  # fmt: skip
-                if before is not None:
-                    out.update(
-                        before_ms=before["ms"],
-                        speedup=round(before["ms"] / max(after["ms"], 1e-9), 2),
-                        same=before["verdict"] == after["verdict"]
-                        and before["stragglers"] == after["stragglers"],
-                    )
-                print(json.dumps(out), flush=True)
-    finally:
-        if args.baseline:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
-                           capture_output=True)  # fmt: skip
+                print(json.dumps(case(ranks, late, args, base)), flush=True)
+
+
+def case(
+    ranks: int, late: int | None, args: argparse.Namespace, base: Path | None
+) -> dict[str, Any]:
+    rows = window(ranks, args.rate, args.window, args.buckets, late)
+    now = int(rows.column("ts")[-1].as_py()) + 10**9
+    with tempfile.NamedTemporaryFile(suffix=".arrow") as f:
+        feather.write_feather(rows, f.name)
+        after = run(REPO, f.name, now, args.window, args.repeat)
+        before = run(base, f.name, now, args.window, args.repeat) if base is not None else None
+    out: dict[str, Any] = {"ranks": ranks, "rows": rows.num_rows, "late_rank": late,
+                           "after_ms": after["ms"], "verdict": after["verdict"][:120],
+                           "stragglers": after["stragglers"]}  # fmt: skip
+    if before is not None:
+        out.update(
+            before_ms=before["ms"],
+            speedup=round(before["ms"] / max(after["ms"], 1e-9), 2),
+            same=before["verdict"] == after["verdict"]
+            and before["stragglers"] == after["stragglers"],
+        )
+    return out
 
 
 if __name__ == "__main__":
