@@ -983,3 +983,30 @@ def test_each_ranks_wait_for_a_cpu_is_asked_again_only_after_runq_s() -> None:
     again = analyst.runq(int((100 + dt.RUNQ_S) * s), sql)
     assert again is not None and again.to_pylist() == node.runq
     assert analyst.runq(50 * s, sql) is not again  # a clock set back: asked again
+
+
+def test_a_window_asks_this_engines_ranks_from_their_tracers_whole_or_since() -> None:
+    """``Window.fetch`` asks ``collectives_since`` first: from the window's
+    start where it holds nothing (every call begun in it), then from the
+    last ask less ``LAG_S``; SQL only where that cannot say."""
+    s = int(1e9)
+    node = Node()
+    cursors: list[tuple[int, int]] = []
+    rows = pa.table({"ts": pa.array([95 * s], pa.int64()), "dur_ns": pa.array([s], pa.int64()),
+                     "rank": pa.array([0], pa.int64())})  # fmt: skip
+
+    def collectives_since(sql: str, since: int, cursor: int, *, timeout: float) -> Any:
+        cursors.append((since, cursor))
+        return rows, Got(peers=[PeerTiming(0, "n0", "local", 0.0, 0)])
+
+    node.collectives_since = collectives_since  # type: ignore[attr-defined]
+    w = Window()
+    table, _ = w.fetch(node, 100 * s)
+    assert cursors == [(int(100 * s - dt.WINDOW_S * s),) * 2] and table.num_rows == 1
+    w.fetch(node, 105 * s)
+    assert cursors[1] == (int(105 * s - dt.WINDOW_S * s), int(100 * s - dt.LAG_S * s))
+    assert not node.asked  # no SQL
+    node.collectives_since = lambda *a, **k: None  # type: ignore[attr-defined]
+    node.answers.append((rows, Got()))
+    w.fetch(node, 106 * s)
+    assert len(node.asked) == 1 and "comm.collectives" in node.asked[0]

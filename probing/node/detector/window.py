@@ -63,7 +63,10 @@ class Pace:
 class Window:
     """The last ``WINDOW_S`` of the job's finished collectives, kept between
     asks: each fetch asks only for the calls that ended since the last one
-    (less ``LAG_S``, for those drained since) and those in flight."""
+    (less ``LAG_S``, for those drained since) and those in flight. The ranks
+    the detector's engine serves answer from what their tracers keep, where
+    that reaches back far enough (``collectives_since``: no SQL), the others
+    by SQL."""
 
     def __init__(self) -> None:
         self.rows: pa.Table | None = None  # finished calls, each ended before ``asked_ns``
@@ -88,14 +91,15 @@ class Window:
         if now - self.whole_ns >= RESYNC_S * 1e9 or now < self.asked_ns:
             kept = None
         cursor = self.asked_ns - int(LAG_S * 1e9)
-        asked = None
         if kept is not None:
             sql = (
                 f"SELECT * FROM ({sql}) AS c WHERE c.dur_ns IS NULL OR c.ts + c.dur_ns >= {cursor}"
             )
-            # the ranks of this engine from their tracers (no SQL), where it can
-            here = getattr(node, "collectives_since", None)
-            asked = here(sql, since, cursor, timeout=ASK_S) if here is not None else None
+        else:  # the whole window: every call begun in it ended in it, or is in flight
+            cursor = since
+        # the ranks of this engine from what their tracers keep (no SQL), where they can
+        here = getattr(node, "collectives_since", None)
+        asked = here(sql, since, cursor, timeout=ASK_S) if here is not None else None
         table, got = asked if asked is not None else node.coordinate(sql, timeout=ASK_S)[:2]
         if kept is not None and kept.num_rows:
             ts, dur = kept.column("ts"), kept.column("dur_ns")
