@@ -15,9 +15,10 @@ and the job's watch on, as a user starts it) and ``--settle`` s have passed:
 - a breakdown of its CPU by part, from the kernel's name of each of its
   threads (``probing.worker.os_name``): ``drain`` (``probing-trace``),
   ``sampler``, ``detector`` (``probing-watch``, ``probing-detect``),
-  ``sql`` (``probing-query``, ``probing-request``, ``probing-server``, and
-  threads that exited in the window: each request's), ``cluster``,
-  ``seal``, ``nvml``, ``main`` (the engine's own loop), ``other``.
+  ``sql`` (``probing-query``, ``probing-request``, ``probing-server``),
+  ``cluster``, ``seal``, ``nvml``, ``main`` (the engine's own loop),
+  ``other``, and ``gone``: threads that ended in the window, whatever they
+  were (a request's, a sealer or a beat that went idle).
 
 Shapes: ``ddp`` (DDP, each of ``--layers`` layers its own bucket: that many
 all-reduces a step), ``fsdp2`` (``fully_shard`` per layer: ~3 collectives a
@@ -212,7 +213,7 @@ def breakdown(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
         part = "main" if tid == main_tid else PARTS.get(comm, "other")
         parts[part] = parts.get(part, 0.0) + used
         seen += used
-    parts["sql"] = parts.get("sql", 0.0) + max(0.0, total - seen)  # threads gone meanwhile
+    parts["gone"] = max(0.0, total - seen)  # threads that ended meanwhile, whatever they were
     return {k: round(v / span, 4) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
