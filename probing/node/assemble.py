@@ -95,7 +95,7 @@ def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:
 
     def arrivals(since_ns: int) -> Any:
         tracer = ctx.tracer
-        kept = tracer.drained() if tracer is not None else None
-        return kept.arrivals(since_ns) if kept is not None else None
+        kept = None if tracer is None else tracer.drained()
+        return None if kept is None else kept.arrivals(since_ns)
 
     return Watch(node, tracing, dropped, arrivals=arrivals)

@@ -46,6 +46,10 @@ ARRIVALS_S = 15.0  # the collectives' arrivals kept for the detector's looks (it
 # 5, 10, 20, 40 s apart while a job is new, every RESYNC_S the whole window by SQL)
 RECENT_S = 45.0
 CLOCK_SLACK_NS = 1_000_000_000  # a call's end (BPF's clock, made wall) and the drain's wall clock
+# ... of the calls with an op, only what the detector's asks read (what
+# ``comm.collectives`` makes of a family's calls: ``trace.collectives_rows``)
+KEPT_COLUMNS = ("op", "comm", "comm_id", "seq", "rank", "nranks", "bytes", "ts", "dur_ns",
+                "pid", "tid", "peer", "tag", "wait_ns")  # fmt: skip
 
 
 def compile_family(f: fam.Family, extra_cflags: list[str]) -> tuple[Any, bool]:
@@ -255,8 +259,13 @@ class Drainer:
             self._arrivals.popleft()
 
     def _keep(self, family: str, batch: pa.RecordBatch) -> None:
+        """``batch``'s calls with an op, the columns the detector reads (a
+        copy: the store's rows go once sealed), kept ``RECENT_S``."""
+        import pyarrow.compute as pc
+
         now = time.time_ns()
-        self._recent.append((now, family, batch))
+        names = [c for c in KEPT_COLUMNS if c in batch.schema.names]
+        self._recent.append((now, family, batch.select(names).filter(pc.is_valid(batch["op"]))))
         while self._recent and self._recent[0][0] < now - RECENT_S * 1e9:
             self._kept_ns = self._recent.popleft()[0]
 
@@ -278,7 +287,8 @@ class Drainer:
     def collectives_since(self, cursor_ns: int, pid: int) -> dict[str, pa.Table] | None:
         """Each collective family's calls that may have ended from
         ``cursor_ns`` on (``calls_since``) and those of ``pid`` in flight,
-        as rows of ``<family>.calls``; None where some may have gone."""
+        as rows of ``<family>.calls`` (its ``KEPT_COLUMNS``); None where some
+        may have gone."""
         got = self.calls_since(cursor_ns)
         if got is None:
             return None
@@ -286,8 +296,10 @@ class Drainer:
         for live in list(self.live):
             f = live.family
             if "op" in f.schema.names:
-                done = pa.Table.from_batches(got.get(f.name, []), schema=f.schema)
-                out[f.name] = pa.concat_tables([done, self.inflight(f.name, pid)])
+                kept = pa.schema([f.schema.field(c) for c in KEPT_COLUMNS if c in f.schema.names])
+                done = pa.Table.from_batches(got.get(f.name, []), schema=kept)
+                flying = self.inflight(f.name, pid).select(kept.names)
+                out[f.name] = pa.concat_tables([done, flying])
         return out
 
     def arrivals(self, since_ns: int) -> np.ndarray:

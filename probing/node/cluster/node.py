@@ -274,10 +274,10 @@ class ClusterNode:
     def collectives_since(
         self, sql: str, since_ns: int, cursor_ns: int, *, timeout: float
     ) -> tuple[pa.Table, Collected] | None:
-        """The detector's ask between its full detections (``sql``: the
-        collectives from ``since_ns`` ended from ``cursor_ns`` on, or in
-        flight): the ranks this engine serves, me among them, from what their
-        tracers keep (``recent``: no SQL, no HTTP), the others by ``sql``
+        """The detector's ask of the job's collectives (``sql``: those from
+        ``since_ns`` ended from ``cursor_ns`` on, or in flight): the ranks
+        this engine serves, me among them, from what their tracers keep
+        (``recent``: no SQL, no HTTP), the others by ``sql``
         (``coordinate``); None where no rank here can say."""
         from probing.node.cluster.fanout import Collected, concat
         from probing.node.cluster.wire import PeerTiming
