@@ -41,9 +41,9 @@ from probing.node.bpf.ringbuf import RingReader, unstage
 DRAIN_SLICE = 16384  # events decoded at a time; the GIL is let go between slices
 FLUSH_EVERY_S = 0.5  # the timer's drain sends every CPU's staged events this often
 ARRIVALS_S = 15.0  # the collectives' arrivals kept for the detector's looks (its PACE_S, and more)
-# the collectives' calls kept as drained, for the detector's asks between full
-# detections (each asks for the calls ended since the one before, less LAG_S:
-# 5, 10, 20, 40 s apart while a job is new, every RESYNC_S the whole window by SQL)
+# the collectives' calls kept as drained, for the detector's asks: each asks
+# for the calls ended since the one before, less LAG_S (5, 10, 20, 40 s apart
+# while a job is new), or every RESYNC_S for the whole window (WINDOW_S)
 RECENT_S = 45.0
 CLOCK_SLACK_NS = 1_000_000_000  # a call's end (BPF's clock, made wall) and the drain's wall clock
 # ... of the calls with an op, only what the detector's asks read (what
