@@ -60,15 +60,15 @@ class Collective:
 
     def __post_init__(self) -> None:
         ts, ends = self.ts, [e for e in self.end.values() if e is not None]
-        self.complete = len(ts) >= self.nranks and len(ends) == len(self.end)
+        back = len(ends) == len(self.end)  # every rank there returned
+        self.complete = len(ts) >= self.nranks and back
         if not ts:  # nobody arrived: nothing to say (never one ``match`` makes)
             self.last_rank, self.skew_ns, self._lags, self._transfer = -1, 0, {}, None
             return
         first, self.last_rank = min(ts.values()), max(ts, key=ts.__getitem__)
         self._lags = {r: t - first for r, t in ts.items()}
         self.skew_ns = ts[self.last_rank] - first
-        whole = ends and len(ends) == len(self.end)
-        self._transfer = max(0, min(ends) - ts[self.last_rank]) if whole else None
+        self._transfer = max(0, min(ends) - ts[self.last_rank]) if ends and back else None
 
     def lags_ns(self) -> dict[int, int]:
         """Each rank's arrival after the first's (the same dict each call:

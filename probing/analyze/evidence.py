@@ -71,16 +71,18 @@ def excess_of(arrive: np.ndarray) -> np.ndarray:
     """``excess_matrix`` of ``arrivals``."""
     arrive = arrive / 1e6
     out = np.full_like(arrive, np.nan)
-    whole = not np.isnan(arrive).any()  # every rank at every one: no NaN to skip
     for j in range(arrive.shape[1]):
         others = np.delete(arrive, j, axis=1)
-        if whole and others.shape[1]:
-            out[:, j] = arrive[:, j] - np.median(others, axis=1)  # nanmedian's, 10x faster
-            continue
         there = ~np.all(np.isnan(others), axis=1)
         if there.any():
-            out[there, j] = arrive[there, j] - np.nanmedian(others[there], axis=1)
+            out[there, j] = arrive[there, j] - row_median(others[there])
     return out
+
+
+def row_median(m: np.ndarray) -> np.ndarray:
+    """The median of each row of ``m`` (none all NaN), NaN skipped:
+    ``np.nanmedian``'s, with ``np.median`` where there is none (10x faster)."""
+    return np.median(m, axis=1) if not np.isnan(m).any() else np.nanmedian(m, axis=1)
 
 
 def excess_matrix(cs: list[Collective], ranks: list[int]) -> np.ndarray:

@@ -27,6 +27,7 @@ from probing.analyze.evidence import (
     by_rank,
     change_point,
     evidence,
+    row_median,
 )
 
 
@@ -279,9 +280,7 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
     use = pairs & ~np.isnan(gaps[:, j]) & (~np.isnan(others)).any(axis=1)
     if not use.any():
         return []
-    them = others[use]
-    typical = np.median(them, axis=1) if not np.isnan(them).any() else np.nanmedian(them, axis=1)
-    delay = (gaps[use, j] - typical) / 1e6
+    delay = (gaps[use, j] - row_median(others[use])) / 1e6
     return list(zip(seq[1:][use].tolist(), delay.tolist(), strict=True))
 
 
