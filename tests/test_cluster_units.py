@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import pyarrow as pa
@@ -750,6 +751,30 @@ def test_the_ranks_an_engine_serves_answer_without_the_jobs_store() -> None:
         for s in sleepers:
             s.kill()
             s.wait()
+
+
+def test_a_plain_scan_of_a_made_table_asks_this_engines_ranks_no_sql(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``ClusterNode.scan``: ``SELECT cols, node, rank FROM s.t`` of a table
+    a function makes (the detector's deaths, spans, groups) reads it on the
+    ranks one engine serves, the rows SQL answers; anything else (a store's
+    table, a filter) is None: asked by SQL."""
+    from probing.node.cluster import coordinator
+
+    nodes = _one_engines_ranks(4)
+    sql = "SELECT x, node, rank FROM live.t"
+    try:
+        by_sql = nodes[0].coordinate(sql, timeout=3)[0].to_pylist()
+        monkeypatch.setattr(coordinator, "coordinate", lambda *a, **k: pytest.fail("SQL asked"))
+        table, got = nodes[0].scan(sql, timeout=3)
+        assert sorted(t.rank for t in got.peers) == [0, 1, 2, 3] and not got.missing
+        key = itemgetter("rank")
+        assert sorted(table.to_pylist(), key=key) == sorted(by_sql, key=key)
+        assert table.column_names == ["x", "node", "rank"]
+        assert nodes[0].scan("SELECT ts, node, rank FROM bench.events", timeout=3) is None
+        assert nodes[0].scan(f"{sql} WHERE x > 100", timeout=3) is None
+        assert nodes[0].scan("SELECT x FROM live.t", timeout=3) is None  # untagged: not its ask
+    finally:
+        nodes[0].stop_port()
 
 
 def test_the_detectors_ask_takes_this_engines_ranks_from_their_tracers(monkeypatch) -> None:  # type: ignore[no-untyped-def]

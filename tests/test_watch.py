@@ -945,11 +945,20 @@ def test_the_calls_a_tracer_kept_answer_as_the_peers_sql_does() -> None:
 def test_the_drain_keeps_the_calls_of_collectives_while_it_can_say_what_ended() -> None:
     """``Drainer.calls_since``: the collective families' batches drained
     since the cursor (a call ends before it is drained), or None once the
-    cursor is older than what it kept (``RECENT_S``)."""
+    cursor is older than what it kept (``RECENT_S``), or where the store
+    held calls before the drain began."""
     from probing.node.bpf import drain
+    from probing.node.store import Store
 
-    d = drain.Drainer(store=None, decoded=None)  # no family loaded: its drain is a no-op
-    assert d.calls_since(time_ns()) is None  # it began just now: it cannot say what ended before
+    store = Store()
+    try:  # no family loaded: its drain is a no-op
+        ago = time_ns() - int(60e9)  # a minute before it began: the store held no call
+        assert drain.Drainer(store, decoded=None).calls_since(ago) == {}
+        store.table("gloo", "calls").append_batch({"ts": [1], "op": ["allreduce"]})
+        d = drain.Drainer(store, decoded=None)
+    finally:
+        store.close()
+    assert d.calls_since(time_ns()) is None  # the store held calls it did not drain
     d._kept_ns -= int(10e9)  # as if it began 10 s ago
     first = _calls("gloo", [{"op": "allreduce", "ts": 1, "dur_ns": 1},
                             {"op": None, "ts": 2, "dur_ns": 1}]).to_batches()[0]  # fmt: skip

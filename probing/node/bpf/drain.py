@@ -169,9 +169,13 @@ class Drainer:
         # drained: (newest, ts) a slice; the detector's looks read them
         self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque()
         # ... and their calls: (drained, wall ns; family; rows), every call
-        # drained after ``_kept_ns`` (wall ns)
+        # drained after ``_kept_ns`` (wall ns): every call the store holds
+        # where it held none before this trace
         self._recent: collections.deque[tuple[int, str, pa.RecordBatch]] = collections.deque()
-        self._kept_ns = time.time_ns()
+        held = store is not None and any(
+            t.holds_rows() for t in store.tables() if t.name == "calls"
+        )
+        self._kept_ns = time.time_ns() if held else 0
 
     def add(self, live: Live) -> None:
         self.live.append(live)

@@ -31,6 +31,7 @@ node's ``coordinate`` and ``control``:
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -279,28 +280,35 @@ class ClusterNode:
         this engine serves, me among them, from what their tracers keep
         (``recent``: no SQL, no HTTP), the others by ``sql``
         (``coordinate``); None where no rank here can say."""
-        from probing.node.cluster.fanout import Collected, concat
-        from probing.node.cluster.wire import PeerTiming
 
-        here = [self, *fanout.siblings_of(self, self.others())[0]]
-        local: dict[int, pa.Table] = {}
-        for node in here:
+        def kept(node: ClusterNode) -> pa.Table | None:
             recent = getattr(node, "recent", None)
-            got = recent(since_ns, cursor_ns) if recent is not None else None
-            if got is not None:
-                local[node.rank] = got
-        if not local:
+            return recent(since_ns, cursor_ns) if recent is not None else None
+
+        return _here_first(self, kept, sql, timeout)
+
+    def scan(self, sql: str, *, timeout: float) -> tuple[pa.Table, Collected] | None:
+        """``sql``, a plain scan of a table a function makes (``SELECT a, b,
+        node, rank FROM s.t``: the detector's asks of deaths, spans and
+        groups) over every rank: those this engine serves by that function
+        (no SQL), the others by ``sql``; None where ``sql`` is no such scan."""
+        from probing.node.cluster.share import tagged_rows
+
+        m = _SCAN.match(sql)
+        if m is None:
             return None
-        world = self.ident.world_size
-        if world and all(r in local for r in range(world)):  # every rank here
-            table, answers = None, Collected()
-        else:
-            table, answers, _ = coordinator.coordinate(
-                self, sql, timeout=timeout, skip=frozenset(local)
-            )
-        answers.peers.extend(PeerTiming(r, self.ident.node, "local", 0.0, 0) for r in local)
-        tables = [t for t in (table, *local.values()) if t is not None]
-        return concat(tables), answers
+        columns = [c.strip() for c in m["columns"].split(",")]
+        if columns[-2:] != ["node", "rank"]:
+            return None
+
+        def made(node: ClusterNode) -> pa.Table | None:
+            schema = node.database().catalog.schema(m["schema"])
+            rows = schema.produced(m["table"]) if schema is not None else None
+            if rows is None or not set(columns[:-2]) <= set(rows.column_names):
+                return None  # asked by SQL, which says what is wrong
+            return tagged_rows([(node, rows.select(columns[:-2]))])
+
+        return _here_first(self, made, sql, timeout)
 
     def control(
         self, path: str, body: bytes, timeout: float, ranks: set[int] | None = None
@@ -329,3 +337,36 @@ class ClusterNode:
             self.directory.close()
         if self.port is not None:  # nothing of this process is reached any more
             self.port.forget(self.pid)
+
+
+# the detector's plain scans (``ClusterNode.scan``)
+_SCAN = re.compile(r"^SELECT (?P<columns>[\w, ]+) FROM (?P<schema>\w+)\.(?P<table>\w+)$")
+
+
+def _here_first(
+    node: ClusterNode, rows: Callable[[ClusterNode], pa.Table | None], sql: str, timeout: float
+) -> tuple[pa.Table, Collected] | None:
+    """``sql`` over every rank of ``node``'s job: the ranks its engine serves
+    (``node`` among them) by ``rows`` (no SQL, no HTTP) where it answers,
+    the others by ``sql`` (``coordinate``); None where no rank here answers."""
+    from probing.node.cluster.fanout import Collected, concat
+    from probing.node.cluster.wire import PeerTiming
+
+    local: dict[int, pa.Table] = {}
+    near: Any  # ClusterNode, as every sibling is
+    for near in [node, *fanout.siblings_of(node, node.others())[0]]:
+        got = rows(near)
+        if got is not None:
+            local[near.rank] = got
+    if not local:
+        return None
+    world = node.ident.world_size
+    if world and all(r in local for r in range(world)):  # every rank here
+        table, answers = None, Collected()
+    else:
+        table, answers, _ = coordinator.coordinate(
+            node, sql, timeout=timeout, skip=frozenset(local)
+        )
+    answers.peers.extend(PeerTiming(r, node.ident.node, "local", 0.0, 0) for r in local)
+    tables = [t for t in (table, *local.values()) if t is not None]
+    return concat(tables), answers

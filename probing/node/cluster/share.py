@@ -305,7 +305,7 @@ class _Session:
         from probing.node.sql.providers import rows_frame, snapshot_frame
 
         self._prune()
-        rows = [_tagged_rows([(o, snap.pending) for o, snap in got])]
+        rows = [tagged_rows([(o, snap.pending) for o, snap in got])]
         sealed: dict[int, str] = {}
         for owner, snap in got:
             if snap.chunk_dir is None:
@@ -342,7 +342,7 @@ class _Session:
             got = snapshot_dataset(sealed).to_table()
         except (OSError, pa.ArrowException):  # retired meanwhile: the scan says what is left
             return None
-        got = _tagged_rows([(owner, got)])
+        got = tagged_rows([(owner, got)])
         with self._lock:
             self._rows.put(mine, got)
         return got
@@ -457,7 +457,7 @@ def _session(limits: Any) -> _Session:
         return got
 
 
-def _tagged_rows(parts: list[tuple[Owner, pa.Table]]) -> pa.Table:
+def tagged_rows(parts: list[tuple[Owner, pa.Table]]) -> pa.Table:
     """Rows of several ranks as one table, tagged as ``plan.tagged_sql`` tags
     a rank's (its own ``node``/``rank`` renamed ``table_node``/``table_rank``)."""
     import pyarrow as pa

@@ -19,8 +19,12 @@ if TYPE_CHECKING:
 
 
 def ask_cluster(node: Job, sql: str) -> pa.Table:
-    """``sql`` over every rank of ``node``'s job (the node's ``coordinate``)."""
-    table: pa.Table = node.coordinate(sql, timeout=ASK_S)[0]
+    """``sql`` over every rank of ``node``'s job: the ranks its engine serves
+    with no SQL where ``sql`` is a plain scan of a table a function makes
+    (the node's ``scan``), else by the node's ``coordinate``."""
+    scan = getattr(node, "scan", None)
+    got = scan(sql, timeout=ASK_S) if scan is not None else None
+    table: pa.Table = got[0] if got is not None else node.coordinate(sql, timeout=ASK_S)[0]
     return table
 
 

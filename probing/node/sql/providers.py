@@ -229,6 +229,18 @@ class ProbeSchema(SchemaProvider):
         with self._lock:
             self._view_columns[name] = columns
 
+    def produced(self, name: str) -> pa.Table | None:
+        """The rows a scan of ``name`` reads, where a function makes them
+        (no SQL: the detector's asks of its engine's own ranks); None where
+        ``name`` is a store's table, a view or unknown."""
+        self._load()
+        with self._lock:
+            producer = self._producers.get(name)
+        if producer is None:
+            return None
+        data = produce(self.name, name, producer)
+        return data if isinstance(data, pa.Table) else data.to_table()
+
     def set_resolver(self, resolver: Resolver) -> None:
         self._resolver = resolver
 

@@ -176,6 +176,12 @@ class EventTable:
         with self._lock:
             self.dropped_events += int(n)
 
+    def holds_rows(self) -> bool:
+        """Whether any row is here (sealed, being sealed or pending); no
+        drain first."""
+        with self._lock:
+            return bool(self._chunks or self._sealing or self._pending)
+
     def flush(self, timeout_s: float = 30.0) -> None:
         """Seal whatever is pending now, and wait for chunks being sealed."""
         with self._lock:
