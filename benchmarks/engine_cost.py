@@ -17,8 +17,10 @@ and the job's watch on, as a user starts it) and ``--settle`` s have passed:
   ``sampler``, ``detector`` (``probing-watch``, ``probing-detect``),
   ``sql`` (``probing-query``, ``probing-request``, ``probing-server``),
   ``cluster``, ``seal``, ``nvml``, ``main`` (the engine's own loop),
-  ``other``, and ``gone``: threads that ended in the window, whatever they
-  were (a request's, a sealer or a beat that went idle).
+  ``other``. Threads that end in the window (a request's, a sealer or a
+  beat that went idle) count by their name as last seen (the threads are
+  polled every 0.1 s); ``gone``: what is left, threads born and ended
+  between two polls.
 
 Shapes: ``ddp`` (DDP, each of ``--layers`` layers its own bucket: that many
 all-reduces a step), ``fsdp2`` (``fully_shard`` per layer: ~3 collectives a
@@ -204,6 +206,17 @@ def threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def watch_threads(pid: int, seconds: float, every: float = 0.1) -> dict[int, tuple[str, float]]:
+    """Each thread's name and CPU seconds when last seen, polled every
+    ``every`` s for ``seconds``: what the threads that end meanwhile used."""
+    last: dict[int, tuple[str, float]] = {}
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        last.update(threads_cpu(pid))
+        time.sleep(min(every, left))
+    return last
+
+
 def breakdown(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
               total: float, main_tid: int, span: float) -> dict[str, float]:  # fmt: skip
     parts: dict[str, float] = {}
@@ -213,7 +226,7 @@ def breakdown(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
         part = "main" if tid == main_tid else PARTS.get(comm, "other")
         parts[part] = parts.get(part, 0.0) + used
         seen += used
-    parts["gone"] = max(0.0, total - seen)  # threads that ended meanwhile, whatever they were
+    parts["gone"] = max(0.0, total - seen)  # threads born and ended between two polls
     return {k: round(v / span, 4) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
@@ -276,7 +289,7 @@ def case(
         e0, th0, d0 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
         c0, w0, t0 = job.cpu(), time.time(), time.monotonic()
         spy = record(engine, window, profile, f"{out['tree']}-{shape}-{world}-{rate:g}")
-        time.sleep(window)
+        last = watch_threads(engine, window)
         if spy is not None:
             spy.wait(timeout=window + 30)
         e1, th1, d1 = sum(proc.cpu_times()[:2]), threads_cpu(engine), detections(job.pids)
@@ -293,7 +306,7 @@ def case(
             engine_rss_mb=round(proc.memory_info().rss / 2**20, 1),
             engine_threads=proc.num_threads(),
             detections_per_s=round((d1 - d0) / span, 2),
-            parts=breakdown(th0, th1, e1 - e0, engine, span),
+            parts=breakdown(th0, {**last, **th1}, e1 - e0, engine, span),
         )
     finally:
         stop(job, rt)

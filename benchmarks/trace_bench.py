@@ -16,6 +16,14 @@ Sections (all by default; name some to run only those):
   call (the uprobe runs there), steadier than wall time on a busy machine.
   Every set-up, the baselines too, takes turns REPEATS times
   (BENCH_REPEATS, default 3; 7 steadies the per-launch ratio).
+- helpers: what each thing a probe's program does costs on this host, as
+  an empty uprobe's program on cudaLaunchKernel and as its own run time
+  (the kernel's BPF stats): nothing, the clock, the thread id, a read of
+  16 and of 104 bytes of the caller's stack (a launch reads its last two
+  arguments so; a walk reads each frame so), a hash lookup, a per-CPU
+  array lookup, a 104-byte ring-buffer output. The floor under the
+  ``calls`` ratios: a launch's probe reads the clock, its thread and two
+  arguments off the stack, whatever else it skips.
 - drain: events/s drained from the ring buffer into the store (bulk numpy
   decode, Arrow batches, appends), the drain timer stopped so each round is
   timed; per wall second, per CPU second, and the CPU per event counting the
@@ -174,6 +182,85 @@ class BareUprobes:
     def close(self) -> None:
         for fd in [*self.fds, self.prog]:
             os.close(fd)
+
+
+# a program's body for each thing a probe does (``helpers``), in BCC's C
+HELPERS = {
+    "nothing": "return 0;",
+    "clock": "return bpf_ktime_get_ns() & 0;",
+    "thread": "return bpf_get_current_pid_tgid() & 0;",
+    "read_16_bytes": "u64 b[2] = {}; bpf_probe_read_user(b, 16, (void *)PT_REGS_SP(ctx));"
+    " return b[0] & 0;",
+    "read_104_bytes": "u64 b[13] = {}; bpf_probe_read_user(b, 104, (void *)PT_REGS_SP(ctx));"
+    " return b[0] & 0;",
+    "hash_lookup": "u32 k = 5; return hash.lookup(&k) ? 1 : 0;",
+    "percpu_array_lookup": "int z = 0; u64 *v = cpu.lookup(&z); if (v) *v += 1; return 0;",
+    "ringbuf_output_104_bytes": "u64 b[13] = {}; ring.ringbuf_output(&b, 104, 1); return 0;",
+}
+HELPER_MAPS = (
+    "BPF_RINGBUF_OUTPUT(ring, 64);\n"
+    "BPF_PERCPU_ARRAY(cpu, u64, 1);\n"
+    "BPF_HASH(hash, u32, u64, 8192);\n"
+)
+ENABLE_STATS = 32  # bpf(BPF_ENABLE_STATS): run time counted while its fd is open
+
+
+def helper_costs(loop: ctypes.CDLL, cudart: ctypes.CDLL, path: str) -> dict:  # type: ignore[type-arg]
+    """Each of ``HELPERS`` as the program of a uprobe on cudaLaunchKernel:
+    the launch's ns (fastest of REPEATS rounds) and the program's own ns a
+    run (the kernel's BPF stats, on while measured; they add their clock
+    reads, so ``nothing`` is the floor to subtract)."""
+    from bcc import BPF
+
+    from probing.node.bpf import kernel
+
+    class StatsAttr(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_uint32)]
+
+    launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
+    func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
+    out: dict = {}  # type: ignore[type-arg]
+    stats = kernel.bpf(ENABLE_STATS, StatsAttr(0))
+    try:
+        for name, body in HELPERS.items():
+            src = f"#include <uapi/linux/ptrace.h>\n{HELPER_MAPS}"
+            src += f"int helper_cost(struct pt_regs *ctx) {{ {body} }}\n"
+            b = BPF(text=src)
+            try:
+                b.attach_uprobe(name=path, sym="cudaLaunchKernel", fn_name="helper_cost",
+                                pid=os.getpid())  # fmt: skip
+                prog = b.load_func("helper_cost", BPF.KPROBE).fd
+                before = _prog_stats(prog)
+                ns = min(loop.launch_loop(launch, func, CALLS) for _ in range(REPEATS))
+                after = _prog_stats(prog)
+            finally:
+                b.cleanup()
+            runs = max(after[1] - before[1], 1)
+            out[name] = {"launch_ns": ns, "program_ns": (after[0] - before[0]) / runs}
+    finally:
+        os.close(stats)
+    for name in HELPERS:
+        out[name]["program_over_nothing_ns"] = (
+            out[name]["program_ns"] - out["nothing"]["program_ns"]
+        )
+    return out
+
+
+def _prog_stats(fd: int) -> tuple[int, int]:
+    """(run time ns, runs) of the BPF program ``fd``."""
+    from probing.node.bpf import kernel
+
+    class ProgInfo(ctypes.Structure):  # struct bpf_prog_info, up to run_cnt
+        _fields_ = [("head", ctypes.c_uint8 * 192), ("run_time_ns", ctypes.c_uint64),
+                    ("run_cnt", ctypes.c_uint64), ("tail", ctypes.c_uint8 * 256)]  # fmt: skip
+
+    class InfoAttr(ctypes.Structure):
+        _fields_ = [("fd", ctypes.c_uint32), ("len", ctypes.c_uint32), ("info", ctypes.c_uint64)]
+
+    info = ProgInfo()
+    attr = InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info))
+    kernel.bpf(kernel.OBJ_GET_INFO_BY_FD, attr)
+    return info.run_time_ns, info.run_cnt
 
 
 SUSTAIN_S = float(os.environ.get("BENCH_SUSTAIN_S", 60))
@@ -710,7 +797,7 @@ def traced_step() -> dict:  # type: ignore[type-arg]
     return out
 
 
-SECTIONS = ("calls", "drain", "sustained", "gloo", "lifecycle", "ranks", "step")
+SECTIONS = ("calls", "helpers", "drain", "sustained", "gloo", "lifecycle", "ranks", "step")
 
 
 def main() -> None:
@@ -729,6 +816,8 @@ def main() -> None:
         loop = build_loop(d)
         if "calls" in only:
             result.update(calls_section(loop, cudart, path))
+        if "helpers" in only:
+            result["helpers"] = helper_costs(loop, cudart, path)
         if "drain" in only:
             baseline = os.environ.get("BENCH_DRAIN_BASELINE")  # a git revision
             if baseline:
