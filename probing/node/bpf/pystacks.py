@@ -91,8 +91,18 @@ class PyStacks:
         self.threads: dict[int, int] = {}  # native tid -> PyThreadState* in the maps
         self._stored: dict[int, int] = {}  # id(bpf) -> lookups since its map was cleared
         self.resolved = 0
+        self._users: dict[str, bool] = {}  # a file -> whether it is the user's (``_user``)
         self.hook_errors = 0  # threads the start hook could not register (see hook_threads)
         self.last_hook_error: str | None = None
+
+    def _user(self, path: str) -> bool:
+        """``is_user_file(path)`` for this process, asked once a file."""
+        got = self._users.get(path)
+        if got is None:
+            if len(self._users) > 1 << 14:
+                self._users.clear()
+            got = self._users[path] = is_user_file(path, self.library_dirs)
+        return got
 
     def cflags(self, hot: bool = False) -> list[str]:
         """The -D flags; ``hot``: kernel launches and async copies walk too."""
@@ -198,28 +208,27 @@ class PyStacks:
             return 0
         m = bpf["py_stacks"]
         rows: dict[str, list[Any]] = {f.name: [] for f in STACKS_SCHEMA}
+        sids, depths, files, funcs, lines, users = rows.values()
         for sid in new:
             try:
                 st = m[ctypes.c_uint32(sid)]
             except KeyError:  # the map was full when the stack was new: lost
                 continue
             depth = min(int(st.depth), len(st.code))
-            raws = [
-                walker.RawFrame(int(st.code[i]), int(st.offset[i]))
-                for i in range(depth)
-                if st.code[i]  # 0: a frame owned by C (3.12+ shim)
-            ]
-            try:
+            codes = np.ctypeslib.as_array(st.code)[:depth].tolist()
+            offsets = np.ctypeslib.as_array(st.offset)[:depth].tolist()
+            raws = [walker.RawFrame(c, o) for c, o in zip(codes, offsets, strict=True) if c]
+            try:  # (a code 0: a frame owned by C, 3.12+'s shim)
                 frames = self.resolver.frames(raws)
             except ProbingError:  # the process exited: its code objects went with it
                 break
-            for d, fr in enumerate(frames):
-                for k, v in zip(
-                    STACKS_SCHEMA.names,
-                    (sid, d, *fr, is_user_file(fr.file, self.library_dirs)),
-                    strict=True,
-                ):
-                    rows[k].append(v)
+            sids.extend([sid] * len(frames))
+            depths.extend(range(len(frames)))
+            for fr in frames:
+                files.append(fr.file)
+                funcs.append(fr.func)
+                lines.append(fr.line)
+                users.append(self._user(fr.file))
             self.known.add(sid)
             self.resolved += 1
         if rows["stack_id"]:
