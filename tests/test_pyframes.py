@@ -334,3 +334,63 @@ def test_a_c_string_is_read_up_to_its_nul_or_an_unmapped_page() -> None:
             cstring(mem, base + PAGE)
     finally:
         libc.mprotect(base + PAGE, PAGE, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def test_new_stacks_are_stored_frame_by_frame_innermost_first() -> None:
+    """``PyStacks.collect`` on this process's own frames, as the BPF side
+    records them (code, instruction offset; 0: a frame C owns): one row a
+    frame, innermost first, each resolved as ``Resolver.frame`` resolves
+    it, C's frames left out; a stack already stored is not again."""
+    import ctypes
+
+    import numpy as np
+
+    from probing.node.bpf import pystacks
+    from probing.node.store import Store
+
+    class Stack(ctypes.Structure):  # struct py_stack (bpf/pyframes.h)
+        _fields_ = [("depth", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                    ("code", ctypes.c_uint64 * 32), ("offset", ctypes.c_int32 * 32)]  # fmt: skip
+
+    def recorded(extra: int, c_at: int | None = None) -> Stack:
+        if extra:
+            return recorded(extra - 1, c_at)
+        st, f, d = Stack(), sys._getframe(), 0
+        while f is not None and d < 32:
+            st.code[d], st.offset[d] = id(f.f_code), f.f_lasti * 2
+            f, d = f.f_back, d + 1
+        st.depth = d
+        if c_at is not None:
+            st.code[c_at] = 0
+        return st
+
+    class Map(dict):  # type: ignore[type-arg]
+        def __getitem__(self, key: ctypes.c_uint32) -> Stack:
+            return dict.__getitem__(self, key.value)  # type: ignore[no-any-return]
+
+        def clear(self) -> None:
+            pass
+
+    stacks = Map({1: recorded(0), 2: recorded(3), 3: recorded(2, c_at=1), 4: recorded(1)})
+    store = Store()
+    try:
+        py = pystacks.PyStacks(store)
+        assert py.collect({"py_stacks": stacks}, np.array([2, 1, 3, 0, 1], np.uint32)) == 3
+        rows = py.table.to_arrow().to_pylist()
+        for sid in (1, 2, 3):
+            st = stacks[ctypes.c_uint32(sid)]
+            raws = [walker.RawFrame(st.code[i], st.offset[i]) for i in range(st.depth)]
+            frames = py.resolver.frames(r for r in raws if r.code)
+            mine = [r for r in rows if r["stack_id"] == sid]
+            assert [r["depth"] for r in mine] == list(range(len(frames)))
+            assert [(r["file"], r["func"], r["line"]) for r in mine] == [tuple(f) for f in frames]
+            assert all(r["user"] == pystacks.is_user_file(r["file"]) for r in mine)
+        names = [r["func"].split(".")[-1] for r in rows if r["stack_id"] == 2][:5]
+        assert names == ["recorded"] * 4 + [
+            test_new_stacks_are_stored_frame_by_frame_innermost_first.__name__
+        ]
+        assert len([r for r in rows if r["stack_id"] == 3]) == stacks[ctypes.c_uint32(3)].depth - 1
+        assert py.collect({"py_stacks": stacks}, np.array([1, 2, 3, 4], np.uint32)) == 1
+        assert {r["stack_id"] for r in py.table.to_arrow().to_pylist()} == {1, 2, 3, 4}
+    finally:
+        store.close()

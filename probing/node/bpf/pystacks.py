@@ -95,6 +95,38 @@ class PyStacks:
         self.hook_errors = 0  # threads the start hook could not register (see hook_threads)
         self.last_hook_error: str | None = None
 
+    def _append(self, sids: list[int], codes: list[np.ndarray], offsets: list[np.ndarray]) -> bool:
+        """The python.stacks rows of the stacks ``sids``, each of its frames'
+        ``codes`` and ``offsets`` (innermost first): each distinct frame
+        resolved once (a new stack shares most of its frames with others);
+        False where the process exited (its code objects went with it)."""
+        counts = np.array([len(c) for c in codes], dtype=np.int64)
+        code, offset = np.concatenate(codes), np.concatenate(offsets)
+        if not len(code):
+            return True
+        # a frame's key: its code's number, then its offset (one sort of int64s)
+        code_of, code_no = np.unique(code, return_inverse=True)
+        keys, which = np.unique((code_no << 32) + (offset & 0xFFFFFFFF), return_inverse=True)
+        first = np.zeros(len(keys), dtype=np.int64)
+        first[which] = np.arange(len(code))  # a row of each distinct frame, any
+        raws = zip(code_of[code_no[first]].tolist(), offset[first].tolist(), strict=True)
+        try:
+            resolved = self.resolver.frames(walker.RawFrame(c, o) for c, o in raws)
+        except ProbingError:
+            return False
+        take = pa.array(which.reshape(-1))
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        columns = [
+            pa.array(np.repeat(np.array(sids, dtype=np.int64), counts)),
+            pa.array((np.arange(len(code)) - starts).astype(np.int32)),
+            pa.array([f.file for f in resolved], pa.string()).take(take),
+            pa.array([f.func for f in resolved], pa.string()).take(take),
+            pa.array([f.line for f in resolved], pa.int32()).take(take),
+            pa.array([self._user(f.file) for f in resolved], pa.bool_()).take(take),
+        ]
+        self.table.append_batch(pa.RecordBatch.from_arrays(columns, schema=STACKS_SCHEMA))
+        return True
+
     def _user(self, path: str) -> bool:
         """``is_user_file(path)`` for this process, asked once a file."""
         got = self._users.get(path)
@@ -207,32 +239,23 @@ class PyStacks:
         if not new:
             return 0
         m = bpf["py_stacks"]
-        rows: dict[str, list[Any]] = {f.name: [] for f in STACKS_SCHEMA}
-        sids, depths, files, funcs, lines, users = rows.values()
+        got: list[int] = []  # the stacks read, with their frames' (code, offset)
+        codes: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
         for sid in new:
             try:
                 st = m[ctypes.c_uint32(sid)]
             except KeyError:  # the map was full when the stack was new: lost
                 continue
             depth = min(int(st.depth), len(st.code))
-            codes = np.ctypeslib.as_array(st.code)[:depth].tolist()
-            offsets = np.ctypeslib.as_array(st.offset)[:depth].tolist()
-            raws = [walker.RawFrame(c, o) for c, o in zip(codes, offsets, strict=True) if c]
-            try:  # (a code 0: a frame owned by C, 3.12+'s shim)
-                frames = self.resolver.frames(raws)
-            except ProbingError:  # the process exited: its code objects went with it
-                break
-            sids.extend([sid] * len(frames))
-            depths.extend(range(len(frames)))
-            for fr in frames:
-                files.append(fr.file)
-                funcs.append(fr.func)
-                lines.append(fr.line)
-                users.append(self._user(fr.file))
-            self.known.add(sid)
-            self.resolved += 1
-        if rows["stack_id"]:
-            self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=STACKS_SCHEMA))
+            code = np.ctypeslib.as_array(st.code)[:depth].view(np.int64)
+            mine = code != 0  # 0: a frame owned by C (3.12+'s shim)
+            got.append(sid)
+            codes.append(code[mine])
+            offsets.append(np.ctypeslib.as_array(st.offset)[:depth][mine].astype(np.int64))
+        if got and self._append(got, codes, offsets):
+            self.known.update(got)
+            self.resolved += len(got)
         # resolved stacks stay in the map (the BPF side skips known stacks);
         # a map half full is cleared, and stacks still in use come back once
         n = self._stored.get(id(bpf), 0) + len(new)
