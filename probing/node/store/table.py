@@ -91,21 +91,17 @@ def as_table(batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> pa.Table:
 
 
 class EventTable:
-    """Rows arrive as Arrow batches; every ``chunk_rows`` they are sealed.
-
-    Sealing concatenates the pending batches and encodes them with the
-    store's codec into one file in the table's chunk directory (on tmpfs),
-    which DataFusion scans natively. Queries see sealed chunks, batches being
-    sealed and pending batches alike, so no row is ever invisible.
-    """
+    """Rows arrive as Arrow batches; every ``chunk_rows`` they are sealed: the pending
+    batches concatenated, encoded by the store's codec into one file of the table's
+    chunk directory (on tmpfs), which DataFusion scans. Queries see sealed chunks,
+    batches being sealed and pending batches alike: no row is ever invisible."""
 
     def __init__(self, store: Host, schema_name: str, name: str, schema: pa.Schema | None) -> None:
         self._store = store
         self.schema_name = schema_name
         self.name = name
         self._schema = schema
-        # Column names known before any row (ExternalTable without types):
-        # until the first rows fix the types, queries see them as NULL columns.
+        # names known before any row (an ExternalTable without types): NULL columns till then
         self.column_names: list[str] | None = None
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
@@ -122,8 +118,7 @@ class EventTable:
         self.last_error: str | None = None
         self._lock = threading.Lock()
         self._sealed = threading.Condition(self._lock)  # a chunk left _sealing
-        # Called before every read: writers that buffer rows of their own
-        # (ExternalTable) hand them over here, so queries see every row.
+        # run before every read: a writer's own buffer (ExternalTable's) handed over
         self._before_read: list[Callable[[], None]] = []
 
     @property
@@ -177,8 +172,7 @@ class EventTable:
             self.dropped_events += int(n)
 
     def holds_rows(self) -> bool:
-        """Whether any row is here (sealed, being sealed or pending); no
-        drain first."""
+        """Whether a row is here (sealed, being sealed, pending); no drain first."""
         with self._lock:
             return bool(self._chunks or self._sealing or self._pending)
 
@@ -294,9 +288,8 @@ class EventTable:
         return chunk
 
     def take_chunks(self, found: str, codec: Codec) -> int:
-        """The sealed chunks under ``found`` (another store's directory of
-        this table), moved into mine, oldest first; returns their rows. A
-        file that cannot be read is left where it is."""
+        """The sealed chunks under ``found`` (another store's of this table), moved into
+        mine oldest first; their rows. A file that cannot be read is left where it is."""
         rows = 0
         for path, schema, n, raw in chunks.described(found, codec):
             # a file written for other columns is not this table's any more
