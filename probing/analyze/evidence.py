@@ -44,7 +44,13 @@ def arrivals(cs: list[Collective], ranks: list[int]) -> np.ndarray:
     it was not there."""
     if not cs or not ranks:
         return np.full((len(cs), len(ranks)), np.nan)
-    return by_rank([c.ts for c in cs], ranks, min(min(c.ts.values()) for c in cs if c.ts))
+    return by_rank([c.ts for c in cs], ranks, first_arrival(cs))
+
+
+def first_arrival(cs: list[Collective]) -> int:
+    """The first arrival at any of ``cs`` (wall ns), the base of ``by_rank``'s
+    matrices of them; one of them has an arrival."""
+    return min(min(c.ts.values()) for c in cs if c.ts)
 
 
 def by_rank(of: list[dict[int, int]] | list[dict[int, int | None]], ranks: list[int],

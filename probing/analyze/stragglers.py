@@ -27,6 +27,7 @@ from probing.analyze.evidence import (
     by_rank,
     change_point,
     evidence,
+    first_arrival,
     row_median,
 )
 
@@ -267,7 +268,7 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
     ranks = sorted({r for c in cs for r in (*c.ts, *c.end)})
     if len(cs) < 2 or rank not in ranks:
         return []
-    base = min(min(c.ts.values()) for c in cs if c.ts)
+    base = first_arrival(cs)
     arrive = by_rank([c.ts for c in cs], ranks, base)
     back = by_rank([c.end for c in cs], ranks, base)  # NaN: never there, or still inside
     seq = np.array([c.seq for c in cs], dtype=np.int64)
