@@ -203,6 +203,24 @@ def test_location_table_matches_co_lines() -> None:
                 assert got == line, (code.co_name, offset)
 
 
+def test_a_code_objects_line_table_is_decoded_once_for_all_its_offsets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sampler's new stacks are mostly new offsets in code resolved
+    before: each code's table is decoded once, each offset a lookup in it."""
+    interp = remote.this_interpreter()
+    resolver = walker.Resolver(interp.mem, interp.offsets)
+    decoded: list[object] = []
+    real = linetable.spans
+    monkeypatch.setattr(linetable, "spans", lambda *a: decoded.append(a) or real(*a))
+    code = test_walk_canned_interpreter.__code__
+    want = [(o, line) for start, end, line in code.co_lines() if line is not None
+            for o in range(start, end, 2)]  # fmt: skip
+    got = [(o, resolver.frame(walker.RawFrame(id(code), o)).line) for o, _ in want]
+    assert len(want) > 50 and got == want
+    assert len(decoded) == 1
+
+
 def test_lnotab310_deltas() -> None:
     # 2 instructions at +1, 1 with no line (-128), 2 at +2 from there
     table = bytes([4, 1, 2, 0x80, 4, 2])

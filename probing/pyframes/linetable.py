@@ -10,6 +10,8 @@ columns), 15 no location. Varints are 6-bit groups, bit 6 = more.
 
 from __future__ import annotations
 
+import bisect
+
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
     shift = value = 0
@@ -27,61 +29,95 @@ def _svarint(data: bytes, i: int) -> tuple[int, int]:
     return (-(v >> 1) if v & 1 else v >> 1), i
 
 
-def locations_line(table: bytes, firstlineno: int, offset: int) -> int | None:
-    """3.11+: the line of the instruction at byte ``offset``."""
+Spans = tuple[list[int], list["int | None"]]  # each span's end (byte offset, ascending), its line
+
+
+def locations_spans(table: bytes, firstlineno: int) -> Spans:
+    """3.11+: the whole table decoded once, a span per entry (None: no
+    line); a table cut short (read from another process, or memory reused)
+    gives the spans before the cut."""
+    ends: list[int] = []
+    lines: list[int | None] = []
     line, addr, i = firstlineno, 0, 0
-    while i < len(table):
-        first = table[i]
-        i += 1
-        kind, end = (first >> 3) & 15, addr + 2 * ((first & 7) + 1)
-        here: int | None = line
-        if kind == 15:
-            here = None
-        elif kind == 14:
-            delta, i = _svarint(table, i)
-            line += delta
-            here = line
-            for _ in range(3):
-                _, i = _varint(table, i)
-        elif kind == 13:
-            delta, i = _svarint(table, i)
-            line += delta
-            here = line
-        elif kind >= 10:
-            line += kind - 10
-            here = line
-            i += 2
-        else:
+    try:
+        while i < len(table):
+            first = table[i]
             i += 1
-        if addr <= offset < end:
-            return here
-        addr = end
-    return None
+            kind = (first >> 3) & 15
+            here: int | None = line
+            if kind == 15:
+                here = None
+            elif kind == 14:
+                delta, i = _svarint(table, i)
+                line += delta
+                here = line
+                for _ in range(3):
+                    _, i = _varint(table, i)
+            elif kind == 13:
+                delta, i = _svarint(table, i)
+                line += delta
+                here = line
+            elif kind >= 10:
+                line += kind - 10
+                here = line
+                i += 2
+            else:
+                i += 1
+            addr += 2 * ((first & 7) + 1)
+            ends.append(addr)
+            lines.append(here)
+    except IndexError:
+        pass
+    return ends, lines
 
 
-def lnotab310_line(table: bytes, firstlineno: int, offset: int) -> int | None:
-    """3.10: the line of the instruction at byte ``offset``."""
+def lnotab310_spans(table: bytes, firstlineno: int) -> Spans:
+    """3.10: the whole table decoded once, a span per pair (None: no line)."""
+    ends: list[int] = []
+    lines: list[int | None] = []
     line, addr = firstlineno, 0
     for i in range(0, len(table) - 1, 2):
         sdelta, ldelta = table[i], table[i + 1]
         ldelta = ldelta - 256 if ldelta > 127 else ldelta
-        end = addr + sdelta
+        addr += sdelta
         if ldelta != -128:
             line += ldelta
-        if addr <= offset < end:
-            return None if ldelta == -128 else line
-        addr = end
-    return None
+        ends.append(addr)
+        lines.append(None if ldelta == -128 else line)
+    return ends, lines
+
+
+def spans(fmt: str, table: bytes, firstlineno: int) -> Spans:
+    """A code object's line table decoded once (``line_at`` reads it)."""
+    return (lnotab310_spans if fmt == "lnotab310" else locations_spans)(table, firstlineno)
+
+
+def line_at(spans: Spans, firstlineno: int, offset: int) -> int:
+    """The line at ``offset`` (a bisection of ``spans``), or ``firstlineno``
+    where the table has none (an offset before the first instruction: a
+    frame that has not started; or past a table cut short)."""
+    ends, lines = spans
+    k = bisect.bisect_right(ends, offset)
+    if offset < 0 or k == len(ends):
+        return firstlineno
+    line = lines[k]
+    return firstlineno if line is None else line
+
+
+def locations_line(table: bytes, firstlineno: int, offset: int) -> int | None:
+    """3.11+: the line of the instruction at byte ``offset``."""
+    ends, lines = locations_spans(table, firstlineno)
+    k = bisect.bisect_right(ends, offset)
+    return lines[k] if 0 <= offset and k < len(ends) else None
+
+
+def lnotab310_line(table: bytes, firstlineno: int, offset: int) -> int | None:
+    """3.10: the line of the instruction at byte ``offset``."""
+    ends, lines = lnotab310_spans(table, firstlineno)
+    k = bisect.bisect_right(ends, offset)
+    return lines[k] if 0 <= offset and k < len(ends) else None
 
 
 def line_of(fmt: str, table: bytes, firstlineno: int, offset: int) -> int:
-    """The line at ``offset``, or ``firstlineno`` where the table has none
-    (an offset before the first instruction: a frame that has not started)."""
-    if offset < 0:
-        return firstlineno
-    find = lnotab310_line if fmt == "lnotab310" else locations_line
-    try:
-        line = find(table, firstlineno, offset)
-    except IndexError:  # read from another process: a table cut short, or memory reused
-        return firstlineno
-    return firstlineno if line is None else line
+    """The line at ``offset``, or ``firstlineno`` where the table has none."""
+    return line_at(spans(fmt, table, firstlineno), firstlineno, offset)

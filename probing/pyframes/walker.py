@@ -11,8 +11,7 @@ import struct
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from probing.pyframes import Offsets
-from probing.pyframes.linetable import line_of
+from probing.pyframes import Offsets, linetable
 from probing.pyframes.memory import ReadableMemory, i32, u64
 
 MAX_DEPTH = 128  # frames per stack in userspace (the BPF walk stops at 32)
@@ -136,10 +135,10 @@ class Resolver:
         self.mem = mem
         self.off = off
         self._codes: dict[int, CodeInfo | None] = {}
-        # (code, offset) -> line: a new stack shares most of its frames with
-        # stacks resolved before, and a line table is decoded from its start
-        # (half a sampler's CPU on FSDP2, whose stacks are many)
-        self._lines: dict[tuple[int, int], int] = {}
+        # code -> its line table decoded (``linetable.spans``), once: a
+        # sampler's new stacks are mostly new offsets in known code (FSDP2's
+        # are many), each a bisection
+        self._spans: dict[int, linetable.Spans] = {}
 
     def code(self, addr: int) -> CodeInfo | None:
         if addr in self._codes:
@@ -157,7 +156,7 @@ class Resolver:
             info = None
         if len(self._codes) > 1 << 16:
             self._codes.clear()
-            self._lines.clear()
+            self._spans.clear()
         self._codes[addr] = info
         return info
 
@@ -165,14 +164,11 @@ class Resolver:
         info = self.code(raw.code)
         if info is None:
             return Frame("?", f"<code {raw.code:#x}>", 0)
-        key = (raw.code, raw.offset)
-        line = self._lines.get(key)
-        if line is None:
-            line = line_of(self.off.linetable_format, info.linetable, info.firstlineno, raw.offset)
-            if len(self._lines) > 1 << 18:
-                self._lines.clear()
-            self._lines[key] = line
-        return Frame(info.file, info.func, line)
+        spans = self._spans.get(raw.code)
+        if spans is None:
+            spans = linetable.spans(self.off.linetable_format, info.linetable, info.firstlineno)
+            self._spans[raw.code] = spans
+        return Frame(info.file, info.func, linetable.line_at(spans, info.firstlineno, raw.offset))
 
     def frames(self, raws: Iterable[RawFrame]) -> list[Frame]:
         return [self.frame(r) for r in raws]
