@@ -81,6 +81,37 @@ def test_comm_groups_says_each_groups_role() -> None:
     ]  # fmt: skip
 
 
+def test_traced_contexts_are_read_from_each_sealed_chunk_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``comm.groups`` is asked at each full detection: the contexts traced
+    are read from the chunks sealed since the last ask and the rows not
+    sealed, not from the whole trace again."""
+    import pyarrow.dataset as ds
+
+    from probing.node.bpf.families import GLOO_SCHEMA
+
+    store = Store(chunk_rows=4)
+    calls = store.table("gloo", "calls", GLOO_SCHEMA)
+
+    def put(*comms: int) -> None:
+        calls.append_batch(pa.Table.from_pylist([{"comm": c} for c in comms], schema=GLOO_SCHEMA))
+
+    put(1, 2, 1, 2)
+    put(3, 0, 3, 3)  # 0: no context
+    put(5)
+    opened: list[Any] = []
+    real = ds.dataset
+    monkeypatch.setattr(ds, "dataset", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    sealed: dict[str, set[int]] = {}
+    assert groups.traced_gloo_contexts(store, sealed) == [1, 2, 3, 5]
+    assert len(opened) == calls.stats().chunks == 2
+    put(7, 7, 7, 7)
+    assert groups.traced_gloo_contexts(store, sealed) == [1, 2, 3, 5, 7]
+    assert len(opened) == calls.stats().chunks == 3  # the new chunk alone
+    assert groups.traced_gloo_contexts(store) == [1, 2, 3, 5, 7]  # no cache: the same
+
+
 def test_process_info_says_where_the_process_sits() -> None:
     database = probe_of(MEGATRON_RANK_3, [r["comm"] for r in MEGATRON_RANK_3])
     [row] = database.sql("SELECT coords, tp, pp, dp, cp, ep FROM process.info").to_pylist()

@@ -4,7 +4,7 @@ full analyses (a full analysis is ``probing.analyze.diagnose.analyze``): its
 own rank's pace dropped (``slowed``), a tail of the window naming a
 straggler (``screen``), a rank standing still (``still``), every rank
 tracing (``all_tracing``), how late a straggler was when written
-(``held_by``), the Gloo contexts torch's groups do not name yet (``unnamed``)."""
+(``held_by``), a window's Gloo contexts, for torch's groups to name (``contexts``)."""
 
 from __future__ import annotations
 
@@ -124,9 +124,8 @@ def latest_ts(table: pa.Table) -> int:
 GROUP_KEYS = ("node", "rank", "backend", "comm")  # a Gloo context, as torch's groups key it
 
 
-def unnamed(table: pa.Table, known: Container[tuple[Any, ...]]) -> set[tuple[Any, ...]]:
-    """The Gloo contexts of ``table`` (by ``GROUP_KEYS``) that ``known`` (the
-    contexts torch's groups name) does not hold."""
+def contexts(table: pa.Table) -> set[tuple[Any, ...]]:
+    """The Gloo contexts of ``table``, by ``GROUP_KEYS``."""
     import pyarrow.compute as pc
 
     from probing.analyze import columns
@@ -139,8 +138,7 @@ def unnamed(table: pa.Table, known: Container[tuple[Any, ...]]) -> set[tuple[Any
     keys = [c for c in GROUP_KEYS if c in gloo.column_names]
     _, firsts = columns.distinct(gloo, keys)
     picked = gloo.take(firsts)
-    cols = [picked.column(c).to_pylist() for c in keys]
-    return {k for k in zip(*cols, strict=True) if k not in known}
+    return set(zip(*(picked.column(c).to_pylist() for c in keys), strict=True))
 
 
 def full_period_s(base_s: float, quiet: int) -> float:

@@ -26,12 +26,12 @@ import pyarrow as pa
 
 from probing.analyze import cause as ca
 from probing.analyze import collectives as coll
+from probing.analyze import columns, mesh
 from probing.analyze import coverage as cv
 from probing.analyze import evidence as ev
 from probing.analyze import flight as fl
 from probing.analyze import hangs as hg
 from probing.analyze import links as ln
-from probing.analyze import mesh
 from probing.analyze import pipeline as pp
 from probing.analyze import steps as st
 from probing.analyze import stragglers as sg
@@ -295,11 +295,12 @@ def issuers(table: pa.Table) -> dict[int, set[int]]:
     train, whatever they are called (a launcher's loop in a ``threading.Thread``)."""
     if not table.num_rows or "tid" not in table.column_names or "rank" not in table.column_names:
         return {}
+    rank, has_rank = columns.ints(columns.column(table, "rank"))
+    tid, has_tid = columns.ints(columns.column(table, "tid"))
+    there = has_rank & has_tid
     out: dict[int, set[int]] = defaultdict(set)
-    pairs = zip(table.column("rank").to_pylist(), table.column("tid").to_pylist(), strict=True)
-    for r, tid in pairs:
-        if r is not None and tid is not None:
-            out[int(r)].add(int(tid))
+    for pair in np.unique((rank[there] << 32) | (tid[there] & 0xFFFFFFFF)).tolist():
+        out[pair >> 32].add(pair & 0xFFFFFFFF)
     return dict(out)
 
 

@@ -9,6 +9,7 @@ series tells since when)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from itertools import chain, repeat
 
@@ -65,10 +66,14 @@ def by_rank(of: list[dict[int, int]] | list[dict[int, int | None]], ranks: list[
     rows = np.repeat(np.arange(len(of)), sizes)
     every = chain.from_iterable
     cols = np.fromiter(map(col.get, every(of), repeat(-1)), np.intp, total)
-    values = list(every(d.values() for d in of))
-    none = np.fromiter((v is None for v in values), bool, total)
-    ns = np.fromiter((base if v is None else v for v in values), np.int64, total)
-    there = (cols >= 0) & ~none
+    try:  # arrivals, or returns none of which is None: read at once
+        ns = np.fromiter(every(d.values() for d in of), np.int64, total)
+        there = cols >= 0
+    except TypeError:
+        values = list(every(d.values() for d in of))
+        none = np.fromiter((v is None for v in values), bool, total)
+        ns = np.fromiter((base if v is None else v for v in values), np.int64, total)
+        there = (cols >= 0) & ~none
     out[rows[there], cols[there]] = ns[there] - base
     return out
 
@@ -270,7 +275,20 @@ class Seen:
         excess = np.nan_to_num(excess_of(arrive), nan=0.0)  # alone: not late
         return cls(ranks, arrive, excess, lead_ms, last)
 
+    @functools.cached_property
+    def there(self) -> np.ndarray:
+        """Whether each of ``ranks`` arrived at any of these collectives."""
+        return np.asarray(~np.isnan(self.arrive).all(axis=0)) if len(self.arrive) else (
+            np.zeros(len(self.ranks), dtype=bool))  # fmt: skip
+
+    @functools.cached_property
+    def spread(self) -> list[float]:
+        """Each rank's robust spread of its ``excess`` (``MAD_SCALE`` x its MAD)."""
+        return [MAD_SCALE * mad(self.excess[:, j]) for j in range(len(self.ranks))]
+
     def since(self, k0: int) -> Seen:
+        if not k0:
+            return self
         return Seen(
             self.ranks, self.arrive[k0:], self.excess[k0:], self.lead_ms[k0:], self.last[k0:]
         )
@@ -298,8 +316,11 @@ def evidence(cs: list[Collective], rank: int, seen: Seen | None = None) -> Evide
     """The tests of ``Evidence.named`` for ``rank`` over ``cs`` (complete
     collectives); ``seen``: the caller's ``Seen`` of these, where it has it
     (each rank's evidence reads the same window)."""
-    ranks = sorted({r for c in cs for r in c.ts})
     n = len(cs)
+    if seen is not None and len(seen.excess) == n:  # the ranks there, as ``Seen.of`` reads them
+        ranks = [r for r, x in zip(seen.ranks, seen.there.tolist(), strict=True) if x]
+    else:
+        ranks = sorted({r for c in cs for r in c.ts})
     if seen is None or seen.ranks != ranks or len(seen.excess) != n:
         seen = Seen.of(cs, ranks)
     matrix = seen.excess
@@ -321,8 +342,9 @@ def evidence(cs: list[Collective], rank: int, seen: Seen | None = None) -> Evide
     span_ms = (starts[-1] - starts[0]) / 1e6 if n > 1 else 0.0
     # the last collective's wait belongs to a step after the span: n-1 steps, n waits
     share = lost * (n - 1) / n / span_ms if span_ms > 0 else 0.0
-    rest = [o for o in ranks if o != rank]
-    noise = float(np.median([MAD_SCALE * mad(excess[o]) for o in rest])) if rest else 0.0
+    spread = seen.spread
+    rest = [spread[i] for i, o in enumerate(ranks) if o != rank]
+    noise = float(np.median(rest)) if rest else 0.0
     return Evidence(
         rank=rank,
         collectives=n,

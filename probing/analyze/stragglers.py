@@ -82,14 +82,19 @@ def stragglers(
         ranks = sorted({r for c in cs for r in c.ts})
         starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
         seen = Seen.of(cs, ranks)  # read once for every rank's evidence
+        mine = steps.comms.get(comm)
+        phase = None  # each collective's place in its step, for ``_late_at_one``
         for j, r in enumerate(ranks):
             excess = seen.excess[:, j]
             if float(np.median(excess)) < 0:
                 waits[comm].add(r)
-            mine = steps.comms.get(comm)
             s = _straggler_on(comm, cs, r, excess, starts, len(ranks), nodes.get(r, ""), mine, seen)
-            if s is None and mine is not None and steps.job is not None:
-                s = _late_at_one(comm, cs, r, excess, len(ranks), nodes.get(r, ""), mine, steps.job)
+            if s is None and mine is not None and steps.job is not None and mine.period > 1:
+                if phase is None:
+                    phase = np.array([mine.phase(c.seq) for c in cs])
+                s = _late_at_one(
+                    comm, cs, r, excess, len(ranks), nodes.get(r, ""), mine, steps.job, phase
+                )
             if s is None:
                 continue
             per_step(s, cs, excess, mine, steps.job)
@@ -287,17 +292,19 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
 
 def _late_at_one(
     comm: str, cs: list[Collective], r: int, excess: np.ndarray, nranks: int, node: str,
-    mine: st.Step, job: st.Step,
+    mine: st.Step, job: st.Step, phase: np.ndarray | None = None,
 ) -> Straggler | None:  # fmt: skip
     """Rank ``r`` as a straggler late at one collective of each step, or None:
     where ``comm`` issues many a step (FSDP's gathers, a reduce-scatter per
     layer), a rank slow before one of them is last there alone, and nowhere
     else; over all of them chance hides it. The collective of the step at
     which its median excess is largest, where that is ``SHARE_ALWAYS`` of the
-    job's step and it is last there, and later in the order, beyond chance."""
+    job's step and it is last there, and later in the order, beyond chance.
+    ``phase``: each of ``cs``' place in ``mine`` (worked out here if not given)."""
     if mine.period < 2:
         return None
-    phase = np.array([mine.phase(c.seq) for c in cs])
+    if phase is None:
+        phase = np.array([mine.phase(c.seq) for c in cs])
     typical = {ph: float(np.median(excess[phase == ph])) for ph in set(phase.tolist())
                if (phase == ph).sum() >= MIN_COLLECTIVES}  # fmt: skip
     if not typical:

@@ -1,14 +1,14 @@
 """torch's names for a job's Gloo contexts, kept by its detector between
 asks (``Groups``): the look's thread and the full detection's name windows
-by them, under one lock. Which contexts they leave unnamed is
-``probing.analyze.detection.unnamed``."""
+by them, under one lock. A window's Gloo contexts are
+``probing.analyze.detection.contexts``."""
 
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
 
-from probing.analyze.detection import GROUP_KEYS, GROUPS_KEEP, GROUPS_RETRY_S, GROUPS_S, unnamed
+from probing.analyze.detection import GROUP_KEYS, GROUPS_KEEP, GROUPS_RETRY_S, GROUPS_S, contexts
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -34,6 +34,8 @@ class Groups:
         self.asked_ns = 0
         self.retry_s = GROUPS_RETRY_S
         self.lock = threading.Lock()  # the look's and the full detection's threads name windows
+        # the last window's Gloo contexts: a detection asks of one window several times
+        self._window: tuple[pa.Table | None, set[tuple[Any, ...]]] = (None, set())
 
     def due(self, table: pa.Table, now: int) -> bool:
         """Whether to ask for them again, for the window ``table`` at ``now``."""
@@ -77,4 +79,8 @@ class Groups:
 
     def _unnamed(self, table: pa.Table) -> set[tuple[Any, ...]]:
         """The Gloo contexts of ``table`` no group known names. Holding the lock."""
-        return unnamed(table, self.rows)
+        of, held = self._window
+        if of is not table:
+            held = contexts(table)
+            self._window = (table, held)
+        return {k for k in held if k not in self.rows}

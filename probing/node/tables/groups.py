@@ -47,9 +47,10 @@ def provider(
 ) -> Callable[[], pa.Table]:
     """``comm.groups`` over a target's ``groups`` (``probing.target``):
     the process reads its own memory (``probing.guest.inside.groups``)."""
+    sealed: dict[str, set[int]] = {}  # a chunk's file -> its contexts (read once)
 
     def table() -> pa.Table:
-        traced = traced_gloo_contexts(store)
+        traced = traced_gloo_contexts(store, sealed)
         rows = groups_of(traced) if traced else []
         if rows:  # analyze is imported on first use (tests/test_engine.py)
             from probing.analyze.mesh import role_of
@@ -61,17 +62,27 @@ def provider(
     return table
 
 
-def traced_gloo_contexts(store: Any) -> list[int]:
-    """The distinct contexts in this process's ``gloo.calls``."""
+def traced_gloo_contexts(store: Any, sealed: dict[str, set[int]] | None = None) -> list[int]:
+    """The distinct contexts in this process's ``gloo.calls``; ``sealed``
+    keeps each chunk's (a chunk's file never changes: its id is new), so
+    an ask reads the rows sealed since the last, not the whole trace."""
     import pyarrow.compute as pc
-
-    from probing.node.sql.providers import snapshot_dataset
+    import pyarrow.dataset as ds
 
     tbl = store.get("gloo", "calls")
     if tbl is None:
         return []
     snap = tbl.snapshot()
-    if snap.chunk_dir is None and not snap.pending.num_rows:  # nothing traced: no dataset
-        return []
-    comm = snapshot_dataset(snap).to_table(columns=["comm"]).column("comm")
-    return [c for c in pc.unique(comm).to_pylist() if c]
+    sealed = {} if sealed is None else sealed
+    if len(sealed) > 4 * len(snap.paths) + 64:  # merged and retired chunks: forgotten
+        sealed.clear()
+    found: set[int] = set()
+    for path in snap.paths:
+        if path not in sealed:
+            part = ds.dataset(path, schema=snap.schema, format=snap.container)
+            comm = part.to_table(columns=["comm"]).column("comm")
+            sealed[path] = set(pc.unique(comm).to_pylist())
+        found |= sealed[path]
+    if snap.pending.num_rows:
+        found |= set(pc.unique(snap.pending.column("comm")).to_pylist())
+    return sorted(c for c in found if c)
