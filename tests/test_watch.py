@@ -981,7 +981,9 @@ def test_the_drain_keeps_the_calls_of_collectives_while_it_can_say_what_ended() 
 
 def test_each_ranks_wait_for_a_cpu_is_asked_again_only_after_runq_s() -> None:
     """Where a slow link is suspected, every rank is asked how long it waited
-    for a CPU: the answer serves the detections of the next ``RUNQ_S``."""
+    for a CPU: the answer serves the detections of the next ``RUNQ_S``; the
+    ranks the engine serves answer from their samplers (``runq_since``),
+    with no SQL."""
     from probing.node.detector.analyst import Analyst
 
     node = Node()
@@ -989,14 +991,20 @@ def test_each_ranks_wait_for_a_cpu_is_asked_again_only_after_runq_s() -> None:
     analyst = Analyst(node)
     s = int(1e9)
     sql = "SELECT * FROM python.samples"
-    first = analyst.runq(100 * s, sql)
+    first = analyst.runq(100 * s, sql, 70 * s)
     assert first is not None and first.to_pylist() == node.runq
     node.runq = [{"rank": 0, "runq_ns": 9}]
-    assert analyst.runq(int((100 + dt.RUNQ_S - 1) * s), sql) is first
+    assert analyst.runq(int((100 + dt.RUNQ_S - 1) * s), sql, 70 * s) is first
     assert len([q for q in node.asked if "python.samples" in q]) == 1
-    again = analyst.runq(int((100 + dt.RUNQ_S) * s), sql)
+    again = analyst.runq(int((100 + dt.RUNQ_S) * s), sql, 70 * s)
     assert again is not None and again.to_pylist() == node.runq
-    assert analyst.runq(50 * s, sql) is not again  # a clock set back: asked again
+    assert analyst.runq(50 * s, sql, 20 * s) is not again  # a clock set back: asked again
+    since: list[int] = []
+    kept = pa.table({"kind": ["runq", "tick"], "dur_ns": [3, s], "rank": [0, 0]})
+    node.runq_since = lambda q, at, timeout: since.append(at) or (kept, None)  # type: ignore[attr-defined]
+    asked = len(node.asked)
+    assert analyst.runq(500 * s, sql, 470 * s) is kept and since == [470 * s]
+    assert len(node.asked) == asked  # no SQL
 
 
 def test_a_window_asks_this_engines_ranks_from_their_tracers_whole_or_since() -> None:
@@ -1024,3 +1032,28 @@ def test_a_window_asks_this_engines_ranks_from_their_tracers_whole_or_since() ->
     node.answers.append((rows, Got()))
     w.fetch(node, 106 * s)
     assert len(node.asked) == 1 and "comm.collectives" in node.asked[0]
+
+
+def test_a_samplers_wait_for_a_cpu_is_kept_as_far_back_as_its_reads_reach() -> None:
+    """The detector's RUNQ_SQL sums without SQL (``Sampler.waits_since``):
+    from the reads kept (``WAITS_S``), the table's sums from a wall time on;
+    None before the sampler started where its table held an earlier trace's
+    rows, and before the oldest read it let go."""
+    from probing.node.bpf import sampler as smp
+    from probing.node.store import Store
+
+    s = smp.Sampler(Store())  # not started: its reads read nothing
+    assert s.waits_since(0) is None
+    s._waits_from = 0  # started on a table of none but its own rows
+    sec = 10**9
+    for k in range(5):
+        rows = {"kind": ["tick", "runq", "cpu", "runq"], "dur_ns": [sec, 5, 7, 1]}
+        s._kept_waits(T0 + k * sec, rows, sec)
+    assert s.waits_since(0) == (30, 5 * sec)
+    assert s.waits_since(T0 + 2 * sec) == (18, 3 * sec)  # reads at or after it
+    later = T0 + int((smp.WAITS_S + 3.5) * sec)  # the first four are let go
+    s._kept_waits(later, {"kind": ["tick"], "dur_ns": [sec]}, sec)
+    assert s.waits_since(T0 + 3 * sec) is None
+    assert s.waits_since(T0 + 4 * sec) == (6, 2 * sec)
+    s._waits_from = later  # its table held an earlier trace's rows: none of those
+    assert s.waits_since(later - 1) is None and s.waits_since(later) == (0, sec)

@@ -59,7 +59,25 @@ def cluster_node(ctx: ProbeContext) -> ClusterNode | None:
     node = ClusterNode(ident, lambda: ctx.database, pid=ctx.pid, learn=ctx.target.distributed)
     node.detector = lambda: _detector(ctx, node)  # made at the first trace (POST /trace/start)
     node.recent = lambda since_ns, cursor_ns: _recent(ctx, node, since_ns, cursor_ns)
+    node.waits = lambda since_ns: _waits(ctx, node, since_ns)
     return node
+
+
+def _waits(ctx: ProbeContext, node: ClusterNode, since_ns: int) -> Any:
+    """RUNQ_SQL's rows of ``node`` from ``since_ns``, tagged as a peer's
+    answer, from what its sampler kept (``ClusterNode.runq_since``); None
+    where it cannot say."""
+    import pyarrow as pa
+
+    from probing.node.cluster.share import tagged_rows
+
+    tracer = ctx.tracer
+    sampler = None if tracer is None else tracer.sampler
+    got = None if sampler is None else sampler.waits_since(since_ns)
+    if got is None:
+        return None
+    rows = pa.table({"kind": ["runq", "tick"], "dur_ns": pa.array(got, pa.int64())})
+    return tagged_rows([(node, rows)])
 
 
 def _recent(ctx: ProbeContext, node: ClusterNode, since_ns: int, cursor_ns: int) -> Any:

@@ -102,11 +102,16 @@ def test_the_wait_for_a_cpu_after_a_wake_up_is_runq_not_blocked() -> None:
         go.set()
         t.join()
         time.sleep(0.1)  # its last wait is charged when it next leaves a CPU: it has ended
+        kept = s.waits_since(0)  # the detector's RUNQ_SQL sums, no SQL
+        last_read = s._waits[-1][0]
     finally:
         s.stop()
         spinner.kill()
         spinner.wait()
     rows = store.table("python", "samples").to_arrow().to_pylist()
+    runq_sql = [sum(r["dur_ns"] for r in rows if r["kind"] == kind and r["ts"] <= last_read)
+                for kind in ("runq", "tick")]  # fmt: skip
+    assert kept == tuple(runq_sql) and runq_sql[0] > 0, (kept, runq_sql)
     frames = store.table("python", "stacks").to_arrow().to_pylist()
     inner = {f["stack_id"]: f["func"] for f in frames if f["depth"] == 0}
     ms: Counter[str] = Counter()

@@ -20,6 +20,7 @@ thread Python did not start (Gloo's, OpenMP's) is named by its kernel comm.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -39,6 +40,7 @@ DEFAULT_INTERVAL_S = 2.0  # a query reads first anyway (``add_before_read``)
 NAMES_S = 6.0  # a traced process's thread names, asked of its guest this often at most
 KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
 SAMPLES_MAX = 16384
+WAITS_S = 120.0  # each read's wait for a CPU kept this long (the detector asks of 30 s)
 # threads the probe's query engine (DataFusion's tokio runtime) starts in the host:
 # left out with the probe's own Python threads (a host running tokio would lose its own)
 ENGINE_THREADS = frozenset({"tokio-rt-worker"})
@@ -95,6 +97,10 @@ class Sampler:
         self._ours: set[int] = set()  # the probe's own threads, left out
         self._comms: dict[int, str | None] = {}  # threads without Python: the kernel's name
         self._named: tuple[float, dict[int, str | None]] = (0.0, {})  # (when, a guest's names)
+        # each read's (wall ns, runq ns, wall ns it covers), kept WAITS_S: RUNQ_SQL's
+        # sums without SQL (``waits_since``) from ``_waits_from`` on (None: not yet)
+        self._waits: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._waits_from: int | None = None
         self._lock = threading.Lock()
         self._worker = Worker(
             "probing-sampler", self.read, interval_s, on_error=self._read_failed, shared=True
@@ -160,6 +166,9 @@ class Sampler:
         self.bpf = prog
         self.py.sync([prog])
         self._last_read = time.monotonic_ns()
+        # every row from now is a read's of ours; before, where the table held
+        # none (an earlier trace's rows are the table's alone), nothing
+        self._waits_from = time.time_ns() if self.table.holds_rows() else 0
         self.table.add_before_read(self.read)
         self._worker.start()
 
@@ -212,6 +221,7 @@ class Sampler:
                 rows[k].append(v)
 
         put(0, 0, "tick", 1, now_mono - self._last_read)
+        wall_ns = now_mono - self._last_read
         self._last_read = now_mono
         # what was counted since the last read, each entry deleted as it is
         # read (a few bpf() calls): a read costs what the interval holds, not
@@ -233,8 +243,32 @@ class Sampler:
         self.py.collect(bpf, np.array(rows["stack_id"], dtype=np.uint32))
         # a chunk this completes is compressed by the store's sealer thread
         self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA), defer_seal=True)
+        self._kept_waits(now, rows, wall_ns)
         self.reads += 1
         return len(rows["ts"])
+
+    def _kept_waits(self, now: int, rows: dict[str, list[Any]], wall_ns: int) -> None:
+        """A read's wait for a CPU (its ``runq`` rows' time) and the wall time
+        it covers, kept ``WAITS_S``."""
+        runq = sum(ns for kind, ns in zip(rows["kind"], rows["dur_ns"], strict=True)
+                   if kind == "runq")  # fmt: skip
+        self._waits.append((now, runq, wall_ns))
+        while self._waits and self._waits[0][0] < now - WAITS_S * 1e9:
+            gone = self._waits.popleft()[0]
+            if self._waits_from is not None:
+                self._waits_from = max(self._waits_from, gone + 1)
+
+    def waits_since(self, since_ns: int) -> tuple[int, int] | None:
+        """RUNQ_SQL's sums over this sampler's table from ``since_ns`` (wall
+        ns), read first as a query reads: the time its threads waited for a
+        CPU and the wall time sampled (ns); None where the reads kept do not
+        reach back that far."""
+        self.read()
+        with self._lock:
+            if self._waits_from is None or since_ns < self._waits_from:
+                return None
+            kept = [(runq, wall) for ts, runq, wall in self._waits if ts >= since_ns]
+        return sum(r for r, _ in kept), sum(w for _, w in kept)
 
     def _names(self) -> dict[int, str | None]:
         """native tid -> ``threading`` name of the sampled process's threads;

@@ -109,6 +109,8 @@ class ClusterNode:
         # them of a peer, with no SQL: (since_ns, cursor_ns) -> rows, or None
         # where it cannot say (``probing.node.assemble``)
         self.recent: Callable[[int, int], pa.Table | None] | None = None
+        # ... and my sampler's RUNQ_SQL rows from since_ns, the same way
+        self.waits: Callable[[int], pa.Table | None] | None = None
         if self.learn is not None:
             self.error = join.WAITING
 
@@ -284,6 +286,18 @@ class ClusterNode:
         def kept(node: ClusterNode) -> pa.Table | None:
             recent = getattr(node, "recent", None)
             return recent(since_ns, cursor_ns) if recent is not None else None
+
+        return _here_first(self, kept, sql, timeout)
+
+    def runq_since(
+        self, sql: str, since_ns: int, *, timeout: float
+    ) -> tuple[pa.Table, Collected] | None:
+        """RUNQ_SQL (``sql``) from ``since_ns`` over every rank: those this
+        engine serves from what their samplers keep (``waits``: no SQL), the
+        others by ``sql``; None where no rank here can say."""
+
+        def kept(node: ClusterNode) -> pa.Table | None:
+            return node.waits(since_ns) if node.waits is not None else None
 
         return _here_first(self, kept, sql, timeout)
 

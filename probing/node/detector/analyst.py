@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from probing.analyze.detection import (
+    ASK_S,
     AUX_S,
     EXPLAIN,
     HANG_AFTER_S,
@@ -81,7 +82,7 @@ class Analyst:
         runq_sql = queries(remote=True)["runq"].format(since_ns=since)
 
         def ask_runq() -> pa.Table | None:
-            return self.runq(now, runq_sql)
+            return self.runq(now, runq_sql, since)
 
         answered = sorted({t.rank for t in got.peers})
         table, cov = judge(table, self.aux["intervals"], answered, dead, since, now)
@@ -91,16 +92,23 @@ class Analyst:
         )  # fmt: skip
         return table, d
 
-    def runq(self, now: int, sql: str) -> pa.Table | None:
-        """How long each rank waited for a CPU (``sql``, RUNQ_SQL), asked of
-        every rank where a slow link is suspected: again every ``RUNQ_S``
-        only (a rank's wait changes slowly, and a slow link is written after
-        ``GONE_AFTER`` detections in a row that found it)."""
+    def runq(self, now: int, sql: str, since_ns: int) -> pa.Table | None:
+        """How long each rank waited for a CPU from ``since_ns`` (``sql``,
+        RUNQ_SQL), asked of every rank where a slow link is suspected: again
+        every ``RUNQ_S`` only (a rank's wait changes slowly, and a slow link
+        is written after ``GONE_AFTER`` detections in a row that found it).
+        The ranks the engine serves answer from what their samplers keep
+        (the node's ``runq_since``: no SQL), the others by ``sql``."""
         from probing.analyze.queries import optional
+
+        def ask(q: str) -> pa.Table:
+            here = getattr(self.node, "runq_since", None)
+            got = here(q, since_ns, timeout=ASK_S) if here is not None else None
+            return got[0] if got is not None else ask_cluster(self.node, q)
 
         kept = self._runq
         if kept is None or not 0 <= now - kept[0] < RUNQ_S * 1e9:
-            kept = self._runq = (now, optional(lambda q: ask_cluster(self.node, q), sql))
+            kept = self._runq = (now, optional(ask, sql))
         return kept[1]
 
     def learn_groups(self, now: int, table: pa.Table) -> None:

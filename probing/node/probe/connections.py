@@ -97,7 +97,7 @@ class Workers:
     them rather than starting a thread each; an idle probe is back to none.
     Jobs beyond ``limit`` wait in order for a thread."""
 
-    LINGER_S = 5.0
+    LINGER_S = 2.0  # a burst's requests come within ms; an engine has a server a rank
 
     def __init__(self, serve: Callable[[Conn, bytes], None], limit: int = 8) -> None:
         self._serve = serve
