@@ -109,7 +109,7 @@ def retired(directory: Path, timeout: float = 120.0) -> None:
     else:
         raise RuntimeError(f"processes still served after {timeout:g} s")
     # the threads of what was retired end within a few seconds, and request
-    # threads linger 5 s after their last request (Workers.LINGER_S): until
+    # threads linger after their last request (Workers.LINGER_S): until
     # the count has stood still for longer
     engine = engine_pid(directory)
     assert engine is not None
