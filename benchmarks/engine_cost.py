@@ -44,6 +44,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -321,6 +322,7 @@ def case(
         )
     finally:
         stop(job, rt)
+        shutil.rmtree(tmp, ignore_errors=True)  # its runtime directory, the engine's chunks
     return out
 
 
@@ -377,6 +379,7 @@ def main() -> None:
         if args.baseline:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
                            capture_output=True)  # fmt: skip
+        shutil.rmtree(base.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

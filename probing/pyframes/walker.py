@@ -98,8 +98,10 @@ def raw_frames(
 def read_str(mem: ReadableMemory, off: Offsets, addr: int) -> str:
     """A ``str`` object's text (compact ASCII or compact UCS1/2/4), or "?"."""
     try:
-        length = struct.unpack("<q", mem.read(addr + off.unicode_length, 8))[0]
-        state = i32(mem, addr + off.unicode_state)
+        # its length and state in one read (a read is a syscall)
+        head = mem.read(addr + off.unicode_length, off.unicode_state + 4 - off.unicode_length)
+        length = struct.unpack_from("<q", head, 0)[0]
+        state = struct.unpack_from("<i", head, off.unicode_state - off.unicode_length)[0]
         if not 0 <= length <= MAX_STR:
             return "?"
         kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
@@ -144,13 +146,20 @@ class Resolver:
         if addr in self._codes:
             return self._codes[addr]
         off, mem = self.off, self.mem
-        try:
-            name_off = off.code_qualname if off.code_qualname >= 0 else off.code_name
+        name_off = off.code_qualname if off.code_qualname >= 0 else off.code_name
+        fields = (off.code_filename, name_off, off.code_firstlineno, off.code_linetable)
+        lo = min(fields)
+        try:  # the code object's fields in one read (a read is a syscall)
+            head = mem.read(addr + lo, max(fields) + 8 - lo)
+
+            def ptr(field: int) -> int:
+                return int(struct.unpack_from("<Q", head, field - lo)[0])
+
             info: CodeInfo | None = CodeInfo(
-                read_str(mem, off, u64(mem, addr + off.code_filename)),
-                read_str(mem, off, u64(mem, addr + name_off)),
-                i32(mem, addr + off.code_firstlineno),
-                read_bytes(mem, off, u64(mem, addr + off.code_linetable)),
+                read_str(mem, off, ptr(off.code_filename)),
+                read_str(mem, off, ptr(name_off)),
+                int(struct.unpack_from("<i", head, off.code_firstlineno - lo)[0]),
+                read_bytes(mem, off, ptr(off.code_linetable)),
             )
         except OSError:
             info = None
