@@ -42,8 +42,11 @@ from engine_cost import PER_STEP, Job, job_env, stop, trace, with_engine_env
 def sample(proc: psutil.Process) -> dict[str, Any]:
     """What the engine holds now, and its CPU seconds so far."""
     with proc.oneshot():
+        mem = proc.memory_info()
         return {
-            "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+            "rss_mb": round(mem.rss / 2**20, 1),
+            # of which file pages (the libraries' code it ran, RssFile): the rest is anonymous
+            "file_mb": round(mem.shared / 2**20, 1),
             "threads": proc.num_threads(),
             "fds": proc.num_fds(),
             "cpu_s": sum(proc.cpu_times()[:2]),
@@ -65,8 +68,8 @@ def watch(proc: psutil.Process, job: Job, shape: str, duration: float, every: fl
             rate = round((n - n_last) / len(job.pids) / span, 1) if shape == "ddp" else None
             cpu = round((now["cpu_s"] - last["cpu_s"]) / span, 4)
             rows.append({"t_s": round(t - t0, 1), "rss_mb": now["rss_mb"],
-                         "threads": now["threads"], "fds": now["fds"], "engine_cpu": cpu,
-                         "rate": rate})  # fmt: skip
+                         "file_mb": now["file_mb"], "threads": now["threads"], "fds": now["fds"],
+                         "engine_cpu": cpu, "rate": rate})  # fmt: skip
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             last, n_last, t_last = now, n, t
     except psutil.Error as err:
@@ -88,6 +91,8 @@ def summary(rows: list[dict[str, Any]], first_s: float) -> dict[str, Any]:
         "end_mb": end,
         "after5_max_mb": max(after) if after else None,
         "growth_mb": round(end - first5_max, 1) if first5_max is not None else None,
+        "file_mb_first": rows[0]["file_mb"],
+        "file_mb_last": rows[-1]["file_mb"],
         "threads_first": rows[0]["threads"],
         "threads_last": rows[-1]["threads"],
         "fds_first": rows[0]["fds"],
