@@ -278,8 +278,7 @@ class Seen:
     @functools.cached_property
     def there(self) -> np.ndarray:
         """Whether each of ``ranks`` arrived at any of these collectives."""
-        return np.asarray(~np.isnan(self.arrive).all(axis=0)) if len(self.arrive) else (
-            np.zeros(len(self.ranks), dtype=bool))  # fmt: skip
+        return np.asarray(~np.isnan(self.arrive).all(axis=0))  # of no collective: none
 
     @functools.cached_property
     def spread(self) -> list[float]:

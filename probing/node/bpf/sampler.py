@@ -220,9 +220,8 @@ class Sampler:
             ):
                 rows[k].append(v)
 
-        put(0, 0, "tick", 1, now_mono - self._last_read)
-        wall_ns = now_mono - self._last_read
-        self._last_read = now_mono
+        wall_ns, self._last_read = now_mono - self._last_read, now_mono
+        put(0, 0, "tick", 1, wall_ns)
         # what was counted since the last read, each entry deleted as it is
         # read (a few bpf() calls): a read costs what the interval holds, not
         # every (thread, stack) a long trace ever saw. An add the kernel makes
