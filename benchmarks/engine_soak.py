@@ -40,6 +40,7 @@ from probing.cli.client import ProbeClient, cluster_query  # noqa: E402
 from probing.cli.demo import free_port  # noqa: E402
 from probing.errors import ProbingError  # noqa: E402
 from probing.node.probe.connections import Workers  # noqa: E402
+from probing.node.sql.run import QueryThreads  # noqa: E402
 
 WORLD = 4
 STORED = "SELECT rank, count(*) AS n FROM python.stacks GROUP BY rank"
@@ -109,8 +110,8 @@ def retired(directory: Path, timeout: float = 120.0) -> None:
     else:
         raise RuntimeError(f"processes still served after {timeout:g} s")
     # the threads of what was retired end within a few seconds, and request
-    # threads linger after their last request (Workers.LINGER_S): until
-    # the count has stood still for longer
+    # threads linger after their last request and query (Workers.LINGER_S,
+    # QueryThreads.LINGER_S): until the count has stood still for longer
     engine = engine_pid(directory)
     assert engine is not None
     last, since = -1, time.monotonic()
@@ -118,7 +119,7 @@ def retired(directory: Path, timeout: float = 120.0) -> None:
         now = psutil.Process(engine).num_threads()
         if now != last:
             last, since = now, time.monotonic()
-        elif time.monotonic() - since >= Workers.LINGER_S + 1.0:
+        elif time.monotonic() - since >= max(Workers.LINGER_S, QueryThreads.LINGER_S) + 1.0:
             return
         time.sleep(0.25)
 

@@ -67,18 +67,21 @@ def traced_gloo_contexts(store: Any, sealed: dict[str, set[int]] | None = None) 
     keeps each chunk's (a chunk's file never changes: its id is new), so
     an ask reads the rows sealed since the last, not the whole trace."""
     import pyarrow.compute as pc
-    import pyarrow.dataset as ds
 
     tbl = store.get("gloo", "calls")
     if tbl is None:
         return []
     snap = tbl.snapshot()
+    if not snap.paths and not snap.pending.num_rows:  # nothing traced (no dataset imported)
+        return []
     sealed = {} if sealed is None else sealed
     if len(sealed) > 4 * len(snap.paths) + 64:  # merged and retired chunks: forgotten
         sealed.clear()
     found: set[int] = set()
     for path in snap.paths:
         if path not in sealed:
+            import pyarrow.dataset as ds
+
             part = ds.dataset(path, schema=snap.schema, format=snap.container)
             comm = part.to_table(columns=["comm"]).column("comm")
             sealed[path] = set(pc.unique(comm).to_pylist())
