@@ -292,7 +292,7 @@ def own_delays(cs: list[Collective], rank: int) -> list[tuple[int, float]]:
 
 def _late_at_one(
     comm: str, cs: list[Collective], r: int, excess: np.ndarray, nranks: int, node: str,
-    mine: st.Step, job: st.Step, phase: np.ndarray | None = None,
+    mine: st.Step, job: st.Step, phase: np.ndarray,
 ) -> Straggler | None:  # fmt: skip
     """Rank ``r`` as a straggler late at one collective of each step, or None:
     where ``comm`` issues many a step (FSDP's gathers, a reduce-scatter per
@@ -300,11 +300,8 @@ def _late_at_one(
     else; over all of them chance hides it. The collective of the step at
     which its median excess is largest, where that is ``SHARE_ALWAYS`` of the
     job's step and it is last there, and later in the order, beyond chance.
-    ``phase``: each of ``cs``' place in ``mine`` (worked out here if not given)."""
-    if mine.period < 2:
-        return None
-    if phase is None:
-        phase = np.array([mine.phase(c.seq) for c in cs])
+    ``phase``: each of ``cs``' place in ``mine`` (of more than one collective:
+    the caller's to check)."""
     typical = {ph: float(np.median(excess[phase == ph])) for ph in set(phase.tolist())
                if (phase == ph).sum() >= MIN_COLLECTIVES}  # fmt: skip
     if not typical:

@@ -96,26 +96,25 @@ def line_at(spans: Spans, firstlineno: int, offset: int) -> int:
     """The line at ``offset`` (a bisection of ``spans``), or ``firstlineno``
     where the table has none (an offset before the first instruction: a
     frame that has not started; or past a table cut short)."""
+    line = _line(spans, offset)
+    return firstlineno if line is None else line
+
+
+def _line(spans: Spans, offset: int) -> int | None:
+    """The line of the span ``offset`` falls in; None where none holds it or it has none."""
     ends, lines = spans
     k = bisect.bisect_right(ends, offset)
-    if offset < 0 or k == len(ends):
-        return firstlineno
-    line = lines[k]
-    return firstlineno if line is None else line
+    return lines[k] if 0 <= offset and k < len(ends) else None
 
 
 def locations_line(table: bytes, firstlineno: int, offset: int) -> int | None:
     """3.11+: the line of the instruction at byte ``offset``."""
-    ends, lines = locations_spans(table, firstlineno)
-    k = bisect.bisect_right(ends, offset)
-    return lines[k] if 0 <= offset and k < len(ends) else None
+    return _line(locations_spans(table, firstlineno), offset)
 
 
 def lnotab310_line(table: bytes, firstlineno: int, offset: int) -> int | None:
     """3.10: the line of the instruction at byte ``offset``."""
-    ends, lines = lnotab310_spans(table, firstlineno)
-    k = bisect.bisect_right(ends, offset)
-    return lines[k] if 0 <= offset and k < len(ends) else None
+    return _line(lnotab310_spans(table, firstlineno), offset)
 
 
 def line_of(fmt: str, table: bytes, firstlineno: int, offset: int) -> int:

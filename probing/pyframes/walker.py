@@ -126,7 +126,7 @@ class CodeInfo(NamedTuple):
     file: str
     func: str
     firstlineno: int
-    linetable: bytes
+    lines: linetable.Spans  # its line table, decoded once: each offset a bisection
 
 
 class Resolver:
@@ -136,11 +136,9 @@ class Resolver:
     def __init__(self, mem: ReadableMemory, off: Offsets) -> None:
         self.mem = mem
         self.off = off
+        # a sampler's new stacks are mostly new offsets in known code (FSDP2's
+        # are many): a code's line table is decoded as it is read
         self._codes: dict[int, CodeInfo | None] = {}
-        # code -> its line table decoded (``linetable.spans``), once: a
-        # sampler's new stacks are mostly new offsets in known code (FSDP2's
-        # are many), each a bisection
-        self._spans: dict[int, linetable.Spans] = {}
 
     def code(self, addr: int) -> CodeInfo | None:
         if addr in self._codes:
@@ -155,17 +153,18 @@ class Resolver:
             def ptr(field: int) -> int:
                 return int(struct.unpack_from("<Q", head, field - lo)[0])
 
+            first = int(struct.unpack_from("<i", head, off.code_firstlineno - lo)[0])
+            table = read_bytes(mem, off, ptr(off.code_linetable))
             info: CodeInfo | None = CodeInfo(
                 read_str(mem, off, ptr(off.code_filename)),
                 read_str(mem, off, ptr(name_off)),
-                int(struct.unpack_from("<i", head, off.code_firstlineno - lo)[0]),
-                read_bytes(mem, off, ptr(off.code_linetable)),
+                first,
+                linetable.spans(off.linetable_format, table, first),
             )
         except OSError:
             info = None
         if len(self._codes) > 1 << 16:
             self._codes.clear()
-            self._spans.clear()
         self._codes[addr] = info
         return info
 
@@ -173,11 +172,9 @@ class Resolver:
         info = self.code(raw.code)
         if info is None:
             return Frame("?", f"<code {raw.code:#x}>", 0)
-        spans = self._spans.get(raw.code)
-        if spans is None:
-            spans = linetable.spans(self.off.linetable_format, info.linetable, info.firstlineno)
-            self._spans[raw.code] = spans
-        return Frame(info.file, info.func, linetable.line_at(spans, info.firstlineno, raw.offset))
+        return Frame(
+            info.file, info.func, linetable.line_at(info.lines, info.firstlineno, raw.offset)
+        )
 
     def frames(self, raws: Iterable[RawFrame]) -> list[Frame]:
         return [self.frame(r) for r in raws]
