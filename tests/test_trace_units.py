@@ -361,3 +361,72 @@ def test_a_kernel_that_cannot_run_the_stage_flush_keeps_tracing(monkeypatch) -> 
     gloo.flush_on_switch()  # gloo stages nothing: nothing to send
     gloo.flush_stages()
     assert tried == [7, 7]
+
+
+def test_a_look_reads_the_maps_again_for_new_code_not_for_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain's look for libraries mapped since (``Uprobes.look``): a
+    process's large allocations leave its maps unread (torch's take
+    milliseconds); a library it loads is found."""
+    import sys
+
+    from probing import proc
+    from probing.node.bpf.attach import Uprobes
+
+    read, maps_read = proc.read, []
+
+    def counted(pid: int, name: str) -> str:
+        maps_read.extend([name] if name == "maps" else [])
+        return read(pid, name)
+
+    monkeypatch.setattr(proc, "read", counted)
+
+    lib = tmp_path / "libprobinglater.so"
+    shutil.copy(_lib_path("z"), lib)
+    child = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import ctypes, mmap, sys\n"
+            "kept = []\n"
+            "for line in sys.stdin:\n"
+            "    if line.startswith('alloc'):\n"
+            "        kept.append(mmap.mmap(-1, 64 << 20))\n"
+            "    else:\n"
+            "        ctypes.CDLL(line.strip())\n"
+            "    print('ok', flush=True)\n"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+
+    def tell(line: str) -> None:
+        child.stdin.write(line + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ok\n"
+
+    try:
+        tell("alloc")  # its interpreter is up
+        looks = Uprobes(child.pid)
+        first = looks.look(child.pid, always=False)
+        assert first is not None and not any(m.path == str(lib) for m in first)
+        vsize = open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[20]
+        tell("alloc")
+        assert open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[20] != vsize
+        assert looks.look(child.pid, always=False) is None
+        assert len(maps_read) == 1  # its size changed, its code did not
+        tell(str(lib))
+        later = looks.look(child.pid, always=False)
+        assert later is not None and any(m.path == str(lib) for m in later)
+        assert looks.look(child.pid, always=False) is None and len(maps_read) == 2
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _lib_path(name: str) -> str:
+    """Where the loader finds ``lib<name>``, as this process maps it."""
+    import ctypes.util
+
+    ctypes.CDLL(ctypes.util.find_library(name))
+    with open("/proc/self/maps") as f:
+        return next(line.split()[-1] for line in f if f"/lib{name}.so" in line)

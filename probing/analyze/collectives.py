@@ -51,28 +51,40 @@ class Collective:
     end: dict[int, int | None]  # rank -> return (None: still inside)
 
     # worked out once, as it is made (a window's analysis asks each several
-    # times): ``ts`` and ``end`` are never changed after
+    # times; ``match`` works them out for every collective at once, ``made``):
+    # ``ts`` and ``end`` are never changed after
     complete: bool = dataclasses.field(init=False, repr=False, compare=False)
     skew_ns: int = dataclasses.field(init=False, repr=False, compare=False)  # last arrival - first
     last_rank: int = dataclasses.field(init=False, repr=False, compare=False)  # of a tie, the first
-    _lags: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False)
     _transfer: int | None = dataclasses.field(init=False, repr=False, compare=False)
+    _lags: dict[int, int] | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ts, ends = self.ts, [e for e in self.end.values() if e is not None]
         back = len(ends) == len(self.end)  # every rank there returned
         self.complete = len(ts) >= self.nranks and back
+        self._lags = None
         if not ts:  # nobody arrived: nothing to say (never one ``match`` makes)
-            self.last_rank, self.skew_ns, self._lags, self._transfer = -1, 0, {}, None
+            self.last_rank, self.skew_ns, self._transfer = -1, 0, None
             return
-        first, self.last_rank = min(ts.values()), max(ts, key=ts.__getitem__)
-        self._lags = {r: t - first for r, t in ts.items()}
-        self.skew_ns = ts[self.last_rank] - first
+        self.last_rank = max(ts, key=ts.__getitem__)
+        self.skew_ns = ts[self.last_rank] - min(ts.values())
         self._transfer = max(0, min(ends) - ts[self.last_rank]) if ends and back else None
+
+    @classmethod
+    def made(cls, fields: dict[str, Any]) -> Collective:
+        """One with its figures given (``match``'s, worked out in numpy for a
+        window's thousands at once): every field but ``_lags``, by name."""
+        c = cls.__new__(cls)
+        c.__dict__.update(fields, _lags=None)
+        return c
 
     def lags_ns(self) -> dict[int, int]:
         """Each rank's arrival after the first's (the same dict each call:
         read it, never change it)."""
+        if self._lags is None:
+            first = min(self.ts.values(), default=0)
+            self._lags = {r: t - first for r, t in self.ts.items()}
         return self._lags
 
     def transfer_ns(self) -> int | None:
@@ -369,17 +381,32 @@ def match(table: pa.Table) -> list[Collective]:
     first), a call of another op or a rank's second call of it is left out.
     In the order of ``Matched``."""
     m = matched(table)
+    if not len(m):
+        return []
+    starts, count = m.first[:-1], np.diff(m.first)
+    lo, hi = np.minimum.reduceat(m.ts, starts), np.maximum.reduceat(m.ts, starts)
+    back = np.logical_and.reduceat(m.done, starts)  # every rank there returned
+    # the last arrival's rank: of a tie, the first to join
+    at_hi = np.where(m.ts == hi[m.coll], np.arange(len(m.ts)), len(m.ts))
+    last_rank = m.rank[np.minimum.reduceat(at_hi, starts)].tolist()
+    transfer = np.maximum(np.minimum.reduceat(m.end, starts) - hi, 0).tolist()
+    complete = ((count >= m.nranks) & back).tolist()
     keys = [m.keys[k] for k in m.key.tolist()]
     ranks, ts, ends = m.rank.tolist(), m.ts.tolist(), m.end.tolist()
     for i in np.flatnonzero(~m.done).tolist():
         ends[i] = None  # still inside
-    first = m.first.tolist()
+    first, skew, back_l = m.first.tolist(), (hi - lo).tolist(), back.tolist()
     out = []
     for c, (seq, nranks) in enumerate(zip(m.seq.tolist(), m.nranks.tolist(), strict=True)):
         a, b = first[c], first[c + 1]
         who = ranks[a:b]
-        arrive, leave = dict(zip(who, ts[a:b], strict=True)), dict(zip(who, ends[a:b], strict=True))
-        out.append(Collective(keys[c], seq, m.op[c], nranks, m.bytes[c], arrive, leave))
+        out.append(Collective.made({
+            "comm": keys[c], "seq": seq, "op": m.op[c], "nranks": nranks, "bytes": m.bytes[c],
+            "ts": dict(zip(who, ts[a:b], strict=True)),
+            "end": dict(zip(who, ends[a:b], strict=True)),
+            "complete": complete[c], "skew_ns": skew[c], "last_rank": last_rank[c],
+            "_transfer": transfer[c] if back_l[c] else None,
+        }))  # fmt: skip
     return out
 
 

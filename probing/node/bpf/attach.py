@@ -162,16 +162,18 @@ class Uprobes:
         self.probes: list[UprobeAttempt] = []
         self._seen_files: set[tuple[int, int]] = set()
         self._known_paths: set[str] = set()  # every file path a scan handed over
-        self._vsize = ""  # the process's vsize at the last look at its maps
+        self._code = ""  # the size of the process's executable mappings at the last look
 
     def look(self, pid: int, *, always: bool = True) -> list[Mapping] | None:
-        """``news`` of process ``pid``'s maps. Not ``always``: only where its
-        address space changed size (``vsize``, 50 µs to read) since the last
-        look, as a ``dlopen`` makes it (torch's maps take 0.7 ms to read)."""
-        vsize = proc.stat(pid)[20]  # field 23
-        if not always and vsize == self._vsize:
+        """``news`` of process ``pid``'s maps. Not ``always``: only where the
+        size of its executable mappings changed (``VmLib`` of its status, 40
+        µs to read) since the last look, as a ``dlopen`` changes it. A
+        uprobe goes only on code, and torch's maps take 1-5 ms to read and
+        split; its whole size (``vsize``) changes with its large allocations."""
+        code = proc.status(pid).get("VmLib", "")
+        if not always and code and code == self._code:  # absent: looked at every time
             return None
-        self._vsize = vsize
+        self._code = code
         return self.news(proc.read(pid, "maps"))
 
     def news(self, text: str) -> list[Mapping] | None:

@@ -118,6 +118,8 @@ class Window:
         self.asked_ns = now
         if kept is None:
             self.whole_ns = now
+        # a chunk a drain, a rank: every filter of the analysis would pay for each
+        table = table.combine_chunks()
         finished = table.filter(pc.is_valid(table.column("dur_ns"))) if table.num_rows else table
         self.rows = None if got.missing else finished  # a rank's rows missed: all again next
         return table, got
