@@ -119,11 +119,9 @@ def of_comm(comm: str, cs: Sequence[CollectiveLike]) -> Step | None:
     typical = float(np.median(apart)) if len(apart) else 0.0
     if not typical > 0:
         return None
-    fits = _fits(sig, gap, typical, min(MAX_PERIOD, n // MIN_STEPS))
-    if not fits:
+    agree = _fits(sig, gap, typical, min(MAX_PERIOD, n // MIN_STEPS))
+    if not agree:
         return None
-    best_match = max(m for _, m, _ in fits)
-    agree = [(p, e) for p, m, e in fits if m >= best_match - MATCH_SLACK]
     best_error = min(e for _, e in agree)
     period = next(p for p, e in agree if e <= GAP_SLACK * best_error + GAP_FLOOR)
     # a multiple of the period repeats as well as the period, by chance better:
@@ -135,42 +133,50 @@ def of_comm(comm: str, cs: Sequence[CollectiveLike]) -> Step | None:
     return dataclasses.replace(step, chores=chores) if step is not None else None
 
 
-def _fits(
-    sig: np.ndarray, gap: np.ndarray, typical: float, most: int
-) -> list[tuple[int, float, float]]:
-    """How well each period 1..``most`` repeats (period, ops matched, gap
-    error): of the collectives seen one period apart, the share whose op and
-    bytes (``sig``, -1: unseen) match; of the gaps known one period apart,
-    how far off, each at most ``GAP_CAP`` typical gaps (a minority of phases,
-    a step's one long gap, counts; a rare outlier little). Periods of too
-    few collectives seen (``MIN_STEPS`` periods) or no gap known are left
-    out. Every period at once, a block at a time (each column one period,
-    each row one collective; past the end, unseen)."""
-    from numpy.lib.stride_tricks import sliding_window_view
-
+def _fits(sig: np.ndarray, gap: np.ndarray, typical: float, most: int) -> list[tuple[int, float]]:
+    """The periods 1..``most`` that repeat best, with their gap error
+    (period, error), in order: of the collectives seen one period apart, the
+    share whose op and bytes (``sig``, -1: unseen) match is within
+    ``MATCH_SLACK`` of the best period's; the error is how far off the gaps
+    known one period apart are, each at most ``GAP_CAP`` typical gaps (a
+    minority of phases, a step's one long gap, counts; a rare outlier
+    little). Periods of too few collectives seen (``MIN_STEPS`` periods) or
+    no gap known are left out. The counts of every period at once
+    (``_lagged``); the errors only of the periods that match, a block at a
+    time (each column one period, each row one collective)."""
     n = len(sig)
     if most < 1:
         return []
-    # later[i, p] = x[i + p]: a view, no copy
-    sig_later = sliding_window_view(np.concatenate([sig, np.full(most, -1)]), most + 1)[:n]
-    gap_later = sliding_window_view(np.concatenate([gap, np.full(most, np.nan)]), most + 1)[:n]
-    seen_here, known_here = (sig >= 0)[:, None], np.isfinite(gap)[:, None]
+    seen = _lagged(sig[None, :] >= 0, most)[0]
+    known_here = np.isfinite(gap)
+    both = _lagged(known_here[None, :], most)[0]
+    kinds = np.unique(sig[sig >= 0])
+    same = _lagged(sig[None, :] == kinds[:, None], most).sum(axis=0)
+    period = np.arange(most + 1)
+    ok = (seen >= MIN_STEPS * period) & (both > 0)
+    ok[0] = False
+    if not ok.any():
+        return []
+    match = np.where(ok, same / np.maximum(seen, 1), 0.0)
+    agree = np.flatnonzero(ok & (match >= match[ok].max() - MATCH_SLACK))
+    # later[i, k] = gap[i + agree[k]] (past the end: unknown)
+    padded = np.concatenate([gap, np.full(most, np.nan)])
     fits = []
-    for lo in range(1, most + 1, BLOCK):
-        hi = min(lo + BLOCK, most + 1)
-        later = sig_later[:, lo:hi]
-        seen = seen_here & (later >= 0)
-        same = (seen & (later == sig[:, None])).sum(axis=0)
-        off = np.abs(gap_later[:, lo:hi] - gap[:, None]) / typical  # NaN: a gap unknown
-        both = known_here & np.isfinite(off)
-        err = np.where(both, np.minimum(off, GAP_CAP), 0.0).sum(axis=0)
-        n_seen, n_both = seen.sum(axis=0), both.sum(axis=0)
-        for p in range(lo, hi):
-            k = p - lo
-            if n_seen[k] < MIN_STEPS * p or not n_both[k]:
-                continue
-            fits.append((p, float(same[k] / n_seen[k]), float(err[k] / n_both[k])))
+    for lo in range(0, len(agree), BLOCK):
+        ps = agree[lo : lo + BLOCK]
+        off = np.abs(padded[np.arange(n)[:, None] + ps] - gap[:, None]) / typical  # NaN: unknown
+        err = np.where(known_here[:, None] & np.isfinite(off), np.minimum(off, GAP_CAP), 0.0)
+        fits += zip(ps.tolist(), (err.sum(axis=0) / both[ps]).tolist(), strict=True)
     return fits
+
+
+def _lagged(x: np.ndarray, most: int) -> np.ndarray:
+    """For each row of ``x`` (bools) and each lag 0..``most``, how many ``i``
+    have both ``x[i]`` and ``x[i + lag]``: autocorrelations, by FFT."""
+    n = x.shape[1]
+    size = 1 << (2 * n).bit_length()  # past 2n - 1: no lag wraps around
+    f = np.fft.rfft(x.astype(np.float64), size, axis=1)
+    return np.rint(np.fft.irfft(f * np.conj(f), size, axis=1)[:, : most + 1]).astype(np.int64)
 
 
 def _released(c: CollectiveLike) -> float:
