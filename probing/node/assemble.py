@@ -102,9 +102,9 @@ def _detector(ctx: ProbeContext, node: ClusterNode) -> Watch:
     """The always-on detector of ``ctx`` (``probing.node.detector``)."""
     from probing.node.detector.watch import Watch
 
-    def tracing() -> bool:
+    def tracing() -> bool:  # asked by every rank's two beats: not its whole status
         tracer = ctx.tracer
-        return tracer is not None and tracer.status().get("state") == "tracing"
+        return tracer is not None and tracer.drained() is not None
 
     def dropped() -> dict[str, int]:
         tracer = ctx.tracer
