@@ -198,12 +198,16 @@ class Drainer:
         with self._lock:
             return self._drain_locked(flush=True)
 
+    def filled(self) -> float:
+        """How full the fullest ring is (0 to 1): two reads of its positions."""
+        return max((r.reader.pending() / r.reader.size for r in list(self.live)), default=0)
+
     def backlog(self) -> float:
         """Drain; how full the fullest ring was before it (0 to 1). The
         stages are sent at most every FLUSH_EVERY_S here (an IPI per CPU
         each time); a query's drain sends them every time."""
         with self._lock:
-            full = max((live.reader.pending() / live.reader.size for live in self.live), default=0)
+            full = self.filled()
             now = time.monotonic()
             flush = now - self._flushed >= FLUSH_EVERY_S
             if flush:

@@ -2,11 +2,12 @@
 
 One ``Tracer`` per process at a time. ``start()`` compiles each family's
 BPF program (BCC), attaches its uprobes to the libraries this process has
-mapped, then a thread wakes every ``interval_s`` to drain the ring buffers
-in bulk into the store and, every ``RESCAN_EVERY_S``, to attach to the
+mapped, then a thread wakes every ``RESCAN_EVERY_S`` to attach to the
 libraries mapped since (torch loads ``libnccl`` when a job makes its first
-NCCL group: its calls until the next scan are not seen). ``stop()`` drains once more and detaches
-every uprobe. The traced threads never wait for any of this.
+NCCL group: its calls until the next scan are not seen) and, every
+``interval_s`` (sooner for a ring filling fast), to drain the ring buffers
+in bulk into the store. ``stop()`` drains once more and detaches every
+uprobe. The traced threads never wait for any of this.
 
 The tracer owns the lifecycle (its state, the timer thread, the helper
 process holding what is attached, the threads' hook, the sampler) and the
@@ -48,9 +49,9 @@ if TYPE_CHECKING:
     from probing.node.bpf.sampler import Sampler
 
 # a drain costs about the same for 1 event as for 100 (its columns' set-up):
-# every second, sooner for a ring filling fast; a query and the detector's
-# look at its rank's arrivals drain first anyway
-DEFAULT_INTERVAL_S = 1.0
+# every 2 s, sooner for a ring filling fast; a query, a peer's ask and the
+# detector's look at its rank's arrivals drain first anyway
+DEFAULT_INTERVAL_S = 2.0
 BUSY_INTERVAL_S = 0.005  # the shortest wait between drains, for a ring filling fast
 REFILL_TO = 0.25  # the next drain comes when the fastest ring may be this full again
 RESCAN_EVERY_S = 1.0
@@ -154,13 +155,14 @@ class Tracer:
         self._writer = OutputWriter(output) if output else None
         decoded = fam.Decoded(clock_offset_ns(), self.pid, self._kernel_names)
         self._drainer = Drainer(store, decoded, self._writer, self._note_error)
-        # the drain thread: every interval_s, sooner for a ring filling fast (_tick)
+        # the drain thread: a look for new libraries every RESCAN_EVERY_S, a
+        # drain every interval_s, sooner for a ring filling fast (_tick)
         self._worker = Worker(
-            "probing-trace", self._tick, interval_s, sooner=lambda: self._next_s,
-            on_error=self._tick_failed, shared=True,
+            "probing-trace", self._tick, min(interval_s, RESCAN_EVERY_S),
+            sooner=lambda: self._drain_at - time.monotonic(), on_error=self._tick_failed,
+            shared=True,
         )  # fmt: skip
-        self._next_s: float | None = None  # the wait a fast-filling ring asks for
-        self._last_drain = self._last_scan = 0.0  # monotonic s
+        self._last_drain = self._last_scan = self._drain_at = 0.0  # monotonic s
         self._lock = threading.Lock()
         self.holder = loader.Holder(self.pid)  # holds this tracer's links and perf events
         # how start() went: compiled or from the cache, seconds to load and to be ready
@@ -225,6 +227,7 @@ class Tracer:
         if self._py is not None:  # ... and the stacks of those events and of calls in flight
             self._py.table.add_before_read(self._drainer.resolve_stacks)
         self._last_drain = self._last_scan = time.monotonic()
+        self._drain_at = self._last_drain + self.interval_s
         self._worker.start()
         # Python stacks sampled on and off CPU meanwhile. Started here, not in a
         # thread of its own: its BCC compile beside the host's threads crashed
@@ -328,16 +331,23 @@ class Tracer:
         self._uprobes.detached()
 
     def _tick(self) -> None:
-        """One turn of the drain thread: threads synced, the rings' backlog
-        drained, and every ``RESCAN_EVERY_S`` the libraries mapped since."""
-        self._sync_threads()
-        # a ring filling fast is drained sooner: by the fill rate since the
-        # last drain, before it is REFILL_TO full again
-        filled, now = self._drainer.backlog(), time.monotonic()
-        self._next_s = None
-        if filled > 0:
-            self._next_s = max(BUSY_INTERVAL_S, (now - self._last_drain) * REFILL_TO / filled)
-        self._last_drain = now
+        """One turn of the drain thread: where a drain is due, threads synced
+        and the rings' backlog drained; every ``RESCAN_EVERY_S`` the libraries
+        mapped since."""
+        # due, or a ring fills so fast that it would be REFILL_TO full by the next tick
+        now = time.monotonic()
+        filled = self._drainer.filled()
+        rising = filled * (1 + RESCAN_EVERY_S / max(now - self._last_drain, BUSY_INTERVAL_S))
+        if now >= self._drain_at or rising >= REFILL_TO:
+            self._sync_threads()
+            filled, now = self._drainer.backlog(), time.monotonic()
+            # a ring filling fast is drained sooner: by the fill rate since the
+            # last drain, before it is REFILL_TO full again
+            wait = self.interval_s
+            if filled > 0:
+                refill = (now - self._last_drain) * REFILL_TO / filled
+                wait = min(wait, max(BUSY_INTERVAL_S, refill))
+            self._last_drain, self._drain_at = now, now + wait
         if time.monotonic() - self._last_scan >= RESCAN_EVERY_S:
             self._last_scan = time.monotonic()
             self.attach_new_libraries(always=False)

@@ -25,7 +25,7 @@ SEAL_QUEUE = 4  # a store's chunks waiting for the sealer thread; past that, the
 # rows pending this long are sealed at the next append or read: a chunk costs
 # a file and a writer's set-up whatever its rows (a traced rank seals each
 # table every few seconds, not every second)
-SEAL_AFTER_S = 5.0
+SEAL_AFTER_S = 10.0
 SEALER_IDLE_S = 2.0  # the sealer thread ends once no chunk came for this long
 
 
