@@ -55,6 +55,7 @@ def collectives_rows(
     import pyarrow.compute as pc
 
     if calls.num_rows:
+        calls = calls.combine_chunks()  # a batch a drain: each compute would pay for each
         end = pc.add(calls["ts"], calls["dur_ns"])
         flying = pc.is_null(calls["dur_ns"])
         keep = pc.and_kleene(
@@ -74,11 +75,12 @@ def collectives_rows(
     else:
         comm, peer, tag, wait = calls["comm"], calls["peer"], calls["tag"], calls["wait_ns"]
     columns = {
-        "backend": pa.array([backend] * n, pa.string()), "op": calls["op"], "comm": comm,
+        "backend": pa.repeat(pa.scalar(backend, pa.string()), n), "op": calls["op"], "comm": comm,
         "seq": calls["seq"], "comm_rank": calls["rank"], "nranks": calls["nranks"],
         "bytes": calls["bytes"], "ts": calls["ts"], "dur_ns": calls["dur_ns"],
         "pid": calls["pid"], "tid": calls["tid"], "peer": peer, "tag": tag, "wait_ns": wait,
-        "node": pa.array([node] * n, pa.string()), "rank": pa.array([rank] * n, pa.int64()),
+        "node": pa.repeat(pa.scalar(node, pa.string()), n),
+        "rank": pa.repeat(pa.scalar(rank, pa.int64()), n),
     }  # fmt: skip
     return pa.table(columns)
 
