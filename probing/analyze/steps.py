@@ -161,7 +161,7 @@ def _fits(sig: np.ndarray, gap: np.ndarray, typical: float, most: int) -> list[t
     agree = np.flatnonzero(ok & (match >= match[ok].max() - MATCH_SLACK))
     # later[i, k] = gap[i + agree[k]] (past the end: unknown)
     padded = np.concatenate([gap, np.full(most, np.nan)])
-    fits = []
+    fits: list[tuple[int, float]] = []
     for lo in range(0, len(agree), BLOCK):
         ps = agree[lo : lo + BLOCK]
         off = np.abs(padded[np.arange(n)[:, None] + ps] - gap[:, None]) / typical  # NaN: unknown

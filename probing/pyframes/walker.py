@@ -137,8 +137,10 @@ class Resolver:
         self.mem = mem
         self.off = off
         # a sampler's new stacks are mostly new offsets in known code (FSDP2's
-        # are many): a code's line table is decoded as it is read
+        # are many): a code's line table is decoded as it is read, and a
+        # frame once resolved is kept (most of a new stack's frames are known)
         self._codes: dict[int, CodeInfo | None] = {}
+        self._frames: dict[RawFrame, Frame] = {}
 
     def code(self, addr: int) -> CodeInfo | None:
         if addr in self._codes:
@@ -169,12 +171,19 @@ class Resolver:
         return info
 
     def frame(self, raw: RawFrame) -> Frame:
+        got = self._frames.get(raw)
+        if got is not None:
+            return got
         info = self.code(raw.code)
         if info is None:
             return Frame("?", f"<code {raw.code:#x}>", 0)
-        return Frame(
+        got = Frame(
             info.file, info.func, linetable.line_at(info.lines, info.firstlineno, raw.offset)
         )
+        if len(self._frames) > 1 << 16:
+            self._frames.clear()
+        self._frames[raw] = got
+        return got
 
     def frames(self, raws: Iterable[RawFrame]) -> list[Frame]:
         return [self.frame(r) for r in raws]

@@ -114,15 +114,17 @@ class PyStacks:
             resolved = self.resolver.frames(walker.RawFrame(c, o) for c, o in raws)
         except ProbingError:
             return False
-        take = pa.array(which.reshape(-1))
+        rows = which.reshape(-1)  # each row's distinct frame
+        picked = rows.tolist()
+        files, funcs = [f.file for f in resolved], [f.func for f in resolved]
         starts = np.repeat(np.cumsum(counts) - counts, counts)
-        columns = [
+        columns = [  # the strings picked in Python: a few hundred, cheaper than a take
             pa.array(np.repeat(np.array(sids, dtype=np.int64), counts)),
             pa.array((np.arange(len(code)) - starts).astype(np.int32)),
-            pa.array([f.file for f in resolved], pa.string()).take(take),
-            pa.array([f.func for f in resolved], pa.string()).take(take),
-            pa.array([f.line for f in resolved], pa.int32()).take(take),
-            pa.array([self._user(f.file) for f in resolved], pa.bool_()).take(take),
+            pa.array([files[i] for i in picked], pa.string()),
+            pa.array([funcs[i] for i in picked], pa.string()),
+            pa.array(np.array([f.line for f in resolved], dtype=np.int32)[rows]),
+            pa.array(np.array([self._user(f) for f in files], dtype=bool)[rows]),
         ]
         self.table.append_batch(pa.RecordBatch.from_arrays(columns, schema=STACKS_SCHEMA))
         return True
