@@ -159,14 +159,20 @@ def _fits(sig: np.ndarray, gap: np.ndarray, typical: float, most: int) -> list[t
         return []
     match = np.where(ok, same / np.maximum(seen, 1), 0.0)
     agree = np.flatnonzero(ok & (match >= match[ok].max() - MATCH_SLACK))
-    # later[i, k] = gap[i + agree[k]] (past the end: unknown)
-    padded = np.concatenate([gap, np.full(most, np.nan)])
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    g = gap / typical
+    # later[i, p] = g[i + p], a view (past the end: unknown)
+    later = sliding_window_view(np.concatenate([g, np.full(most, np.nan)]), most + 1)[:n]
     fits: list[tuple[int, float]] = []
     for lo in range(0, len(agree), BLOCK):
         ps = agree[lo : lo + BLOCK]
-        off = np.abs(padded[np.arange(n)[:, None] + ps] - gap[:, None]) / typical  # NaN: unknown
-        err = np.where(known_here[:, None] & np.isfinite(off), np.minimum(off, GAP_CAP), 0.0)
-        fits += zip(ps.tolist(), (err.sum(axis=0) / both[ps]).tolist(), strict=True)
+        run = ps[-1] - ps[0] + 1 == len(ps)  # periods side by side: a slice of the view
+        off = (later[:, ps[0] : ps[-1] + 1] if run else later[:, ps]) - g[:, None]
+        np.abs(off, out=off)
+        np.fmin(off, GAP_CAP, out=off)  # NaN (a gap unknown) counts GAP_CAP: taken off below
+        err = np.maximum(off.sum(axis=0) - GAP_CAP * (n - both[ps]), 0.0)
+        fits += zip(ps.tolist(), (err / both[ps]).tolist(), strict=True)
     return fits
 
 
