@@ -46,6 +46,8 @@ def test_time_lands_on_the_function_that_spends_it() -> None:
     rows = store.table("python", "samples").to_arrow().to_pylist()
     frames = store.table("python", "stacks").to_arrow().to_pylist()
     inner = {f["stack_id"]: f["func"] for f in frames if f["depth"] == 0}
+    # every stack a row counts was stored, taken out and resolved (collect_stored)
+    assert {r["stack_id"] for r in rows if r["stack_id"]} <= inner.keys()
     ms: Counter[tuple[str, str | None]] = Counter()
     for r in rows:
         ms[(r["kind"], inner.get(r["stack_id"]))] += r["dur_ns"] / 1e6

@@ -409,17 +409,21 @@ class Map:
                 continue
         return out
 
-    def arrays(self, *, delete: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def arrays(
+        self, *, delete: bool = False, count: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Every entry as two numpy record arrays (keys, values: the C types'
-        fields), read in a few bpf() calls (``kernel.map_lookup_batch``), or
-        key by key on a kernel without batch operations; ``delete``: each
-        entry deleted as it is read (key by key: after it was)."""
+        fields), read in a few bpf() calls (``kernel.map_lookup_batch``,
+        ``count`` entries a call: the map's size by default), or key by key on
+        a kernel without batch operations; ``delete``: each entry deleted as
+        it is read (key by key: after it was)."""
         kd, vd = np.dtype(self.Key), np.dtype(self.Leaf)
         if self.batched:
             try:
                 keys, values = kernel.map_lookup_batch(
-                    self.map_fd, kd.itemsize, vd.itemsize, self.spec.max_entries, delete=delete
-                )
+                    self.map_fd, kd.itemsize, vd.itemsize, count or self.spec.max_entries,
+                    delete=delete,
+                )  # fmt: skip
                 return np.frombuffer(keys, dtype=kd), np.frombuffer(values, dtype=vd)
             except kernel.BPFError as err:
                 if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):

@@ -36,6 +36,7 @@ STACKS_SCHEMA = pa.schema(
     ]
 )
 PY_STACKS_MAX = 8192  # entries of each program's py_stacks map (bpf/pyframes.h)
+STORED_BATCH = 256  # stacks a bpf() call of ``collect_stored`` (~400 bytes each)
 
 # python.callsites: the one-line "file:line func" of each stack's innermost
 # user frame (the innermost frame where the stack has no user frame), and the
@@ -65,6 +66,15 @@ def is_user_file(path: str, library_dirs: tuple[str, ...] = _LIBRARY_DIRS) -> bo
     if "/site-packages/" in path or "/dist-packages/" in path:
         return False
     return not path.startswith(library_dirs)
+
+
+def _frames(depth: int, code: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A stored stack's frames (code, offset), innermost first, without the
+    frames C owns (code 0: 3.12+'s shims)."""
+    depth = min(depth, len(code))
+    code = code[:depth].view(np.int64)
+    mine = code != 0
+    return code[mine], offset[:depth][mine].astype(np.int64)
 
 
 class PyStacks:
@@ -249,12 +259,12 @@ class PyStacks:
                 st = m[ctypes.c_uint32(sid)]
             except KeyError:  # the map was full when the stack was new: lost
                 continue
-            depth = min(int(st.depth), len(st.code))
-            code = np.ctypeslib.as_array(st.code)[:depth].view(np.int64)
-            mine = code != 0  # 0: a frame owned by C (3.12+'s shim)
+            code, offset = _frames(
+                int(st.depth), np.ctypeslib.as_array(st.code), np.ctypeslib.as_array(st.offset)
+            )
             got.append(sid)
-            codes.append(code[mine])
-            offsets.append(np.ctypeslib.as_array(st.offset)[:depth][mine].astype(np.int64))
+            codes.append(code)
+            offsets.append(offset)
         if got and self._append(got, codes, offsets):
             self.known.update(got)
             self.resolved += len(got)
@@ -266,3 +276,27 @@ class PyStacks:
             n = 0
         self._stored[id(bpf)] = n
         return len(new)
+
+    def collect_stored(self, bpf: Any) -> int:
+        """Resolve every stack ``bpf`` stored since the last call and not
+        seen yet into python.stacks rows; each is taken out of its map as it
+        is read, all in a few bpf() calls, where ``collect`` makes one a
+        stack (a sampler meets many: each FSDP2 rank ~30 new ones a second).
+        The program stores a stack again when it recurs, known by then. For
+        a map only this reads (the sampler's), after the rows that use them:
+        a stack is stored before a sample of it is counted."""
+        keys, stored = bpf["py_stacks"].arrays(delete=True, count=STORED_BATCH)
+        got: list[int] = []
+        codes: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
+        for i, sid in enumerate(keys.tolist()):
+            if sid and sid not in self.known:
+                st = stored[i]
+                code, offset = _frames(int(st["depth"]), st["code"], st["offset"])
+                got.append(sid)
+                codes.append(code)
+                offsets.append(offset)
+        if got and self._append(got, codes, offsets):
+            self.known.update(got)
+            self.resolved += len(got)
+        return len(got)

@@ -28,7 +28,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from probing import proc
@@ -239,7 +238,7 @@ class Sampler:
                         continue
                 put(key[0], key[1], KINDS[key[2]], count, ns)
         self.dropped = int(bpf["dropped"][ctypes.c_int(0)].value)
-        self.py.collect(bpf, np.array(rows["stack_id"], dtype=np.uint32))
+        self.py.collect_stored(bpf)  # after the counts: each of their stacks is there
         # a chunk this completes is compressed by the store's sealer thread
         self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA), defer_seal=True)
         self._kept_waits(now, rows, wall_ns)
