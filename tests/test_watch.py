@@ -1047,12 +1047,11 @@ def test_a_samplers_wait_for_a_cpu_is_kept_as_far_back_as_its_reads_reach() -> N
     s._waits_from = 0  # started on a table of none but its own rows
     sec = 10**9
     for k in range(5):
-        rows = {"kind": ["tick", "runq", "cpu", "runq"], "dur_ns": [sec, 5, 7, 1]}
-        s._kept_waits(T0 + k * sec, rows, sec)
+        s._kept_waits(T0 + k * sec, 5 + 1, sec)  # two runq rows: 5 and 1 ns
     assert s.waits_since(0) == (30, 5 * sec)
     assert s.waits_since(T0 + 2 * sec) == (18, 3 * sec)  # reads at or after it
     later = T0 + int((smp.WAITS_S + 3.5) * sec)  # the first four are let go
-    s._kept_waits(later, {"kind": ["tick"], "dur_ns": [sec]}, sec)
+    s._kept_waits(later, 0, sec)
     assert s.waits_since(T0 + 3 * sec) is None
     assert s.waits_since(T0 + 4 * sec) == (6, 2 * sec)
     s._waits_from = later  # its table held an earlier trace's rows: none of those

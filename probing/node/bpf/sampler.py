@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from probing import proc
@@ -210,46 +211,44 @@ class Sampler:
         ours = self._ours
         if len(self._comms) > SAMPLES_MAX:  # threads come and go: forget the old ones
             self._comms.clear()
-        m = bpf["samples"]
-        rows: dict[str, list[Any]] = {f.name: [] for f in SCHEMA}
-
-        def put(tid: int, sid: int, kind: str, count: int, ns: int) -> None:
-            for k, v in zip(
-                SCHEMA.names, (now, tid, names.get(tid), sid, kind, count, ns), strict=True
-            ):
-                rows[k].append(v)
-
         wall_ns, self._last_read = now_mono - self._last_read, now_mono
-        put(0, 0, "tick", 1, wall_ns)
         # what was counted since the last read, each entry deleted as it is
         # read (a few bpf() calls): a read costs what the interval holds, not
         # every (thread, stack) a long trace ever saw. An add the kernel makes
         # to an entry just as it goes may be lost, or counted to the next key
         # that takes its place: a sample in millions.
-        keys, vals = m.arrays(delete=True)
-        tid, sid, kind = (keys[f].tolist() for f in ("tid", "stack_id", "kind"))
-        counts, spans = vals["count"].tolist(), vals["ns"].tolist()
-        for key, count, ns in zip(zip(tid, sid, kind, strict=True), counts, spans, strict=True):
-            if count > 0 and key[0] not in ours and key[2] < len(KINDS):
-                if key[0] not in names:  # a thread Python did not start: its comm
-                    names[key[0]] = self._comm(key[0])
-                    if names[key[0]] in ENGINE_THREADS:  # the probe's query engine
-                        ours.add(key[0])
-                        continue
-                put(key[0], key[1], KINDS[key[2]], count, ns)
+        keys, vals = bpf["samples"].arrays(delete=True)
+        tid = keys["tid"].astype(np.int64)
+        for t in set(tid.tolist()) - names.keys() - ours:  # a thread Python did not start
+            names[t] = self._comm(t)  # its comm
+            if names[t] in ENGINE_THREADS:  # the probe's query engine
+                ours.add(t)
+        kind, count = keys["kind"].astype(np.int64), vals["count"].astype(np.int64)
+        keep = (count > 0) & (kind < len(KINDS)) & ~np.isin(tid, list(ours))
+        tids = [0, *tid[keep].tolist()]  # a "tick" row first: the wall time the read covers
+        kinds = ["tick", *(KINDS[k] for k in kind[keep].tolist())]
+        spans = np.r_[wall_ns, vals["ns"][keep]].astype(np.int64)
+        batch = pa.RecordBatch.from_arrays(
+            [
+                pa.array(np.full(len(tids), now, dtype=np.int64)), pa.array(tids, pa.int64()),
+                pa.array([names.get(t) for t in tids], pa.string()),
+                pa.array(np.r_[0, keys["stack_id"][keep]].astype(np.int64)),
+                pa.array(kinds, pa.string()), pa.array(np.r_[1, count[keep]]), pa.array(spans),
+            ],
+            schema=SCHEMA,
+        )  # fmt: skip
         self.dropped = int(bpf["dropped"][ctypes.c_int(0)].value)
         self.py.collect_stored(bpf)  # after the counts: each of their stacks is there
         # a chunk this completes is compressed by the store's sealer thread
-        self.table.append_batch(pa.RecordBatch.from_pydict(rows, schema=SCHEMA), defer_seal=True)
-        self._kept_waits(now, rows, wall_ns)
+        self.table.append_batch(batch, defer_seal=True)
+        runq = int(spans[np.array([k == "runq" for k in kinds], dtype=bool)].sum())
+        self._kept_waits(now, runq, wall_ns)
         self.reads += 1
-        return len(rows["ts"])
+        return int(batch.num_rows)
 
-    def _kept_waits(self, now: int, rows: dict[str, list[Any]], wall_ns: int) -> None:
+    def _kept_waits(self, now: int, runq: int, wall_ns: int) -> None:
         """A read's wait for a CPU (its ``runq`` rows' time) and the wall time
         it covers, kept ``WAITS_S``."""
-        runq = sum(ns for kind, ns in zip(rows["kind"], rows["dur_ns"], strict=True)
-                   if kind == "runq")  # fmt: skip
         self._waits.append((now, runq, wall_ns))
         while self._waits and self._waits[0][0] < now - WAITS_S * 1e9:
             gone = self._waits.popleft()[0]
