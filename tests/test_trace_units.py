@@ -430,3 +430,21 @@ def _lib_path(name: str) -> str:
     ctypes.CDLL(ctypes.util.find_library(name))
     with open("/proc/self/maps") as f:
         return next(line.split()[-1] for line in f if f"/lib{name}.so" in line)
+
+
+def test_the_drain_waits_its_interval_unless_a_ring_fills_fast() -> None:
+    """``DrainPace``: a drain every ``interval_s``; at once where a ring
+    would be ``REFILL_TO`` full by the next tick; sooner after a drain
+    that found a ring filling fast."""
+    from probing.node.bpf.tracer import REFILL_TO, RESCAN_EVERY_S, DrainPace
+
+    pace = DrainPace(2.0)
+    pace.start(100.0)
+    assert not pace.due(0.0, 101.0) and pace.due(0.0, 102.0)
+    # 1 s after the last drain, a tenth full: a fifth full by the next tick
+    assert not pace.due(0.1, 101.0)
+    assert pace.due(REFILL_TO / (1 + RESCAN_EVERY_S), 101.0)
+    pace.drained(0.5, 101.0)  # half full in 1 s: a quarter again in half a second
+    assert pace.at == 101.0 + 1.0 * REFILL_TO / 0.5
+    pace.drained(0.0, 102.0)
+    assert pace.at == 104.0

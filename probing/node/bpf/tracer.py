@@ -25,6 +25,7 @@ that cannot be sent, a tick of the timer) is kept in ``last_error``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -117,6 +118,32 @@ def families_status(loaded: list[Live], uprobes: Uprobes, waiting: Waiting) -> d
     return per
 
 
+@dataclasses.dataclass
+class DrainPace:
+    """When the drain thread drains next: ``interval_s`` after the last
+    drain, sooner for a ring filling fast (before it is ``REFILL_TO`` full
+    again), at once for one that would be by the next tick."""
+
+    interval_s: float
+    last: float = 0.0  # monotonic s of the last drain
+    at: float = 0.0  # ... and of the next
+
+    def start(self, now: float) -> None:
+        self.last, self.at = now, now + self.interval_s
+
+    def due(self, filled: float, now: float) -> bool:
+        """Whether to drain now, the fullest ring ``filled`` (0 to 1)."""
+        rising = filled * (1 + RESCAN_EVERY_S / max(now - self.last, BUSY_INTERVAL_S))
+        return now >= self.at or rising >= REFILL_TO
+
+    def drained(self, filled: float, now: float) -> None:
+        """A drain found the fullest ring ``filled``: the next by its fill rate."""
+        wait = self.interval_s
+        if filled > 0:
+            wait = min(wait, max(BUSY_INTERVAL_S, (now - self.last) * REFILL_TO / filled))
+        self.last, self.at = now, now + wait
+
+
 class Tracer:
     """Trace ``families`` of process ``target`` (this one by default) into
     ``store``: ``start()``, ``stop()``, ``status()``."""
@@ -157,12 +184,13 @@ class Tracer:
         self._drainer = Drainer(store, decoded, self._writer, self._note_error)
         # the drain thread: a look for new libraries every RESCAN_EVERY_S, a
         # drain every interval_s, sooner for a ring filling fast (_tick)
+        self._pace = DrainPace(interval_s)
         self._worker = Worker(
             "probing-trace", self._tick, min(interval_s, RESCAN_EVERY_S),
-            sooner=lambda: self._drain_at - time.monotonic(), on_error=self._tick_failed,
+            sooner=lambda: self._pace.at - time.monotonic(), on_error=self._tick_failed,
             shared=True,
         )  # fmt: skip
-        self._last_drain = self._last_scan = self._drain_at = 0.0  # monotonic s
+        self._last_scan = 0.0  # monotonic s
         self._lock = threading.Lock()
         self.holder = loader.Holder(self.pid)  # holds this tracer's links and perf events
         # how start() went: compiled or from the cache, seconds to load and to be ready
@@ -226,8 +254,8 @@ class Tracer:
             self.store.table(f.table, "calls").add_before_read(self.drain)
         if self._py is not None:  # ... and the stacks of those events and of calls in flight
             self._py.table.add_before_read(self._drainer.resolve_stacks)
-        self._last_drain = self._last_scan = time.monotonic()
-        self._drain_at = self._last_drain + self.interval_s
+        self._last_scan = time.monotonic()
+        self._pace.start(self._last_scan)
         self._worker.start()
         # Python stacks sampled on and off CPU meanwhile. Started here, not in a
         # thread of its own: its BCC compile beside the host's threads crashed
@@ -334,20 +362,9 @@ class Tracer:
         """One turn of the drain thread: where a drain is due, threads synced
         and the rings' backlog drained; every ``RESCAN_EVERY_S`` the libraries
         mapped since."""
-        # due, or a ring fills so fast that it would be REFILL_TO full by the next tick
-        now = time.monotonic()
-        filled = self._drainer.filled()
-        rising = filled * (1 + RESCAN_EVERY_S / max(now - self._last_drain, BUSY_INTERVAL_S))
-        if now >= self._drain_at or rising >= REFILL_TO:
+        if self._pace.due(self._drainer.filled(), time.monotonic()):
             self._sync_threads()
-            filled, now = self._drainer.backlog(), time.monotonic()
-            # a ring filling fast is drained sooner: by the fill rate since the
-            # last drain, before it is REFILL_TO full again
-            wait = self.interval_s
-            if filled > 0:
-                refill = (now - self._last_drain) * REFILL_TO / filled
-                wait = min(wait, max(BUSY_INTERVAL_S, refill))
-            self._last_drain, self._drain_at = now, now + wait
+            self._pace.drained(self._drainer.backlog(), time.monotonic())
         if time.monotonic() - self._last_scan >= RESCAN_EVERY_S:
             self._last_scan = time.monotonic()
             self.attach_new_libraries(always=False)
