@@ -17,6 +17,8 @@ from probing.pyframes.memory import ReadableMemory, i32, u64
 MAX_DEPTH = 128  # frames per stack in userspace (the BPF walk stops at 32)
 MAX_THREADS = 4096
 MAX_STR = 4096
+STR_GUESS = 160  # characters of an ASCII str read with its header: a name, most paths
+BYTES_GUESS = 256  # bytes of a bytes object read with its size: most line tables
 
 
 class ThreadState(NamedTuple):
@@ -95,30 +97,53 @@ def raw_frames(
     return out
 
 
+def _read_with(mem: ReadableMemory, addr: int, need: int, guess: int) -> bytes:
+    """``need`` bytes at ``addr`` and, where they are mapped, the ``guess``
+    after them too: an object's header and (most often) its data in one
+    read, a read being a syscall."""
+    try:
+        return mem.read(addr, need + guess)
+    except OSError:  # the guess runs past the end of a mapping: the header alone
+        return mem.read(addr, need)
+
+
 def read_str(mem: ReadableMemory, off: Offsets, addr: int) -> str:
     """A ``str`` object's text (compact ASCII or compact UCS1/2/4), or "?"."""
     try:
-        # its length and state in one read (a read is a syscall)
-        head = mem.read(addr + off.unicode_length, off.unicode_state + 4 - off.unicode_length)
+        lo = off.unicode_length
+        # its length, its state and, where it is ASCII and short (a name, a
+        # path), its text in one read
+        need = off.unicode_state + 4 - lo
+        head = _read_with(mem, addr + lo, need, off.unicode_ascii_data - lo - need + STR_GUESS)
         length = struct.unpack_from("<q", head, 0)[0]
-        state = struct.unpack_from("<i", head, off.unicode_state - off.unicode_length)[0]
+        state = struct.unpack_from("<i", head, off.unicode_state - lo)[0]
         if not 0 <= length <= MAX_STR:
             return "?"
         kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
         if not compact or kind not in (1, 2, 4):
             return "?"
+        codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind]
+        start = off.unicode_ascii_data - lo
+        if ascii_ and start + length <= len(head):
+            return head[start : start + length].decode(codec, "replace")
         data = addr + (off.unicode_ascii_data if ascii_ else off.unicode_compact_data)
         raw = mem.read(data, length * kind) if length else b""
-        codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind]
         return raw.decode(codec, "replace")
     except (OSError, struct.error):
         return "?"
 
 
 def read_bytes(mem: ReadableMemory, off: Offsets, addr: int, limit: int = 1 << 20) -> bytes:
-    size = struct.unpack("<q", mem.read(addr + off.bytes_size, 8))[0]
+    """A ``bytes`` object's data (a line table), its size and most often its
+    data in one read."""
+    guess = off.bytes_data - off.bytes_size - 8 + BYTES_GUESS
+    head = _read_with(mem, addr + off.bytes_size, 8, guess)
+    size = struct.unpack_from("<q", head, 0)[0]
     if not 0 <= size <= limit:
         return b""
+    start = off.bytes_data - off.bytes_size
+    if start + size <= len(head):
+        return head[start : start + size]
     return mem.read(addr + off.bytes_data, size) if size else b""
 
 
@@ -141,6 +166,17 @@ class Resolver:
         # frame once resolved is kept (most of a new stack's frames are known)
         self._codes: dict[int, CodeInfo | None] = {}
         self._frames: dict[RawFrame, Frame] = {}
+        self._files: dict[int, str] = {}  # a module's code objects share its file's str
+
+    def _file(self, addr: int) -> str:
+        got = self._files.get(addr)
+        if got is None:
+            got = read_str(self.mem, self.off, addr)
+            if len(self._files) > 1 << 12:
+                self._files.clear()
+            if got != "?":  # unreadable now: asked again with the next code
+                self._files[addr] = got
+        return got
 
     def code(self, addr: int) -> CodeInfo | None:
         if addr in self._codes:
@@ -158,7 +194,7 @@ class Resolver:
             first = int(struct.unpack_from("<i", head, off.code_firstlineno - lo)[0])
             table = read_bytes(mem, off, ptr(off.code_linetable))
             info: CodeInfo | None = CodeInfo(
-                read_str(mem, off, ptr(off.code_filename)),
+                self._file(ptr(off.code_filename)),
                 read_str(mem, off, ptr(name_off)),
                 first,
                 linetable.spans(off.linetable_format, table, first),
