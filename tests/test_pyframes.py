@@ -412,3 +412,35 @@ def test_new_stacks_are_stored_frame_by_frame_innermost_first() -> None:
         assert {r["stack_id"] for r in py.table.to_arrow().to_pylist()} == {1, 2, 3, 4}
     finally:
         store.close()
+
+
+def test_a_str_and_a_bytes_are_read_whole_short_long_or_at_a_mappings_end() -> None:
+    """``read_str``, ``read_bytes``: the header and the data guessed in one
+    read; longer, not ASCII, or where the guess runs past what is mapped,
+    the data read apart."""
+    import ctypes
+    import mmap
+    import sys
+
+    from probing.pyframes.memory import PAGE
+
+    mem, off = ProcessMemory(), remote.this_interpreter().offsets
+    n = walker.STR_GUESS
+    ascii_ = ("", "a", "x" * (n - 1), "y" * n, "z" * (n + 1), "w" * 1000)
+    for text in (*ascii_, "héllo", "日本語", "😀"):
+        assert walker.read_str(mem, off, id(text)) == text
+    m = walker.BYTES_GUESS
+    for data in (b"", b"a", bytes(range(256)), bytes(m + 1), bytes(5000)):
+        assert walker.read_bytes(mem, off, id(data)) == data
+    text = "a str that ends where the readable memory does"
+    buf = mmap.mmap(-1, 2 * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    at = base + PAGE - sys.getsizeof(text)
+    ctypes.memmove(at, id(text), sys.getsizeof(text))  # a copy of the object, at the end
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(base + PAGE, PAGE, 0) == 0  # PROT_NONE after it
+    try:
+        assert walker.read_str(mem, off, at) == text
+    finally:
+        libc.mprotect(base + PAGE, PAGE, mmap.PROT_READ | mmap.PROT_WRITE)
