@@ -36,7 +36,11 @@ from probing.errors import BPFUnavailable
 from probing.worker import Worker, error_text
 
 SAMPLE_HZ = 199  # per CPU; not a multiple of the kernel's tick
-DEFAULT_INTERVAL_S = 2.0  # a query reads first anyway (``add_before_read``)
+# a read costs ~3 ms whatever it holds (the maps' batches, the threads' sync,
+# a batch of rows), and a query, ``why`` and the detector's wait for a CPU
+# read first anyway (``add_before_read``): the timer's read bounds the map
+# and makes the history (a row's ``ts`` is its read's)
+DEFAULT_INTERVAL_S = 4.0
 NAMES_S = 6.0  # a traced process's thread names, asked of its guest this often at most
 KINDS = ("cpu", "off", "runq")  # sampler.h KIND_*; "tick": one row per read
 SAMPLES_MAX = 16384
