@@ -41,7 +41,7 @@ class Why:
 def steps_per_collective(cs: list[Collective]) -> float:
     """Steps per collective of one communicator: DDP issues one or a few
     all-reduces per step; the long gaps between them are the steps'."""
-    starts = np.array(sorted(min(c.ts.values()) for c in cs), dtype=np.float64)
+    starts = np.array(sorted(c.first_ns for c in cs), dtype=np.float64)
     if len(starts) < 3:
         return 1.0
     gaps = np.diff(starts)
@@ -55,7 +55,7 @@ def step_ms(collectives: list[Collective], comm: str) -> float | None:
     cs = by_comm(collectives).get(comm, [])
     if len(cs) < 3:
         return None
-    starts = np.array(sorted(min(c.ts.values()) for c in cs), dtype=np.float64)
+    starts = np.array(sorted(c.first_ns for c in cs), dtype=np.float64)
     per = steps_per_collective(cs)
     return float((starts[-1] - starts[0]) / 1e6 / ((len(starts) - 1) * per))
 

@@ -54,8 +54,11 @@ class Collective:
     # times; ``match`` works them out for every collective at once, ``made``):
     # ``ts`` and ``end`` are never changed after
     complete: bool = dataclasses.field(init=False, repr=False, compare=False)
+    first_ns: int = dataclasses.field(init=False, repr=False, compare=False)  # its first arrival
     skew_ns: int = dataclasses.field(init=False, repr=False, compare=False)  # last arrival - first
     last_rank: int = dataclasses.field(init=False, repr=False, compare=False)  # of a tie, the first
+    # the last return, where every rank there returned (None: one is still inside)
+    released_ns: int | None = dataclasses.field(init=False, repr=False, compare=False)
     _transfer: int | None = dataclasses.field(init=False, repr=False, compare=False)
     _lags: dict[int, int] | None = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -64,11 +67,13 @@ class Collective:
         back = len(ends) == len(self.end)  # every rank there returned
         self.complete = len(ts) >= self.nranks and back
         self._lags = None
+        self.released_ns = max(ends) if ends and back else None
         if not ts:  # nobody arrived: nothing to say (never one ``match`` makes)
-            self.last_rank, self.skew_ns, self._transfer = -1, 0, None
+            self.last_rank, self.first_ns, self.skew_ns, self._transfer = -1, 0, 0, None
             return
         self.last_rank = max(ts, key=ts.__getitem__)
-        self.skew_ns = ts[self.last_rank] - min(ts.values())
+        self.first_ns = min(ts.values())
+        self.skew_ns = ts[self.last_rank] - self.first_ns
         self._transfer = max(0, min(ends) - ts[self.last_rank]) if ends and back else None
 
     @classmethod
@@ -390,12 +395,13 @@ def match(table: pa.Table) -> list[Collective]:
     at_hi = np.where(m.ts == hi[m.coll], np.arange(len(m.ts)), len(m.ts))
     last_rank = m.rank[np.minimum.reduceat(at_hi, starts)].tolist()
     transfer = np.maximum(np.minimum.reduceat(m.end, starts) - hi, 0).tolist()
+    released = np.maximum.reduceat(m.end, starts).tolist()
     complete = ((count >= m.nranks) & back).tolist()
     keys = [m.keys[k] for k in m.key.tolist()]
     ranks, ts, ends = m.rank.tolist(), m.ts.tolist(), m.end.tolist()
     for i in np.flatnonzero(~m.done).tolist():
         ends[i] = None  # still inside
-    first, skew, back_l = m.first.tolist(), (hi - lo).tolist(), back.tolist()
+    first, skew, back_l, arrived = m.first.tolist(), (hi - lo).tolist(), back.tolist(), lo.tolist()
     out = []
     for c, (seq, nranks) in enumerate(zip(m.seq.tolist(), m.nranks.tolist(), strict=True)):
         a, b = first[c], first[c + 1]
@@ -404,7 +410,8 @@ def match(table: pa.Table) -> list[Collective]:
             "comm": keys[c], "seq": seq, "op": m.op[c], "nranks": nranks, "bytes": m.bytes[c],
             "ts": dict(zip(who, ts[a:b], strict=True)),
             "end": dict(zip(who, ends[a:b], strict=True)),
-            "complete": complete[c], "skew_ns": skew[c], "last_rank": last_rank[c],
+            "complete": complete[c], "first_ns": arrived[c], "skew_ns": skew[c],
+            "last_rank": last_rank[c], "released_ns": released[c] if back_l[c] else None,
             "_transfer": transfer[c] if back_l[c] else None,
         }))  # fmt: skip
     return out
@@ -482,5 +489,5 @@ def _pace_ms(collectives: list[Collective]) -> float | None:
     if not counts:
         return None
     comm = counts.most_common(1)[0][0]
-    starts = np.array(sorted(min(c.ts.values()) for c in collectives if c.comm == comm))
+    starts = np.array(sorted(c.first_ns for c in collectives if c.comm == comm))
     return round(float(np.median(np.diff(starts))) / 1e6, 3) if len(starts) > 1 else None

@@ -51,7 +51,7 @@ def arrivals(cs: list[Collective], ranks: list[int]) -> np.ndarray:
 def first_arrival(cs: list[Collective]) -> int:
     """The first arrival at any of ``cs`` (wall ns), the base of ``by_rank``'s
     matrices of them; one of them has an arrival."""
-    return min(min(c.ts.values()) for c in cs if c.ts)
+    return min(c.first_ns for c in cs if c.ts)
 
 
 def by_rank(of: list[dict[int, int]] | list[dict[int, int | None]], ranks: list[int],

@@ -60,8 +60,8 @@ def slow_links(
         skew = np.array([c.skew_ns for c in cs], dtype=np.float64) / 1e6
         baseline = float(np.median([model_ms(c.bytes, c.nranks) for c in cs]))
         med = float(np.median(transfer))
-        starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
-        ends = np.array([max(e for e in c.end.values() if e is not None) for c in cs])
+        starts = np.array([c.first_ns for c in cs], dtype=np.int64)
+        ends = np.array([c.released_ns for c in cs])  # each returned: a transfer
         span_ms = max((ends[-1] - starts[0]) / 1e6, 1e-9)
         share = float(transfer.sum() / span_ms)
         if med < max(SLOW_LINK_MIN_MS, SLOW_LINK_FACTOR * baseline):

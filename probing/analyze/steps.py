@@ -64,6 +64,8 @@ class CollectiveLike(Protocol):
     @property
     def ts(self) -> dict[int, int]:  # rank -> arrival (wall ns)
         ...
+    @property
+    def first_ns(self) -> int: ...  # its first arrival
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,7 @@ def of_comm(comm: str, cs: Sequence[CollectiveLike]) -> Step | None:
     names: dict[str, int] = {}
     sig = np.full(n, -1, dtype=np.int64)
     for s, c in by_pos.items():
-        t[s - first] = min(c.ts.values())
+        t[s - first] = c.first_ns
         released[s - first] = _released(c)
         sig[s - first] = names.setdefault(f"{c.op}/{c.bytes}", len(names))
     gap = _gaps(t, released)
@@ -187,8 +189,11 @@ def _lagged(x: np.ndarray, most: int) -> np.ndarray:
 
 def _released(c: CollectiveLike) -> float:
     """When the last rank returned from ``c`` (NaN: one has not, or no returns kept)."""
-    ends = list(getattr(c, "end", {}).values())
-    return float(max(ends)) if ends and None not in ends and len(ends) >= len(c.ts) else np.nan
+    ends = getattr(c, "end", None)
+    if not ends or len(ends) < len(c.ts):
+        return np.nan
+    at = getattr(c, "released_ns", None)
+    return float(at) if at is not None else np.nan
 
 
 def _gaps(t: np.ndarray, released: np.ndarray) -> np.ndarray:
@@ -269,6 +274,10 @@ class OneRankTransfer:
     nranks: int
     bytes: int | None
     ts: dict[int, int]
+
+    @property
+    def first_ns(self) -> int:
+        return min(self.ts.values())
 
 
 def of_transfers(rows: Sequence[dict[str, Any]]) -> list[OneRankTransfer]:

@@ -80,7 +80,7 @@ def stragglers(
         if len(cs) < MIN_COLLECTIVES:
             continue
         ranks = sorted({r for c in cs for r in c.ts})
-        starts = np.array([min(c.ts.values()) for c in cs], dtype=np.int64)
+        starts = np.array([c.first_ns for c in cs], dtype=np.int64)
         seen = Seen.of(cs, ranks)  # read once for every rank's evidence
         mine = steps.comms.get(comm)
         phase = None  # each collective's place in its step, for ``_late_at_one``
@@ -148,7 +148,7 @@ def _straggler_on(
         return None
     if sparse and _released_at_far(cs[k0:], r):  # late now and then, by the link before
         return None
-    lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in cs[k0:]])
+    lags = np.array([(c.ts[r] - c.first_ns) / 1e6 for c in cs[k0:]])
     return Straggler(
         rank=r,
         node=node,
@@ -198,9 +198,9 @@ def per_step(
     the step the job loses to it (``share_of_step``: that delay over the step)."""
     if job is None or mine is None or job.ms <= 0:
         return
-    later = [c for c in cs if min(c.ts.values()) >= s.since_ns]
+    later = [c for c in cs if c.first_ns >= s.since_ns]
     own = own_delays(later, s.rank)
-    since = [min(c.ts.values()) >= s.since_ns for c in cs]
+    since = [c.first_ns >= s.since_ns for c in cs]
     arrivals = [(c.seq, e) for c, e, x in zip(cs, excess.tolist(), since, strict=True) if x]
     # where it is latest, it is at least that late a step (what the job sees it
     # arrive); its own delays summed say more where it is late before several
@@ -314,14 +314,14 @@ def _late_at_one(
     n = max(nranks, 1)
     if ev.p_last >= P_LAST / n or ev.p_excess >= P_VALUE / n:
         return None
-    lags = np.array([(c.ts[r] - min(c.ts.values())) / 1e6 for c in at])
+    lags = np.array([(c.ts[r] - c.first_ns) / 1e6 for c in at])
     return Straggler(
         rank=r, node=node, lag_ms_mean=round(float(lags.mean()), 3),
         lag_ms_p99=round(float(np.percentile(lags, 99)), 3),
         excess_ms_median=round(ev.excess_ms_median, 3), last_share=round(ev.last / len(at), 4),
         share_of_step=round(min(1.0, typical[ph] / job.ms), 4),
-        since=iso(min(min(c.ts.values()) for c in cs)),
-        since_ns=min(min(c.ts.values()) for c in cs), since_start=True, comm=comm,
+        since=iso(min(c.first_ns for c in cs)),
+        since_ns=min(c.first_ns for c in cs), since_start=True, comm=comm,
         op=at[0].op, collectives=len(at), p_value=max(ev.p_last, ev.p_excess),
     )  # fmt: skip
 
