@@ -251,23 +251,15 @@ class PyStacks:
         if not new:
             return 0
         m = bpf["py_stacks"]
-        got: list[int] = []  # the stacks read, with their frames' (code, offset)
-        codes: list[np.ndarray] = []
-        offsets: list[np.ndarray] = []
+        read: list[tuple[int, np.ndarray, np.ndarray]] = []  # each stack's frames (code, offset)
         for sid in new:
             try:
                 st = m[ctypes.c_uint32(sid)]
             except KeyError:  # the map was full when the stack was new: lost
                 continue
-            code, offset = _frames(
-                int(st.depth), np.ctypeslib.as_array(st.code), np.ctypeslib.as_array(st.offset)
-            )
-            got.append(sid)
-            codes.append(code)
-            offsets.append(offset)
-        if got and self._append(got, codes, offsets):
-            self.known.update(got)
-            self.resolved += len(got)
+            as_array = np.ctypeslib.as_array
+            read.append((sid, *_frames(int(st.depth), as_array(st.code), as_array(st.offset))))
+        self._store(read)
         # resolved stacks stay in the map (the BPF side skips known stacks);
         # a map half full is cleared, and stacks still in use come back once
         n = self._stored.get(id(bpf), 0) + len(new)
@@ -286,17 +278,17 @@ class PyStacks:
         a map only this reads (the sampler's), after the rows that use them:
         a stack is stored before a sample of it is counted."""
         keys, stored = bpf["py_stacks"].arrays(delete=True, count=STORED_BATCH)
-        got: list[int] = []
-        codes: list[np.ndarray] = []
-        offsets: list[np.ndarray] = []
-        for i, sid in enumerate(keys.tolist()):
-            if sid and sid not in self.known:
-                st = stored[i]
-                code, offset = _frames(int(st["depth"]), st["code"], st["offset"])
-                got.append(sid)
-                codes.append(code)
-                offsets.append(offset)
-        if got and self._append(got, codes, offsets):
+        read = [
+            (sid, *_frames(int(stored[i]["depth"]), stored[i]["code"], stored[i]["offset"]))
+            for i, sid in enumerate(keys.tolist())
+            if sid and sid not in self.known
+        ]
+        self._store(read)
+        return len(read)
+
+    def _store(self, read: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """The python.stacks rows of the stacks ``read`` (id, codes, offsets), known from now on."""
+        got = [sid for sid, _, _ in read]
+        if got and self._append(got, [c for _, c, _ in read], [o for _, _, o in read]):
             self.known.update(got)
             self.resolved += len(got)
-        return len(got)
