@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 MIN_STEPS = 3  # whole periods seen, at least, for a period to be believed
 MAX_PERIOD = 1024  # collectives a step of one communicator (a large FSDP model: a few hundred)
@@ -161,8 +162,6 @@ def _fits(sig: np.ndarray, gap: np.ndarray, typical: float, most: int) -> list[t
         return []
     match = np.where(ok, same / np.maximum(seen, 1), 0.0)
     agree = np.flatnonzero(ok & (match >= match[ok].max() - MATCH_SLACK))
-    from numpy.lib.stride_tricks import sliding_window_view
-
     g = gap / typical
     # later[i, p] = g[i + p], a view (past the end: unknown)
     later = sliding_window_view(np.concatenate([g, np.full(most, np.nan)]), most + 1)[:n]

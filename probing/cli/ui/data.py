@@ -74,7 +74,7 @@ def heatmap(
         busiest = max(counts, key=counts.__getitem__)
         last: dict[int, int] = {}
         for c in collectives:
-            col = min(columns - 1, max(0, (min(c.ts.values()) - lo) // width))
+            col = min(columns - 1, max(0, (c.first_ns - lo) // width))
             for r, lag in c.lags_ns().items():
                 if r in idx and len(c.ts) > 1:
                     lag_sum[idx[r], col] += lag / 1e6
@@ -113,7 +113,7 @@ class HangMark:
 def hang_at(h: Any, matched: list[Any]) -> HangMark:
     """A traced hang with the time its collective was first entered."""
     c = next((c for c in matched if c.comm == h.comm and c.seq == h.seq), None)
-    return HangMark(list(h.missing_ranks), min(c.ts.values()) if c else 0)
+    return HangMark(list(h.missing_ranks), c.first_ns if c else 0)
 
 
 class Latest:
