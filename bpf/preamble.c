@@ -32,13 +32,15 @@ BPF_HASH(inflight, struct inflight_key, EVENT, 16384);
 #ifdef PY_STACKS
 BPF_HASH(py_threads, u32, u64, 65536);
 BPF_PERCPU_ARRAY(py_scratch, struct py_stack, 1);
+BPF_PERCPU_ARRAY(py_windows, struct py_window, 1);
 BPF_HASH(py_stacks, u32, struct py_stack, PY_STACKS_MAX);
 static __always_inline u32 py_stack_id(void) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     u64 *tstate = py_threads.lookup(&tid);
     int zero = 0;
     struct py_stack *st = tstate ? py_scratch.lookup(&zero) : 0;
-    u32 id = st ? py_walk(*tstate, st) : 0;
+    struct py_window *w = st ? py_windows.lookup(&zero) : 0;
+    u32 id = w ? py_walk(*tstate, st, w) : 0;
     /* a known stack (most calls' after the first few) is found without the
      * bucket lock an insert takes, even one that finds it there */
     if (id && !py_stacks.lookup(&id))

@@ -39,12 +39,14 @@ BPF_ARRAY(dropped, u64, 1);
 #ifdef PY_STACKS
 BPF_HASH(py_threads, u32, u64, 65536);
 BPF_PERCPU_ARRAY(py_scratch, struct py_stack, 1);
+BPF_PERCPU_ARRAY(py_windows, struct py_window, 1);
 BPF_HASH(py_stacks, u32, struct py_stack, PY_STACKS_MAX);
 static __always_inline u32 py_stack_id(u32 tid) {
     u64 *tstate = py_threads.lookup(&tid);
     int zero = 0;
     struct py_stack *st = tstate ? py_scratch.lookup(&zero) : 0;
-    u32 id = st ? py_walk(*tstate, st) : 0;
+    struct py_window *w = st ? py_windows.lookup(&zero) : 0;
+    u32 id = w ? py_walk(*tstate, st, w) : 0;
     if (id && !py_stacks.lookup(&id)) /* known: found without the insert's lock */
         py_stacks.insert(&id, st);
     return id;
