@@ -16,6 +16,9 @@ Sections (all by default; name some to run only those):
   call (the uprobe runs there), steadier than wall time on a busy machine.
   Every set-up, the baselines too, takes turns REPEATS times
   (BENCH_REPEATS, default 3; 7 steadies the per-launch ratio).
+  BENCH_CALLS_BASELINE=<git rev>: the whole section for that revision's
+  probing/ and bpf/ and for this tree, each in a fresh process, taking turns
+  twice (medians).
 - helpers: what each thing a probe's program does costs on this host, as
   an empty uprobe's program on cudaLaunchKernel and as its own run time
   (the kernel's BPF stats): nothing, the clock, the thread id, a read of
@@ -815,7 +818,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         loop = build_loop(d)
         if "calls" in only:
-            result.update(calls_section(loop, cudart, path))
+            baseline = os.environ.get("BENCH_CALLS_BASELINE")  # a git revision
+            if baseline:
+                result["calls_side_by_side"] = side_by_side(baseline, "calls_flat", 2)
+            else:
+                result.update(calls_section(loop, cudart, path))
         if "helpers" in only:
             result["helpers"] = helper_costs(loop, cudart, path)
         if "drain" in only:
@@ -877,6 +884,18 @@ def calls_section(loop: ctypes.CDLL, cudart: ctypes.CDLL, path: str) -> dict:  #
         for m in configs:
             result[m][f"{name}_stack_cost_ns"] = result[m][k] - plain
     return result
+
+
+def calls_flat(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict[str, float]:
+    """``calls_section``'s numbers in one level ("probing.sync_cpu_ns"), for
+    ``side_by_side``."""
+    out: dict[str, float] = {}
+    for k, v in calls_section(loop, cudart, cudart_path()).items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{name}": x for name, x in v.items()})
+        else:
+            out[k] = v
+    return out
 
 
 if __name__ == "__main__":

@@ -128,16 +128,12 @@ def contexts(table: pa.Table) -> set[tuple[Any, ...]]:
     """The Gloo contexts of ``table``, by ``GROUP_KEYS``."""
     import pyarrow.compute as pc
 
-    from probing.analyze import columns
-
     if not table.num_rows or "backend" not in table.column_names:
         return set()
-    gloo = table.filter(pc.equal(table.column("backend"), "gloo"))
-    if not gloo.num_rows:
-        return set()
-    keys = [c for c in GROUP_KEYS if c in gloo.column_names]
-    _, firsts = columns.distinct(gloo, keys)
-    picked = gloo.take(firsts)
+    keys = [c for c in GROUP_KEYS if c in table.column_names]
+    # the few distinct ones first (Arrow's hash grouping), then the Gloo ones of them
+    picked = table.select(keys).group_by(keys, use_threads=False).aggregate([])
+    picked = picked.filter(pc.equal(picked.column("backend"), "gloo"))
     return set(zip(*(picked.column(c).to_pylist() for c in keys), strict=True))
 
 

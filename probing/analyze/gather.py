@@ -116,7 +116,8 @@ def with_groups(table: pa.Table, groups: pa.Table) -> pa.Table:
     key_cols = [c for c in ("node", "rank") if c in groups.column_names]
     if key_cols and set(key_cols) <= set(table.column_names):
         said = set(zip(*(groups.column(c).to_pylist() for c in key_cols), strict=True))
-        rows = set(zip(*(table.column(c).to_pylist() for c in key_cols), strict=True))
+        ranks = table.select(key_cols).group_by(key_cols, use_threads=False).aggregate([])
+        rows = set(zip(*(ranks.column(c).to_pylist() for c in key_cols), strict=True))
         if rows - said:
             return table
     names = {
