@@ -45,30 +45,28 @@ static __always_inline u64 py_top_frame(u64 tstate) {
 /* 3.11+ keeps a thread's frames in its data stack: chunks of contiguous
  * memory, each frame just above its caller. So a walk reads a window of the
  * data stack ending at a frame's PY_FRAME_READ once, and finds that frame's
- * callers in it, where a read a frame costs ~125 ns. A frame outside the
+ * callers in it, where a read a frame costs ~125 ns. A window begins no lower
+ * than the frame's page, which is mapped: below it may not be (a chunk's
+ * first page), and a read that faults costs more than it saves. The first
+ * window is at most PY_WINDOW_FIRST long (most of a read's cost on a short
+ * stack is its bytes), the next ones up to a page. A frame outside the
  * window is one below the last frame read and near it (the data stack going
  * on: a window is read again, ending there) or elsewhere (3.12+'s entry
  * frames on the C stack, a generator's frame in its object: read alone, the
- * window kept, since their callers are back in it). The first window is
- * short, since most of a walk's cost on a short stack is its reads' bytes;
- * the next ones are long. A window that would begin in unmapped memory (a
- * chunk's first page) begins at the frame's page instead. The program's own
- * time at a launch, ~7 / 15 / 31 frames (3.11): 1,250 / 2,250 / 4,550 ns
- * read a frame at a time, 1,150 / 1,500 / 1,500 ns so. 3.10's frames are
- * heap objects: each is read alone. */
+ * window kept, since their callers are back in it). 3.10's frames are heap
+ * objects: each is read alone. */
 #if PY_FRAME_INSTR >= 0
 #define PY_WINDOW 4096
 #define PY_WINDOW_FIRST 1024
 #else
 #define PY_WINDOW 0
 #endif
+#define PY_PAGE 4096ULL
 #define PY_NEAR 65536 /* a frame this far below the last one read: the data stack going on */
 /* The window's bounds live in the map, not in the program's registers: the
  * verifier reads them as unknown, so it takes one iteration's state for
  * another's, where constants (no window yet, a first one, a long one) would
- * each be explored on. A handler with the walk: ~24,000 instructions
- * verified so; ~130,000 with the bounds in registers and one window size,
- * over the 1,000,000 limit with two (~1,900 read a frame at a time). */
+ * each be explored on. */
 struct py_window {
     u64 lo, span; /* the window: [lo, lo + span) */
     u8 b[PY_WINDOW + 256]; /* the window, then one frame read alone at b[PY_WINDOW] */
@@ -82,26 +80,11 @@ static __always_inline u8 *py_frame_bytes(u64 frame, u64 last, struct py_window 
     if (frame >= lo && frame + PY_FRAME_READ <= lo + span)
         return w->b + ((frame - lo) & (PY_WINDOW - 1));
     if (frame < last && last - frame < PY_NEAR) {
-        /* each size its own read: a size in a variable is one more for the
-         * verifier to tell apart */
-        if (!span) {
-            u64 start = frame + PY_FRAME_READ - PY_WINDOW_FIRST;
-            if (frame >= PY_WINDOW_FIRST &&
-                bpf_probe_read_user(w->b, PY_WINDOW_FIRST, (void *)start) == 0) {
-                w->lo = start;
-                w->span = PY_WINDOW_FIRST;
-                return w->b + PY_WINDOW_FIRST - PY_FRAME_READ;
-            }
-        } else {
-            u64 start = frame + PY_FRAME_READ - PY_WINDOW;
-            if (frame >= PY_WINDOW && bpf_probe_read_user(w->b, PY_WINDOW, (void *)start) == 0) {
-                w->lo = start;
-                w->span = PY_WINDOW;
-                return w->b + PY_WINDOW - PY_FRAME_READ;
-            }
-        }
-        u64 start = frame & ~(u64)4095;
-        u64 size = frame + PY_FRAME_READ - start;
+        u64 size = (frame & (PY_PAGE - 1)) + PY_FRAME_READ; /* from the frame's page */
+        u64 most = span ? PY_WINDOW : PY_WINDOW_FIRST;
+        if (size > most)
+            size = most;
+        u64 start = frame + PY_FRAME_READ - size;
         if (size <= PY_WINDOW && bpf_probe_read_user(w->b, size, (void *)start) == 0) {
             w->lo = start;
             w->span = size;
