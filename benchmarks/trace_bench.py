@@ -19,6 +19,11 @@ Sections (all by default; name some to run only those):
   BENCH_CALLS_BASELINE=<git rev>: the whole section for that revision's
   probing/ and bpf/ and for this tree, each in a fresh process, taking turns
   twice (medians).
+- walk: the probe's programs' own run time a call (the kernel's BPF
+  stats), a launch and a synchronising call, without stacks and walked under
+  ~7, ~15 and ~31 Python frames: what a Python stack's walk costs, without
+  the uprobe's trap or the machine's noise (BENCH_CALLS_BASELINE: side by
+  side with that revision, REPEATS turns).
 - helpers: what each thing a probe's program does costs on this host, as
   an empty uprobe's program on cudaLaunchKernel and as its own run time
   (the kernel's BPF stats): nothing, the clock, the thread id, a read of
@@ -208,6 +213,10 @@ HELPER_MAPS = (
 ENABLE_STATS = 32  # bpf(BPF_ENABLE_STATS): run time counted while its fd is open
 
 
+class StatsAttr(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint32)]  # BPF_STATS_RUN_TIME (0)
+
+
 def helper_costs(loop: ctypes.CDLL, cudart: ctypes.CDLL, path: str) -> dict:  # type: ignore[type-arg]
     """Each of ``HELPERS`` as the program of a uprobe on cudaLaunchKernel:
     the launch's ns (fastest of REPEATS rounds) and the program's own ns a
@@ -216,9 +225,6 @@ def helper_costs(loop: ctypes.CDLL, cudart: ctypes.CDLL, path: str) -> dict:  # 
     from bcc import BPF
 
     from probing.node.bpf import kernel
-
-    class StatsAttr(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_uint32)]
 
     launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
     func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
@@ -264,6 +270,70 @@ def _prog_stats(fd: int) -> tuple[int, int]:
     attr = InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info))
     kernel.bpf(kernel.OBJ_GET_INFO_BY_FD, attr)
     return info.run_time_ns, info.run_cnt
+
+
+PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID = 11, 13  # bpf() commands
+WALK_DEPTHS = (0, 8, 24)  # Python frames added to the ~7 of the benchmark's own calls
+
+
+def _prog_ids() -> set[int]:
+    """The ids of every BPF program loaded now."""
+    from probing.node.bpf import kernel
+
+    ids, out = kernel.IdAttr(0, 0), set()
+    while True:
+        try:
+            kernel.bpf(PROG_GET_NEXT_ID, ids)
+        except kernel.BPFError:  # ENOENT: the last one
+            return out
+        ids.id = ids.next_id
+        out.add(ids.id)
+
+
+def walk_costs(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict[str, float]:
+    """The probe's programs' own run time a call (the kernel's BPF stats,
+    so neither the uprobe's trap nor a busy machine's noise): a launch and a
+    synchronising call (entry and return), without stacks, and with them
+    (--launch-stacks: launches walk too) called under ~7, ~15 and ~31
+    Python frames; ns a call, the median of REPEATS rounds."""
+    from probing.node.bpf import kernel
+    from probing.node.bpf.tracer import Tracer
+    from probing.node.store import Store
+
+    launch = ctypes.cast(cudart.cudaLaunchKernel, ctypes.c_void_p).value
+    sync = ctypes.cast(cudart.cudaStreamSynchronize, ctypes.c_void_p).value
+    func = ctypes.cast(loop.launch_loop, ctypes.c_void_p).value
+    calls = {
+        "launch": (lambda: loop.launch_loop(launch, func, CALLS), CALLS),
+        "sync": (lambda: loop.sync_loop(sync, CALLS // 4), CALLS // 4),
+    }
+    out: dict[str, float] = {}
+    stats = kernel.bpf(ENABLE_STATS, StatsAttr(0))
+    try:
+        for stacks in (False, True):
+            before = _prog_ids()
+            store = Store()
+            tracer = Tracer(["cuda"], store=store, stacks=stacks, launch_stacks=stacks)
+            tracer.start()
+            fds = [kernel.bpf(PROG_GET_FD_BY_ID, kernel.IdAttr(i, 0)) for i in _prog_ids() - before]
+            try:
+                for depth in WALK_DEPTHS if stacks else (0,):
+                    for name, (call, n) in calls.items():
+                        runs = []
+                        for _ in range(REPEATS):
+                            ns = sum(_prog_stats(fd)[0] for fd in fds)
+                            at_depth(depth, call)
+                            runs.append((sum(_prog_stats(fd)[0] for fd in fds) - ns) / n)
+                        key = f"{name}_{'walked_depth_' + str(depth) if stacks else 'no_stacks'}_ns"
+                        out[key] = statistics.median(runs)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+                tracer.stop()
+                store.close()
+    finally:
+        os.close(stats)
+    return out
 
 
 SUSTAIN_S = float(os.environ.get("BENCH_SUSTAIN_S", 60))
@@ -800,7 +870,7 @@ def traced_step() -> dict:  # type: ignore[type-arg]
     return out
 
 
-SECTIONS = ("calls", "helpers", "drain", "sustained", "gloo", "lifecycle", "ranks", "step")
+SECTIONS = ("calls", "walk", "helpers", "drain", "sustained", "gloo", "lifecycle", "ranks", "step")
 
 
 def main() -> None:
@@ -823,6 +893,12 @@ def main() -> None:
                 result["calls_side_by_side"] = side_by_side(baseline, "calls_flat", 2)
             else:
                 result.update(calls_section(loop, cudart, path))
+        if "walk" in only:
+            baseline = os.environ.get("BENCH_CALLS_BASELINE")
+            if baseline:
+                result["walk_side_by_side"] = side_by_side(baseline, "walk_costs")
+            else:
+                result["walk"] = walk_costs(loop, cudart)
         if "helpers" in only:
             result["helpers"] = helper_costs(loop, cudart, path)
         if "drain" in only:
