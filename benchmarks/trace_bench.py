@@ -22,8 +22,8 @@ Sections (all by default; name some to run only those):
 - walk: the probe's programs' own run time a call (the kernel's BPF
   stats), a launch and a synchronising call, without stacks and walked under
   ~7, ~15 and ~31 Python frames: what a Python stack's walk costs, without
-  the uprobe's trap or the machine's noise (BENCH_CALLS_BASELINE: side by
-  side with that revision, REPEATS turns).
+  the uprobe's trap (BENCH_CALLS_BASELINE: side by side with that revision,
+  REPEATS turns).
 - helpers: what each thing a probe's program does costs on this host, as
   an empty uprobe's program on cudaLaunchKernel and as its own run time
   (the kernel's BPF stats): nothing, the clock, the thread id, a read of
@@ -291,8 +291,8 @@ def _prog_ids() -> set[int]:
 
 
 def walk_costs(loop: ctypes.CDLL, cudart: ctypes.CDLL) -> dict[str, float]:
-    """The probe's programs' own run time a call (the kernel's BPF stats,
-    so neither the uprobe's trap nor a busy machine's noise): a launch and a
+    """The probe's programs' own run time a call (the kernel's BPF stats:
+    not the uprobe's trap, and less of a busy machine's noise): a launch and a
     synchronising call (entry and return), without stacks, and with them
     (--launch-stacks: launches walk too) called under ~7, ~15 and ~31
     Python frames; ns a call, the median of REPEATS rounds."""
