@@ -347,7 +347,6 @@ print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.01)
 cudart = ctypes.CDLL(sys.argv[1])
-time.sleep(float(os.environ.get("WAIT_AFTER_LOAD", "0")))
 while os.environ.get("GO_CALLS") and not os.path.exists(os.environ["GO_CALLS"]):
     time.sleep(0.01)
 p = ctypes.c_void_p()
@@ -408,8 +407,10 @@ def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> No
     lib_dir.mkdir()
     copy = lib_dir / "libcudart.so.12"
     shutil.copy(installed_lib("libcudart"), copy)
-    # the tracer looks for newly mapped libraries twice a second
-    t, go = _cuda_target(spawn, tmp_path, 4, lib=str(copy), LINGER="1", WAIT_AFTER_LOAD="1")
+    # the tracer looks for newly mapped libraries every second: the job calls
+    # once it has found this one (GO_CALLS), not after a guess at how long
+    calls = tmp_path / "calls"
+    t, go = _cuda_target(spawn, tmp_path, 4, lib=str(copy), LINGER="1", GO_CALLS=str(calls))
     started = cli("trace", "--pid", str(t.pid), "--no-nccl", "--no-gloo", "--background")
     assert started.returncode == 0, started.stderr
     assert "--stop" in started.stdout
@@ -418,6 +419,14 @@ def test_background_stop_and_a_library_loaded_later(spawn, tmp_path: Path) -> No
     # no CUDA library mapped: its program (and its 64 MiB ring) not loaded yet
     assert status["families"]["cuda"]["loaded"] is False, status["families"]
     go.touch()
+    deadline = time.monotonic() + 30 * SLOWDOWN
+    while True:
+        cuda = ProbeClient.for_pid(t.pid).trace_status()["families"]["cuda"]
+        if str(copy) in cuda["libraries"] and cuda["loaded"]:
+            break
+        assert time.monotonic() < deadline, f"the library mapped later was not found: {cuda}"
+        time.sleep(0.1)
+    calls.touch()
     wait_line(t, "done")
     stopped = cli("trace", "--pid", str(t.pid), "--stop")
     assert stopped.returncode == 0, stopped.stderr
