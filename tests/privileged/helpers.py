@@ -9,12 +9,30 @@ import os
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from probing.node.bpf.kernel import uprobe_links
-from tests.conftest import require, require_bpf
+from tests.conftest import REPO, cli, require, require_bpf
 from tests.jobs.lib_loop import installed_libraries
+
+# the job environments of .ci/jobenvs.sh: other Pythons, numpy and pyarrow, no probing
+JOB_ENVS = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs"))
+
+
+def env_python(name: str) -> str:
+    """The Python of job environment ``name`` (skipped where it is missing)."""
+    python = JOB_ENVS / name / "bin" / "python"
+    require(python.exists(), f"job env {name} missing: run .ci/jobenvs.sh (make setup)")
+    return str(python)
+
+
+def ok(*args: str) -> str:
+    """``probing ARGS``'s output, asserting it succeeded."""
+    r = cli(*args, timeout=120)
+    assert r.returncode == 0, f"probing {' '.join(args)}: {r.stderr}"
+    return r.stdout
 
 
 def require_privileged() -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SLOWDOWN, cli, require, require_bpf
+from tests.conftest import SLOWDOWN, cli, require_bpf
+from tests.privileged.helpers import env_python, ok
 
 pytestmark = pytest.mark.privileged
 
-ENVS = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs"))
 # packages a job might probe for, several of which probing itself depends on
 LOOKED_FOR = ["typer", "rich", "pytest", "hypothesis", "pyarrow", "numpy", "datafusion",
               "psutil", "probing", "bcc", "elftools", "pynvml", "transformers",
@@ -65,12 +65,6 @@ while True:
 """.replace("LOOKED", repr(LOOKED_FOR))
 
 
-def env_python(name: str) -> str:
-    python = ENVS / name / "bin" / "python"
-    require(python.exists(), f"job env {name} missing: run .ci/jobenvs.sh (make setup)")
-    return str(python)
-
-
 def start_job(python: str, runtime_dir: Path, **env: str) -> tuple[subprocess.Popen, dict]:
     full = {k: v for k, v in os.environ.items() if k != "PROBING"}
     full.update(PROBING_RUNTIME_DIR=str(runtime_dir), **env)
@@ -90,12 +84,6 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
-
-
-def ok(*args: str) -> str:
-    r = cli(*args, timeout=120)
-    assert r.returncode == 0, f"probing {' '.join(args)}: {r.stderr}"
-    return r.stdout
 
 
 def view_now(pid: int) -> dict:

@@ -36,6 +36,7 @@ from tests.conftest import (
     require_bpf,
     stop_engine,
 )
+from tests.privileged.helpers import ok
 
 # the first test may wait for the 3.14 root filesystem's background build (.ci/run)
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(PY314_BUILD_S + 300)]
@@ -157,12 +158,6 @@ def job() -> Iterator[Job]:
         if old is not None:
             os.environ["PROBING_RUNTIME_DIR"] = old
         assert cli("hook", "--python", python, "--remove", timeout=120).returncode == 0
-
-
-def ok(*args: str) -> str:
-    r = cli(*args, timeout=120)
-    assert r.returncode == 0, f"probing {' '.join(args)}: {r.stderr}"
-    return r.stdout
 
 
 def test_the_314_job_runs_3_14_with_the_hook_and_nothing_of_probing_to_import(job: Job) -> None:

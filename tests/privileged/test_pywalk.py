@@ -13,16 +13,14 @@ import json
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SLOWDOWN, cli, require, require_bpf
-from tests.privileged.helpers import installed_lib
+from tests.conftest import SLOWDOWN, require_bpf
+from tests.privileged.helpers import env_python, installed_lib, ok
 
 pytestmark = pytest.mark.privileged
 
-ENVS = Path(os.environ.get("PROBING_JOB_ENVS", REPO / ".venv-jobs"))
 LOCALS = 120  # a frame of ~1 KB (8 bytes a local)
 
 JOB = """
@@ -68,22 +66,15 @@ FRAMES = (
 )
 
 
-def ok(*args: str) -> str:
-    r = cli(*args, timeout=120)
-    assert r.returncode == 0, f"probing {' '.join(args)}: {r.stderr}"
-    return r.stdout
-
-
 @pytest.mark.parametrize("env,minor", [("py310", "3.10"), ("np126", "3.11"),
                                        ("hook312", "3.12"), ("py313", "3.13")])  # fmt: skip
 def test_the_walked_stack_is_the_one_the_job_sees(env, minor, runtime_dir, tmp_path) -> None:
     require_bpf()
-    python = ENVS / env / "bin" / "python"
-    require(python.exists(), f"job env {env} missing: run .ci/jobenvs.sh (make setup)")
+    python = env_python(env)
     script, go = tmp_path / "job.py", tmp_path / "go"
     script.write_text(JOB)
     job = subprocess.Popen(  # not from the checkout: its probing/ would be importable
-        [str(python), str(script), installed_lib("libcudart"), str(go)], cwd=tmp_path,
+        [python, str(script), installed_lib("libcudart"), str(go)], cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k != "PROBING"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

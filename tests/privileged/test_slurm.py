@@ -35,7 +35,7 @@ from probing.cli.demo import free_port
 from probing.errors import ProbingError
 from probing.guest import place
 from tests.conftest import REPO, SLOWDOWN, require, require_bpf
-from tests.privileged.test_guest_envs import env_python
+from tests.privileged.helpers import env_python
 
 pytestmark = pytest.mark.privileged
 WORLD, SLOW = 4, 2
