@@ -159,6 +159,29 @@ def test_table_exist_and_fresh_snapshots(database: Database) -> None:
     assert schema.table("ev") is not None  # planning-time path (pyarrow) still answers
 
 
+def test_a_read_that_writes_another_table_is_seen_by_the_same_query(database: Database) -> None:
+    """As the sampler's read before python.samples adds its samples' stacks
+    to python.stacks: a query joining the two sees every sample's stack,
+    whichever table the store made first (a diagnose soon after a trace
+    began found its straggler's samples without their functions)."""
+    names = database.store.table("demo4", "names")  # made first: the store's first
+    names.referenced = True
+    names.append_batch({"id": [0], "name": ["f0"]})
+    rows = database.store.table("demo4", "rows")
+    taken = iter(range(1, 100))
+
+    def read() -> None:  # a stack first, then the rows that use it
+        i = next(taken)
+        names.append_batch({"id": [i], "name": [f"f{i}"]})
+        rows.append_batch({"id": [i]})
+
+    rows.add_before_read(read)
+    sql = "SELECT r.id, n.name FROM demo4.rows r LEFT JOIN demo4.names n ON r.id = n.id"
+    for _ in range(3):
+        got = database.sql(sql).to_pylist()
+        assert got and all(r["name"] == f"f{r['id']}" for r in got), got
+
+
 def test_process_stacks_in_process(database) -> None:
     import threading
 

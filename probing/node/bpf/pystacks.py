@@ -94,6 +94,7 @@ class PyStacks:
         self.offsets = self.interp.offsets
         self.resolver = walker.Resolver(self.interp.mem, self.offsets)
         self.table = store.table("python", "stacks", STACKS_SCHEMA)
+        self.table.referenced = True  # by every table's stack_id
         if known is None:
             ids = self.table.to_arrow(["stack_id"]).column(0).unique()
             known = {int(i) for i in ids.to_pylist() if i is not None}

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # loaded on the first cluster query, not when the probe start
 
     from probing.node.cluster import plan as planner
     from probing.node.sql import Database
-    from probing.node.store.table import Snapshot
+    from probing.node.store.table import EventTable, Snapshot
 
 # A process runs at most this many peers' shares at once (one probe per
 # process in a job; several in the benchmark): more at once only adds
@@ -151,6 +151,7 @@ class Together:
     @classmethod
     def prepare(cls, owners: list[Owner], work: planner.Work) -> Together | None:
         from probing.node.cluster import plan as planner
+        from probing.node.store.table import snapshots
 
         if len(owners) < 2:
             return None
@@ -163,12 +164,19 @@ class Together:
             names = [refs[0].name]
         else:
             names = list(work.scans)
-        snaps: dict[str, list[Any]] = {}
+        found: dict[str, list[tuple[Owner, EventTable]]] = {}
         for table in names:
             got = _stored(table, owners, databases)
             if got is None:
                 return None
-            snaps[table] = got
+            found[table] = got
+        taken = iter(snapshots([tbl for on in found.values() for _, tbl in on]))
+        snaps: dict[str, list[tuple[Owner, Snapshot]]] = {
+            table: [(o, next(taken)) for o, _ in on] for table, on in found.items()
+        }
+        for ranks in snaps.values():  # a rank's table with other columns: not one union
+            if any(not snap.schema.equals(ranks[0][1].schema) for _, snap in ranks):
+                return None
         return cls(owners, work, snaps, refs)
 
     def run(self) -> dict[str, pa.Table]:
@@ -214,11 +222,13 @@ class Together:
             session.leave([n for mem, sealed in names.values() for n in (mem, *sealed.values())])
 
 
-def _stored(table: str, owners: list[Owner], databases: list[Any]) -> list[Any] | None:
-    """``table``'s snapshot on each rank that has it; None where one serves
-    it otherwise than stored, or with other columns."""
+def _stored(
+    table: str, owners: list[Owner], databases: list[Any]
+) -> list[tuple[Owner, EventTable]] | None:
+    """``table`` on each rank that has it; None where one
+    serves it otherwise than stored."""
     sch, name = table.split(".", 1)
-    got: list[tuple[Owner, Snapshot]] = []
+    got: list[tuple[Owner, EventTable]] = []
     for owner, eng in zip(owners, databases, strict=True):
         schema = eng.catalog.schema(sch)
         kind = None if schema is None else schema.kind(name)
@@ -227,10 +237,7 @@ def _stored(table: str, owners: list[Owner], databases: list[Any]) -> list[Any] 
         tbl = eng.store.get(sch, name) if kind == "stored" else None
         if tbl is None:  # made per process, or gone since
             return None
-        snap = tbl.snapshot()
-        if got and not snap.schema.equals(got[0][1].schema):
-            return None
-        got.append((owner, snap))
+        got.append((owner, tbl))
     return got
 
 

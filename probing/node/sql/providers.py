@@ -23,7 +23,7 @@ from datafusion.catalog import CatalogProvider, SchemaProvider, Table
 from probing.errors import ProbingError, ProviderError, log_unexpected
 from probing.node.store import Store
 from probing.node.store.chunks import CHUNK_COL
-from probing.node.store.table import Snapshot
+from probing.node.store.table import Snapshot, snapshots
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
@@ -352,10 +352,11 @@ class ProbeCatalog(CatalogProvider):
             if everything or name.lower() in text:
                 named_views.append(((schema, name), view_sql))
                 text += "\n" + view_sql.lower()
-        mine: Prepared = {}
-        for tbl in self._store.tables():
-            if everything or tbl.name.lower() in text:
-                mine[(tbl.schema_name, tbl.name)] = Table(snapshot_frame(ctx, tbl.snapshot()))
+        named = [t for t in self._store.tables() if everything or t.name.lower() in text]
+        mine: Prepared = {
+            (tbl.schema_name, tbl.name): Table(snapshot_frame(ctx, snap))
+            for tbl, snap in zip(named, snapshots(named), strict=True)
+        }
         stack = getattr(_snapshots, "stack", None)
         if stack is None:
             stack = _snapshots.stack = []

@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
@@ -120,6 +120,7 @@ class EventTable:
         self._sealed = threading.Condition(self._lock)  # a chunk left _sealing
         # run before every read: a writer's own buffer (ExternalTable's) handed over
         self._before_read: list[Callable[[], None]] = []
+        self.referenced = False  # others' rows refer to these (stack ids): ``snapshots``
 
     @property
     def qualified_name(self) -> str:
@@ -205,8 +206,7 @@ class EventTable:
                 raise ValueError(
                     f"rows do not fit {self.qualified_name} ({schema}): {err}"
                 ) from err
-        batches: list[pa.RecordBatch] = batch.to_batches()
-        return batches
+        return list(batch.to_batches())
 
     def _take_pending_locked(self) -> tuple[int, list[pa.RecordBatch]]:
         chunk_id = chunks.next_id()
@@ -313,9 +313,10 @@ class EventTable:
             return sum(c.stored_bytes for c in self._chunks) + pending
 
     # -- reading -------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, *, before_read: bool = True) -> Snapshot:
         """Every live row: the chunk directory plus the rows not sealed yet."""
-        self._run_before_read()
+        if before_read:
+            self.run_before_read()
         if self._pending and time.monotonic() - self._pending_since > self._store.seal_after_s:
             self.flush()
         with self._lock:
@@ -356,7 +357,7 @@ class EventTable:
             if hook in self._before_read:
                 self._before_read.remove(hook)
 
-    def _run_before_read(self) -> None:
+    def run_before_read(self) -> None:
         for hook in list(self._before_read):
             try:
                 hook()
@@ -367,7 +368,7 @@ class EventTable:
                 log_unexpected(f"{self.qualified_name}: a flush before a read", err, self._logged)
 
     def stats(self) -> TableStats:
-        self._run_before_read()
+        self.run_before_read()
         with self._lock:
             sealed = self._chunks
             pending = self._unsealed_locked()
@@ -389,3 +390,18 @@ class EventTable:
                 dropped_events=self.dropped_events,
                 read_errors=self.read_errors,
             )
+
+
+def snapshots(tables: Sequence[EventTable]) -> list[Snapshot]:
+    """Each of ``tables``' snapshots (in their order) as one query reads
+    them: every table's hooks run first, since one table's may write another
+    (the sampler's read before python.samples adds its samples' stacks to
+    python.stacks); then the tables others refer to are taken last, so a row
+    a writer adds meanwhile finds what it refers to (a writer adds a stack
+    before the rows that use it)."""
+    for t in tables:
+        t.run_before_read()
+    got: dict[int, Snapshot] = {}
+    for i in sorted(range(len(tables)), key=lambda i: tables[i].referenced):
+        got[i] = tables[i].snapshot(before_read=False)
+    return [got[i] for i in range(len(tables))]
