@@ -194,3 +194,23 @@ def test_rows_are_encoded_in_steps_and_capped() -> None:
     with pytest.raises(LimitExceeded) as err:
         json_columns(table, 100_000)
     assert err.value.setting == "PROBING_QUERY_MAX_RESULT_MB"
+
+
+def test_uprobes_not_attached_are_said_one_line_an_error() -> None:
+    from probing.cli.render import refused_lines
+
+    verifier = "the kernel refused BPF program cuda_x: bpf(5): Argument list too long: too large"
+    refused = [
+        *({"symbol": f"cudaF{i}", "kind": "entry", "library": "/l/libcudart.so", "error": verifier}
+          for i in range(8)),
+        {"symbol": "cudaF0", "kind": "return", "library": "/l/libcudart.so", "error": verifier},
+        {"symbol": "*", "kind": "entry", "library": "/l/libcuda.so.1", "error": "cannot read: EOF"},
+    ]  # fmt: skip
+    lines = refused_lines("cuda", refused, 42)
+    assert lines[0] == "  ! cuda: 10 uprobes not attached, their calls not traced:"
+    assert (
+        lines[1] == f"      cudaF0, cudaF1, cudaF2, cudaF3, cudaF4, cudaF5 and 2 more: {verifier}"
+    )
+    assert lines[2] == "      every uprobe on /l/libcuda.so.1: cannot read: EOF"
+    assert lines[3].startswith("      each one and its whole error: probing query --pid 42 ")
+    assert refused_lines("cuda", [], 42) == []

@@ -114,6 +114,27 @@ def control_rows(
     return f"{ok} of {len(rows)} ranks {done}\n{table}"
 
 
+def refused_lines(family: str, refused: list[dict[str, str]], pid: int) -> list[str]:
+    """What ``probing trace`` says of ``family``'s uprobes that were not
+    attached: their calls are not traced. One line an error, its symbols."""
+    if not refused:
+        return []
+    by_error: dict[str, list[str]] = {}
+    for r in refused:
+        what = f"every uprobe on {r['library']}" if r["symbol"] == "*" else r["symbol"]
+        names = by_error.setdefault(r["error"], [])
+        if what not in names:
+            names.append(what)
+    n = len(refused)
+    lines = [f"  ! {family}: {n} uprobe{'s' * (n != 1)} not attached, their calls not traced:"]
+    for error, names in by_error.items():
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        lines.append(f"      {shown}: {error}")
+    sql = f"SELECT * FROM probing.uprobes WHERE NOT attached AND family = '{family}'"
+    lines.append(f'      each one and its whole error: probing query --pid {pid} "{sql}"')
+    return lines
+
+
 class TraceMonitor:
     """What ``probing trace`` prints: the attach report, one line a second
     (events/s by table, drops; a live table on a terminal), the summary."""
@@ -128,6 +149,8 @@ class TraceMonitor:
             libs = ", ".join(lib.rsplit("/", 1)[-1] for lib in fam["libraries"])
             where = f"{fam['uprobes']} uprobes on {libs}" if libs else "no library mapped yet"
             lines.append(f"  {name + '.calls':<11} {where}")
+        for name, fam in self.status.get("families", {}).items():
+            lines += refused_lines(name, fam.get("refused", []), self.pid)
         if "stacks" in self.status:
             on = "on" if self.status["stacks"] else "off"
             launches = " (launches too)" if self.status.get("launch_stacks") else ""

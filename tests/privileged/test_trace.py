@@ -6,6 +6,7 @@ Root-only; PROBING_REQUIRE_PRIVILEGED=1 (CI) turns skips into failures."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -175,6 +176,53 @@ def _fnv_words(raw: bytes) -> int:
         h ^= int.from_bytes(raw[i : i + 8], "little")
         h = (h * 0x100000001B3) & (2**64 - 1)
     return h
+
+
+# a handler the verifier refuses, for real: r0 = r2, a register never written
+REFUSED = bytes([0xBF, 0x20, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+
+
+def test_a_handler_the_kernel_refuses_is_said_and_the_others_trace(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The verifier refusing one handler (as a stack walk grown past its
+    limit once made it) leaves that call untraced, and ``probing trace``
+    says which and why; the family's other calls, which share its
+    multi-uprobe link, still trace."""
+    require_privileged()
+    from probing.cli.render import TraceMonitor
+    from probing.node.bpf import tracer as tracer_mod
+
+    real = tracer_mod.compile_family
+
+    def compile_family(f, flags):  # type: ignore[no-untyped-def]
+        compiled, cached = real(f, flags)
+        if f.name == "cuda":  # a copy: the node's cache keeps the real one
+            programs = dict(compiled.programs, cuda_streamsynchronize=(REFUSED, []))
+            compiled = dataclasses.replace(compiled, programs=programs)
+        return compiled, cached
+
+    monkeypatch.setattr(tracer_mod, "compile_family", compile_family)
+    cudart = ctypes.CDLL(installed_lib("libcudart"))
+    with _Traced(["cuda"]) as t:  # every libcudart this process maps (an earlier test's too)
+        status = t.tracer.status()
+        refused = status["families"]["cuda"]["refused"]
+        assert refused and all(r["kind"] == "entry" for r in refused), refused
+        assert {r["symbol"] for r in refused} == {"cudaStreamSynchronize"}, refused
+        error = refused[0]["error"]  # one line: what was refused, and the verifier's reason
+        assert error.startswith("the kernel refused BPF program cuda_streamsynchronize"), error
+        assert error.endswith(": R2 !read_ok"), error
+        said = TraceMonitor(os.getpid(), status).started()
+        n = len(refused)
+        assert f"! cuda: {n} uprobe{'s' * (n != 1)} not attached, their calls not" in said, said
+        assert f"      cudaStreamSynchronize: {error}\n" in said, said
+        assert "SELECT * FROM probing.uprobes WHERE NOT attached" in said
+        ptr = P()
+        cudart.cudaMalloc(ctypes.byref(ptr), SZ(1000))
+        cudart.cudaStreamSynchronize(P(0x99))
+        cudart.cudaFree(P(0x1234))
+        apis = [r["api"] for r in t.rows("SELECT api FROM cuda.calls ORDER BY event_id")]
+        attempts = t.tracer.probes_table().to_pylist()  # probing.uprobes
+    assert apis == ["cudaMalloc", "cudaFree"], apis
+    assert sum(not a["attached"] for a in attempts) == n and len(attempts) > 10 * n, attempts
 
 
 def test_nccl_calls_decode_exactly() -> None:

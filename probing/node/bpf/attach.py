@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -70,6 +71,17 @@ def keep_symbols_in(directory: str, salt: str) -> None:
     """Keep found symbols in ``directory`` (private to the user), for the
     engines of the install ``salt`` (another version may look for others)."""
     _kept.update(dir=directory, salt=salt)
+
+
+def _said(error: str) -> str:
+    """An attempt's error in one line: its first, without the errno, and
+    where the verifier refused a handler, its reason (the log's last line
+    before its count)."""
+    first, *log = error.strip().splitlines() or [""]
+    first = re.sub(r"^\[Errno \d+\] ", "", first)
+    counts = ("processed ", "verification time", "stack depth")
+    why = [line for line in log if line.strip() and not line.startswith(counts)]
+    return f"{first}: {why[-1].strip()}" if why else first
 
 
 def symbols(f: fam.Family, path: str) -> dict[str, tuple[str, int]]:
@@ -237,6 +249,16 @@ class Uprobes:
     def attached(self, family: str) -> int:
         """How many of ``family``'s uprobes are attached."""
         return sum(1 for p in self.probes if p.family == family and p.attached)
+
+    def refused(self, family: str) -> list[dict[str, str]]:
+        """``family``'s uprobes that could not be attached, and why (the
+        first line of the error: the kernel's refusal of a handler, a symbol
+        it would not probe)."""
+        return [
+            {"symbol": p.symbol, "kind": p.kind, "library": p.library, "error": _said(p.error)}
+            for p in self.probes
+            if p.family == family and not p.attached and p.error
+        ]  # fmt: skip
 
     def detached(self) -> None:
         """Every uprobe was let go."""

@@ -534,6 +534,7 @@ class Program:
         self.maps: dict[str, Map] = {}
         self._progs: dict[str, int] = {}
         self._slots: dict[str, int] = {}
+        self._refused: dict[str, kernel.BPFError] = {}  # programs the kernel would not load
         self.attached: list[Attachment] = []
         self.held = 0  # perf-event uprobes the holder process keeps for us
         self._lock = threading.Lock()
@@ -551,6 +552,8 @@ class Program:
         """The loaded program ``name`` (loaded now the first time), as a uprobe
         program unless ``prog_type`` says otherwise."""
         fd = self._progs.get(name)
+        if name in self._refused:  # the verifier's answer does not change: not asked again
+            raise self._refused[name]
         if fd is None:
             try:
                 insns, relocs = self.compiled.programs[name]
@@ -562,16 +565,34 @@ class Program:
                 code[8 * idx + 1] = (code[8 * idx + 1] & 0x0F) | (kernel.PSEUDO_MAP_FD << 4)
                 code[8 * idx + 4 : 8 * idx + 8] = fd_m.to_bytes(4, "little")
             uprobe = prog_type == kernel.PROG_TYPE_KPROBE
-            fd = kernel.prog_load(
-                name,
-                bytes(code),
-                prog_type=prog_type,
-                license=self.compiled.license.encode(),
-                kern_version=self.compiled.kern_version,
-                expected_attach_type=kernel.TRACE_UPROBE_MULTI if self.multi and uprobe else 0,
-            )
+            try:
+                fd = kernel.prog_load(
+                    name,
+                    bytes(code),
+                    prog_type=prog_type,
+                    license=self.compiled.license.encode(),
+                    kern_version=self.compiled.kern_version,
+                    expected_attach_type=kernel.TRACE_UPROBE_MULTI if self.multi and uprobe else 0,
+                )
+            except kernel.BPFError as err:
+                if err.errno in (errno.EACCES, errno.EINVAL, errno.E2BIG):  # the verifier's no
+                    self._refused[name] = err
+                raise
             self._progs[name] = fd
         return fd
+
+    def _slotted(self, probes: list[Uprobe]) -> tuple[list[Uprobe], list[tuple[Uprobe, str]]]:
+        """``probes`` whose handler has a slot (``_slot``), and the others
+        with why not (the kernel refused their handler)."""
+        ok, refused = [], []
+        for p in probes:
+            try:
+                self._slot(p.handler)
+            except (kernel.BPFError, ProbingError) as err:
+                refused.append((p, str(err)))
+            else:
+                ok.append(p)
+        return ok, refused
 
     def _slot(self, handler: str) -> int:
         """The handler's slot in the dispatch program array (its cookie)."""
@@ -596,9 +617,14 @@ class Program:
             if self.multi:
                 for handler, group, ret in link_groups(probes):
                     kind = "return" if ret else "entry"
+                    if handler is None:  # a handler refused leaves the link to the others
+                        group, refused = self._slotted(group)
+                        results += [(p.symbol, kind, False, why) for p, why in refused]
+                        if not group:
+                            continue
                     try:
                         if handler is None:  # the dispatcher, told the handler by the cookie
-                            cookies = [self._slot(p.handler) for p in group]
+                            cookies = [self._slots[p.handler] for p in group]
                             prog = self.prog_fd(DISPATCH)
                         else:
                             cookies, prog = [0] * len(group), self.prog_fd(handler)

@@ -109,12 +109,13 @@ def families_status(loaded: list[Live], uprobes: Uprobes, waiting: Waiting) -> d
             "loaded": True, "events": live.events, "dropped": live.drops_seen,
             "saved": live.saved, "libraries": sorted(live.libraries),
             "uprobes": uprobes.attached(live.family.name),
+            "refused": uprobes.refused(live.family.name),
         }
         for live in loaded
     }  # fmt: skip
     for name in list(waiting.compiled):
         per.setdefault(name, {"loaded": False, "events": 0, "dropped": 0, "saved": 0,
-                              "libraries": [], "uprobes": 0})  # fmt: skip
+                              "libraries": [], "uprobes": 0, "refused": []})  # fmt: skip
     return per
 
 
