@@ -169,8 +169,11 @@ def control_outcome(
     was = {AlreadyTracing.__name__: "tracing", NotTracing.__name__: "stopped"}.get(
         reply.get("type") or ""
     )
-    if done:
-        return {"ok": True, "done": True, "state": reply.get("state"), "reason": None}
+    if done:  # tracing, where some of its uprobes may not be (trace --pid says which)
+        fams = reply.get("families") or {}
+        n = sum(len(f.get("refused") or []) for f in fams.values() if isinstance(f, dict))
+        note = f"{n} uprobes not attached (probing.uprobes says why)" if n else None
+        return {"ok": True, "done": True, "state": reply.get("state"), "reason": note}
     if was is not None:
         return {"ok": True, "done": False, "state": was, "reason": f"already {was}"}
     why = reason or reply.get("error") or str(status)

@@ -142,4 +142,8 @@ def test_one_reading_of_a_rank_answer_to_a_start_or_a_stop() -> None:
     gone = outcome_of(NoSuchProcess("pid 7 has exited"))
     assert not gone["ok"] and gone["reason"] == "pid 7 has exited"
     assert control_outcome(200, {"state": "tracing"})["state"] == "tracing"
+    refused = [{"symbol": "cudaFree", "kind": "entry", "library": "x", "error": "no"}] * 2
+    families = {"cuda": {"refused": refused}, "gloo": {"refused": []}}
+    partly = control_outcome(200, {"state": "tracing", "families": families})
+    assert partly["ok"] and partly["reason"] == "2 uprobes not attached (probing.uprobes says why)"
     assert control_outcome(0, {}, "timed out")["reason"] == "timed out"
