@@ -251,9 +251,9 @@ class Uprobes:
         return sum(1 for p in self.probes if p.family == family and p.attached)
 
     def refused(self, family: str) -> list[dict[str, str]]:
-        """``family``'s uprobes that could not be attached, and why (the
-        first line of the error: the kernel's refusal of a handler, a symbol
-        it would not probe)."""
+        """``family``'s uprobes that could not be attached, and why in one
+        line (``_said``): the kernel refused a handler, a library could not
+        be read."""
         return [
             {"symbol": p.symbol, "kind": p.kind, "library": p.library, "error": _said(p.error)}
             for p in self.probes

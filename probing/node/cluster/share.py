@@ -225,8 +225,8 @@ class Together:
 def _stored(
     table: str, owners: list[Owner], databases: list[Any]
 ) -> list[tuple[Owner, EventTable]] | None:
-    """``table`` on each rank that has it; None where one
-    serves it otherwise than stored."""
+    """``table`` on each rank that has it; None where one serves it
+    otherwise than stored."""
     sch, name = table.split(".", 1)
     got: list[tuple[Owner, EventTable]] = []
     for owner, eng in zip(owners, databases, strict=True):
