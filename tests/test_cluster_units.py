@@ -558,6 +558,49 @@ def test_an_engines_ranks_answer_in_one_query_what_each_would_alone(monkeypatch,
         nodes[0].stop_port()
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["together", "rank-by-rank"])
+def test_a_read_that_writes_another_table_is_seen_by_a_cluster_query(monkeypatch, together) -> None:  # type: ignore[no-untyped-def]
+    """As a rank's sampler's read before python.samples adds its samples'
+    stacks to python.stacks: a cluster query joining the two sees every
+    sample's stack, whether the ranks run it together or rank by rank, one
+    scan a table (which the planner names alphabetically: names, then
+    rows). A diagnose --cluster soon after a trace began found its
+    straggler's samples without their functions."""
+    from probing.node.cluster import coordinator
+    from probing.node.cluster.share import Together
+
+    nodes = _one_engines_ranks(3)
+    try:
+        for node in nodes:
+            store = node.share.owner.database().store
+            names = store.table("demo", "names")
+            names.referenced = True
+            names.append_batch({"id": [0], "name": ["f0"]})
+            rows = store.table("demo", "rows")
+            taken = iter(range(1, 100))
+
+            def read(names=names, rows=rows, taken=taken) -> None:  # a stack, then its rows
+                i = next(taken)
+                names.append_batch({"id": [i], "name": [f"f{i}"]})
+                rows.append_batch({"id": [i]})
+
+            rows.add_before_read(read)
+        if not together:
+            monkeypatch.setattr(Together, "prepare", classmethod(lambda cls, owners, work: None))
+        sql = (
+            "SELECT r.rank, r.id, n.name FROM demo.rows r LEFT JOIN demo.names n "
+            "ON r.id = n.id AND r.rank = n.rank"
+        )
+        for _ in range(2):
+            got, collected, _ = coordinator.coordinate(nodes[0], sql, fanout="auto")
+            assert not collected.missing
+            rows_seen = got.to_pylist()
+            assert {r["rank"] for r in rows_seen} == {0, 1, 2}, rows_seen
+            assert all(r["name"] == f"f{r['id']}" for r in rows_seen), rows_seen
+    finally:
+        nodes[0].stop_port()
+
+
 @pytest.mark.parametrize(
     "small", [True, False, "over budget"], ids=["in-memory", "scanned", "budget"]
 )

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from probing.errors import QueryError
@@ -85,9 +85,9 @@ class Share:
             if sql is not None:  # else this peer has no such table: it adds no rows
                 out[planner.PARTIAL] = eng.sql(sql, allow_code=False)
             return out
-        for table, spec in work.scans.items():
+        for table in scan_order(work.scans, eng):
             if _exists(table, eng):
-                sql = planner.scan_sql(table, self._tagged(table, eng), spec)
+                sql = planner.scan_sql(table, self._tagged(table, eng), work.scans[table])
                 out[table] = eng.sql(sql, allow_code=False)
         return out
 
@@ -116,6 +116,21 @@ class Share:
             cols = eng.sql(f"SELECT * FROM {table} LIMIT 0", allow_code=False).schema.names
             self._columns[table] = cols
         return planner.tagged_sql(table, cols, self.owner.ident.node, self.owner.rank)
+
+
+def scan_order(tables: Iterable[str], eng: Any) -> list[str]:
+    """The order a peer scans ``tables`` in, one query each: the stored
+    tables that no other rows refer to first, then the views and the
+    tables referred to. Reading one may add rows to another (the sampler's
+    read before python.samples adds its samples' stacks to python.stacks,
+    which python.callsites reads); scanned before it, those rows would be
+    missing from the answer (the planner names its tables alphabetically)."""
+
+    def later(table: str) -> bool:
+        tbl = eng.store.get(*table.split(".", 1))
+        return tbl is None or tbl.referenced
+
+    return sorted(tables, key=later)
 
 
 def _exists(table: str, eng: Any) -> bool:
