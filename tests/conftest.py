@@ -8,6 +8,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,26 @@ def build_lib(src: str, out: Path, *flags: str) -> str:
         check=True,
     )
     return str(out)
+
+
+def a_read_that_writes_another(store: Any) -> None:
+    """``demo.rows``, whose every read first adds a row to ``demo.names``
+    (marked referenced; id 0 there from the start) and then one to itself
+    that refers to it: as the sampler's read before python.samples adds its
+    samples' stacks to python.stacks. Joined on ``id``, every row's
+    ``name`` is ``f<id>``."""
+    names = store.table("demo", "names")  # made first: the store's first
+    names.referenced = True
+    names.append_batch({"id": [0], "name": ["f0"]})
+    rows = store.table("demo", "rows")
+    taken = iter(range(1, 1000))
+
+    def read() -> None:  # a stack first, then the rows that use it
+        i = next(taken)
+        names.append_batch({"id": [i], "name": [f"f{i}"]})
+        rows.append_batch({"id": [i]})
+
+    rows.add_before_read(read)
 
 
 def require(condition: bool, reason: str) -> None:

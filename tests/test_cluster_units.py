@@ -12,6 +12,7 @@ from probing.errors import ProbingError, QueryError
 from probing.node.cluster import identity, plan
 from probing.node.cluster.discovery import PeerInfo, Registry, parse_published
 from probing.node.cluster.wire import clock_offset, pack, unpack
+from tests.conftest import a_read_that_writes_another
 
 THREADS = plan.tagged_schema(pa.schema([("tid", pa.int64()), ("name", pa.string())]))
 COLL = plan.tagged_schema(
@@ -572,19 +573,7 @@ def test_a_read_that_writes_another_table_is_seen_by_a_cluster_query(monkeypatch
     nodes = _one_engines_ranks(3)
     try:
         for node in nodes:
-            store = node.share.owner.database().store
-            names = store.table("demo", "names")
-            names.referenced = True
-            names.append_batch({"id": [0], "name": ["f0"]})
-            rows = store.table("demo", "rows")
-            taken = iter(range(1, 100))
-
-            def read(names=names, rows=rows, taken=taken) -> None:  # a stack, then its rows
-                i = next(taken)
-                names.append_batch({"id": [i], "name": [f"f{i}"]})
-                rows.append_batch({"id": [i]})
-
-            rows.add_before_read(read)
+            a_read_that_writes_another(node.share.owner.database().store)
         if not together:
             monkeypatch.setattr(Together, "prepare", classmethod(lambda cls, owners, work: None))
         sql = (

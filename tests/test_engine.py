@@ -13,6 +13,7 @@ from probing.node.sql import Database
 from probing.node.store import Store
 from probing.node.tables import ExternalTable, install
 from probing.node.tables.python import to_arrow
+from tests.conftest import a_read_that_writes_another
 
 
 @pytest.fixture
@@ -164,19 +165,8 @@ def test_a_read_that_writes_another_table_is_seen_by_the_same_query(database: Da
     to python.stacks: a query joining the two sees every sample's stack,
     whichever table the store made first (a diagnose soon after a trace
     began found its straggler's samples without their functions)."""
-    names = database.store.table("demo4", "names")  # made first: the store's first
-    names.referenced = True
-    names.append_batch({"id": [0], "name": ["f0"]})
-    rows = database.store.table("demo4", "rows")
-    taken = iter(range(1, 100))
-
-    def read() -> None:  # a stack first, then the rows that use it
-        i = next(taken)
-        names.append_batch({"id": [i], "name": [f"f{i}"]})
-        rows.append_batch({"id": [i]})
-
-    rows.add_before_read(read)
-    sql = "SELECT r.id, n.name FROM demo4.rows r LEFT JOIN demo4.names n ON r.id = n.id"
+    a_read_that_writes_another(database.store)
+    sql = "SELECT r.id, n.name FROM demo.rows r LEFT JOIN demo.names n ON r.id = n.id"
     for _ in range(3):
         got = database.sql(sql).to_pylist()
         assert got and all(r["name"] == f"f{r['id']}" for r in got), got
